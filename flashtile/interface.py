@@ -1,0 +1,273 @@
+"""The public API: one argument model, validated in one place, dispatched to the Triton kernels.
+
+Names, arguments and return values follow flash-attn 2.x (see DESIGN.md "Semantics to match"); the packed
+entry points are thin adapters over `flash_attn_func`. The kernels are wrapped as torch.library custom ops
+(`flashtile::fwd`, `flashtile::bwd`) with fake implementations and registered autograd, so models using
+flashtile compile under torch.compile(fullgraph=True) without graph breaks.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+
+from .kernels.triton import launch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEADDIM = 256
+
+
+# --------------------------------------------------------------------------------------------------
+# Argument model and validation (the only place flashtile checks user input)
+# --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AttnArgs:
+    softmax_scale: float
+    window_left: int
+    window_right: int
+    softcap: float
+    dropout_p: float
+
+
+def _fail(arg: str, value, expected: str, exc=ValueError):
+    raise exc(f"flashtile: {arg} = {value!r}; expected {expected}")
+
+
+def _check_tensor(name: str, t, dims: int):
+    if not isinstance(t, torch.Tensor):
+        _fail(name, type(t).__name__, "a torch.Tensor", TypeError)
+    if t.dim() != dims:
+        _fail(f"{name}.dim()", t.dim(), f"{dims} (shape {tuple(t.shape)})")
+    if t.dtype not in SUPPORTED_DTYPES:
+        _fail(f"{name}.dtype", t.dtype, "one of float16, bfloat16, float32", TypeError)
+    if t.numel() > 0 and t.stride(-1) != 1:
+        _fail(f"{name}.stride(-1)", t.stride(-1), "1 (contiguous last dimension)")
+
+
+def validate(q, k, v, *, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+             cu_seqlens_q=None, cu_seqlens_k=None) -> AttnArgs:
+    """Check every argument before any kernel runs; return the normalised scalar arguments.
+
+    Dense: q (b, sq, h, d), k/v (b, sk, hk, d). Varlen (cu_seqlens given): q (total_q, h, d), k/v (total_k, hk, d).
+    """
+    varlen = cu_seqlens_q is not None
+    dims = 3 if varlen else 4
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, t, dims)
+    if not (q.dtype == k.dtype == v.dtype):
+        _fail("k.dtype/v.dtype", (k.dtype, v.dtype), f"the dtype of q ({q.dtype})", TypeError)
+    if not (q.device == k.device == v.device):
+        _fail("k.device/v.device", (k.device, v.device), f"the device of q ({q.device})")
+    if not varlen:
+        if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
+            _fail("k.shape[0]/v.shape[0] (batch)", (k.shape[0], v.shape[0]), f"q's batch {q.shape[0]}")
+    if k.shape[-3] != v.shape[-3]:
+        _fail("v.shape[-3] (seqlen_k)", v.shape[-3], f"k's seqlen {k.shape[-3]}")
+    h, hk, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    if v.shape[-2] != hk:
+        _fail("v.shape[-2] (nheads_k)", v.shape[-2], f"k's nheads {hk}")
+    if hk == 0 or h % hk != 0:
+        _fail("k.shape[-2] (nheads_k)", hk, f"a divisor of nheads = {h} (GQA/MQA)")
+    if k.shape[-1] != d or v.shape[-1] != d:
+        _fail("k.shape[-1]/v.shape[-1] (headdim)", (k.shape[-1], v.shape[-1]), f"q's headdim {d}")
+    if not 1 <= d <= MAX_HEADDIM:
+        _fail("q.shape[-1] (headdim)", d, f"1 <= headdim <= {MAX_HEADDIM}")
+    if not isinstance(dropout_p, (int, float)) or not 0.0 <= float(dropout_p) < 1.0:
+        _fail("dropout_p", dropout_p, "a float in [0, 1)")
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(d)
+    elif not isinstance(softmax_scale, (int, float)) or not math.isfinite(softmax_scale):
+        _fail("softmax_scale", softmax_scale, "a finite float or None")
+    if not isinstance(softcap, (int, float)) or softcap < 0 or not math.isfinite(softcap):
+        _fail("softcap", softcap, "a float >= 0 (0 disables it)")
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or not all(isinstance(w, int) for w in window_size)):
+        _fail("window_size", window_size, "a pair of ints (left, right)")
+    left, right = (int(w) for w in window_size)
+    if left < -1 or right < -1:
+        _fail("window_size", tuple(window_size), "values >= -1 (-1 means unbounded)")
+    if causal:
+        right = 0
+    if alibi_slopes is not None:
+        if not isinstance(alibi_slopes, torch.Tensor):
+            _fail("alibi_slopes", type(alibi_slopes).__name__, "a torch.Tensor or None", TypeError)
+        batch = q.shape[0] if not varlen else cu_seqlens_q.numel() - 1
+        if tuple(alibi_slopes.shape) not in ((h,), (batch, h)):
+            _fail("alibi_slopes.shape", tuple(alibi_slopes.shape), f"({h},) or ({batch}, {h})")
+        if alibi_slopes.dtype != torch.float32:
+            _fail("alibi_slopes.dtype", alibi_slopes.dtype, "torch.float32", TypeError)
+        if alibi_slopes.device != q.device:
+            _fail("alibi_slopes.device", alibi_slopes.device, f"the device of q ({q.device})")
+        if alibi_slopes.stride(-1) != 1:
+            _fail("alibi_slopes.stride(-1)", alibi_slopes.stride(-1), "1")
+    return AttnArgs(float(softmax_scale), left, right, float(softcap), float(dropout_p))
+
+
+# --------------------------------------------------------------------------------------------------
+# Custom ops (what torch.compile sees) and their fake implementations
+# --------------------------------------------------------------------------------------------------
+def _params(softmax_scale, window_left, window_right, softcap, dropout_p, rng_state):
+    seed, offset = (int(x) for x in rng_state.tolist()) if dropout_p > 0 else (0, 0)
+    return launch.AttnParams(softmax_scale, window_left, window_right, softcap, dropout_p, seed, offset)
+
+
+def _lse_shape(q, cu_seqlens_q):
+    if cu_seqlens_q is None:
+        return (q.shape[0], q.shape[2], q.shape[1])
+    return (q.shape[1], q.shape[0])
+
+
+def _check_device(q):
+    if q.device.type == "cpu" and not launch.interpreting():
+        raise RuntimeError("flashtile: CPU tensors run through the Triton interpreter, which must be enabled "
+                           "before flashtile is imported: set TRITON_INTERPRET=1 (flashtile sets it itself "
+                           "when no CUDA device is present)")
+
+
+@torch.library.custom_op("flashtile::fwd", mutates_args=(), device_types=None)
+def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi_slopes: Optional[torch.Tensor],
+            cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
+            max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, softmax_scale: float,
+            window_left: int, window_right: int, softcap: float, return_probs: bool
+            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_device(q)
+    # Dropout RNG state (seed, offset): drawn from torch's default generator (so torch.manual_seed
+    # reproduces it), returned so the backward replays exactly the same mask Z; never a stored mask.
+    if dropout_p > 0:
+        seed = int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item())
+        rng_state = torch.tensor([seed, 0], dtype=torch.int64)
+    else:
+        rng_state = torch.zeros(2, dtype=torch.int64)
+    # Poison: every element of out and lse must be written by the kernel.
+    out = torch.full_like(q, float("nan"), memory_format=torch.contiguous_format)
+    lse = torch.full(_lse_shape(q, cu_seqlens_q), float("nan"), device=q.device, dtype=torch.float32)
+    params = _params(softmax_scale, window_left, window_right, softcap, dropout_p, rng_state)
+    varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                  max_seqlen_k=max_seqlen_k)
+    launch.flash_fwd(q, k, v, out, lse, params, alibi_slopes, **varlen)
+    if return_probs:
+        probs = launch.attn_probs(q, k, lse, params, alibi_slopes, **varlen)
+    else:
+        probs = torch.empty(0, device=q.device, dtype=torch.float32)
+    return out, lse, rng_state, probs
+
+
+@_fwd_op.register_fake
+def _(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+      softmax_scale, window_left, window_right, softcap, return_probs):
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = q.new_empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32)
+    rng_state = torch.empty(2, dtype=torch.int64)
+    if return_probs:
+        batch = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
+        sq = q.shape[1] if cu_seqlens_q is None else max_seqlen_q
+        sk = k.shape[1] if cu_seqlens_k is None else max_seqlen_k
+        probs = q.new_empty((batch, q.shape[-2], sq, sk), dtype=torch.float32)
+    else:
+        probs = q.new_empty((0,), dtype=torch.float32)
+    return out, lse, rng_state, probs
+
+
+@torch.library.custom_op("flashtile::bwd", mutates_args=(), device_types=None)
+def _bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+            lse: torch.Tensor, rng_state: torch.Tensor, alibi_slopes: Optional[torch.Tensor],
+            cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
+            max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, softmax_scale: float,
+            window_left: int, window_right: int, softcap: float
+            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_device(q)
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    dq = torch.full_like(q, float("nan"), memory_format=torch.contiguous_format)
+    dk = torch.full_like(k, float("nan"), memory_format=torch.contiguous_format)
+    dv = torch.full_like(v, float("nan"), memory_format=torch.contiguous_format)
+    params = _params(softmax_scale, window_left, window_right, softcap, dropout_p, rng_state)
+    launch.flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params, alibi_slopes, cu_seqlens_q=cu_seqlens_q,
+                     cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    return dq, dk, dv
+
+
+@_bwd_op.register_fake
+def _(dout, q, k, v, out, lse, rng_state, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+      max_seqlen_k, dropout_p, softmax_scale, window_left, window_right, softcap):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format),
+            torch.empty_like(v, memory_format=torch.contiguous_format))
+
+
+_FWD_SCALARS = ("max_seqlen_q", "max_seqlen_k", "dropout_p", "softmax_scale", "window_left", "window_right",
+                "softcap")
+
+
+def _setup_context(ctx, inputs, output):
+    (q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, *scalars, _return_probs) = inputs
+    out, lse, rng_state, _ = output
+    ctx.save_for_backward(q, k, v, out, lse, rng_state, alibi_slopes, cu_seqlens_q, cu_seqlens_k)
+    ctx.scalars = tuple(scalars)
+
+
+def _backward(ctx, dout, _dlse, _drng, _dprobs):
+    q, k, v, out, lse, rng_state, alibi_slopes, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    dq, dk, dv = _bwd_op(dout, q, k, v, out, lse, rng_state, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                         *ctx.scalars)
+    return dq, dk, dv, None, None, None, *([None] * (len(_FWD_SCALARS) + 1))
+
+
+torch.library.register_autograd("flashtile::fwd", _backward, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------------------------------
+# Public entry points (flash-attn 2.x names)
+# --------------------------------------------------------------------------------------------------
+def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+               deterministic, return_attn_probs, cu_seqlens_q=None, cu_seqlens_k=None,
+               max_seqlen_q=None, max_seqlen_k=None):
+    a = validate(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+                 window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                 cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    # `deterministic` is accepted for flash-attn compatibility: flashtile's backward uses no atomics, so
+    # gradients are always bitwise reproducible.
+    del deterministic
+    if cu_seqlens_q is None:
+        max_seqlen_q, max_seqlen_k = q.shape[1], k.shape[1]
+    out, lse, _, probs = torch.ops.flashtile.fwd(
+        q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+        a.dropout_p, a.softmax_scale, a.window_left, a.window_right, a.softcap, bool(return_attn_probs))
+    if return_attn_probs:
+        return out, lse, probs
+    return out
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """Exact attention, FlashAttention-2 algorithm.
+
+    q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim), nheads % nheads_k == 0.
+    dtype float16, bfloat16 or float32; headdim 1..256; any strides with a contiguous last dimension.
+    causal / window_size=(left, right) are aligned to the bottom-right corner; softcap > 0 applies
+    softcap * tanh(s / softcap); alibi_slopes (nheads,) or (batch, nheads) float32.
+    Returns out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse (batch, nheads, seqlen_q) float32,
+    S_dmask (batch, nheads, seqlen_q, seqlen_k) float32: P, negated where dropped) if return_attn_probs.
+    """
+    return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                      deterministic, return_attn_probs)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """qkv: (batch, seqlen, 3, nheads, headdim). Gradients flow back into qkv."""
+    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 5 or qkv.shape[2] != 3:
+        _fail("qkv.shape", tuple(getattr(qkv, "shape", ())), "(batch, seqlen, 3, nheads, headdim)")
+    return _attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal, window_size,
+                      softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """q: (batch, seqlen_q, nheads, headdim); kv: (batch, seqlen_k, 2, nheads_k, headdim)."""
+    if not isinstance(kv, torch.Tensor) or kv.dim() != 5 or kv.shape[2] != 2:
+        _fail("kv.shape", tuple(getattr(kv, "shape", ())), "(batch, seqlen_k, 2, nheads_k, headdim)")
+    return _attention(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
+                      alibi_slopes, deterministic, return_attn_probs)

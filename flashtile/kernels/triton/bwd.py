@@ -1,0 +1,276 @@
+"""FlashAttention-2 backward (seed 000, FA2 Algorithm 2) in Triton.
+
+Three launches, no atomics, so gradients are bitwise reproducible:
+  1. preprocess:  D_i = rowsum(dO_i o O_i)                                    (Alg. 2 line 4)
+  2. dK/dV:       one program per key block K_j, V_j of one K/V head; it loops over the query blocks that
+                  see it (and, for GQA, over every query head of its group), recomputing P from L and
+                  accumulating dK_j, dV_j on chip                             (Alg. 2 lines 6-21)
+  3. dQ:          one program per query block Q_i, looping over its key blocks (the second pass FA2 offers
+                  instead of atomic adds of dQ_i)
+Scores are recomputed exactly as the forward computed them (mods.py), so P = exp2(S*log2e - L*log2e).
+"""
+import triton
+import triton.language as tl
+
+from .mods import dropout_keep, key_range, load_lse2, query_range, scores_log2, seq_bounds, visible
+
+LOG2E: tl.constexpr = 1.4426950408889634
+
+
+@triton.jit
+def attn_bwd_preprocess_kernel(O, DO, Delta, CU_SEQLENS_Q,
+                               stride_ob, stride_om, stride_oh, stride_dob, stride_dom, stride_doh,
+                               stride_lse_b, stride_lse_h, nheads, seqlen_q_static, head_dim,
+                               BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, IS_VARLEN: tl.constexpr):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // nheads
+    h = bh % nheads
+    q_start, seqlen_q = seq_bounds(b, CU_SEQLENS_Q, seqlen_q_static, IS_VARLEN)
+    start_m = pid_m * BLOCK_M
+    if start_m >= seqlen_q:
+        return
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim)
+    rows = (q_start + offs_m).to(tl.int64)
+    o = tl.load(O + tl.cast(b, tl.int64) * stride_ob + h * stride_oh + rows[:, None] * stride_om + offs_d[None, :],
+                mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(DO + tl.cast(b, tl.int64) * stride_dob + h * stride_doh + rows[:, None] * stride_dom + offs_d[None, :],
+                 mask=mask, other=0.0).to(tl.float32)
+    tl.store(Delta + tl.cast(b, tl.int64) * stride_lse_b + tl.cast(h, tl.int64) * stride_lse_h + rows, tl.sum(o * do, 1),
+             mask=offs_m < seqlen_q)
+
+
+@triton.jit
+def _dkdv_tile(dk, dv, k, v, q_blk, do_blk, lse_blk, delta_blk, start_m, offs_m_rel, offs_n, offs_d,
+               seqlen_q, seqlen_k, stride_qm, stride_dom, head_dim, score_scale, softcap_log2, alibi_slope_log2,
+               window_left, window_right, seed, rng_offset, rng_base, rng_stride_m, dropout_p,
+               MASKED: tl.constexpr, EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+               SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Alg. 2 lines 8-20 for one query block Q_i against the program's K_j, V_j, in transposed form
+    (S^T, P^T: keys along rows) so dK_j and dV_j accumulate without transposing P."""
+    offs_m = start_m + offs_m_rel
+    qt_ptrs = q_blk + offs_m_rel[None, :] * stride_qm + offs_d[:, None]     # Q_i^T  (BLOCK_D, BLOCK_M)
+    do_ptrs = do_blk + offs_m_rel[:, None] * stride_dom + offs_d[None, :]   # dO_i   (BLOCK_M, BLOCK_D)
+    if MASKED:
+        qt = tl.load(qt_ptrs, mask=(offs_m[None, :] < seqlen_q) & (offs_d[:, None] < head_dim), other=0.0)
+        do = tl.load(do_ptrs, mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim), other=0.0)
+    elif EVEN_D:
+        qt = tl.load(qt_ptrs)
+        do = tl.load(do_ptrs)
+    else:
+        qt = tl.load(qt_ptrs, mask=offs_d[:, None] < head_dim, other=0.0)
+        do = tl.load(do_ptrs, mask=offs_d[None, :] < head_dim, other=0.0)
+    lse2 = load_lse2(lse_blk, offs_m, seqlen_q)
+    delta = tl.load(delta_blk + offs_m, mask=offs_m < seqlen_q, other=0.0)
+    i = offs_m[None, :]
+    j = offs_n[:, None]
+    # Alg. 2 lines 9-11: recompute S_ij^T = K_j Q_i^T and P_ij^T = exp(S^T - L_i)
+    qkt = tl.dot(k, qt, input_precision=DOT_PREC)
+    st, t = scores_log2(qkt, i, j, seqlen_q, seqlen_k, score_scale, softcap_log2, alibi_slope_log2, SOFTCAP, ALIBI)
+    if MASKED:
+        st = tl.where(visible(i, j, seqlen_q, seqlen_k, window_left, window_right, HAS_LEFT, HAS_RIGHT),
+                      st, float("-inf"))
+    pt = tl.math.exp2(st - lse2[None, :])
+    # Alg. 2 line 12 (FA1 Alg. 4 lines 13-16 with dropout): dV_j += (P o Z / (1-p))^T dO_i
+    dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)     # (dO_i V_j^T)^T
+    if DROPOUT:
+        keep = dropout_keep(seed, rng_offset, rng_base, i, j, rng_stride_m, dropout_p)
+        pdt = tl.where(keep, pt, 0.0) * (1.0 / (1.0 - dropout_p))
+        dpt = tl.where(keep, dpt, 0.0) * (1.0 / (1.0 - dropout_p))
+    else:
+        pdt = pt
+    dv = tl.dot(pdt.to(do.dtype), do, dv, input_precision=DOT_PREC)
+    # Alg. 2 line 14: dS_ij = P_ij o (dP_ij - D_i); softcap multiplies by d(cap tanh(x))/dx = 1 - tanh^2
+    dst = pt * (dpt - delta[None, :])
+    if SOFTCAP:
+        dst = dst * (1.0 - t * t)
+    # Alg. 2 line 16: dK_j += dS_ij^T Q_i   (the softmax scale tau is applied once at the end)
+    dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk, input_precision=DOT_PREC)
+    return dk, dv
+
+
+@triton.jit
+def attn_bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, Delta, DK, DV, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI_SLOPES,
+    stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+    stride_lse_b, stride_lse_h, stride_alibi_b,
+    nheads_k, group_size, seqlen_q_static, seqlen_k_static, head_dim,
+    sm_scale, score_scale, softcap_log2, window_left, window_right,
+    dropout_p, seed, rng_offset, rng_stride_b, rng_stride_h, rng_stride_m,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    bhk = tl.program_id(1)
+    b = bhk // nheads_k
+    hk = bhk % nheads_k
+    q_start, seqlen_q = seq_bounds(b, CU_SEQLENS_Q, seqlen_q_static, IS_VARLEN)
+    k_start, seqlen_k = seq_bounds(b, CU_SEQLENS_K, seqlen_k_static, IS_VARLEN)
+    start_n = pid_n * BLOCK_N
+    if start_n >= seqlen_k:
+        return
+    b64 = tl.cast(b, tl.int64)
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_m_rel = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    kv_rows = (k_start + offs_n).to(tl.int64)
+    kv_mask = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < head_dim)
+    # Alg. 2 line 6: load K_j, V_j; line 7: dK_j = dV_j = 0 (on chip)
+    k = tl.load(K + b64 * stride_kb + hk * stride_kh + kv_rows[:, None] * stride_kn + offs_d[None, :],
+                mask=kv_mask, other=0.0)
+    v = tl.load(V + b64 * stride_vb + hk * stride_vh + kv_rows[:, None] * stride_vn + offs_d[None, :],
+                mask=kv_mask, other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    lo, full_lo, full_hi, hi = query_range(start_n, seqlen_q, seqlen_k, window_left, window_right,
+                                           BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    # GQA: dK_j, dV_j of K/V head hk sum the contributions of all group_size query heads that read it.
+    for g in range(0, group_size):
+        h = hk * group_size + g
+        alibi_slope_log2 = 0.0
+        if ALIBI:
+            alibi_slope_log2 = tl.load(ALIBI_SLOPES + b * stride_alibi_b + h).to(tl.float32) * LOG2E
+        rng_base = b64 * rng_stride_b + tl.cast(h, tl.int64) * rng_stride_h
+        q_head = Q + b64 * stride_qb + tl.cast(h, tl.int64) * stride_qh + tl.cast(q_start, tl.int64) * stride_qm
+        do_head = DO + b64 * stride_dob + tl.cast(h, tl.int64) * stride_doh + tl.cast(q_start, tl.int64) * stride_dom
+        lse_head = LSE + b64 * stride_lse_b + tl.cast(h, tl.int64) * stride_lse_h + q_start
+        delta_head = Delta + b64 * stride_lse_b + tl.cast(h, tl.int64) * stride_lse_h + q_start
+        # Alg. 2 line 8: for i = 1..Tr (only the query blocks that can see this key block)
+        for start_m in range(lo, full_lo, BLOCK_M):
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_head + tl.cast(start_m, tl.int64) * stride_qm,
+                                do_head + tl.cast(start_m, tl.int64) * stride_dom, lse_head, delta_head, start_m,
+                                offs_m_rel, offs_n, offs_d, seqlen_q, seqlen_k, stride_qm, stride_dom, head_dim,
+                                score_scale, softcap_log2, alibi_slope_log2, window_left, window_right, seed,
+                                rng_offset, rng_base, rng_stride_m, dropout_p, True, EVEN_D, HAS_LEFT, HAS_RIGHT,
+                                SOFTCAP, ALIBI, DROPOUT, DOT_PREC)
+        for start_m in range(full_lo, full_hi, BLOCK_M):
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_head + tl.cast(start_m, tl.int64) * stride_qm,
+                                do_head + tl.cast(start_m, tl.int64) * stride_dom, lse_head, delta_head, start_m,
+                                offs_m_rel, offs_n, offs_d, seqlen_q, seqlen_k, stride_qm, stride_dom, head_dim,
+                                score_scale, softcap_log2, alibi_slope_log2, window_left, window_right, seed,
+                                rng_offset, rng_base, rng_stride_m, dropout_p, False, EVEN_D, HAS_LEFT, HAS_RIGHT,
+                                SOFTCAP, ALIBI, DROPOUT, DOT_PREC)
+        for start_m in range(full_hi, hi, BLOCK_M):
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_head + tl.cast(start_m, tl.int64) * stride_qm,
+                                do_head + tl.cast(start_m, tl.int64) * stride_dom, lse_head, delta_head, start_m,
+                                offs_m_rel, offs_n, offs_d, seqlen_q, seqlen_k, stride_qm, stride_dom, head_dim,
+                                score_scale, softcap_log2, alibi_slope_log2, window_left, window_right, seed,
+                                rng_offset, rng_base, rng_stride_m, dropout_p, True, EVEN_D, HAS_LEFT, HAS_RIGHT,
+                                SOFTCAP, ALIBI, DROPOUT, DOT_PREC)
+    # Alg. 2 line 21: write dK_j (with the softmax scale tau of dK = tau dS^T Q), dV_j
+    dk = dk * sm_scale
+    tl.store(DK + b64 * stride_dkb + hk * stride_dkh + kv_rows[:, None] * stride_dkn + offs_d[None, :],
+             dk.to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + b64 * stride_dvb + hk * stride_dvh + kv_rows[:, None] * stride_dvn + offs_d[None, :],
+             dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _dq_tile(dq, q, do, lse2, delta, k_blk, v_blk, start_n, offs_m, offs_n_rel, offs_d, seqlen_q, seqlen_k,
+             stride_kn, stride_vn, head_dim, score_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
+             seed, rng_offset, rng_base, rng_stride_m, dropout_p,
+             MASKED: tl.constexpr, EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+             SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr):
+    """dQ_i += dS_ij K_j (Alg. 2 line 15), recomputing S_ij, P_ij and dP_ij for one key block."""
+    cols = start_n + offs_n_rel
+    kt_ptrs = k_blk + offs_n_rel[None, :] * stride_kn + offs_d[:, None]   # K_j^T (BLOCK_D, BLOCK_N)
+    vt_ptrs = v_blk + offs_n_rel[None, :] * stride_vn + offs_d[:, None]   # V_j^T
+    if MASKED:
+        m = (cols[None, :] < seqlen_k) & (offs_d[:, None] < head_dim)
+        kt = tl.load(kt_ptrs, mask=m, other=0.0)
+        vt = tl.load(vt_ptrs, mask=m, other=0.0)
+    elif EVEN_D:
+        kt = tl.load(kt_ptrs)
+        vt = tl.load(vt_ptrs)
+    else:
+        kt = tl.load(kt_ptrs, mask=offs_d[:, None] < head_dim, other=0.0)
+        vt = tl.load(vt_ptrs, mask=offs_d[:, None] < head_dim, other=0.0)
+    i = offs_m[:, None]
+    j = cols[None, :]
+    qk = tl.dot(q, kt, input_precision=DOT_PREC)
+    s, t = scores_log2(qk, i, j, seqlen_q, seqlen_k, score_scale, softcap_log2, alibi_slope_log2, SOFTCAP, ALIBI)
+    if MASKED:
+        s = tl.where(visible(i, j, seqlen_q, seqlen_k, window_left, window_right, HAS_LEFT, HAS_RIGHT),
+                     s, float("-inf"))
+    p = tl.math.exp2(s - lse2[:, None])
+    dp = tl.dot(do, vt, input_precision=DOT_PREC)
+    if DROPOUT:
+        keep = dropout_keep(seed, rng_offset, rng_base, i, j, rng_stride_m, dropout_p)
+        dp = tl.where(keep, dp, 0.0) * (1.0 / (1.0 - dropout_p))
+    ds = p * (dp - delta[:, None])
+    if SOFTCAP:
+        ds = ds * (1.0 - t * t)
+    dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq, input_precision=DOT_PREC)
+    return dq
+
+
+@triton.jit
+def attn_bwd_dq_kernel(
+    Q, K, V, DO, LSE, Delta, DQ, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI_SLOPES,
+    stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
+    stride_lse_b, stride_lse_h, stride_alibi_b,
+    nheads, group_size, seqlen_q_static, seqlen_k_static, head_dim,
+    sm_scale, score_scale, softcap_log2, window_left, window_right,
+    dropout_p, seed, rng_offset, rng_stride_b, rng_stride_h, rng_stride_m,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // nheads
+    h = bh % nheads
+    hk = h // group_size
+    q_start, seqlen_q = seq_bounds(b, CU_SEQLENS_Q, seqlen_q_static, IS_VARLEN)
+    k_start, seqlen_k = seq_bounds(b, CU_SEQLENS_K, seqlen_k_static, IS_VARLEN)
+    start_m = pid_m * BLOCK_M
+    if start_m >= seqlen_q:
+        return
+    b64 = tl.cast(b, tl.int64)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n_rel = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    rows = (q_start + offs_m).to(tl.int64)
+    q_mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim)
+    q = tl.load(Q + b64 * stride_qb + tl.cast(h, tl.int64) * stride_qh + rows[:, None] * stride_qm + offs_d[None, :],
+                mask=q_mask, other=0.0)
+    do = tl.load(DO + b64 * stride_dob + tl.cast(h, tl.int64) * stride_doh + rows[:, None] * stride_dom + offs_d[None, :],
+                 mask=q_mask, other=0.0)
+    lse2 = load_lse2(LSE + b64 * stride_lse_b + tl.cast(h, tl.int64) * stride_lse_h + q_start, offs_m, seqlen_q)
+    delta = tl.load(Delta + b64 * stride_lse_b + tl.cast(h, tl.int64) * stride_lse_h + q_start + offs_m,
+                    mask=offs_m < seqlen_q, other=0.0)
+    alibi_slope_log2 = 0.0
+    if ALIBI:
+        alibi_slope_log2 = tl.load(ALIBI_SLOPES + b * stride_alibi_b + h).to(tl.float32) * LOG2E
+    rng_base = b64 * rng_stride_b + tl.cast(h, tl.int64) * rng_stride_h
+    k_base = K + b64 * stride_kb + tl.cast(hk, tl.int64) * stride_kh + tl.cast(k_start, tl.int64) * stride_kn
+    v_base = V + b64 * stride_vb + tl.cast(hk, tl.int64) * stride_vh + tl.cast(k_start, tl.int64) * stride_vn
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    lo, full_lo, full_hi, hi = key_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
+                                         BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    for start_n in range(lo, full_lo, BLOCK_N):
+        dq = _dq_tile(dq, q, do, lse2, delta, k_base + tl.cast(start_n, tl.int64) * stride_kn,
+                      v_base + tl.cast(start_n, tl.int64) * stride_vn, start_n, offs_m, offs_n_rel, offs_d, seqlen_q,
+                      seqlen_k, stride_kn, stride_vn, head_dim, score_scale, softcap_log2, alibi_slope_log2,
+                      window_left, window_right, seed, rng_offset, rng_base, rng_stride_m, dropout_p,
+                      True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC)
+    for start_n in range(full_lo, full_hi, BLOCK_N):
+        dq = _dq_tile(dq, q, do, lse2, delta, k_base + tl.cast(start_n, tl.int64) * stride_kn,
+                      v_base + tl.cast(start_n, tl.int64) * stride_vn, start_n, offs_m, offs_n_rel, offs_d, seqlen_q,
+                      seqlen_k, stride_kn, stride_vn, head_dim, score_scale, softcap_log2, alibi_slope_log2,
+                      window_left, window_right, seed, rng_offset, rng_base, rng_stride_m, dropout_p,
+                      False, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC)
+    for start_n in range(full_hi, hi, BLOCK_N):
+        dq = _dq_tile(dq, q, do, lse2, delta, k_base + tl.cast(start_n, tl.int64) * stride_kn,
+                      v_base + tl.cast(start_n, tl.int64) * stride_vn, start_n, offs_m, offs_n_rel, offs_d, seqlen_q,
+                      seqlen_k, stride_kn, stride_vn, head_dim, score_scale, softcap_log2, alibi_slope_log2,
+                      window_left, window_right, seed, rng_offset, rng_base, rng_stride_m, dropout_p,
+                      True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC)
+    dq = dq * sm_scale
+    tl.store(DQ + b64 * stride_dqb + tl.cast(h, tl.int64) * stride_dqh + rows[:, None] * stride_dqm + offs_d[None, :],
+             dq.to(DQ.dtype.element_ty), mask=q_mask)

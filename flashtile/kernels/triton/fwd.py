@@ -1,0 +1,202 @@
+"""FlashAttention-2 forward (seed 000, FA2 Algorithm 1) in Triton.
+
+One program owns one query block Q_i (Br = BLOCK_M rows) of one (batch, head) and streams the key/value
+blocks K_j, V_j (Bc = BLOCK_N rows) through on-chip memory, keeping the running row max m_i, the running
+row sum l_i and the *un-scaled* accumulator acc = O~_i. Only the log-sum-exp L_i = m_i + log l_i is written
+besides O. Scores live in log2 units (see mods.py), so exp is exp2.
+"""
+import triton
+import triton.language as tl
+
+from .mods import dropout_keep, key_range, load_lse2, scores_log2, seq_bounds, visible
+
+
+@triton.jit
+def _fwd_tile(acc, l_i, m_i, q, k_blk, v_blk, start_n, offs_m, offs_n, offs_d, seqlen_q, seqlen_k,
+              stride_kn, stride_vn, head_dim, score_scale, softcap_log2, alibi_slope_log2,
+              window_left, window_right, seed, rng_offset, rng_base, rng_stride_m, dropout_p,
+              MASKED: tl.constexpr, EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+              SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr):
+    """One step j of the inner loop (FA2 Alg. 1 lines 7-10) for the key block starting at start_n."""
+    cols = start_n + offs_n
+    k_ptrs = k_blk + offs_n[None, :] * stride_kn + offs_d[:, None]   # K_j^T: (BLOCK_D, BLOCK_N)
+    v_ptrs = v_blk + offs_n[:, None] * stride_vn + offs_d[None, :]   # V_j:   (BLOCK_N, BLOCK_D)
+    if MASKED:
+        kt = tl.load(k_ptrs, mask=(cols[None, :] < seqlen_k) & (offs_d[:, None] < head_dim), other=0.0)
+    elif EVEN_D:
+        kt = tl.load(k_ptrs)
+    else:
+        kt = tl.load(k_ptrs, mask=offs_d[:, None] < head_dim, other=0.0)
+    # Alg. 1 line 8: S_i^(j) = Q_i K_j^T (then scale / softcap / ALiBi, in log2 units)
+    qk = tl.dot(q, kt, input_precision=DOT_PREC)
+    s, _ = scores_log2(qk, offs_m[:, None], cols[None, :], seqlen_q, seqlen_k, score_scale, softcap_log2, alibi_slope_log2,
+                       SOFTCAP, ALIBI)
+    if MASKED:
+        s = tl.where(visible(offs_m[:, None], cols[None, :], seqlen_q, seqlen_k, window_left, window_right, HAS_LEFT, HAS_RIGHT),
+                     s, float("-inf"))
+    # Alg. 1 line 9: m_i^(j) = max(m_i^(j-1), rowmax(S)), P~ = exp(S - m_i^(j)), l_i^(j) = e^(m_old - m_new) l + rowsum(P~)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = m_new
+    if MASKED:
+        # a row with nothing visible yet keeps m = -inf; exponentiate against 0 so P~ = 0, not NaN
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_use)
+    p = tl.math.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if DROPOUT:
+        # l_i sums the un-dropped P~ (the softmax normaliser); only the P~ V product sees Z (FA1 Alg. 2 line 13)
+        keep = dropout_keep(seed, rng_offset, rng_base, offs_m[:, None], cols[None, :], rng_stride_m, dropout_p)
+        p = tl.where(keep, p, 0.0)
+    if MASKED:
+        v = tl.load(v_ptrs, mask=(cols[:, None] < seqlen_k) & (offs_d[None, :] < head_dim), other=0.0)
+    elif EVEN_D:
+        v = tl.load(v_ptrs)
+    else:
+        v = tl.load(v_ptrs, mask=offs_d[None, :] < head_dim, other=0.0)
+    # Alg. 1 line 10: O~_i^(j) = diag(e^(m_old - m_new)) O~_i^(j-1) + P~ V_j   (no division here: FA2's change)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def attn_fwd_kernel(
+    Q, K, V, O, LSE, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI_SLOPES,
+    stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh, stride_ob, stride_om, stride_oh,
+    stride_lse_b, stride_lse_h, stride_alibi_b,
+    nheads, group_size, seqlen_q_static, seqlen_k_static, head_dim,
+    score_scale, softcap_log2, window_left, window_right,
+    dropout_p, seed, rng_offset, rng_stride_b, rng_stride_h, rng_stride_m,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // nheads
+    h = bh % nheads
+    hk = h // group_size  # GQA: query head h reads K/V head h // (nheads / nheads_k)
+    q_start, seqlen_q = seq_bounds(b, CU_SEQLENS_Q, seqlen_q_static, IS_VARLEN)
+    k_start, seqlen_k = seq_bounds(b, CU_SEQLENS_K, seqlen_k_static, IS_VARLEN)
+    start_m = pid_m * BLOCK_M
+    if start_m >= seqlen_q:
+        return
+    b64 = tl.cast(b, tl.int64)
+    q_base = Q + b64 * stride_qb + tl.cast(h, tl.int64) * stride_qh + tl.cast(q_start + start_m, tl.int64) * stride_qm
+    k_base = K + b64 * stride_kb + tl.cast(hk, tl.int64) * stride_kh + tl.cast(k_start, tl.int64) * stride_kn
+    v_base = V + b64 * stride_vb + tl.cast(hk, tl.int64) * stride_vh + tl.cast(k_start, tl.int64) * stride_vn
+    o_base = O + b64 * stride_ob + tl.cast(h, tl.int64) * stride_oh + tl.cast(q_start + start_m, tl.int64) * stride_om
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_r = tl.arange(0, BLOCK_M)   # row offsets relative to the block (pointer arithmetic stays int32)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    alibi_slope_log2 = 0.0
+    if ALIBI:
+        alibi_slope_log2 = tl.load(ALIBI_SLOPES + b * stride_alibi_b + h).to(tl.float32) * 1.4426950408889634
+    rng_base = b64 * rng_stride_b + tl.cast(h, tl.int64) * rng_stride_h
+
+    # Alg. 1 line 4: load Q_i (rows past the end are 0; their outputs are never stored)
+    q_mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim)
+    q = tl.load(q_base + offs_r[:, None] * stride_qm + offs_d[None, :], mask=q_mask, other=0.0)
+    # Alg. 1 line 5: O~ = 0, l = 0, m = -inf
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    lo, full_lo, full_hi, hi = key_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
+                                         BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    # Alg. 1 line 6: for j = 1..Tc. Tiles straddling a mask edge or the end of K take the masked path;
+    # the rest (most of them) skip per-element masking entirely.
+    for start_n in range(lo, full_lo, BLOCK_N):
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base + tl.cast(start_n, tl.int64) * stride_kn,
+                                  v_base + tl.cast(start_n, tl.int64) * stride_vn, start_n, offs_m, offs_n, offs_d,
+                                  seqlen_q, seqlen_k, stride_kn, stride_vn, head_dim, score_scale, softcap_log2,
+                                  alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base,
+                                  rng_stride_m, dropout_p, True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
+                                  DROPOUT, DOT_PREC)
+    for start_n in range(full_lo, full_hi, BLOCK_N):
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base + tl.cast(start_n, tl.int64) * stride_kn,
+                                  v_base + tl.cast(start_n, tl.int64) * stride_vn, start_n, offs_m, offs_n, offs_d,
+                                  seqlen_q, seqlen_k, stride_kn, stride_vn, head_dim, score_scale, softcap_log2,
+                                  alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base,
+                                  rng_stride_m, dropout_p, False, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
+                                  DROPOUT, DOT_PREC)
+    for start_n in range(full_hi, hi, BLOCK_N):
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base + tl.cast(start_n, tl.int64) * stride_kn,
+                                  v_base + tl.cast(start_n, tl.int64) * stride_vn, start_n, offs_m, offs_n, offs_d,
+                                  seqlen_q, seqlen_k, stride_kn, stride_vn, head_dim, score_scale, softcap_log2,
+                                  alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base,
+                                  rng_stride_m, dropout_p, True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
+                                  DROPOUT, DOT_PREC)
+
+    # Alg. 1 lines 12-13: O_i = diag(l_i)^-1 O~_i, L_i = m_i + log l_i. A row that saw no key has l_i = 0:
+    # it outputs 0 and L = -inf (zero probability mass), never NaN.
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    inv_l = 1.0 / l_safe
+    if DROPOUT:
+        inv_l = inv_l / (1.0 - dropout_p)
+    out = acc * inv_l[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+    o_mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim)
+    tl.store(o_base + offs_r[:, None] * stride_om + offs_d[None, :], out.to(O.dtype.element_ty), mask=o_mask)
+    lse_ptrs = LSE + b64 * stride_lse_b + tl.cast(h, tl.int64) * stride_lse_h + q_start + offs_m
+    tl.store(lse_ptrs, lse, mask=offs_m < seqlen_q)
+
+
+@triton.jit
+def attn_probs_kernel(
+    Q, K, LSE, P, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI_SLOPES,
+    stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_pb, stride_ph, stride_pm,
+    stride_lse_b, stride_lse_h, stride_alibi_b,
+    nheads, group_size, seqlen_q_static, seqlen_k_static, head_dim,
+    score_scale, softcap_log2, window_left, window_right,
+    dropout_p, seed, rng_offset, rng_stride_b, rng_stride_h, rng_stride_m,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """Debug/test output of return_attn_probs: P = exp(S - L) from the forward's L, negated where dropout
+    dropped the entry (flash-attn's S_dmask convention). O(N^2) memory: never used by the fast path."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // nheads
+    h = bh % nheads
+    hk = h // group_size
+    q_start, seqlen_q = seq_bounds(b, CU_SEQLENS_Q, seqlen_q_static, IS_VARLEN)
+    k_start, seqlen_k = seq_bounds(b, CU_SEQLENS_K, seqlen_k_static, IS_VARLEN)
+    start_m = pid_m * BLOCK_M
+    if start_m >= seqlen_q:
+        return
+    b64 = tl.cast(b, tl.int64)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(Q + b64 * stride_qb + tl.cast(h, tl.int64) * stride_qh + rows[:, None] * stride_qm + offs_d[None, :],
+                mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim), other=0.0)
+    lse2 = load_lse2(LSE + b64 * stride_lse_b + tl.cast(h, tl.int64) * stride_lse_h + q_start, offs_m, seqlen_q)
+    alibi_slope_log2 = 0.0
+    if ALIBI:
+        alibi_slope_log2 = tl.load(ALIBI_SLOPES + b * stride_alibi_b + h).to(tl.float32) * 1.4426950408889634
+    rng_base = b64 * rng_stride_b + tl.cast(h, tl.int64) * rng_stride_h
+    k_base = K + b64 * stride_kb + tl.cast(hk, tl.int64) * stride_kh + tl.cast(k_start, tl.int64) * stride_kn
+    p_base = P + b64 * stride_pb + tl.cast(h, tl.int64) * stride_ph
+    for start_n in range(0, seqlen_k, BLOCK_N):
+        cols = start_n + offs_n
+        kt = tl.load(k_base + cols[None, :].to(tl.int64) * stride_kn + offs_d[:, None],
+                     mask=(cols[None, :] < seqlen_k) & (offs_d[:, None] < head_dim), other=0.0)
+        qk = tl.dot(q, kt, input_precision=DOT_PREC)
+        i = offs_m[:, None]
+        j = cols[None, :]
+        s, _ = scores_log2(qk, i, j, seqlen_q, seqlen_k, score_scale, softcap_log2, alibi_slope_log2, SOFTCAP, ALIBI)
+        s = tl.where(visible(i, j, seqlen_q, seqlen_k, window_left, window_right, HAS_LEFT, HAS_RIGHT),
+                     s, float("-inf"))
+        p = tl.math.exp2(s - lse2[:, None])
+        if DROPOUT:
+            keep = dropout_keep(seed, rng_offset, rng_base, i, j, rng_stride_m, dropout_p)
+            p = tl.where(keep, p, -p)
+        tl.store(p_base + offs_m[:, None].to(tl.int64) * stride_pm + j, p,
+                 mask=(offs_m[:, None] < seqlen_q) & (j < seqlen_k))

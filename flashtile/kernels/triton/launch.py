@@ -1,0 +1,197 @@
+"""Host-side launchers of the Triton attention kernels: tensors in, tensors out.
+
+Inputs are already validated by flashtile.interface. Two layouts are accepted for q/k/v/out:
+dense (batch, seqlen, nheads, headdim) and varlen/packed (total_tokens, nheads, headdim) with cu_seqlens.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+
+from . import bwd as _bwd
+from . import fwd as _fwd
+from .mods import LOG2E
+
+
+@dataclass(frozen=True)
+class AttnParams:
+    """Everything about an attention call that is not a tensor (validated and normalised)."""
+    softmax_scale: float
+    window_left: int = -1        # -1: unbounded
+    window_right: int = -1       # -1: unbounded; causal is window_right = 0
+    softcap: float = 0.0
+    dropout_p: float = 0.0
+    seed: int = 0
+    rng_offset: int = 0
+
+    def score_args(self):
+        """(score_scale, softcap_log2) as mods.scores_log2 expects them."""
+        if self.softcap > 0:
+            return self.softmax_scale / self.softcap, self.softcap * LOG2E
+        return self.softmax_scale * LOG2E, 0.0
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+
+def _rows(t: torch.Tensor):
+    """(stride_batch, stride_row, stride_head) of a dense 4-D or a packed 3-D tensor."""
+    if t.dim() == 4:
+        return t.stride(0), t.stride(1), t.stride(2)
+    return 0, t.stride(0), t.stride(1)
+
+
+def _lse_strides(lse: torch.Tensor):
+    """LSE is (batch, nheads, seqlen_q) dense or (nheads, total_q) varlen."""
+    if lse.dim() == 3:
+        return lse.stride(0), lse.stride(1)
+    return 0, lse.stride(0)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs get true fp32 products (flashtile's fp32 promise), not TF32.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _block_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+@dataclass(frozen=True)
+class Config:
+    BLOCK_M: int
+    BLOCK_N: int
+    num_warps: int
+    num_stages: int
+
+
+def fwd_config(head_dim: int, dtype: torch.dtype, causal: bool) -> Config:
+    """Block shapes per head dim (Br = BLOCK_M, Bc = BLOCK_N). Interpreter: small tiles so that the
+    CPU tests cross many tile boundaries."""
+    if interpreting():
+        return Config(32, 16, 4, 1)
+    bd = _block_d(head_dim)
+    big = dtype == torch.float32
+    if bd <= 64:
+        return Config(128, 64 if big else 128, 4 if big else 8, 3)
+    if bd <= 128:
+        return Config(128, 32 if big else 64, 8, 3)
+    return Config(64, 32 if big else 64, 4 if big else 8, 2)
+
+
+def bwd_config(head_dim: int, dtype: torch.dtype) -> Config:
+    """BLOCK_N: key rows a dK/dV program owns; BLOCK_M: query rows per inner step (swapped for dQ)."""
+    if interpreting():
+        return Config(16, 32, 4, 1)
+    bd = _block_d(head_dim)
+    big = dtype == torch.float32
+    if bd <= 64:
+        return Config(64, 128 if not big else 64, 8, 2)
+    if bd <= 128:
+        return Config(64 if not big else 32, 128 if not big else 64, 8, 2)
+    return Config(32, 64, 8, 1)
+
+
+def _flags(params: AttnParams, alibi, cu_q, head_dim, dtype):
+    return dict(
+        BLOCK_D=_block_d(head_dim), IS_VARLEN=cu_q is not None,
+        HAS_LEFT=params.window_left >= 0, HAS_RIGHT=params.window_right >= 0,
+        SOFTCAP=params.softcap > 0, ALIBI=alibi is not None, DROPOUT=params.dropout_p > 0,
+        DOT_PREC=_dot_precision(dtype),
+    )
+
+
+def _rng_strides(nheads, seqlen_q, seqlen_k):
+    """Philox counter strides (batch, head, row) of entry (b, h, i, j): see reference.rng.dropout_counter."""
+    return nheads * seqlen_q * seqlen_k, seqlen_q * seqlen_k, seqlen_k
+
+
+def _common(q, k, params, alibi, cu_q, max_sq, max_sk):
+    nheads, nheads_k = q.shape[-2], k.shape[-2]
+    batch = q.shape[0] if cu_q is None else cu_q.numel() - 1
+    score_scale, softcap_log2 = params.score_args()
+    rng = _rng_strides(nheads, max_sq, max_sk)
+    alibi_stride_b = 0 if alibi is None or alibi.dim() == 1 else alibi.stride(0)
+    return batch, nheads, nheads_k, score_scale, softcap_log2, rng, alibi_stride_b
+
+
+def flash_fwd(q, k, v, out, lse, params: AttnParams, alibi: Optional[torch.Tensor] = None,
+              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
+    """out[...] = attention(q, k, v); lse[...] = row log-sum-exp (natural log, -inf for empty rows)."""
+    head_dim = q.shape[-1]
+    max_sq = max_seqlen_q if cu_seqlens_q is not None else q.shape[1]
+    max_sk = max_seqlen_k if cu_seqlens_k is not None else k.shape[1]
+    batch, nheads, nheads_k, score_scale, softcap_log2, rng, alibi_sb = _common(
+        q, k, params, alibi, cu_seqlens_q, max_sq, max_sk)
+    cfg = fwd_config(head_dim, q.dtype, params.window_right == 0)
+    grid = (triton.cdiv(max_sq, cfg.BLOCK_M), batch * nheads)
+    _fwd.attn_fwd_kernel[grid](
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi,
+        *_rows(q), *_rows(k), *_rows(v), *_rows(out), *_lse_strides(lse), alibi_sb,
+        nheads, nheads // nheads_k, max_sq, max_sk, head_dim,
+        score_scale, softcap_log2, params.window_left, params.window_right,
+        params.dropout_p, params.seed, params.rng_offset, *rng,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, EVEN_D=_block_d(head_dim) == head_dim,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_flags(params, alibi, cu_seqlens_q, head_dim, q.dtype))
+
+
+def attn_probs(q, k, lse, params: AttnParams, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None,
+               max_seqlen_q=None, max_seqlen_k=None):
+    """(batch, nheads, max_seqlen_q, max_seqlen_k) float32 P, negated where dropout dropped it."""
+    head_dim = q.shape[-1]
+    max_sq = max_seqlen_q if cu_seqlens_q is not None else q.shape[1]
+    max_sk = max_seqlen_k if cu_seqlens_k is not None else k.shape[1]
+    batch, nheads, nheads_k, score_scale, softcap_log2, rng, alibi_sb = _common(
+        q, k, params, alibi, cu_seqlens_q, max_sq, max_sk)
+    p = torch.zeros(batch, nheads, max_sq, max_sk, device=q.device, dtype=torch.float32)
+    grid = (triton.cdiv(max_sq, 32), batch * nheads)
+    _fwd.attn_probs_kernel[grid](
+        q, k, lse, p, cu_seqlens_q, cu_seqlens_k, alibi,
+        *_rows(q), *_rows(k), p.stride(0), p.stride(1), p.stride(2), *_lse_strides(lse), alibi_sb,
+        nheads, nheads // nheads_k, max_sq, max_sk, head_dim,
+        score_scale, softcap_log2, params.window_left, params.window_right,
+        params.dropout_p, params.seed, params.rng_offset, *rng,
+        BLOCK_M=32, BLOCK_N=32, num_warps=4, **_flags(params, alibi, cu_seqlens_q, head_dim, q.dtype))
+    return p
+
+
+def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=None,
+              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
+    """Fills dq, dk, dv (same layouts as q, k, v). Deterministic: no atomics anywhere."""
+    head_dim = q.shape[-1]
+    max_sq = max_seqlen_q if cu_seqlens_q is not None else q.shape[1]
+    max_sk = max_seqlen_k if cu_seqlens_k is not None else k.shape[1]
+    batch, nheads, nheads_k, score_scale, softcap_log2, rng, alibi_sb = _common(
+        q, k, params, alibi, cu_seqlens_q, max_sq, max_sk)
+    flags = _flags(params, alibi, cu_seqlens_q, head_dim, q.dtype)
+    even_d = _block_d(head_dim) == head_dim
+    delta = torch.empty_like(lse)
+    pre_m = 64 if not interpreting() else 32
+    _bwd.attn_bwd_preprocess_kernel[(triton.cdiv(max_sq, pre_m), batch * nheads)](
+        out, dout, delta, cu_seqlens_q, *_rows(out), *_rows(dout), *_lse_strides(lse),
+        nheads, max_sq, head_dim, BLOCK_M=pre_m, BLOCK_D=flags["BLOCK_D"], IS_VARLEN=flags["IS_VARLEN"])
+    cfg = bwd_config(head_dim, q.dtype)
+    common = (*_lse_strides(lse), alibi_sb)
+    _bwd.attn_bwd_dkdv_kernel[(triton.cdiv(max_sk, cfg.BLOCK_N), batch * nheads_k)](
+        q, k, v, dout, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, alibi,
+        *_rows(q), *_rows(k), *_rows(v), *_rows(dout), *_rows(dk), *_rows(dv), *common,
+        nheads_k, nheads // nheads_k, max_sq, max_sk, head_dim,
+        params.softmax_scale, score_scale, softcap_log2, params.window_left, params.window_right,
+        params.dropout_p, params.seed, params.rng_offset, *rng,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, EVEN_D=even_d,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags)
+    # dQ pass: query blocks of BLOCK_N rows stream key blocks of BLOCK_M rows (the roles swap)
+    _bwd.attn_bwd_dq_kernel[(triton.cdiv(max_sq, cfg.BLOCK_N), batch * nheads)](
+        q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, alibi,
+        *_rows(q), *_rows(k), *_rows(v), *_rows(dout), *_rows(dq), *common,
+        nheads, nheads // nheads_k, max_sq, max_sk, head_dim,
+        params.softmax_scale, score_scale, softcap_log2, params.window_left, params.window_right,
+        params.dropout_p, params.seed, params.rng_offset, *rng,
+        BLOCK_M=cfg.BLOCK_N, BLOCK_N=cfg.BLOCK_M, EVEN_D=even_d,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags)
