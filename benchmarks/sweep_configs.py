@@ -1,0 +1,120 @@
+"""Tile-config sweep of the Triton kernels beside SDPA (flash, cuDNN) on one GPU, in one run.
+
+Usage (GPU machine, from the repo root):  PYTHONPATH=. python benchmarks/sweep_configs.py --out DIR
+Prints one line per (shape, causal, pass, provider/config) with TFLOP/s; writes DIR/sweep.json.
+FLOPs per ANCHORS.md: fwd 4*b*h*n^2*d (halved when causal), bwd 2.5x fwd.
+"""
+import argparse
+import json
+import sys
+import time
+
+import torch
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+import torch.nn.functional as F
+
+import flashtile
+from flashtile.kernels.triton import launch
+from flashtile.kernels.triton.launch import Config
+
+FWD = {
+    64: [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 4, 3), (64, 64, 4, 3), (128, 64, 4, 4),
+         (64, 128, 4, 3), (128, 128, 8, 2)],
+    128: [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 8, 4),
+          (128, 128, 8, 2), (64, 128, 4, 3)],
+    256: [(64, 64, 4, 2), (64, 64, 8, 2), (64, 32, 4, 3), (128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4, 3)],
+}
+BWD = {
+    64: [(64, 128, 8, 2), (32, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 3), (64, 128, 8, 3), (128, 128, 8, 2)],
+    128: [(64, 128, 8, 2), (32, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 3), (64, 128, 8, 1), (32, 128, 4, 2)],
+    256: [(32, 64, 8, 1), (32, 64, 4, 2), (64, 64, 8, 1), (16, 64, 4, 2), (32, 128, 8, 1)],
+}
+SHAPES = [(2, 16, 8192, 128), (2, 32, 8192, 64), (2, 8, 8192, 256)]
+
+
+def flops(b, h, n, d, causal, mode):
+    f = 4 * b * h * n * n * d / (2 if causal else 1)
+    return f * (2.5 if mode == "bwd" else 1.0)
+
+
+def bench(fn):
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--heads", default="64,128,256")
+    ap.add_argument("--modes", default="fwd,bwd")
+    args = ap.parse_args()
+    hds = [int(x) for x in args.heads.split(",")]
+    rows = []
+    dev = torch.cuda.get_device_name()
+    print(dev, torch.__version__, triton.__version__, flush=True)
+    for (b, h, n, d) in SHAPES:
+        if d not in hds:
+            continue
+        q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        do = torch.randn_like(q)
+        qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
+        dot = do.transpose(1, 2)
+        for causal in (False, True):
+            ref = None
+            for mode in args.modes.split(","):
+                # peers
+                for name, be in (("sdpa-flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+                    try:
+                        with sdpa_kernel([be]):
+                            o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                            if name == "cudnn":
+                                ref = o.detach().transpose(1, 2).float()
+                            if mode == "fwd":
+                                ms = bench(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
+                            else:
+                                ms = triton.testing.do_bench(lambda: o.backward(dot, retain_graph=True), warmup=25,
+                                                             rep=100, grad_to_none=[qt, kt, vt], return_mode="median")
+                        tf = flops(b, h, n, d, causal, mode) / ms / 1e9
+                        rows.append(dict(shape=[b, h, n, d], causal=causal, mode=mode, provider=name, ms=ms, tflops=tf))
+                        print(f"{b},{h},{n},{d} causal={causal:d} {mode} {name:12s} {ms:8.3f} ms {tf:7.1f} TF", flush=True)
+                    except Exception as e:  # noqa: BLE001
+                        print(f"{name} failed: {e!r}"[:200], flush=True)
+                for cfg in (FWD if mode == "fwd" else BWD)[d]:
+                    launch.CONFIG_OVERRIDE.clear()
+                    launch.CONFIG_OVERRIDE[mode] = Config(*cfg)
+                    try:
+                        t0 = time.time()
+                        o = flashtile.flash_attn_func(q, k, v, causal=causal)
+                        torch.cuda.synchronize()
+                        err = ((o.float() - ref).norm() / ref.norm()).item() if ref is not None else float("nan")
+                        if mode == "fwd":
+                            ms = bench(lambda: flashtile.flash_attn_func(q, k, v, causal=causal))
+                        else:
+                            o.backward(do, retain_graph=True)
+                            ms = triton.testing.do_bench(lambda: o.backward(do, retain_graph=True), warmup=25, rep=100,
+                                                         grad_to_none=[q, k, v], return_mode="median")
+                        tf = flops(b, h, n, d, causal, mode) / ms / 1e9
+                        rows.append(dict(shape=[b, h, n, d], causal=causal, mode=mode, provider="flashtile",
+                                         config=cfg, ms=ms, tflops=tf, rel_err=err))
+                        print(f"{b},{h},{n},{d} causal={causal:d} {mode} ft{cfg!s:18s} {ms:8.3f} ms {tf:7.1f} TF "
+                              f"err={err:.2e} ({time.time()-t0:.1f}s)", flush=True)
+                    except Exception as e:  # noqa: BLE001
+                        print(f"ft{cfg} failed: {e!r}"[:300], flush=True)
+                launch.CONFIG_OVERRIDE.clear()
+        del q, k, v, qt, kt, vt
+        torch.cuda.empty_cache()
+    json.dump(dict(device=dev, torch=torch.__version__, triton=triton.__version__, rows=rows),
+              open(f"{args.out}/sweep.json", "w"), indent=1)
+    # summary: best flashtile config per (shape, causal, mode) vs peers
+    print("\nSUMMARY")
+    keys = sorted({(tuple(r["shape"]), r["causal"], r["mode"]) for r in rows})
+    for key in keys:
+        rs = [r for r in rows if (tuple(r["shape"]), r["causal"], r["mode"]) == key]
+        ft = [r for r in rs if r["provider"] == "flashtile"]
+        best = max(ft, key=lambda r: r["tflops"]) if ft else None
+        peers = {r["provider"]: r["tflops"] for r in rs if r["provider"] != "flashtile"}
+        print(key, "best", best and (best["config"], round(best["tflops"], 1)), {k: round(v, 1) for k, v in peers.items()})
+
+
+if __name__ == "__main__":
+    sys.exit(main())
