@@ -130,8 +130,10 @@ def _check_device(q):
 def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi_slopes: Optional[torch.Tensor],
             cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
             max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, softmax_scale: float,
-            window_left: int, window_right: int, softcap: float, return_probs: bool
+            window_left: int, window_right: int, softcap: float, return_probs: bool, deterministic: bool
             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Forward kernel. Returns (out, softmax_lse, rng_state (seed, offset) int64 on CPU, probs or empty).
+    `deterministic` is only recorded for the backward (see _setup_context)."""
     _check_device(q)
     # Dropout RNG state (seed, offset): drawn from torch's default generator (so torch.manual_seed
     # reproduces it), returned so the backward replays exactly the same mask Z; never a stored mask.
@@ -156,7 +158,7 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi_slopes: Opt
 
 @_fwd_op.register_fake
 def _(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-      softmax_scale, window_left, window_right, softcap, return_probs):
+      softmax_scale, window_left, window_right, softcap, return_probs, deterministic):
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = q.new_empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32)
     rng_state = torch.empty(2, dtype=torch.int64)
@@ -175,7 +177,7 @@ def _bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             lse: torch.Tensor, rng_state: torch.Tensor, alibi_slopes: Optional[torch.Tensor],
             cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
             max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, softmax_scale: float,
-            window_left: int, window_right: int, softcap: float
+            window_left: int, window_right: int, softcap: float, deterministic: bool
             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_device(q)
     if dout.stride(-1) != 1:
@@ -185,13 +187,14 @@ def _bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     dv = torch.full_like(v, float("nan"), memory_format=torch.contiguous_format)
     params = _params(softmax_scale, window_left, window_right, softcap, dropout_p, rng_state)
     launch.flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params, alibi_slopes, cu_seqlens_q=cu_seqlens_q,
-                     cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+                     cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                     deterministic=deterministic)
     return dq, dk, dv
 
 
 @_bwd_op.register_fake
 def _(dout, q, k, v, out, lse, rng_state, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-      max_seqlen_k, dropout_p, softmax_scale, window_left, window_right, softcap):
+      max_seqlen_k, dropout_p, softmax_scale, window_left, window_right, softcap, deterministic):
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(k, memory_format=torch.contiguous_format),
             torch.empty_like(v, memory_format=torch.contiguous_format))
@@ -202,17 +205,17 @@ _FWD_SCALARS = ("max_seqlen_q", "max_seqlen_k", "dropout_p", "softmax_scale", "w
 
 
 def _setup_context(ctx, inputs, output):
-    (q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, *scalars, _return_probs) = inputs
+    (q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, *scalars, _return_probs, deterministic) = inputs
     out, lse, rng_state, _ = output
     ctx.save_for_backward(q, k, v, out, lse, rng_state, alibi_slopes, cu_seqlens_q, cu_seqlens_k)
-    ctx.scalars = tuple(scalars)
+    ctx.scalars = (*scalars, deterministic)
 
 
 def _backward(ctx, dout, _dlse, _drng, _dprobs):
     q, k, v, out, lse, rng_state, alibi_slopes, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
     dq, dk, dv = _bwd_op(dout, q, k, v, out, lse, rng_state, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
                          *ctx.scalars)
-    return dq, dk, dv, None, None, None, *([None] * (len(_FWD_SCALARS) + 1))
+    return dq, dk, dv, None, None, None, *([None] * (len(_FWD_SCALARS) + 2))
 
 
 torch.library.register_autograd("flashtile::fwd", _backward, setup_context=_setup_context)
@@ -227,14 +230,12 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
     a = validate(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
                  window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                  cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
-    # `deterministic` is accepted for flash-attn compatibility: flashtile's backward uses no atomics, so
-    # gradients are always bitwise reproducible.
-    del deterministic
     if cu_seqlens_q is None:
         max_seqlen_q, max_seqlen_k = q.shape[1], k.shape[1]
     out, lse, _, probs = torch.ops.flashtile.fwd(
         q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
-        a.dropout_p, a.softmax_scale, a.window_left, a.window_right, a.softcap, bool(return_attn_probs))
+        a.dropout_p, a.softmax_scale, a.window_left, a.window_right, a.softcap, bool(return_attn_probs),
+        bool(deterministic))
     if return_attn_probs:
         return out, lse, probs
     return out

@@ -170,8 +170,9 @@ def attn_probs(q, k, lse, params: AttnParams, alibi=None, cu_seqlens_q=None, cu_
 
 
 def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=None,
-              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
-    """Fills dq, dk, dv (same layouts as q, k, v). Deterministic: no atomics anywhere."""
+              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, deterministic=False):
+    """Fills dq, dk, dv (same layouts as q, k, v). deterministic=True: no atomics anywhere, bitwise
+    reproducible gradients."""
     head_dim = q.shape[-1]
     max_sq = max_seqlen_q if cu_seqlens_q is not None else q.shape[1]
     max_sk = max_seqlen_k if cu_seqlens_k is not None else k.shape[1]
