@@ -43,13 +43,15 @@ def attn_bwd_preprocess_kernel(O, DO, Delta, CU_SEQLENS_Q,
 
 
 @triton.jit
-def _dkdv_tile(dk, dv, k, v, q_blk, do_blk, lse_blk, delta_blk, start_m, offs_m_rel, offs_n, offs_d,
-               seqlen_q, seqlen_k, stride_qm, stride_dom, head_dim, score_scale, softcap_log2, alibi_slope_log2,
-               window_left, window_right, seed, rng_offset, rng_base, rng_stride_m, dropout_p,
+def _dkdv_tile(dk, dv, k, v, q_blk, do_blk, dq_blk, lse_blk, delta_blk, start_m, offs_m_rel, offs_n, offs_d,
+               seqlen_q, seqlen_k, stride_qm, stride_dom, stride_dqm, head_dim, sm_scale, score_scale, softcap_log2,
+               alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base, rng_stride_m, dropout_p,
                MASKED: tl.constexpr, EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-               SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr):
+               SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
+               ATOMIC_DQ: tl.constexpr):
     """Alg. 2 lines 8-20 for one query block Q_i against the program's K_j, V_j, in transposed form
-    (S^T, P^T: keys along rows) so dK_j and dV_j accumulate without transposing P."""
+    (S^T, P^T: keys along rows) so dK_j and dV_j accumulate without transposing P. With ATOMIC_DQ the
+    same tile also adds its dQ_i contribution (line 15) to an fp32 buffer with atomics."""
     offs_m = start_m + offs_m_rel
     qt_ptrs = q_blk + offs_m_rel[None, :] * stride_qm + offs_d[:, None]     # Q_i^T  (BLOCK_D, BLOCK_M)
     do_ptrs = do_blk + offs_m_rel[:, None] * stride_dom + offs_d[None, :]   # dO_i   (BLOCK_M, BLOCK_D)
@@ -88,21 +90,30 @@ def _dkdv_tile(dk, dv, k, v, q_blk, do_blk, lse_blk, delta_blk, start_m, offs_m_
         dst = dst * (1.0 - t * t)
     # Alg. 2 line 16: dK_j += dS_ij^T Q_i   (the softmax scale tau is applied once at the end)
     dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk, input_precision=DOT_PREC)
+    if ATOMIC_DQ:
+        # Alg. 2 line 15: dQ_i += tau dS_ij K_j, read-modify-write in HBM (FA2's atomic variant)
+        dq = tl.dot(tl.trans(dst).to(k.dtype), k, input_precision=DOT_PREC) * sm_scale
+        dq_ptrs = dq_blk + offs_m_rel[:, None] * stride_dqm + offs_d[None, :]
+        if MASKED or not EVEN_D:
+            tl.atomic_add(dq_ptrs, dq, mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim),
+                          sem="relaxed")
+        else:
+            tl.atomic_add(dq_ptrs, dq, sem="relaxed")
     return dk, dv
 
 
 @triton.jit
 def attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, Delta, DK, DV, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI_SLOPES,
+    Q, K, V, DO, LSE, Delta, DK, DV, DQ_ACC, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI_SLOPES,
     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
     stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-    stride_lse_b, stride_lse_h, stride_alibi_b,
+    stride_dqb, stride_dqm, stride_dqh, stride_lse_b, stride_lse_h, stride_alibi_b,
     nheads_k, group_size, seqlen_q_static, seqlen_k_static, head_dim,
     sm_scale, score_scale, softcap_log2, window_left, window_right,
     dropout_p, seed, rng_offset, rng_stride_b, rng_stride_h, rng_stride_m,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-    ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
+    ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr, ATOMIC_DQ: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
@@ -137,30 +148,34 @@ def attn_bwd_dkdv_kernel(
         rng_base = b64 * rng_stride_b + tl.cast(h, tl.int64) * rng_stride_h
         q_head = Q + b64 * stride_qb + tl.cast(h, tl.int64) * stride_qh + tl.cast(q_start, tl.int64) * stride_qm
         do_head = DO + b64 * stride_dob + tl.cast(h, tl.int64) * stride_doh + tl.cast(q_start, tl.int64) * stride_dom
+        dq_head = DQ_ACC + b64 * stride_dqb + tl.cast(h, tl.int64) * stride_dqh + tl.cast(q_start, tl.int64) * stride_dqm
         lse_head = LSE + b64 * stride_lse_b + tl.cast(h, tl.int64) * stride_lse_h + q_start
         delta_head = Delta + b64 * stride_lse_b + tl.cast(h, tl.int64) * stride_lse_h + q_start
         # Alg. 2 line 8: for i = 1..Tr (only the query blocks that can see this key block)
         for start_m in range(lo, full_lo, BLOCK_M):
             dk, dv = _dkdv_tile(dk, dv, k, v, q_head + tl.cast(start_m, tl.int64) * stride_qm,
-                                do_head + tl.cast(start_m, tl.int64) * stride_dom, lse_head, delta_head, start_m,
-                                offs_m_rel, offs_n, offs_d, seqlen_q, seqlen_k, stride_qm, stride_dom, head_dim,
-                                score_scale, softcap_log2, alibi_slope_log2, window_left, window_right, seed,
-                                rng_offset, rng_base, rng_stride_m, dropout_p, True, EVEN_D, HAS_LEFT, HAS_RIGHT,
-                                SOFTCAP, ALIBI, DROPOUT, DOT_PREC)
+                                do_head + tl.cast(start_m, tl.int64) * stride_dom,
+                                dq_head + tl.cast(start_m, tl.int64) * stride_dqm, lse_head, delta_head, start_m,
+                                offs_m_rel, offs_n, offs_d, seqlen_q, seqlen_k, stride_qm, stride_dom, stride_dqm,
+                                head_dim, sm_scale, score_scale, softcap_log2, alibi_slope_log2, window_left,
+                                window_right, seed, rng_offset, rng_base, rng_stride_m, dropout_p, True, EVEN_D,
+                                HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, ATOMIC_DQ)
         for start_m in range(full_lo, full_hi, BLOCK_M):
             dk, dv = _dkdv_tile(dk, dv, k, v, q_head + tl.cast(start_m, tl.int64) * stride_qm,
-                                do_head + tl.cast(start_m, tl.int64) * stride_dom, lse_head, delta_head, start_m,
-                                offs_m_rel, offs_n, offs_d, seqlen_q, seqlen_k, stride_qm, stride_dom, head_dim,
-                                score_scale, softcap_log2, alibi_slope_log2, window_left, window_right, seed,
-                                rng_offset, rng_base, rng_stride_m, dropout_p, False, EVEN_D, HAS_LEFT, HAS_RIGHT,
-                                SOFTCAP, ALIBI, DROPOUT, DOT_PREC)
+                                do_head + tl.cast(start_m, tl.int64) * stride_dom,
+                                dq_head + tl.cast(start_m, tl.int64) * stride_dqm, lse_head, delta_head, start_m,
+                                offs_m_rel, offs_n, offs_d, seqlen_q, seqlen_k, stride_qm, stride_dom, stride_dqm,
+                                head_dim, sm_scale, score_scale, softcap_log2, alibi_slope_log2, window_left,
+                                window_right, seed, rng_offset, rng_base, rng_stride_m, dropout_p, False, EVEN_D,
+                                HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, ATOMIC_DQ)
         for start_m in range(full_hi, hi, BLOCK_M):
             dk, dv = _dkdv_tile(dk, dv, k, v, q_head + tl.cast(start_m, tl.int64) * stride_qm,
-                                do_head + tl.cast(start_m, tl.int64) * stride_dom, lse_head, delta_head, start_m,
-                                offs_m_rel, offs_n, offs_d, seqlen_q, seqlen_k, stride_qm, stride_dom, head_dim,
-                                score_scale, softcap_log2, alibi_slope_log2, window_left, window_right, seed,
-                                rng_offset, rng_base, rng_stride_m, dropout_p, True, EVEN_D, HAS_LEFT, HAS_RIGHT,
-                                SOFTCAP, ALIBI, DROPOUT, DOT_PREC)
+                                do_head + tl.cast(start_m, tl.int64) * stride_dom,
+                                dq_head + tl.cast(start_m, tl.int64) * stride_dqm, lse_head, delta_head, start_m,
+                                offs_m_rel, offs_n, offs_d, seqlen_q, seqlen_k, stride_qm, stride_dom, stride_dqm,
+                                head_dim, sm_scale, score_scale, softcap_log2, alibi_slope_log2, window_left,
+                                window_right, seed, rng_offset, rng_base, rng_stride_m, dropout_p, True, EVEN_D,
+                                HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, ATOMIC_DQ)
     # Alg. 2 line 21: write dK_j (with the softmax scale tau of dK = tau dS^T Q), dV_j
     dk = dk * sm_scale
     tl.store(DK + b64 * stride_dkb + hk * stride_dkh + kv_rows[:, None] * stride_dkn + offs_d[None, :],

@@ -73,6 +73,10 @@ def attn_fwd_kernel(
     ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
+    if HAS_RIGHT:
+        # causal/banded: the last query blocks see the most keys; launch them first so the short ones
+        # fill the tail of the schedule instead of the long ones
+        pid_m = tl.num_programs(0) - 1 - pid_m
     bh = tl.program_id(1)
     b = bh // nheads
     h = bh % nheads

@@ -187,14 +187,21 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
         nheads, max_sq, head_dim, BLOCK_M=pre_m, BLOCK_D=flags["BLOCK_D"], IS_VARLEN=flags["IS_VARLEN"])
     cfg = bwd_config(head_dim, q.dtype)
     common = (*_lse_strides(lse), alibi_sb)
+    # Fast path: dQ accumulated with fp32 atomics inside the dK/dV kernel (5 matmuls per tile instead of
+    # 7). deterministic=True: a second pass computes dQ without atomics (bitwise reproducible).
+    atomic = not deterministic
+    dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if atomic else dq
     _bwd.attn_bwd_dkdv_kernel[(triton.cdiv(max_sk, cfg.BLOCK_N), batch * nheads_k)](
-        q, k, v, dout, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, alibi,
-        *_rows(q), *_rows(k), *_rows(v), *_rows(dout), *_rows(dk), *_rows(dv), *common,
+        q, k, v, dout, lse, delta, dk, dv, dq_acc, cu_seqlens_q, cu_seqlens_k, alibi,
+        *_rows(q), *_rows(k), *_rows(v), *_rows(dout), *_rows(dk), *_rows(dv), *_rows(dq_acc), *common,
         nheads_k, nheads // nheads_k, max_sq, max_sk, head_dim,
         params.softmax_scale, score_scale, softcap_log2, params.window_left, params.window_right,
         params.dropout_p, params.seed, params.rng_offset, *rng,
-        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, EVEN_D=even_d,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, EVEN_D=even_d, ATOMIC_DQ=atomic,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags)
+    if atomic:
+        dq.copy_(dq_acc)
+        return
     # dQ pass: query blocks of BLOCK_N rows stream key blocks of BLOCK_M rows (the roles swap)
     _bwd.attn_bwd_dq_kernel[(triton.cdiv(max_sq, cfg.BLOCK_N), batch * nheads)](
         q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, alibi,
