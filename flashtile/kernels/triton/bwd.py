@@ -14,7 +14,7 @@ import triton.language as tl
 
 from .mods import dropout_keep, key_range, load_lse2, query_range, scores_log2, seq_bounds, visible
 
-LOG2E: tl.constexpr = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit

@@ -12,21 +12,40 @@ from .mods import dropout_keep, key_range, load_lse2, scores_log2, seq_bounds, v
 
 
 @triton.jit
-def _fwd_tile(acc, l_i, m_i, q, k_blk, v_blk, start_n, offs_m, offs_n, offs_d, seqlen_q, seqlen_k,
-              stride_kn, stride_vn, head_dim, score_scale, softcap_log2, alibi_slope_log2,
+def load_kv_tile(desc, blk, b, row, hk, offs_n, offs_d, cols, seqlen_k, stride_n, head_dim,
+                 MASKED: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, IS_VARLEN: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """K_j or V_j as a (BLOCK_N, BLOCK_D) tile. USE_TMA: one bulk tensor copy through a host-made 2-D
+    descriptor over (rows, heads * headdim) (only when BLOCK_D == headdim, so no other head's columns are
+    read); rows past this sequence (the next sequence's, or zeros past the tensor) are zeroed when MASKED.
+    Otherwise pointer loads, masked where the tile crosses the end of the sequence or of the head dim."""
+    if USE_TMA:
+        t = desc.load([row, hk * BLOCK_D])
+        if MASKED:
+            t = tl.where(cols[:, None] < seqlen_k, t, 0.0)
+    else:
+        ptrs = blk + offs_n[:, None] * stride_n + offs_d[None, :]
+        if MASKED:
+            t = tl.load(ptrs, mask=(cols[:, None] < seqlen_k) & (offs_d[None, :] < head_dim), other=0.0)
+        elif EVEN_D:
+            t = tl.load(ptrs)
+        else:
+            t = tl.load(ptrs, mask=offs_d[None, :] < head_dim, other=0.0)
+    return t
+
+
+@triton.jit
+def _fwd_tile(acc, l_i, m_i, q, desc_k, desc_v, k_blk, v_blk, b, kv_row, hk, start_n, offs_m, offs_n, offs_d,
+              seqlen_q, seqlen_k, stride_kn, stride_vn, head_dim, score_scale, softcap_log2, alibi_slope_log2,
               window_left, window_right, seed, rng_offset, rng_base, rng_stride_m, dropout_p,
               MASKED: tl.constexpr, EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-              SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr):
+              SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
+              USE_TMA: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """One step j of the inner loop (FA2 Alg. 1 lines 7-10) for the key block starting at start_n."""
     cols = start_n + offs_n
-    k_ptrs = k_blk + offs_n[None, :] * stride_kn + offs_d[:, None]   # K_j^T: (BLOCK_D, BLOCK_N)
-    v_ptrs = v_blk + offs_n[:, None] * stride_vn + offs_d[None, :]   # V_j:   (BLOCK_N, BLOCK_D)
-    if MASKED:
-        kt = tl.load(k_ptrs, mask=(cols[None, :] < seqlen_k) & (offs_d[:, None] < head_dim), other=0.0)
-    elif EVEN_D:
-        kt = tl.load(k_ptrs)
-    else:
-        kt = tl.load(k_ptrs, mask=offs_d[:, None] < head_dim, other=0.0)
+    k = load_kv_tile(desc_k, k_blk, b, kv_row, hk, offs_n, offs_d, cols, seqlen_k, stride_kn, head_dim,
+                     MASKED, EVEN_D, USE_TMA, IS_VARLEN, BLOCK_N, BLOCK_D)
+    kt = tl.trans(k)
     # Alg. 1 line 8: S_i^(j) = Q_i K_j^T (then scale / softcap / ALiBi, in log2 units)
     qk = tl.dot(q, kt, input_precision=DOT_PREC)
     s, _ = scores_log2(qk, offs_m[:, None], cols[None, :], seqlen_q, seqlen_k, score_scale, softcap_log2, alibi_slope_log2,
@@ -47,12 +66,8 @@ def _fwd_tile(acc, l_i, m_i, q, k_blk, v_blk, start_n, offs_m, offs_n, offs_d, s
         # l_i sums the un-dropped P~ (the softmax normaliser); only the P~ V product sees Z (FA1 Alg. 2 line 13)
         keep = dropout_keep(seed, rng_offset, rng_base, offs_m[:, None], cols[None, :], rng_stride_m, dropout_p)
         p = tl.where(keep, p, 0.0)
-    if MASKED:
-        v = tl.load(v_ptrs, mask=(cols[:, None] < seqlen_k) & (offs_d[None, :] < head_dim), other=0.0)
-    elif EVEN_D:
-        v = tl.load(v_ptrs)
-    else:
-        v = tl.load(v_ptrs, mask=offs_d[None, :] < head_dim, other=0.0)
+    v = load_kv_tile(desc_v, v_blk, b, kv_row, hk, offs_n, offs_d, cols, seqlen_k, stride_vn, head_dim,
+                     MASKED, EVEN_D, USE_TMA, IS_VARLEN, BLOCK_N, BLOCK_D)
     # Alg. 1 line 10: O~_i^(j) = diag(e^(m_old - m_new)) O~_i^(j-1) + P~ V_j   (no division here: FA2's change)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
@@ -61,7 +76,7 @@ def _fwd_tile(acc, l_i, m_i, q, k_blk, v_blk, start_n, offs_m, offs_n, offs_d, s
 
 @triton.jit
 def attn_fwd_kernel(
-    Q, K, V, O, LSE, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI_SLOPES,
+    Q, K, V, O, LSE, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI_SLOPES, desc_k, desc_v,
     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh, stride_ob, stride_om, stride_oh,
     stride_lse_b, stride_lse_h, stride_alibi_b,
@@ -70,7 +85,7 @@ def attn_fwd_kernel(
     dropout_p, seed, rng_offset, rng_stride_b, rng_stride_h, rng_stride_m,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-    ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
+    ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     if HAS_RIGHT:
@@ -89,6 +104,11 @@ def attn_fwd_kernel(
     b64 = tl.cast(b, tl.int64)
     q_base = Q + b64 * stride_qb + tl.cast(h, tl.int64) * stride_qh + tl.cast(q_start + start_m, tl.int64) * stride_qm
     k_base = K + b64 * stride_kb + tl.cast(hk, tl.int64) * stride_kh + tl.cast(k_start, tl.int64) * stride_kn
+    # first row of this sequence in the 2-D (rows, heads * headdim) view the TMA descriptors use
+    if IS_VARLEN:
+        kv_row0 = k_start
+    else:
+        kv_row0 = b * seqlen_k_static
     v_base = V + b64 * stride_vb + tl.cast(hk, tl.int64) * stride_vh + tl.cast(k_start, tl.int64) * stride_vn
     o_base = O + b64 * stride_ob + tl.cast(h, tl.int64) * stride_oh + tl.cast(q_start + start_m, tl.int64) * stride_om
 
@@ -114,26 +134,29 @@ def attn_fwd_kernel(
     # Alg. 1 line 6: for j = 1..Tc. Tiles straddling a mask edge or the end of K take the masked path;
     # the rest (most of them) skip per-element masking entirely.
     for start_n in range(lo, full_lo, BLOCK_N):
-        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base + tl.cast(start_n, tl.int64) * stride_kn,
-                                  v_base + tl.cast(start_n, tl.int64) * stride_vn, start_n, offs_m, offs_n, offs_d,
-                                  seqlen_q, seqlen_k, stride_kn, stride_vn, head_dim, score_scale, softcap_log2,
-                                  alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base,
-                                  rng_stride_m, dropout_p, True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
-                                  DROPOUT, DOT_PREC)
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, desc_k, desc_v, k_base + tl.cast(start_n, tl.int64) * stride_kn,
+                                  v_base + tl.cast(start_n, tl.int64) * stride_vn, b, kv_row0 + start_n, hk,
+                                  start_n, offs_m, offs_n, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn,
+                                  head_dim, score_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
+                                  seed, rng_offset, rng_base, rng_stride_m, dropout_p, True, EVEN_D,
+                                  HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, USE_TMA, IS_VARLEN,
+                                  BLOCK_N, BLOCK_D)
     for start_n in range(full_lo, full_hi, BLOCK_N):
-        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base + tl.cast(start_n, tl.int64) * stride_kn,
-                                  v_base + tl.cast(start_n, tl.int64) * stride_vn, start_n, offs_m, offs_n, offs_d,
-                                  seqlen_q, seqlen_k, stride_kn, stride_vn, head_dim, score_scale, softcap_log2,
-                                  alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base,
-                                  rng_stride_m, dropout_p, False, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
-                                  DROPOUT, DOT_PREC)
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, desc_k, desc_v, k_base + tl.cast(start_n, tl.int64) * stride_kn,
+                                  v_base + tl.cast(start_n, tl.int64) * stride_vn, b, kv_row0 + start_n, hk,
+                                  start_n, offs_m, offs_n, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn,
+                                  head_dim, score_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
+                                  seed, rng_offset, rng_base, rng_stride_m, dropout_p, False, EVEN_D,
+                                  HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, USE_TMA, IS_VARLEN,
+                                  BLOCK_N, BLOCK_D)
     for start_n in range(full_hi, hi, BLOCK_N):
-        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base + tl.cast(start_n, tl.int64) * stride_kn,
-                                  v_base + tl.cast(start_n, tl.int64) * stride_vn, start_n, offs_m, offs_n, offs_d,
-                                  seqlen_q, seqlen_k, stride_kn, stride_vn, head_dim, score_scale, softcap_log2,
-                                  alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base,
-                                  rng_stride_m, dropout_p, True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
-                                  DROPOUT, DOT_PREC)
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, desc_k, desc_v, k_base + tl.cast(start_n, tl.int64) * stride_kn,
+                                  v_base + tl.cast(start_n, tl.int64) * stride_vn, b, kv_row0 + start_n, hk,
+                                  start_n, offs_m, offs_n, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn,
+                                  head_dim, score_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
+                                  seed, rng_offset, rng_base, rng_stride_m, dropout_p, True, EVEN_D,
+                                  HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, USE_TMA, IS_VARLEN,
+                                  BLOCK_N, BLOCK_D)
 
     # Alg. 1 lines 12-13: O_i = diag(l_i)^-1 O~_i, L_i = m_i + log l_i. A row that saw no key has l_i = 0:
     # it outputs 0 and L = -inf (zero probability mass), never NaN.

@@ -54,6 +54,32 @@ def _lse_strides(lse: torch.Tensor):
     return 0, lse.stride(0)
 
 
+try:  # host-side TMA descriptors (triton >= 3.4; the interpreter emulates them)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older triton
+    TensorDescriptor = None
+
+
+def kv_descriptor(t: torch.Tensor, block_n: int, block_d: int):
+    """A TMA descriptor over the 2-D view (rows, nheads_k * headdim) of K or V, for tiles of (block_n rows,
+    one head); rows = batch * seqlen (dense) or tokens (varlen). None where the kernel must use pointer
+    loads instead: headdim not a power of two (the tile would read the next head's columns), or a layout
+    that is not such a view, or strides/base not 16-byte aligned (a TMA requirement)."""
+    if TensorDescriptor is None or (t.device.type != "cuda" and not interpreting()):
+        return None
+    head_dim, nheads = t.shape[-1], t.shape[-2]
+    if block_d != head_dim or t.stride(-2) != head_dim:
+        return None
+    row_stride = t.stride(-3)
+    if t.dim() == 4 and t.shape[0] > 1 and t.stride(0) != t.shape[1] * row_stride:
+        return None
+    if t.data_ptr() % 16 or (row_stride * t.element_size()) % 16:
+        return None
+    rows = t.shape[0] * t.shape[1] if t.dim() == 4 else t.shape[0]
+    view = t.as_strided((rows, nheads * head_dim), (row_stride, 1))
+    return TensorDescriptor(view, [rows, nheads * head_dim], [row_stride, 1], [block_n, block_d])
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     # fp32 inputs get true fp32 products (flashtile's fp32 promise), not TF32.
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -139,13 +165,18 @@ def flash_fwd(q, k, v, out, lse, params: AttnParams, alibi: Optional[torch.Tenso
         q, k, params, alibi, cu_seqlens_q, max_sq, max_sk)
     cfg = fwd_config(head_dim, q.dtype, params.window_right == 0)
     grid = (triton.cdiv(max_sq, cfg.BLOCK_M), batch * nheads)
+    block_d = _block_d(head_dim)
+    desc_k = kv_descriptor(k, cfg.BLOCK_N, block_d)
+    desc_v = kv_descriptor(v, cfg.BLOCK_N, block_d)
+    use_tma = desc_k is not None and desc_v is not None
     _fwd.attn_fwd_kernel[grid](
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi,
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi, desc_k if use_tma else None,
+        desc_v if use_tma else None,
         *_rows(q), *_rows(k), *_rows(v), *_rows(out), *_lse_strides(lse), alibi_sb,
         nheads, nheads // nheads_k, max_sq, max_sk, head_dim,
         score_scale, softcap_log2, params.window_left, params.window_right,
         params.dropout_p, params.seed, params.rng_offset, *rng,
-        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, EVEN_D=_block_d(head_dim) == head_dim,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, EVEN_D=block_d == head_dim, USE_TMA=use_tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_flags(params, alibi, cu_seqlens_q, head_dim, q.dtype))
 
 
