@@ -12,7 +12,7 @@ Scores are recomputed exactly as the forward computed them (mods.py), so P = exp
 import triton
 import triton.language as tl
 
-from .mods import dropout_keep, key_range, load_lse2, query_range, scores_log2, seq_bounds, visible
+from .mods import dropout_keep, key_range, load_lse2, load_tile, query_range, scores_log2, seq_bounds, visible
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -43,27 +43,22 @@ def attn_bwd_preprocess_kernel(O, DO, Delta, CU_SEQLENS_Q,
 
 
 @triton.jit
-def _dkdv_tile(dk, dv, k, v, q_blk, do_blk, dq_blk, lse_blk, delta_blk, start_m, offs_m_rel, offs_n, offs_d,
-               seqlen_q, seqlen_k, stride_qm, stride_dom, stride_dqm, head_dim, sm_scale, score_scale, softcap_log2,
-               alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base, rng_stride_m, dropout_p,
+def _dkdv_tile(dk, dv, k, v, desc_q, desc_do, q_blk, do_blk, dq_blk, lse_blk, delta_blk, q_row, h, start_m,
+               offs_m_rel, offs_n, offs_d, seqlen_q, seqlen_k, stride_qm, stride_dom, stride_dqm, head_dim, sm_scale,
+               score_scale, softcap_log2, alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base,
+               rng_stride_m, dropout_p,
                MASKED: tl.constexpr, EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
-               ATOMIC_DQ: tl.constexpr):
+               ATOMIC_DQ: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_D: tl.constexpr):
     """Alg. 2 lines 8-20 for one query block Q_i against the program's K_j, V_j, in transposed form
     (S^T, P^T: keys along rows) so dK_j and dV_j accumulate without transposing P. With ATOMIC_DQ the
     same tile also adds its dQ_i contribution (line 15) to an fp32 buffer with atomics."""
     offs_m = start_m + offs_m_rel
-    qt_ptrs = q_blk + offs_m_rel[None, :] * stride_qm + offs_d[:, None]     # Q_i^T  (BLOCK_D, BLOCK_M)
-    do_ptrs = do_blk + offs_m_rel[:, None] * stride_dom + offs_d[None, :]   # dO_i   (BLOCK_M, BLOCK_D)
-    if MASKED:
-        qt = tl.load(qt_ptrs, mask=(offs_m[None, :] < seqlen_q) & (offs_d[:, None] < head_dim), other=0.0)
-        do = tl.load(do_ptrs, mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim), other=0.0)
-    elif EVEN_D:
-        qt = tl.load(qt_ptrs)
-        do = tl.load(do_ptrs)
-    else:
-        qt = tl.load(qt_ptrs, mask=offs_d[:, None] < head_dim, other=0.0)
-        do = tl.load(do_ptrs, mask=offs_d[None, :] < head_dim, other=0.0)
+    q = load_tile(desc_q, q_blk, q_row, h, offs_m_rel, offs_d, offs_m, seqlen_q, stride_qm, head_dim,
+                  MASKED, EVEN_D, USE_TMA, BLOCK_D)                      # Q_i  (BLOCK_M, BLOCK_D)
+    do = load_tile(desc_do, do_blk, q_row, h, offs_m_rel, offs_d, offs_m, seqlen_q, stride_dom, head_dim,
+                   MASKED, EVEN_D, USE_TMA, BLOCK_D)                     # dO_i (BLOCK_M, BLOCK_D)
+    qt = tl.trans(q)
     lse2 = load_lse2(lse_blk, offs_m, seqlen_q)
     delta = tl.load(delta_blk + offs_m, mask=offs_m < seqlen_q, other=0.0)
     i = offs_m[None, :]
@@ -104,7 +99,7 @@ def _dkdv_tile(dk, dv, k, v, q_blk, do_blk, dq_blk, lse_blk, delta_blk, start_m,
 
 @triton.jit
 def attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, Delta, DK, DV, DQ_ACC, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI_SLOPES,
+    Q, K, V, DO, LSE, Delta, DK, DV, DQ_ACC, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI_SLOPES, desc_q, desc_do,
     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
     stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
     stride_dqb, stride_dqm, stride_dqh, stride_lse_b, stride_lse_h, stride_alibi_b,
@@ -114,6 +109,7 @@ def attn_bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
@@ -139,6 +135,11 @@ def attn_bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     lo, full_lo, full_hi, hi = query_range(start_n, seqlen_q, seqlen_k, window_left, window_right,
                                            BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    # first row of this sequence in the 2-D (rows, heads * headdim) view the TMA descriptors use
+    if IS_VARLEN:
+        q_row0 = q_start
+    else:
+        q_row0 = b * seqlen_q_static
     # GQA: dK_j, dV_j of K/V head hk sum the contributions of all group_size query heads that read it.
     for g in range(0, group_size):
         h = hk * group_size + g
@@ -153,29 +154,32 @@ def attn_bwd_dkdv_kernel(
         delta_head = Delta + b64 * stride_lse_b + tl.cast(h, tl.int64) * stride_lse_h + q_start
         # Alg. 2 line 8: for i = 1..Tr (only the query blocks that can see this key block)
         for start_m in range(lo, full_lo, BLOCK_M):
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_head + tl.cast(start_m, tl.int64) * stride_qm,
+            dk, dv = _dkdv_tile(dk, dv, k, v, desc_q, desc_do, q_head + tl.cast(start_m, tl.int64) * stride_qm,
                                 do_head + tl.cast(start_m, tl.int64) * stride_dom,
-                                dq_head + tl.cast(start_m, tl.int64) * stride_dqm, lse_head, delta_head, start_m,
-                                offs_m_rel, offs_n, offs_d, seqlen_q, seqlen_k, stride_qm, stride_dom, stride_dqm,
-                                head_dim, sm_scale, score_scale, softcap_log2, alibi_slope_log2, window_left,
-                                window_right, seed, rng_offset, rng_base, rng_stride_m, dropout_p, True, EVEN_D,
-                                HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, ATOMIC_DQ)
+                                dq_head + tl.cast(start_m, tl.int64) * stride_dqm, lse_head, delta_head,
+                                q_row0 + start_m, h, start_m, offs_m_rel, offs_n, offs_d, seqlen_q, seqlen_k,
+                                stride_qm, stride_dom, stride_dqm, head_dim, sm_scale, score_scale, softcap_log2,
+                                alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base,
+                                rng_stride_m, dropout_p, True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
+                                DROPOUT, DOT_PREC, ATOMIC_DQ, USE_TMA, BLOCK_D)
         for start_m in range(full_lo, full_hi, BLOCK_M):
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_head + tl.cast(start_m, tl.int64) * stride_qm,
+            dk, dv = _dkdv_tile(dk, dv, k, v, desc_q, desc_do, q_head + tl.cast(start_m, tl.int64) * stride_qm,
                                 do_head + tl.cast(start_m, tl.int64) * stride_dom,
-                                dq_head + tl.cast(start_m, tl.int64) * stride_dqm, lse_head, delta_head, start_m,
-                                offs_m_rel, offs_n, offs_d, seqlen_q, seqlen_k, stride_qm, stride_dom, stride_dqm,
-                                head_dim, sm_scale, score_scale, softcap_log2, alibi_slope_log2, window_left,
-                                window_right, seed, rng_offset, rng_base, rng_stride_m, dropout_p, False, EVEN_D,
-                                HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, ATOMIC_DQ)
+                                dq_head + tl.cast(start_m, tl.int64) * stride_dqm, lse_head, delta_head,
+                                q_row0 + start_m, h, start_m, offs_m_rel, offs_n, offs_d, seqlen_q, seqlen_k,
+                                stride_qm, stride_dom, stride_dqm, head_dim, sm_scale, score_scale, softcap_log2,
+                                alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base,
+                                rng_stride_m, dropout_p, False, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
+                                DROPOUT, DOT_PREC, ATOMIC_DQ, USE_TMA, BLOCK_D)
         for start_m in range(full_hi, hi, BLOCK_M):
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_head + tl.cast(start_m, tl.int64) * stride_qm,
+            dk, dv = _dkdv_tile(dk, dv, k, v, desc_q, desc_do, q_head + tl.cast(start_m, tl.int64) * stride_qm,
                                 do_head + tl.cast(start_m, tl.int64) * stride_dom,
-                                dq_head + tl.cast(start_m, tl.int64) * stride_dqm, lse_head, delta_head, start_m,
-                                offs_m_rel, offs_n, offs_d, seqlen_q, seqlen_k, stride_qm, stride_dom, stride_dqm,
-                                head_dim, sm_scale, score_scale, softcap_log2, alibi_slope_log2, window_left,
-                                window_right, seed, rng_offset, rng_base, rng_stride_m, dropout_p, True, EVEN_D,
-                                HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, ATOMIC_DQ)
+                                dq_head + tl.cast(start_m, tl.int64) * stride_dqm, lse_head, delta_head,
+                                q_row0 + start_m, h, start_m, offs_m_rel, offs_n, offs_d, seqlen_q, seqlen_k,
+                                stride_qm, stride_dom, stride_dqm, head_dim, sm_scale, score_scale, softcap_log2,
+                                alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base,
+                                rng_stride_m, dropout_p, True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
+                                DROPOUT, DOT_PREC, ATOMIC_DQ, USE_TMA, BLOCK_D)
     # Alg. 2 line 21: write dK_j (with the softmax scale tau of dK = tau dS^T Q), dV_j
     dk = dk * sm_scale
     tl.store(DK + b64 * stride_dkb + hk * stride_dkh + kv_rows[:, None] * stride_dkn + offs_d[None, :],
@@ -185,25 +189,20 @@ def attn_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dq_tile(dq, q, do, lse2, delta, k_blk, v_blk, start_n, offs_m, offs_n_rel, offs_d, seqlen_q, seqlen_k,
-             stride_kn, stride_vn, head_dim, score_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
-             seed, rng_offset, rng_base, rng_stride_m, dropout_p,
+def _dq_tile(dq, q, do, lse2, delta, desc_k, desc_v, k_blk, v_blk, kv_row, hk, start_n, offs_m, offs_n_rel, offs_d,
+             seqlen_q, seqlen_k, stride_kn, stride_vn, head_dim, score_scale, softcap_log2, alibi_slope_log2,
+             window_left, window_right, seed, rng_offset, rng_base, rng_stride_m, dropout_p,
              MASKED: tl.constexpr, EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-             SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr):
+             SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
+             USE_TMA: tl.constexpr, BLOCK_D: tl.constexpr):
     """dQ_i += dS_ij K_j (Alg. 2 line 15), recomputing S_ij, P_ij and dP_ij for one key block."""
     cols = start_n + offs_n_rel
-    kt_ptrs = k_blk + offs_n_rel[None, :] * stride_kn + offs_d[:, None]   # K_j^T (BLOCK_D, BLOCK_N)
-    vt_ptrs = v_blk + offs_n_rel[None, :] * stride_vn + offs_d[:, None]   # V_j^T
-    if MASKED:
-        m = (cols[None, :] < seqlen_k) & (offs_d[:, None] < head_dim)
-        kt = tl.load(kt_ptrs, mask=m, other=0.0)
-        vt = tl.load(vt_ptrs, mask=m, other=0.0)
-    elif EVEN_D:
-        kt = tl.load(kt_ptrs)
-        vt = tl.load(vt_ptrs)
-    else:
-        kt = tl.load(kt_ptrs, mask=offs_d[:, None] < head_dim, other=0.0)
-        vt = tl.load(vt_ptrs, mask=offs_d[:, None] < head_dim, other=0.0)
+    k = load_tile(desc_k, k_blk, kv_row, hk, offs_n_rel, offs_d, cols, seqlen_k, stride_kn, head_dim,
+                  MASKED, EVEN_D, USE_TMA, BLOCK_D)
+    v = load_tile(desc_v, v_blk, kv_row, hk, offs_n_rel, offs_d, cols, seqlen_k, stride_vn, head_dim,
+                  MASKED, EVEN_D, USE_TMA, BLOCK_D)
+    kt = tl.trans(k)
+    vt = tl.trans(v)
     i = offs_m[:, None]
     j = cols[None, :]
     qk = tl.dot(q, kt, input_precision=DOT_PREC)
@@ -225,7 +224,7 @@ def _dq_tile(dq, q, do, lse2, delta, k_blk, v_blk, start_n, offs_m, offs_n_rel, 
 
 @triton.jit
 def attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, Delta, DQ, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI_SLOPES,
+    Q, K, V, DO, LSE, Delta, DQ, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI_SLOPES, desc_k, desc_v,
     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
     stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
     stride_lse_b, stride_lse_h, stride_alibi_b,
@@ -234,7 +233,7 @@ def attn_bwd_dq_kernel(
     dropout_p, seed, rng_offset, rng_stride_b, rng_stride_h, rng_stride_m,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-    ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
+    ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -265,27 +264,34 @@ def attn_bwd_dq_kernel(
     rng_base = b64 * rng_stride_b + tl.cast(h, tl.int64) * rng_stride_h
     k_base = K + b64 * stride_kb + tl.cast(hk, tl.int64) * stride_kh + tl.cast(k_start, tl.int64) * stride_kn
     v_base = V + b64 * stride_vb + tl.cast(hk, tl.int64) * stride_vh + tl.cast(k_start, tl.int64) * stride_vn
+    if IS_VARLEN:
+        kv_row0 = k_start
+    else:
+        kv_row0 = b * seqlen_k_static
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo, full_lo, full_hi, hi = key_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
                                          BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     for start_n in range(lo, full_lo, BLOCK_N):
-        dq = _dq_tile(dq, q, do, lse2, delta, k_base + tl.cast(start_n, tl.int64) * stride_kn,
-                      v_base + tl.cast(start_n, tl.int64) * stride_vn, start_n, offs_m, offs_n_rel, offs_d, seqlen_q,
-                      seqlen_k, stride_kn, stride_vn, head_dim, score_scale, softcap_log2, alibi_slope_log2,
-                      window_left, window_right, seed, rng_offset, rng_base, rng_stride_m, dropout_p,
-                      True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC)
+        dq = _dq_tile(dq, q, do, lse2, delta, desc_k, desc_v, k_base + tl.cast(start_n, tl.int64) * stride_kn,
+                      v_base + tl.cast(start_n, tl.int64) * stride_vn, kv_row0 + start_n, hk, start_n, offs_m,
+                      offs_n_rel, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn, head_dim, score_scale,
+                      softcap_log2, alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base,
+                      rng_stride_m, dropout_p, True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT,
+                      DOT_PREC, USE_TMA, BLOCK_D)
     for start_n in range(full_lo, full_hi, BLOCK_N):
-        dq = _dq_tile(dq, q, do, lse2, delta, k_base + tl.cast(start_n, tl.int64) * stride_kn,
-                      v_base + tl.cast(start_n, tl.int64) * stride_vn, start_n, offs_m, offs_n_rel, offs_d, seqlen_q,
-                      seqlen_k, stride_kn, stride_vn, head_dim, score_scale, softcap_log2, alibi_slope_log2,
-                      window_left, window_right, seed, rng_offset, rng_base, rng_stride_m, dropout_p,
-                      False, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC)
+        dq = _dq_tile(dq, q, do, lse2, delta, desc_k, desc_v, k_base + tl.cast(start_n, tl.int64) * stride_kn,
+                      v_base + tl.cast(start_n, tl.int64) * stride_vn, kv_row0 + start_n, hk, start_n, offs_m,
+                      offs_n_rel, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn, head_dim, score_scale,
+                      softcap_log2, alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base,
+                      rng_stride_m, dropout_p, False, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT,
+                      DOT_PREC, USE_TMA, BLOCK_D)
     for start_n in range(full_hi, hi, BLOCK_N):
-        dq = _dq_tile(dq, q, do, lse2, delta, k_base + tl.cast(start_n, tl.int64) * stride_kn,
-                      v_base + tl.cast(start_n, tl.int64) * stride_vn, start_n, offs_m, offs_n_rel, offs_d, seqlen_q,
-                      seqlen_k, stride_kn, stride_vn, head_dim, score_scale, softcap_log2, alibi_slope_log2,
-                      window_left, window_right, seed, rng_offset, rng_base, rng_stride_m, dropout_p,
-                      True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC)
+        dq = _dq_tile(dq, q, do, lse2, delta, desc_k, desc_v, k_base + tl.cast(start_n, tl.int64) * stride_kn,
+                      v_base + tl.cast(start_n, tl.int64) * stride_vn, kv_row0 + start_n, hk, start_n, offs_m,
+                      offs_n_rel, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn, head_dim, score_scale,
+                      softcap_log2, alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base,
+                      rng_stride_m, dropout_p, True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT,
+                      DOT_PREC, USE_TMA, BLOCK_D)
     dq = dq * sm_scale
     tl.store(DQ + b64 * stride_dqb + tl.cast(h, tl.int64) * stride_dqh + rows[:, None] * stride_dqm + offs_d[None, :],
              dq.to(DQ.dtype.element_ty), mask=q_mask)

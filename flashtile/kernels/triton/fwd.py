@@ -8,30 +8,7 @@ besides O. Scores live in log2 units (see mods.py), so exp is exp2.
 import triton
 import triton.language as tl
 
-from .mods import dropout_keep, key_range, load_lse2, scores_log2, seq_bounds, visible
-
-
-@triton.jit
-def load_kv_tile(desc, blk, b, row, hk, offs_n, offs_d, cols, seqlen_k, stride_n, head_dim,
-                 MASKED: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, IS_VARLEN: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """K_j or V_j as a (BLOCK_N, BLOCK_D) tile. USE_TMA: one bulk tensor copy through a host-made 2-D
-    descriptor over (rows, heads * headdim) (only when BLOCK_D == headdim, so no other head's columns are
-    read); rows past this sequence (the next sequence's, or zeros past the tensor) are zeroed when MASKED.
-    Otherwise pointer loads, masked where the tile crosses the end of the sequence or of the head dim."""
-    if USE_TMA:
-        t = desc.load([row, hk * BLOCK_D])
-        if MASKED:
-            t = tl.where(cols[:, None] < seqlen_k, t, 0.0)
-    else:
-        ptrs = blk + offs_n[:, None] * stride_n + offs_d[None, :]
-        if MASKED:
-            t = tl.load(ptrs, mask=(cols[:, None] < seqlen_k) & (offs_d[None, :] < head_dim), other=0.0)
-        elif EVEN_D:
-            t = tl.load(ptrs)
-        else:
-            t = tl.load(ptrs, mask=offs_d[None, :] < head_dim, other=0.0)
-    return t
+from .mods import dropout_keep, key_range, load_lse2, load_tile, scores_log2, seq_bounds, visible
 
 
 @triton.jit
@@ -43,8 +20,8 @@ def _fwd_tile(acc, l_i, m_i, q, desc_k, desc_v, k_blk, v_blk, b, kv_row, hk, sta
               USE_TMA: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """One step j of the inner loop (FA2 Alg. 1 lines 7-10) for the key block starting at start_n."""
     cols = start_n + offs_n
-    k = load_kv_tile(desc_k, k_blk, b, kv_row, hk, offs_n, offs_d, cols, seqlen_k, stride_kn, head_dim,
-                     MASKED, EVEN_D, USE_TMA, IS_VARLEN, BLOCK_N, BLOCK_D)
+    k = load_tile(desc_k, k_blk, kv_row, hk, offs_n, offs_d, cols, seqlen_k, stride_kn, head_dim,
+                  MASKED, EVEN_D, USE_TMA, BLOCK_D)
     kt = tl.trans(k)
     # Alg. 1 line 8: S_i^(j) = Q_i K_j^T (then scale / softcap / ALiBi, in log2 units)
     qk = tl.dot(q, kt, input_precision=DOT_PREC)
@@ -66,8 +43,8 @@ def _fwd_tile(acc, l_i, m_i, q, desc_k, desc_v, k_blk, v_blk, b, kv_row, hk, sta
         # l_i sums the un-dropped P~ (the softmax normaliser); only the P~ V product sees Z (FA1 Alg. 2 line 13)
         keep = dropout_keep(seed, rng_offset, rng_base, offs_m[:, None], cols[None, :], rng_stride_m, dropout_p)
         p = tl.where(keep, p, 0.0)
-    v = load_kv_tile(desc_v, v_blk, b, kv_row, hk, offs_n, offs_d, cols, seqlen_k, stride_vn, head_dim,
-                     MASKED, EVEN_D, USE_TMA, IS_VARLEN, BLOCK_N, BLOCK_D)
+    v = load_tile(desc_v, v_blk, kv_row, hk, offs_n, offs_d, cols, seqlen_k, stride_vn, head_dim,
+                  MASKED, EVEN_D, USE_TMA, BLOCK_D)
     # Alg. 1 line 10: O~_i^(j) = diag(e^(m_old - m_new)) O~_i^(j-1) + P~ V_j   (no division here: FA2's change)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)

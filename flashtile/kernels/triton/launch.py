@@ -222,23 +222,28 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
     # 7). deterministic=True: a second pass computes dQ without atomics (bitwise reproducible).
     atomic = not deterministic
     dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if atomic else dq
+    # the streamed operands (Q, dO in the dK/dV kernel; K, V in the dQ pass) come in tiles of BLOCK_M rows
+    block_d = flags["BLOCK_D"]
+    descs = [kv_descriptor(t, cfg.BLOCK_M, block_d) for t in (q, dout, k, v)]
+    use_tma = all(d is not None for d in descs)
+    desc_q, desc_do, desc_k, desc_v = descs if use_tma else (None,) * 4
     _bwd.attn_bwd_dkdv_kernel[(triton.cdiv(max_sk, cfg.BLOCK_N), batch * nheads_k)](
-        q, k, v, dout, lse, delta, dk, dv, dq_acc, cu_seqlens_q, cu_seqlens_k, alibi,
+        q, k, v, dout, lse, delta, dk, dv, dq_acc, cu_seqlens_q, cu_seqlens_k, alibi, desc_q, desc_do,
         *_rows(q), *_rows(k), *_rows(v), *_rows(dout), *_rows(dk), *_rows(dv), *_rows(dq_acc), *common,
         nheads_k, nheads // nheads_k, max_sq, max_sk, head_dim,
         params.softmax_scale, score_scale, softcap_log2, params.window_left, params.window_right,
         params.dropout_p, params.seed, params.rng_offset, *rng,
-        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, EVEN_D=even_d, ATOMIC_DQ=atomic,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, EVEN_D=even_d, ATOMIC_DQ=atomic, USE_TMA=use_tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags)
     if atomic:
         dq.copy_(dq_acc)
         return
     # dQ pass: query blocks of BLOCK_N rows stream key blocks of BLOCK_M rows (the roles swap)
     _bwd.attn_bwd_dq_kernel[(triton.cdiv(max_sq, cfg.BLOCK_N), batch * nheads)](
-        q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, alibi,
+        q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, alibi, desc_k, desc_v,
         *_rows(q), *_rows(k), *_rows(v), *_rows(dout), *_rows(dq), *common,
         nheads, nheads // nheads_k, max_sq, max_sk, head_dim,
         params.softmax_scale, score_scale, softcap_log2, params.window_left, params.window_right,
         params.dropout_p, params.seed, params.rng_offset, *rng,
-        BLOCK_M=cfg.BLOCK_N, BLOCK_N=cfg.BLOCK_M, EVEN_D=even_d,
+        BLOCK_M=cfg.BLOCK_N, BLOCK_N=cfg.BLOCK_M, EVEN_D=even_d, USE_TMA=use_tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags)

@@ -123,3 +123,64 @@ def load_lse2(lse_row_ptr, offs, seqlen):
     recomputed P = exp2(S - L) is 0 there instead of NaN."""
     lse = tl.load(lse_row_ptr + offs, mask=offs < seqlen, other=float("-inf"))
     return tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+
+
+@triton.jit
+def load_tile(desc, blk, row, head, offs_r, offs_d, idx, seqlen, stride_r, head_dim,
+              MASKED: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A (rows, BLOCK_D) tile of one head of Q, K, V or dO: rows idx = start + offs_r of a sequence.
+
+    USE_TMA: one bulk tensor copy through a host-made 2-D descriptor over (rows, heads * headdim), at
+    (row, head * BLOCK_D); only used when BLOCK_D == headdim, so no other head's columns are read. Rows past
+    the sequence (the next sequence's, or zeros past the tensor) are zeroed when MASKED.
+    Otherwise pointer loads from blk (the tile's first row), masked at the sequence end and the head dim."""
+    if USE_TMA:
+        t = desc.load([row, head * BLOCK_D])
+        if MASKED:
+            t = tl.where(idx[:, None] < seqlen, t, 0.0)
+    else:
+        ptrs = blk + offs_r[:, None] * stride_r + offs_d[None, :]
+        if MASKED:
+            t = tl.load(ptrs, mask=(idx[:, None] < seqlen) & (offs_d[None, :] < head_dim), other=0.0)
+        elif EVEN_D:
+            t = tl.load(ptrs)
+        else:
+            t = tl.load(ptrs, mask=offs_d[None, :] < head_dim, other=0.0)
+    return t
+
+
+# --------------------------------------------------------------------------------------------------
+# Online-softmax update and partial-result merge, shared by the decode (split-KV) and combine kernels.
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def online_softmax_step(m_i, l_i, s, MASKED: tl.constexpr):
+    """FA2 Alg. 1 line 9 for one score tile s (BLOCK_M, BLOCK_N), log2 units.
+
+    Returns (m_new, p, alpha, l_new): m_new = max(m_i, rowmax(s)), P~ = exp2(s - m_new),
+    alpha = exp2(m_i - m_new) (the factor by which the caller rescales its accumulator before adding P~ V,
+    Alg. 1 line 10), l_new = alpha * l_i + rowsum(P~). MASKED: a row that has seen no visible key yet keeps
+    m = -inf and is exponentiated against 0, so P~ = 0 and alpha = 1 instead of NaN."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = m_new
+    if MASKED:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_use)
+    p = tl.math.exp2(s - m_use[:, None])
+    l_new = l_i * alpha + tl.sum(p, 1)
+    return m_new, p, alpha, l_new
+
+
+@triton.jit
+def merge_partial(m_i, l_i, acc, lse2_b, o_b):
+    """Fold one normalised partial result (o_b, lse2_b: its output and log2-sum-exp over a disjoint key
+    range) into the running (m_i, l_i, acc) of the same rows: the online-softmax rule with the partial as a
+    block whose row max is lse2_b and row sum 1 (flash-decoding's combine step). Finish with
+    out = acc / l_i, lse2 = m_i + log2(l_i). Partials that saw no key (lse2_b = -inf) contribute nothing.
+    Shapes: m_i, l_i, lse2_b (R,); acc, o_b (R, D)."""
+    m_new = tl.maximum(m_i, lse2_b)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_use)
+    beta = tl.math.exp2(lse2_b - m_use)
+    l_new = l_i * alpha + beta
+    acc = acc * alpha[:, None] + o_b * beta[:, None]
+    return m_new, l_new, acc
