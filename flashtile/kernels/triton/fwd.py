@@ -8,7 +8,8 @@ besides O. Scores live in log2 units (see mods.py), so exp is exp2.
 import triton
 import triton.language as tl
 
-from .mods import dropout_keep, key_range, load_lse2, load_tile, scores_log2, seq_bounds, visible
+from .mods import (dropout_keep, key_range, load_lse2, load_tile, online_softmax_step, scores_log2, seq_bounds,
+                   visible)
 
 
 @triton.jit
@@ -31,14 +32,7 @@ def _fwd_tile(acc, l_i, m_i, q, desc_k, desc_v, k_blk, v_blk, b, kv_row, hk, sta
         s = tl.where(visible(offs_m[:, None], cols[None, :], seqlen_q, seqlen_k, window_left, window_right, HAS_LEFT, HAS_RIGHT),
                      s, float("-inf"))
     # Alg. 1 line 9: m_i^(j) = max(m_i^(j-1), rowmax(S)), P~ = exp(S - m_i^(j)), l_i^(j) = e^(m_old - m_new) l + rowsum(P~)
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_use = m_new
-    if MASKED:
-        # a row with nothing visible yet keeps m = -inf; exponentiate against 0 so P~ = 0, not NaN
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.math.exp2(m_i - m_use)
-    p = tl.math.exp2(s - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    m_new, p, alpha, l_i = online_softmax_step(m_i, l_i, s, MASKED)
     if DROPOUT:
         # l_i sums the un-dropped P~ (the softmax normaliser); only the P~ V product sees Z (FA1 Alg. 2 line 13)
         keep = dropout_keep(seed, rng_offset, rng_base, offs_m[:, None], cols[None, :], rng_stride_m, dropout_p)
