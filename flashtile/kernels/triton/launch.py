@@ -65,7 +65,7 @@ def kv_descriptor(t: torch.Tensor, block_n: int, block_d: int):
     one head); rows = batch * seqlen (dense) or tokens (varlen). None where the kernel must use pointer
     loads instead: headdim not a power of two (the tile would read the next head's columns), or a layout
     that is not such a view, or strides/base not 16-byte aligned (a TMA requirement)."""
-    if TensorDescriptor is None or (t.device.type != "cuda" and not interpreting()):
+    if TensorDescriptor is None or (t.device.type != "cuda" and not interpreting()) or t.numel() == 0:
         return None
     head_dim, nheads = t.shape[-1], t.shape[-2]
     if block_d != head_dim or t.stride(-2) != head_dim:
@@ -163,6 +163,11 @@ def flash_fwd(q, k, v, out, lse, params: AttnParams, alibi: Optional[torch.Tenso
     max_sk = max_seqlen_k if cu_seqlens_k is not None else k.shape[1]
     batch, nheads, nheads_k, score_scale, softcap_log2, rng, alibi_sb = _common(
         q, k, params, alibi, cu_seqlens_q, max_sq, max_sk)
+    if q.numel() == 0 or k.shape[-3] == 0 or max_sk == 0:
+        # nothing to attend to (or nobody asking): rows that see no key are 0 with lse = -inf
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return
     cfg = fwd_config(head_dim, q.dtype, params.window_right == 0)
     grid = (triton.cdiv(max_sq, cfg.BLOCK_M), batch * nheads)
     block_d = _block_d(head_dim)
@@ -189,6 +194,8 @@ def attn_probs(q, k, lse, params: AttnParams, alibi=None, cu_seqlens_q=None, cu_
     batch, nheads, nheads_k, score_scale, softcap_log2, rng, alibi_sb = _common(
         q, k, params, alibi, cu_seqlens_q, max_sq, max_sk)
     p = torch.zeros(batch, nheads, max_sq, max_sk, device=q.device, dtype=torch.float32)
+    if p.numel() == 0:
+        return p
     grid = (triton.cdiv(max_sq, 32), batch * nheads)
     _fwd.attn_probs_kernel[grid](
         q, k, lse, p, cu_seqlens_q, cu_seqlens_k, alibi,
@@ -211,6 +218,11 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
         q, k, params, alibi, cu_seqlens_q, max_sq, max_sk)
     flags = _flags(params, alibi, cu_seqlens_q, head_dim, q.dtype)
     even_d = _block_d(head_dim) == head_dim
+    if q.numel() == 0 or k.numel() == 0 or max_sq == 0 or max_sk == 0:
+        # no query or no key: every gradient is 0 (and launching an empty grid is an error)
+        for g in (dq, dk, dv):
+            g.zero_()
+        return
     delta = torch.empty_like(lse)
     pre_m = 64 if not interpreting() else 32
     _bwd.attn_bwd_preprocess_kernel[(triton.cdiv(max_sq, pre_m), batch * nheads)](
