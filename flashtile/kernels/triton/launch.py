@@ -95,6 +95,7 @@ class Config:
     BLOCK_N: int
     num_warps: int
     num_stages: int
+    atomic_dq: bool = False   # backward only: dQ by fp32 atomics in the dK/dV kernel instead of a second pass
 
 
 # Benchmarks and tuning sweeps pin a config here ({"fwd": Config, "bwd": Config}); empty in normal use.
@@ -102,34 +103,37 @@ CONFIG_OVERRIDE: dict = {}
 
 
 def fwd_config(head_dim: int, dtype: torch.dtype, causal: bool) -> Config:
-    """Block shapes per head dim (Br = BLOCK_M, Bc = BLOCK_N). Interpreter: small tiles so that the
-    CPU tests cross many tile boundaries."""
+    """Block shapes per head dim (Br = BLOCK_M, Bc = BLOCK_N), the best of benchmarks/sweep_configs.py on an
+    H200 (bf16, b2 n8192, 2026-11-21). Interpreter: small tiles so the CPU tests cross many tile edges."""
     if "fwd" in CONFIG_OVERRIDE:
         return CONFIG_OVERRIDE["fwd"]
     if interpreting():
         return Config(32, 16, 4, 1)
     bd = _block_d(head_dim)
-    big = dtype == torch.float32
+    if dtype == torch.float32:  # 4-byte tiles: half the rows
+        return Config(64, 64 if bd <= 64 else 32, 4, 2)
     if bd <= 64:
-        return Config(128, 64 if big else 128, 4 if big else 8, 3)
+        return Config(128, 64, 4, 3)
     if bd <= 128:
-        return Config(128, 32 if big else 64, 8, 3)
-    return Config(64, 32 if big else 64, 4 if big else 8, 2)
+        return Config(128, 128, 8, 3)
+    return Config(128, 64, 8, 2)
 
 
 def bwd_config(head_dim: int, dtype: torch.dtype) -> Config:
-    """BLOCK_N: key rows a dK/dV program owns; BLOCK_M: query rows per inner step (swapped for dQ)."""
+    """BLOCK_N: key rows a dK/dV program owns; BLOCK_M: query rows per inner step (swapped for the dQ pass).
+    The two-pass backward (no atomics) measured faster than atomic dQ at every head dim on the H200 once the
+    streamed tiles came through TMA (d128: 373 vs 294 TFLOP/s), so it is the default: gradients are then
+    bitwise reproducible whatever `deterministic` says."""
     if "bwd" in CONFIG_OVERRIDE:
         return CONFIG_OVERRIDE["bwd"]
     if interpreting():
         return Config(16, 32, 4, 1)
     bd = _block_d(head_dim)
-    big = dtype == torch.float32
-    if bd <= 64:
-        return Config(64, 128 if not big else 64, 8, 2)
+    if dtype == torch.float32:
+        return Config(32, 64 if bd <= 64 else 32, 4, 1)
     if bd <= 128:
-        return Config(64 if not big else 32, 128 if not big else 64, 8, 2)
-    return Config(32, 64, 8, 1)
+        return Config(64, 128, 8, 2)
+    return Config(64, 32, 4, 1)
 
 
 def _flags(params: AttnParams, alibi, cu_q, head_dim, dtype):
@@ -230,9 +234,10 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
         nheads, max_sq, head_dim, BLOCK_M=pre_m, BLOCK_D=flags["BLOCK_D"], IS_VARLEN=flags["IS_VARLEN"])
     cfg = bwd_config(head_dim, q.dtype)
     common = (*_lse_strides(lse), alibi_sb)
-    # Fast path: dQ accumulated with fp32 atomics inside the dK/dV kernel (5 matmuls per tile instead of
-    # 7). deterministic=True: a second pass computes dQ without atomics (bitwise reproducible).
-    atomic = not deterministic
+    # atomic_dq: dQ accumulated with fp32 atomics inside the dK/dV kernel (5 matmuls per tile instead of 7,
+    # but contended read-modify-writes); otherwise a second pass computes dQ without atomics. deterministic
+    # forces the second pass.
+    atomic = cfg.atomic_dq and not deterministic
     dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if atomic else dq
     # the streamed operands (Q, dO in the dK/dV kernel; K, V in the dQ pass) come in tiles of BLOCK_M rows
     block_d = flags["BLOCK_D"]
