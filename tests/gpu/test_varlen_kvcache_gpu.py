@@ -1,0 +1,108 @@
+"""Varlen, KV-cache decoding and split-KV on a CUDA GPU at realistic sizes (skipped without CUDA).
+
+The same oracles as the CPU tests (tests/test_varlen.py, tests/test_kvcache.py), scaled up: caches of 32k
+positions, paged caches (pages of 16 / 64 / 256), GQA 8:1 (nheads 32 / nheads_k 4, 16 / 2), head dims 64 / 128 /
+256, bf16 (which the CPU interpreter cannot test) next to fp16, automatic and fixed split counts. Run with
+``pytest tests/gpu/test_varlen_kvcache_gpu.py`` on an H100/H200; a few minutes, most of it Triton compilation
+and the float64 oracle.
+"""
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("CUDA-only tests", allow_module_level=True)
+
+import flashtile  # noqa: E402,F401
+from test_kvcache import KCase, run_case  # noqa: E402
+from test_varlen import (VCase, check_varlen, cu, packed_inputs, paged_from_packed,  # noqa: E402
+                         varlen_reference)
+from attn_utils import assert_within_rule  # noqa: E402
+from flashtile.kernels.triton import decode as _decode  # noqa: E402
+from flashtile.kvcache import flash_attn_with_kvcache  # noqa: E402
+from flashtile.varlen import flash_attn_varlen_func  # noqa: E402
+
+fp16, bf16, fp32 = torch.float16, torch.bfloat16, torch.float32
+
+
+@pytest.fixture(autouse=True)
+def _free_gpu_memory():
+    yield
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+GPU_KV_CASES = [
+    # single-token decode against a 32k cache, GQA 8:1, automatic splits (few tiles -> many splits)
+    KCase(2, 1, 32, 4, 128, bf16, capacity=32768, seqlen_new=1),
+    KCase(1, 1, 32, 4, 128, fp16, capacity=32768, seqlen_new=1, causal=True, rotary_dim=128, interleaved=False),
+    # paged 32k caches, pages of 256 / 64 / 16, rotary, fixed and automatic splits
+    KCase(2, 1, 32, 4, 128, bf16, capacity=32768, seqlen_new=1, causal=True, rotary_dim=128, page=256),
+    KCase(2, 1, 16, 2, 128, bf16, capacity=16384, seqlen_new=1, rotary_dim=64, interleaved=True, page=64,
+          num_splits=8),
+    KCase(1, 1, 32, 4, 128, bf16, capacity=8192, seqlen_new=1, causal=True, page=16),
+    # speculative decoding (s_q = 4) and chunked prefill (s_q = 256: 2048 packed rows) over paged caches
+    KCase(2, 4, 32, 4, 128, bf16, capacity=16384, seqlen_new=4, causal=True, rotary_dim=128, page=256),
+    KCase(1, 256, 32, 4, 128, bf16, capacity=8192, seqlen_new=256, causal=True, page=64),
+    # cache_batch_idx, leftpad, ALiBi, softcap, sliding window
+    KCase(3, 1, 16, 2, 128, bf16, capacity=8192, seqlen_new=1, window=(1024, 0), softcap=30.0, alibi="bh",
+          rotary_dim=64, batch_idx=True, leftpad=True),
+    KCase(2, 2, 16, 2, 128, fp16, capacity=8192, seqlen_new=2, causal=True, page=256, leftpad=True),
+    # other head dims; many tiles (no split); fp32
+    KCase(4, 1, 8, 1, 64, bf16, capacity=16384, seqlen_new=1, causal=True),
+    KCase(2, 1, 8, 2, 256, bf16, capacity=8192, seqlen_new=1, page=64),
+    KCase(64, 1, 32, 8, 128, bf16, capacity=2048, seqlen_new=1, causal=True),
+    KCase(2, 1, 8, 2, 128, fp32, capacity=4096, seqlen_new=1, rotary_dim=128),
+]
+
+
+@pytest.mark.parametrize("c", GPU_KV_CASES, ids=lambda c: c.id)
+def test_kvcache_gpu_matches_reference(c, seed):
+    run_case(c, seed)
+
+
+def test_split_counts_agree_on_gpu(seed):
+    q = torch.randn(1, 1, 32, 128, dtype=bf16, device="cuda")
+    kc = torch.randn(1, 32768, 8, 128, dtype=bf16, device="cuda")
+    vc = torch.randn(1, 32768, 8, 128, dtype=bf16, device="cuda")
+    one = flash_attn_with_kvcache(q, kc, vc, num_splits=1, return_softmax_lse=True)
+    auto_n = _decode.num_splits_heuristic(8, 32768, _decode.decode_config(4, 128, bf16).BLOCK_N, q.device)
+    assert auto_n > 1, "batch 1 x 8 K/V heads must be split to fill the GPU"
+    for n in (0, 16, 128):
+        o, l_ = flash_attn_with_kvcache(q, kc, vc, num_splits=n, return_softmax_lse=True)
+        torch.testing.assert_close(o.float(), one[0].float(), rtol=0, atol=1.6e-2)   # one bf16 rounding apart
+        torch.testing.assert_close(l_, one[1], rtol=1e-5, atol=1e-5)
+
+
+GPU_VARLEN_CASES = [
+    VCase((1000, 0, 3000, 517), (1000, 0, 3000, 517), 16, 2, 128, bf16, causal=True),
+    VCase((2048, 1, 777), (4096, 100, 777), 8, 8, 64, fp16, window=(256, 0), softcap=20.0, alibi="bh"),
+    VCase((1500, 900), (1500, 2000), 8, 1, 128, bf16, dropout_p=0.17, causal=True, deterministic=True),
+    VCase((640, 1024), (640, 1024), 4, 2, 256, bf16, causal=True),
+]
+
+
+@pytest.mark.parametrize("c", GPU_VARLEN_CASES, ids=lambda c: c.id)
+def test_varlen_gpu_fwd_bwd(c, seed):
+    q, k, v, dout, alibi = packed_inputs(c)
+    out, lse, s_dmask = flash_attn_varlen_func(
+        q, k, v, cu(c.lens_q), cu(c.lens_k), max(c.lens_q), max(c.lens_k), dropout_p=c.dropout_p, causal=c.causal,
+        window_size=c.window, softcap=c.softcap, alibi_slopes=alibi, deterministic=c.deterministic,
+        return_attn_probs=True)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    check_varlen(c, q, k, v, dout, alibi, out, lse, grads, s_dmask if c.dropout_p > 0 else None)
+
+
+@pytest.mark.parametrize("page", [16, 256])
+def test_varlen_paged_gpu(page, seed):
+    c = VCase((7, 1, 300), (20000, 4000, 9000), 32, 4, 128, bf16, causal=True)
+    q, k, v, dout, alibi = packed_inputs(c)
+    gen = torch.Generator().manual_seed(seed)
+    nb = sum(-(-n // page) for n in c.lens_k) + 4
+    k_cache, table = paged_from_packed(k.detach(), c.lens_k, page, nb, gen)
+    v_cache, _ = paged_from_packed(v.detach(), c.lens_k, page, nb, torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        out = flash_attn_varlen_func(q, k_cache, v_cache, cu(c.lens_q), cu(c.lens_k), 300, 20000, causal=True,
+                                     block_table=table)
+    ref = varlen_reference(c, q, k, v, dout, None, True)
+    std = varlen_reference(c, q, k, v, dout, None, False)
+    assert_within_rule("out", out, ref[0], std[0], c.dtype, f"[{c.id} page={page}]")
