@@ -1,0 +1,355 @@
+"""FP8 (e4m3) attention forward as in FlashAttention-3 §3.3: block quantization, incoherent processing, FP8
+tensor-core GEMMs with fp32 accumulation. Forward only.
+
+    out = flash_attn_fp8_func(q, k, v, causal=True)            # bf16/fp16 in: quantized here, bf16/fp16 out
+    out = flash_attn_fp8_func(q8, k8, v8, q_descale=dq, k_descale=dk, v_descale=dv)   # float8_e4m3fn in
+
+Layout (batch, seqlen, nheads, headdim) as flash_attn_func; GQA (nheads % nheads_k == 0); causal masks
+are bottom-right aligned. The algorithm and its float32 emulation: flashtile/reference/fp8_emulation.py;
+the kernels: flashtile/kernels/triton/fp8.py.
+
+Modes (bf16/fp16 inputs), the four rows of FA3's Table 3:
+    block_quant=False, incoherent=False   per-tensor FP8 baseline (one scale for each of Q, K, V)
+    block_quant=True,  incoherent=False   one scale per Br x d block of Q and Bc x d block of K, V
+    block_quant=False, incoherent=True    Q, K rotated by M = diag(signs) H / sqrt(d), per-tensor scales
+    block_quant=True,  incoherent=True    both (the default, FA3's FP8 path)
+P is quantized to e4m3 for the P V product with the fixed scale 448 (P~ = exp2(S - m + log2 448) in
+[0, 448]); the factor is in the row sum too, so it cancels in O = acc / l at no cost.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+
+from .kernels.triton import fp8 as _k
+from .kernels.triton.launch import TensorDescriptor, interpreting, kv_descriptor
+from .reference.fp8_emulation import hadamard_signs
+
+FP8_DTYPE = torch.float8_e4m3fn
+_FLOAT_IN = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class FP8Config:
+    BLOCK_M: int      # Br: query rows per program = rows per Q scale block
+    BLOCK_N: int      # Bc: key rows per step = rows per K / V scale block
+    num_warps: int
+    num_stages: int
+
+
+# Benchmarks pin a config here ({"fwd": FP8Config}); empty in normal use.
+CONFIG_OVERRIDE: dict = {}
+
+
+def fp8_config(head_dim: int, causal: bool = False) -> FP8Config:
+    """Tile shapes of the FP8 kernel; the quantization blocks follow them (Q: BLOCK_M rows, K/V: BLOCK_N)."""
+    if "fwd" in CONFIG_OVERRIDE:
+        return CONFIG_OVERRIDE["fwd"]
+    if interpreting():
+        return FP8Config(32, 16, 4, 1)
+    if head_dim <= 64:
+        return FP8Config(128, 128, 4, 3)
+    if head_dim <= 128:
+        return FP8Config(128, 128, 8, 3)
+    return FP8Config(128, 64, 8, 2)
+
+
+@dataclass
+class FP8Tensors:
+    """Quantized attention inputs: x ~= x8 * descale (after the incoherent rotation of q and k, if any).
+
+    q: (batch, seqlen_q, nheads, d) e4m3; k: (batch, seqlen_k, nheads_k, d) e4m3;
+    v: (batch, seqlen_k, nheads_k, d) e4m3, or, with v_transposed, V^T (batch, nheads_k, d, seqlen_pad)
+    with seqlen_pad = seqlen_k rounded up to 16 and zeros past seqlen_k (16-byte aligned rows for TMA).
+    q_scale: (batch, nheads, ceil(seqlen_q / block_m)) float32; k_scale, v_scale: (batch, nheads_k,
+    ceil(seqlen_k / block_n)). Per-tensor modes hold the same value in every block."""
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    q_scale: torch.Tensor
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+    block_m: int
+    block_n: int
+    v_transposed: bool
+    incoherent: bool
+
+
+def _fail(arg, value, expected, exc=ValueError):
+    raise exc(f"flash_attn_fp8_func: {arg}={value}, expected {expected}")
+
+
+def _check_qkv(q, k, v):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            _fail(name, type(t).__name__, "a torch.Tensor", TypeError)
+        if t.dim() != 4:
+            _fail(f"{name}.shape", tuple(t.shape), "4 dims (batch, seqlen, nheads, headdim)")
+        if t.dtype not in _FLOAT_IN + (FP8_DTYPE,):
+            _fail(f"{name}.dtype", t.dtype, "torch.float16, torch.bfloat16 or torch.float8_e4m3fn", TypeError)
+    if not (q.dtype == k.dtype == v.dtype):
+        _fail("dtypes", (q.dtype, k.dtype, v.dtype), "q, k and v of one dtype", TypeError)
+    if not (q.device == k.device == v.device):
+        _fail("devices", (q.device, k.device, v.device), "q, k and v on one device")
+    b, _, h, d = q.shape
+    if k.shape[0] != b or v.shape[0] != b:
+        _fail("batch", (b, k.shape[0], v.shape[0]), "the same batch for q, k, v")
+    if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
+        _fail("v.shape", tuple(v.shape), f"seqlen_k and nheads_k of k.shape={tuple(k.shape)}")
+    if k.shape[3] != d or v.shape[3] != d:
+        _fail("headdim", (d, k.shape[3], v.shape[3]), "one head dim for q, k, v")
+    if d % 8 or d > 256:
+        _fail("headdim", d, "a multiple of 8, at most 256")
+    if k.shape[2] == 0 or h % k.shape[2]:
+        _fail("nheads", (h, k.shape[2]), "nheads divisible by nheads_k (GQA)")
+    if q.device.type == "cpu" and not interpreting():
+        raise RuntimeError("flash_attn_fp8_func: CPU tensors run through the Triton interpreter; set "
+                           "TRITON_INTERPRET=1 before importing flashtile")
+
+
+def _check_incoherent(d):
+    if d & (d - 1) or d < 16:
+        raise ValueError(f"flash_attn_fp8_func: incoherent=True needs headdim a power of two (16..256, e.g. "
+                         f"64, 128, 256) for the Walsh-Hadamard transform, got headdim={d}; pass "
+                         f"incoherent=False")
+
+
+def _block_d(d):
+    return max(32, triton.next_power_of_2(d))
+
+
+def _quant_one(x, block, per_tensor, signs, transpose):
+    """One tensor -> (e4m3 tensor, descale (batch, nheads, nblocks) float32)."""
+    b, n, h, d = x.shape
+    bd = _block_d(d)
+    incoherent = signs is not None
+    nblk = max(1, triton.cdiv(n, block))
+    scale = torch.empty(b, h, nblk, device=x.device, dtype=torch.float32)
+    if transpose:
+        n_pad = triton.cdiv(n, 16) * 16
+        y = torch.empty(b, h, d, n_pad, device=x.device, dtype=FP8_DTYPE)
+        if n_pad > n:
+            y[..., n:].view(torch.uint8).zero_()
+        ystr = (y.stride(0), 1, y.stride(1), y.stride(2))
+    else:
+        y = torch.empty(b, n, h, d, device=x.device, dtype=FP8_DTYPE)
+        ystr = (y.stride(0), y.stride(1), y.stride(2), 1)
+    if n == 0:
+        scale.fill_(1.0)
+        return y, scale
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    grid = (nblk, b * h)
+    warps = 8 if block * bd >= 16384 else 4
+    sig = signs if incoherent else scale
+    common = (x.stride(0), x.stride(1), x.stride(2), *ystr, scale.stride(0), scale.stride(1),
+              h, n, d, 1.0 / math.sqrt(d))
+    meta = dict(BLOCK=block, BLOCK_D=bd, INCOHERENT=incoherent, num_warps=warps)
+    amax = scale
+    if per_tensor:  # pass 1: block amaxes (after the rotation) -> the tensor's amax
+        _k.quant_fp8_kernel[grid](x, y, scale, sig, scale, *common, PER_TENSOR=False, WRITE_Y=False, **meta)
+        amax = scale.amax().reshape(1).clone()
+    _k.quant_fp8_kernel[grid](x, y, scale, sig, amax, *common, PER_TENSOR=per_tensor, WRITE_Y=True, **meta)
+    return y, scale
+
+
+def quantize_fp8(q, k, v, *, block_quant: bool = True, incoherent: bool = True, hadamard_seed: int = 0,
+                 transpose_v: bool = True, causal: bool = False, block_m: Optional[int] = None,
+                 block_n: Optional[int] = None) -> FP8Tensors:
+    """The fused quantization kernel over q, k, v (bf16/fp16, (batch, seqlen, nheads, headdim)).
+
+    incoherent: q and k rotated by M = diag(signs) H / sqrt(d) (signs seeded by hadamard_seed; the same M
+    for both, so QK^T is unchanged) with a fast Walsh-Hadamard transform inside the kernel. block_quant:
+    one scale per block_m x d block of q and block_n x d block of k, v (default: the attention kernel's
+    tiles, fp8_config); else one per tensor. transpose_v: write V^T (K-major for the P V GEMM)."""
+    _check_qkv(q, k, v)
+    if q.dtype not in _FLOAT_IN:
+        _fail("q.dtype", q.dtype, "torch.float16 or torch.bfloat16 to quantize", TypeError)
+    for name, val in (("block_quant", block_quant), ("incoherent", incoherent), ("transpose_v", transpose_v)):
+        if not isinstance(val, bool):
+            _fail(name, val, "a bool", TypeError)
+    if not isinstance(hadamard_seed, int) or isinstance(hadamard_seed, bool):
+        _fail("hadamard_seed", hadamard_seed, "an int", TypeError)
+    d = q.shape[-1]
+    if incoherent:
+        _check_incoherent(d)
+    cfg = fp8_config(d, causal)
+    block_m = block_m or cfg.BLOCK_M
+    block_n = block_n or cfg.BLOCK_N
+    for name, val in (("block_m", block_m), ("block_n", block_n)):
+        if val < 16 or val & (val - 1):
+            _fail(name, val, "a power of two >= 16")
+    signs = hadamard_signs(d, hadamard_seed, device=q.device) if incoherent else None
+    per_tensor = not block_quant
+    q8, qs = _quant_one(q, block_m, per_tensor, signs, False)
+    k8, ks = _quant_one(k, block_n, per_tensor, signs, False)
+    v8, vs = _quant_one(v, block_n, per_tensor, None, transpose_v)
+    return FP8Tensors(q8, k8, v8, qs, ks, vs, block_m, block_n, transpose_v, incoherent)
+
+
+def _scale_view(t: torch.Tensor, name: str, batch: int, nheads_k: int):
+    """A descale given per (batch, nheads_k) or per tensor -> (tensor, stride_b, stride_h, stride_blk)."""
+    if not isinstance(t, torch.Tensor):
+        _fail(name, type(t).__name__, "a torch.Tensor (float32, shape (batch, nheads_k) or one element)",
+              TypeError)
+    if not t.is_floating_point() or t.dtype == FP8_DTYPE:
+        _fail(f"{name}.dtype", t.dtype, "a floating dtype (float32)", TypeError)
+    t = t.to(torch.float32)
+    if t.numel() == 1:
+        return t.reshape(1), 0, 0, 0
+    if tuple(t.shape) != (batch, nheads_k):
+        _fail(f"{name}.shape", tuple(t.shape), f"(batch, nheads_k) = {(batch, nheads_k)} or one element")
+    return t, t.stride(0), t.stride(1), 0
+
+
+def attention_fp8(t: FP8Tensors, *, softmax_scale: float, causal: bool = False, out_dtype=torch.bfloat16,
+                  seqlen_k: Optional[int] = None, descales=None, soft_cast: Optional[bool] = None,
+                  use_tma: Optional[bool] = None, config: Optional[FP8Config] = None):
+    """The FP8 attention kernel over quantized tensors. Returns (out (b, sq, h, d) out_dtype, lse (b, h, sq)
+    float32 natural log). descales: ((tensor, sb, sh, sm, group) for q, k, v) overriding t's scales
+    (pre-quantized inputs). soft_cast: round P onto the e4m3 grid in fp32 before the cast (default: only
+    under the interpreter, whose cast does not round to nearest). use_tma: None = where possible."""
+    q8, k8, v8 = t.q, t.k, t.v
+    b, sq, h, d = q8.shape
+    hk = k8.shape[2]
+    sk = k8.shape[1] if seqlen_k is None else seqlen_k
+    out = torch.empty(b, sq, h, d, device=q8.device, dtype=out_dtype)
+    lse = torch.empty(b, h, sq, device=q8.device, dtype=torch.float32)
+    if sq == 0:
+        return out, lse
+    if sk == 0:
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+    cfg = config or fp8_config(d, causal)
+    if t.block_m != cfg.BLOCK_M or t.block_n != cfg.BLOCK_N:
+        raise ValueError(f"attention_fp8: quantization blocks (block_m={t.block_m}, block_n={t.block_n}) must "
+                         f"match the kernel tiles (BLOCK_M={cfg.BLOCK_M}, BLOCK_N={cfg.BLOCK_N})")
+    bd = _block_d(d)
+    if descales is None:
+        qs = (t.q_scale, t.q_scale.stride(0), t.q_scale.stride(1), t.q_scale.stride(2), 1)
+        ks = (t.k_scale, t.k_scale.stride(0), t.k_scale.stride(1), t.k_scale.stride(2))
+        vs = (t.v_scale, t.v_scale.stride(0), t.v_scale.stride(1), t.v_scale.stride(2))
+    else:
+        qs, ks, vs = descales
+    if soft_cast is None:
+        soft_cast = interpreting()
+    desc_k = desc_v = None
+    if use_tma is not False and TensorDescriptor is not None and bd == d:
+        desc_k = kv_descriptor(k8, cfg.BLOCK_N, bd)
+        if t.v_transposed:
+            if v8.is_contiguous() and v8.data_ptr() % 16 == 0 and (q8.device.type == "cuda" or interpreting()):
+                rows = b * hk * d
+                view = v8.view(rows, v8.shape[-1])
+                desc_v = TensorDescriptor(view, [rows, v8.shape[-1]], [v8.shape[-1], 1], [bd, cfg.BLOCK_N])
+        else:
+            desc_v = kv_descriptor(v8, cfg.BLOCK_N, bd)
+    tma = desc_k is not None and desc_v is not None
+    if use_tma and not tma:
+        raise ValueError("attention_fp8: use_tma=True but no TMA descriptor can be made for these tensors")
+    if t.v_transposed:
+        v_str = (v8.stride(0), 1, v8.stride(1), v8.stride(2))   # (batch, key, head, d) strides of V^T
+    else:
+        v_str = (v8.stride(0), v8.stride(1), v8.stride(2), 1)
+    grid = (triton.cdiv(sq, cfg.BLOCK_M), b * h)
+    _k.attn_fwd_fp8_kernel[grid](
+        q8, k8, v8, out, lse, qs[0], ks[0], vs[0], desc_k if tma else None, desc_v if tma else None,
+        q8.stride(0), q8.stride(1), q8.stride(2), k8.stride(0), k8.stride(1), k8.stride(2),
+        *v_str, out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+        qs[1], qs[2], qs[3], ks[1], ks[2], ks[3], vs[1], vs[2], vs[3],
+        h, hk, h // hk, qs[4], sq, sk, d, d, softmax_scale * _k_log2e(),
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_D=bd, CAUSAL=bool(causal),
+        V_TRANSPOSED=t.v_transposed, USE_TMA=tma, SOFT_CAST=bool(soft_cast),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out, lse
+
+
+def _k_log2e():
+    return 1.4426950408889634
+
+
+class _FP8Attention(torch.autograd.Function):
+    """Forward-only: gives inputs that require grad an output whose backward fails loudly."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, run):
+        out, lse = run()
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        raise NotImplementedError("flash_attn_fp8_func: the FP8 attention path is forward-only (FA3's FP8 "
+                                  "kernel has no backward); use flashtile.flash_attn_func (bf16/fp16) to train")
+
+
+def flash_attn_fp8_func(q, k, v, softmax_scale=None, causal=False, block_quant=True, incoherent=True,
+                        hadamard_seed=0, q_descale=None, k_descale=None, v_descale=None, return_lse=False,
+                        *, transpose_v=True, out_dtype=None):
+    """FP8 attention forward (FA3 §3.3).
+
+    q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim); headdim <= 256, a
+    multiple of 8 (a power of two with incoherent=True). dtype float16/bfloat16: quantized here (see the
+    module doc for block_quant / incoherent / hadamard_seed); output in the same dtype.
+    dtype float8_e4m3fn: already quantized, x = x8 * x_descale with descales float32 of shape
+    (batch, nheads_k) or one element (None = 1), as FA3's q_descale/k_descale/v_descale; block_quant,
+    incoherent and hadamard_seed do not apply (the caller quantized); output bfloat16 unless out_dtype.
+    transpose_v: V is fed to the P V GEMM from a transposed (K-major) copy written by the quantizer
+    (fp8 inputs: by a transpose copy); False reads V as it is (Triton transposes on chip).
+    Returns out, or (out, lse) with return_lse (lse (batch, nheads, seqlen_q) float32, natural log).
+    Backward raises NotImplementedError."""
+    _check_qkv(q, k, v)
+    if not isinstance(causal, bool):
+        _fail("causal", causal, "a bool", TypeError)
+    if not isinstance(return_lse, bool):
+        _fail("return_lse", return_lse, "a bool", TypeError)
+    if not isinstance(transpose_v, bool):
+        _fail("transpose_v", transpose_v, "a bool", TypeError)
+    d = q.shape[-1]
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(d)
+    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not softmax_scale > 0 \
+            or not math.isfinite(softmax_scale):
+        _fail("softmax_scale", softmax_scale, "a positive finite float or None")
+    fp8_in = q.dtype == FP8_DTYPE
+    descales = (q_descale, k_descale, v_descale)
+    if not fp8_in and any(x is not None for x in descales):
+        _fail("q_descale/k_descale/v_descale", "given", "None for float16/bfloat16 inputs (they are quantized "
+              "here); descales go with float8_e4m3fn inputs")
+    if out_dtype is None:
+        out_dtype = torch.bfloat16 if fp8_in else q.dtype
+    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        _fail("out_dtype", out_dtype, "torch.bfloat16, torch.float16 or torch.float32", TypeError)
+    b, sq, h, _ = q.shape
+    hk = k.shape[2]
+    cfg = fp8_config(d, causal)
+
+    def run():
+        if fp8_in:
+            ones = torch.ones(1, device=q.device, dtype=torch.float32)
+            views = [_scale_view(x if x is not None else ones, name, b, hk)
+                     for x, name in zip(descales, ("q_descale", "k_descale", "v_descale"))]
+            qv = (*views[0], h // hk)   # q_descale is per (batch, head_k): query head h reads h // group
+            vv = v.permute(0, 2, 3, 1) if transpose_v else v
+            if transpose_v:
+                n_pad = triton.cdiv(v.shape[1], 16) * 16
+                vt = torch.zeros(b, hk, d, n_pad, device=v.device, dtype=torch.uint8)
+                vt[..., :v.shape[1]].copy_(vv.view(torch.uint8))
+                vv = vt.view(FP8_DTYPE)
+            t = FP8Tensors(q.contiguous(), k.contiguous(), vv if transpose_v else v.contiguous(),
+                           views[0][0], views[1][0], views[2][0], cfg.BLOCK_M, cfg.BLOCK_N, transpose_v, False)
+            return attention_fp8(t, softmax_scale=float(softmax_scale), causal=causal, out_dtype=out_dtype,
+                                 descales=(qv, views[1], views[2]), config=cfg)
+        t = quantize_fp8(q, k, v, block_quant=block_quant, incoherent=incoherent, hadamard_seed=hadamard_seed,
+                         transpose_v=transpose_v, causal=causal)
+        return attention_fp8(t, softmax_scale=float(softmax_scale), causal=causal, out_dtype=out_dtype, config=cfg)
+
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+        out, lse = _FP8Attention.apply(q, k, v, run)
+    else:
+        out, lse = run()
+    return (out, lse) if return_lse else out

@@ -1,0 +1,286 @@
+"""FP8 (e4m3) attention forward as in FlashAttention-3 §3.3 (seed 001): a fused quantization kernel and
+an attention kernel over its tiles. The math is written out in flashtile/reference/fp8_emulation.py.
+
+quant_fp8_kernel: one program per (block of BLOCK rows, batch * head) of Q, K or V: load the tile, optionally
+  apply the incoherent transform x -> x diag(s) H / sqrt(d) (fast Walsh-Hadamard transform, log2 d butterfly
+  stages on the register tile), take the block's amax, store descale = amax / 448 and e4m3(x * 448 / amax);
+  V can be written transposed, (batch, nheads_k, d, seqlen_pad), so that the P V product's B operand is
+  K-major in memory (FP8 wgmma accepts only K-major operands, FA3 §3.3 "layout").
+attn_fwd_fp8_kernel: FA2's forward loop (fwd.py) on e4m3 tiles; the per-block scales enter as one scalar
+  per S tile (folded into the softmax scale) and one per-row factor per V tile (folded into the rescale
+  of the accumulator), so block quantization costs no extra work per element.
+
+e4m3 rounding: the kernels' casts are round-to-nearest-even, saturating at +-448 (PTX cvt.rn.satfinite).
+The Triton interpreter's fp32 -> fp8 cast does not round that way (it truncates with a half-up bit and
+drops the carry into the exponent: 125.04 -> 64), so with SOFT_CAST the value is first rounded onto the
+e4m3 grid in fp32 arithmetic (e4m3_round), after which any cast is exact. The quantization kernel always
+does this (it is memory-bound); the attention kernel's P cast does it only when SOFT_CAST is set (the
+launcher sets it under the interpreter; the GPU script checks both paths agree).
+"""
+import triton
+import triton.language as tl
+
+from .mods import key_range, visible
+
+E4M3_MAX = 448.0
+LOG2_E4M3_MAX = 8.807354922057604    # log2(448): P~ = exp2(S - m + log2 448) fills e4m3's range
+AMAX_FLOOR = 9.5367431640625e-07     # 2^-20: an all-zero block still gets a finite scale
+
+
+@triton.jit
+def e4m3_round(x):
+    """fp32 -> the nearest e4m3fn value (ties to even, saturating at +-448), still fp32.
+
+    For |x| in [2^E, 2^(E+1)) the e4m3 spacing is 2^(E-3) (2^-9 in the subnormals, E < -6); adding and
+    subtracting 1.5 * 2^23 * spacing makes the fp32 adder do the rounding to that spacing."""
+    a = tl.minimum(tl.abs(x), 448.0)
+    e = (a.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    e = tl.maximum(e, 121)                                   # 121 = 127 - 6: subnormal spacing 2^-9
+    spacing = ((e - 3) << 23).to(tl.float32, bitcast=True)
+    magic = spacing * 12582912.0                             # 1.5 * 2^23
+    r = (a + magic) - magic
+    return tl.where(x < 0, -r, r)
+
+
+@triton.jit
+def to_e4m3(x, SOFT_CAST: tl.constexpr):
+    if SOFT_CAST:
+        x = e4m3_round(x)
+    return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def _fwht_stage(x, BLOCK: tl.constexpr, D: tl.constexpr, H: tl.constexpr):
+    """Butterfly stage of half-width H: columns (c, c + H) inside each group of 2H -> (a + b, a - b)."""
+    y = tl.reshape(x, (BLOCK, D // (2 * H), 2, H))
+    y = tl.permute(y, (0, 1, 3, 2))                          # the pair axis last, for split/join
+    a, b = tl.split(y)
+    y = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2))
+    return tl.reshape(y, (BLOCK, D))
+
+
+@triton.jit
+def fwht_rows(x, BLOCK: tl.constexpr, D: tl.constexpr):
+    """Unnormalised fast Walsh-Hadamard transform of every row of x (BLOCK, D): x @ H_D in log2(D) stages
+    (D a power of two, 2..256), unrolled at compile time."""
+    x = _fwht_stage(x, BLOCK, D, 1)
+    if D >= 4:
+        x = _fwht_stage(x, BLOCK, D, 2)
+    if D >= 8:
+        x = _fwht_stage(x, BLOCK, D, 4)
+    if D >= 16:
+        x = _fwht_stage(x, BLOCK, D, 8)
+    if D >= 32:
+        x = _fwht_stage(x, BLOCK, D, 16)
+    if D >= 64:
+        x = _fwht_stage(x, BLOCK, D, 32)
+    if D >= 128:
+        x = _fwht_stage(x, BLOCK, D, 64)
+    if D >= 256:
+        x = _fwht_stage(x, BLOCK, D, 128)
+    return x
+
+
+@triton.jit
+def quant_fp8_kernel(
+    X, Y, SCALE, SIGNS, AMAX_IN,
+    stride_xb, stride_xn, stride_xh, stride_yb, stride_yn, stride_yh, stride_yd,
+    stride_sb, stride_sh,
+    nheads, seqlen, head_dim, inv_sqrt_d,
+    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, INCOHERENT: tl.constexpr,
+    PER_TENSOR: tl.constexpr, WRITE_Y: tl.constexpr,
+):
+    """Y = e4m3(T(X) * 448 / amax), SCALE[b, h, blk] = amax / 448, T the optional incoherent transform.
+
+    Block mode (PER_TENSOR=False): amax over this (BLOCK, d) tile. PER_TENSOR: amax is read from AMAX_IN
+    (a 1-element tensor, the tensor-wide amax found by a first launch with WRITE_Y=False, which only
+    stores the block amaxes into SCALE). Y's strides are free, so V can be written transposed
+    (stride_yn = 1, stride_yd = seqlen_pad)."""
+    pid_n = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // nheads
+    h = bh % nheads
+    offs_n = pid_n * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_n[:, None] < seqlen) & (offs_d[None, :] < head_dim)
+    b64 = tl.cast(b, tl.int64)
+    x_ptrs = X + b64 * stride_xb + tl.cast(h, tl.int64) * stride_xh \
+        + offs_n[:, None].to(tl.int64) * stride_xn + offs_d[None, :]
+    x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    if INCOHERENT:
+        signs = tl.load(SIGNS + offs_d)
+        x = fwht_rows(x * signs[None, :], BLOCK, BLOCK_D) * inv_sqrt_d
+    if PER_TENSOR:
+        amax = tl.load(AMAX_IN)
+    else:
+        amax = tl.max(tl.max(tl.abs(x), 1), 0)
+    amax = tl.maximum(amax, 9.5367431640625e-07)
+    # IEEE divisions (Triton's `/` on fp32 is approximate on NVIDIA): the same bits as the torch emulation
+    if WRITE_Y:
+        inv = tl.math.div_rn(amax * 0.0 + 448.0, amax)
+        y = e4m3_round(x * inv).to(tl.float8e4nv)
+        y_ptrs = Y + b64 * stride_yb + tl.cast(h, tl.int64) * stride_yh \
+            + offs_n[:, None].to(tl.int64) * stride_yn + offs_d[None, :].to(tl.int64) * stride_yd
+        tl.store(y_ptrs, y, mask=mask)
+        tl.store(SCALE + b * stride_sb + h * stride_sh + pid_n, tl.math.div_rn(amax, amax * 0.0 + 448.0))
+    else:
+        tl.store(SCALE + b * stride_sb + h * stride_sh + pid_n, amax)
+
+
+@triton.jit
+def _load_k(desc_k, k_blk, kv_row, hk, offs_n, offs_d, cols, seqlen_k, stride_kn, head_dim,
+            MASKED: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_D: tl.constexpr):
+    """K_j (BLOCK_N, BLOCK_D) e4m3."""
+    if USE_TMA:
+        # rows past seqlen_k (the next sequence's) only reach S entries that the mask sets to -inf
+        k = desc_k.load([kv_row, hk * BLOCK_D])
+    else:
+        ptrs = k_blk + offs_n[:, None] * stride_kn + offs_d[None, :]
+        if MASKED:
+            k = tl.load(ptrs, mask=(cols[:, None] < seqlen_k) & (offs_d[None, :] < head_dim), other=0.0)
+        else:
+            k = tl.load(ptrs, mask=offs_d[None, :] < head_dim, other=0.0)
+    return k
+
+
+@triton.jit
+def _load_v(desc_v, v_blk, vt_row, start_n, kv_row, hk, offs_n, offs_d, cols, seqlen_k, stride_vn, stride_vd,
+            head_dim, MASKED: tl.constexpr, V_TRANSPOSED: tl.constexpr, USE_TMA: tl.constexpr,
+            BLOCK_D: tl.constexpr):
+    """V_j as the (BLOCK_N, BLOCK_D) B operand of P V. V_TRANSPOSED: read from V^T (d, seqlen_pad), so
+    the tile is K-major (sequence-contiguous) in memory as FP8 wgmma needs, and transposed in registers."""
+    if V_TRANSPOSED:
+        # V^T's columns [seqlen_k, seqlen_pad) hold zeros and the descriptor zero-fills past them
+        if USE_TMA:
+            vt = desc_v.load([vt_row, start_n])
+        else:
+            ptrs = v_blk + offs_d[:, None] * stride_vd + offs_n[None, :]
+            if MASKED:
+                vt = tl.load(ptrs, mask=(cols[None, :] < seqlen_k) & (offs_d[:, None] < head_dim), other=0.0)
+            else:
+                vt = tl.load(ptrs, mask=offs_d[:, None] < head_dim, other=0.0)
+        v = tl.trans(vt)
+    else:
+        if USE_TMA:
+            v = desc_v.load([kv_row, hk * BLOCK_D])
+            if MASKED:
+                # rows past seqlen_k are the next sequence's: zero them (as bytes: 0x00 is +0 in e4m3) so
+                # that P = 0 there cannot meet a NaN
+                v = tl.where(cols[:, None] < seqlen_k, v.to(tl.uint8, bitcast=True), 0).to(tl.float8e4nv, bitcast=True)
+        else:
+            ptrs = v_blk + offs_n[:, None] * stride_vn + offs_d[None, :]
+            if MASKED:
+                v = tl.load(ptrs, mask=(cols[:, None] < seqlen_k) & (offs_d[None, :] < head_dim), other=0.0)
+            else:
+                v = tl.load(ptrs, mask=offs_d[None, :] < head_dim, other=0.0)
+    return v
+
+
+@triton.jit
+def _fp8_tile(acc, l_i, m_i, dv_prev, q, qk_scale, desc_k, desc_v, k_blk, v_blk, K_SCALE_ROW, V_SCALE_ROW,
+              stride_ksm, stride_vsm, kv_row, vt_row, hk, start_n, offs_m, offs_n, offs_d, seqlen_q, seqlen_k,
+              stride_kn, stride_vn, stride_vd, head_dim,
+              MASKED: tl.constexpr, CAUSAL: tl.constexpr, V_TRANSPOSED: tl.constexpr, USE_TMA: tl.constexpr,
+              SOFT_CAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One step j of FA2 Alg. 1 (lines 7-10) on e4m3 tiles."""
+    cols = start_n + offs_n
+    blk = start_n // BLOCK_N
+    k = _load_k(desc_k, k_blk, kv_row, hk, offs_n, offs_d, cols, seqlen_k, stride_kn, head_dim,
+                MASKED, USE_TMA, BLOCK_D)
+    # line 8: S = Q8 K8^T, fp32 accumulate; block descales of Q_i and K_j join the softmax scale (FA3 §3.3)
+    dk = tl.load(K_SCALE_ROW + blk * stride_ksm)
+    s = tl.dot(q, tl.trans(k)) * (qk_scale * dk)
+    if MASKED:
+        s = tl.where(visible(offs_m[:, None], cols[None, :], seqlen_q, seqlen_k, 0, 0, False, CAUSAL),
+                     s, float("-inf"))
+    # line 9: online softmax in log2 units
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = m_new
+    if MASKED:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_use)
+    # P~ scaled by 448 (free: it rides on the row max) so it spans e4m3's range; l carries the same factor
+    p = tl.math.exp2(s - (m_use - 8.807354922057604)[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = _load_v(desc_v, v_blk, vt_row, start_n, kv_row, hk, offs_n, offs_d, cols, seqlen_k, stride_vn, stride_vd,
+                head_dim, MASKED, V_TRANSPOSED, USE_TMA, BLOCK_D)
+    # line 10 with V_j's block descale dv_j folded into the row rescale: acc is kept in units of dv_j
+    dv = tl.load(V_SCALE_ROW + blk * stride_vsm)
+    acc = acc * (alpha * (dv_prev / dv))[:, None]
+    acc = tl.dot(to_e4m3(p, SOFT_CAST), v, acc)
+    return acc, l_i, m_new, dv
+
+
+@triton.jit
+def attn_fwd_fp8_kernel(
+    Q, K, V, O, LSE, Q_SCALE, K_SCALE, V_SCALE, desc_k, desc_v,
+    stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh, stride_vd, stride_ob, stride_om, stride_oh,
+    stride_lse_b, stride_lse_h,
+    stride_qsb, stride_qsh, stride_qsm, stride_ksb, stride_ksh, stride_ksm, stride_vsb, stride_vsh, stride_vsm,
+    nheads, nheads_k, group_size, q_scale_group, seqlen_q, seqlen_k, vt_rows_per_head, head_dim, score_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+    V_TRANSPOSED: tl.constexpr, USE_TMA: tl.constexpr, SOFT_CAST: tl.constexpr,
+):
+    """O = softmax(S) V from e4m3 Q (b, sq, h, d), K (b, sk, hk, d), V (b, sk, hk, d) or V^T (b, hk, d, sk_pad).
+
+    Scales: Q_SCALE[b, h // q_scale_group, m-block], K_SCALE / V_SCALE[b, hk, n-block], any stride 0 (per
+    (batch, head_k) or per-tensor descales use stride_*sm = 0 and broadcast). LSE: natural log, float32."""
+    pid_m = tl.program_id(0)
+    if CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - pid_m       # longest rows first
+    bh = tl.program_id(1)
+    b = bh // nheads
+    h = bh % nheads
+    hk = h // group_size
+    start_m = pid_m * BLOCK_M
+    b64 = tl.cast(b, tl.int64)
+    q_base = Q + b64 * stride_qb + tl.cast(h, tl.int64) * stride_qh + tl.cast(start_m, tl.int64) * stride_qm
+    k_base = K + b64 * stride_kb + tl.cast(hk, tl.int64) * stride_kh
+    v_base = V + b64 * stride_vb + tl.cast(hk, tl.int64) * stride_vh
+    o_base = O + b64 * stride_ob + tl.cast(h, tl.int64) * stride_oh + tl.cast(start_m, tl.int64) * stride_om
+    kv_row0 = b * seqlen_k                            # row of this sequence in the (b * sk, hk * d) view
+    vt_row = (b * nheads_k + hk) * vt_rows_per_head   # row of this head in the (b * hk * d, sk_pad) view
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    k_scale_row = K_SCALE + b * stride_ksb + hk * stride_ksh
+    v_scale_row = V_SCALE + b * stride_vsb + hk * stride_vsh
+    dq = tl.load(Q_SCALE + b * stride_qsb + (h // q_scale_group) * stride_qsh + pid_m * stride_qsm)
+    qk_scale = score_scale * dq                       # softmax_scale * log2(e) * descale_q
+
+    q = tl.load(q_base + offs_r[:, None] * stride_qm + offs_d[None, :],
+                mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim), other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    dv_prev = tl.load(v_scale_row)                    # any value: acc is 0 until the first tile
+
+    lo, full_lo, full_hi, hi = key_range(start_m, seqlen_q, seqlen_k, 0, 0, BLOCK_M, BLOCK_N, False, CAUSAL)
+    for start_n in range(full_lo, full_hi, BLOCK_N):
+        acc, l_i, m_i, dv_prev = _fp8_tile(
+            acc, l_i, m_i, dv_prev, q, qk_scale, desc_k, desc_v,
+            k_base + tl.cast(start_n, tl.int64) * stride_kn, v_base + tl.cast(start_n, tl.int64) * stride_vn,
+            k_scale_row, v_scale_row, stride_ksm, stride_vsm, kv_row0 + start_n, vt_row, hk, start_n,
+            offs_m, offs_n, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn, stride_vd, head_dim,
+            False, CAUSAL, V_TRANSPOSED, USE_TMA, SOFT_CAST, BLOCK_N, BLOCK_D)
+    # diagonal / ragged-end tiles (lo == full_lo without a left window)
+    for start_n in range(full_hi, hi, BLOCK_N):
+        acc, l_i, m_i, dv_prev = _fp8_tile(
+            acc, l_i, m_i, dv_prev, q, qk_scale, desc_k, desc_v,
+            k_base + tl.cast(start_n, tl.int64) * stride_kn, v_base + tl.cast(start_n, tl.int64) * stride_vn,
+            k_scale_row, v_scale_row, stride_ksm, stride_vsm, kv_row0 + start_n, vt_row, hk, start_n,
+            offs_m, offs_n, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn, stride_vd, head_dim,
+            True, CAUSAL, V_TRANSPOSED, USE_TMA, SOFT_CAST, BLOCK_N, BLOCK_D)
+
+    # Alg. 1 lines 12-13: O = diag(l)^-1 O~ (times the last V descale), L = m + log l (448 cancels in O)
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc * (dv_prev / l_safe)[:, None]
+    out = tl.where(empty[:, None], 0.0, out)
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe) - 8.807354922057604) * 0.6931471805599453)
+    tl.store(o_base + offs_r[:, None] * stride_om + offs_d[None, :], out.to(O.dtype.element_ty),
+             mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim))
+    lse_ptrs = LSE + b64 * stride_lse_b + tl.cast(h, tl.int64) * stride_lse_h + offs_m
+    tl.store(lse_ptrs, lse, mask=offs_m < seqlen_q)
