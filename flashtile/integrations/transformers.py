@@ -1,0 +1,204 @@
+"""flashtile as a Hugging Face transformers attention implementation: ``attn_implementation="flashtile"``.
+
+    import flashtile.integrations.transformers as ft_hf
+    ft_hf.register()
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="flashtile")   # or from_pretrained(...)
+
+Works with every model whose attention layers dispatch through ``ALL_ATTENTION_FUNCTIONS`` (Llama, Mistral,
+Qwen2/3, Gemma 2/3, Phi-3, ...). The attention function receives q (batch, nheads, seqlen_q, headdim) and
+k/v (batch, nheads_k, seqlen_k, headdim) from the model and calls flashtile with the flash-attn layout
+(batch, seqlen, nheads, headdim):
+
+* GQA/MQA: k/v keep their nheads_k heads (no ``repeat_kv``); the kernels map query head h to h // group.
+* Padding: the model's mask arrives as the 2-D (batch, seqlen_k) padding mask (``register`` installs
+  transformers' own flash-attention mask builder for this name). A batch with padding is unpadded, run through
+  the varlen kernel and padded back (zeros at padding positions), as transformers' flash-attention path does.
+* Packed batches without padding (``DataCollatorWithFlattening``): batch 1 whose position_ids restart, or the
+  ``cu_seq_lens_q/k`` + ``max_length_q/k`` kwargs, run as varlen so that sequences do not see each other.
+* Sliding window w (the ``sliding_window`` argument the model passes): window_size = (w - 1, 0) when causal,
+  (w - 1, w - 1) otherwise, i.e. query i sees keys i - w + 1 .. i, transformers' ``kv_idx > q_idx - w``.
+* softcap (Gemma 2), scaling, dropout (the model passes its attention_dropout only in training),
+  deterministic (kwarg or FLASH_ATTENTION_DETERMINISTIC=1, like transformers' flash path).
+* float32 runs in float32 (no cast to half precision: flashtile's kernels take fp32), CPU runs through the
+  Triton interpreter.
+
+Not supported (raise ValueError): attention sinks (``s_aux``), additive position biases (``position_bias``),
+custom 4-D masks. ``output_attentions`` returns None weights, as with transformers' flash-attention path.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from ..interface import flash_attn_func
+from ..padding import pad_input, unpad_input
+from ..varlen import flash_attn_varlen_func
+
+NAME = "flashtile"
+# Names registered by register(); the flash-name shim (below) recognises exactly these.
+_REGISTERED: set = set()
+_UNSET = object()
+
+
+def _fail(arg: str, value, expected: str):
+    raise ValueError(f"flashtile (transformers integration): {arg} = {value!r}; expected {expected}")
+
+
+def _window(sliding_window, causal: bool):
+    """transformers' sliding window w (the query and the w - 1 keys before it) -> flash-attn window_size."""
+    if sliding_window is None:
+        return (-1, -1)
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+        _fail("sliding_window", sliding_window, "None or an int >= 1")
+    left = sliding_window - 1
+    return (left, 0) if causal else (left, left)
+
+
+def _packed_cu_seqlens(position_ids: torch.Tensor):
+    """cu_seqlens (int32) and max length of a packed row (1, total): a sequence starts wherever the position
+    does not continue the previous one (position_ids[t] != position_ids[t - 1] + 1)."""
+    pos = position_ids.reshape(-1)
+    starts = torch.ones_like(pos, dtype=torch.bool)
+    starts[1:] = pos[1:] != pos[:-1] + 1
+    start_idx = torch.nonzero(starts).flatten().to(torch.int32)
+    total = torch.tensor([pos.numel()], dtype=torch.int32, device=pos.device)
+    cu = torch.cat([start_idx, total])
+    return cu, int((cu[1:] - cu[:-1]).max().item())
+
+
+def _is_packed(position_ids, batch: int, q_len: int, kv_len: int) -> bool:
+    """Batch 1, no cache (q_len == kv_len), and positions that are not one increasing run."""
+    if position_ids is None or batch != 1 or q_len != kv_len or q_len < 2:
+        return False
+    pos = position_ids.reshape(-1)
+    if pos.numel() != q_len:
+        return False
+    return bool((pos[1:] != pos[:-1] + 1).any().item())
+
+
+def flashtile_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    sliding_window=_UNSET,
+    softcap: Optional[float] = None,
+    is_causal: Optional[bool] = None,
+    **kwargs,
+):
+    """The ``AttentionInterface`` function: query (b, h, sq, d), key/value (b, hk, sk, d) -> (out (b, sq, h, d), None).
+
+    attention_mask: None (no padding) or the 2-D (b, sk) padding mask, True/1 = token (transformers' flash
+    mask). sliding_window: the window the model passes (None = full attention); a model that does not pass
+    the argument at all falls back to ``module.sliding_window``. Models with per-layer windows (Qwen2, Gemma)
+    pass None for their full-attention layers, so the config's window is deliberately not consulted.
+    """
+    if kwargs.get("s_aux") is not None:
+        _fail("s_aux", "a tensor", "None (attention sinks are not supported by flashtile)")
+    if kwargs.get("position_bias") is not None:
+        _fail("position_bias", "a tensor", "None (additive position biases are not supported by flashtile)")
+    if sliding_window is _UNSET:
+        sliding_window = getattr(module, "sliding_window", None)
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    window_size = _window(sliding_window, causal)
+    softcap = 0.0 if softcap is None else float(softcap)
+    deterministic = kwargs.get("deterministic")
+    if deterministic is None:
+        deterministic = os.environ.get("FLASH_ATTENTION_DETERMINISTIC", "0") == "1"
+    opts = dict(dropout_p=float(dropout or 0.0), softmax_scale=scaling, causal=causal, window_size=window_size,
+                softcap=softcap, deterministic=bool(deterministic))
+
+    batch, q_len, kv_len = query.shape[0], query.shape[2], key.shape[2]
+    # (b, h, s, d) -> (b, s, h, d): a transposed view; the kernels take any strides with a contiguous last dim
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    head_dim, v_head_dim = q.shape[-1], v.shape[-1]
+    if v_head_dim != head_dim:  # e.g. MLA: the kernels need one head dim; zero columns of V give zero outputs
+        if v_head_dim > head_dim:
+            _fail("value head dim", v_head_dim, f"<= the query head dim {head_dim}")
+        v = torch.nn.functional.pad(v, (0, head_dim - v_head_dim))
+
+    if attention_mask is not None:
+        if attention_mask.dim() != 2:
+            _fail("attention_mask.dim()", attention_mask.dim(),
+                  "2: the (batch, seqlen_k) padding mask that transformers builds for attn_implementation="
+                  f"{NAME!r} (custom 4-D masks are not supported)")
+        mask = attention_mask.bool()
+        if k.shape[1] > mask.shape[1]:  # static cache: keys past the mask are unused slots
+            k, v = k[:, :mask.shape[1]], v[:, :mask.shape[1]]
+        elif k.shape[1] < mask.shape[1]:
+            mask = mask[:, -k.shape[1]:]
+        k_un, _, cu_k, max_k, _ = unpad_input(k, mask)
+        v_un, _, _, _, _ = unpad_input(v, mask)
+        # The queries are the last q_len positions (a cache holds the earlier ones); transformers assumes the
+        # same (left padding during generation).
+        q_un, idx_q, cu_q, max_q, _ = unpad_input(q, mask[:, -q_len:])
+        out = flash_attn_varlen_func(q_un, k_un, v_un, cu_q, cu_k, max_q, max_k, **opts)
+        out = pad_input(out, idx_q, batch, q_len)
+    elif all(kwargs.get(n) is not None for n in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")):
+        out = flash_attn_varlen_func(
+            q.reshape(-1, *q.shape[2:]), k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:]),
+            kwargs["cu_seq_lens_q"].to(torch.int32), kwargs["cu_seq_lens_k"].to(torch.int32),
+            int(kwargs["max_length_q"]), int(kwargs["max_length_k"]), **opts)
+        out = out.view(batch, q_len, *out.shape[1:])
+    elif _is_packed(kwargs.get("position_ids"), batch, q_len, kv_len):
+        cu, max_len = _packed_cu_seqlens(kwargs["position_ids"])
+        out = flash_attn_varlen_func(q.reshape(-1, *q.shape[2:]), k.reshape(-1, *k.shape[2:]),
+                                     v.reshape(-1, *v.shape[2:]), cu, cu, max_len, max_len, **opts)
+        out = out.view(batch, q_len, *out.shape[1:])
+    else:
+        out = flash_attn_func(q, k, v, **opts)
+    if v_head_dim != head_dim:
+        out = out[..., :v_head_dim]
+    return out, None
+
+
+def _accept_flash_named(name: str) -> None:
+    """transformers treats every implementation whose name contains "flash" as a flash-attn build and, when a
+    model is created, pre-imports it with ``lazy_import_flash_attention(name)``, which looks for a hub kernel
+    of that name and fails for a registered function. Wrap that pre-import (in ``modeling_utils``, where
+    model construction calls it) so that registered flashtile names skip it: there is nothing to import,
+    the attention function is already in ``ALL_ATTENTION_FUNCTIONS``. Every other name goes through
+    unchanged. Being seen as a flash implementation is otherwise what flashtile wants: transformers then
+    passes 2-D padding masks and keeps masks out of generation's all-ones fast path the same way."""
+    from transformers import modeling_utils
+    from transformers.utils.generic import is_flash_attention_requested
+
+    if not is_flash_attention_requested(requested_attention_implementation=name):
+        return
+    original = getattr(modeling_utils, "lazy_import_flash_attention", None)
+    if original is None or getattr(original, "_flashtile_wrapped", False):
+        return
+
+    def lazy_import_flash_attention(implementation, *args, **kwargs):
+        if implementation in _REGISTERED:
+            return None
+        return original(implementation, *args, **kwargs)
+
+    lazy_import_flash_attention._flashtile_wrapped = True
+    lazy_import_flash_attention.__wrapped__ = original
+    modeling_utils.lazy_import_flash_attention = lazy_import_flash_attention
+
+
+def register(name: str = NAME) -> str:
+    """Register flashtile with transformers under ``name`` (default "flashtile"); idempotent.
+
+    Installs the attention function (``AttentionInterface``) and, for the same name, transformers' flash
+    mask builder (``AttentionMaskInterface``: the 2-D padding mask, or None when nothing is padded); without
+    a mask builder transformers would pass no mask at all. Returns the name to pass as attn_implementation.
+    """
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+    except ImportError as e:  # pragma: no cover - exercised only without transformers
+        raise ImportError("flashtile.integrations.transformers needs transformers >= 5.17 "
+                          "(pip install 'transformers>=5.17')") from e
+    AttentionInterface.register(name, flashtile_attention_forward)
+    AttentionMaskInterface.register(name, flash_attention_mask)
+    _REGISTERED.add(name)
+    _accept_flash_named(name)
+    return name

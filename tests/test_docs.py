@@ -1,0 +1,114 @@
+"""Every command in docs/*.md is real: cheap checks, nothing long is run.
+
+From each ```bash block: a `flashtile <sub> ...` (or `python -m flashtile.cli <sub>`) command must name a
+subcommand the CLI's parser accepts (`flashtile.cli.main([sub, "--help"])` exits 0) and only options that
+subcommand's help lists; a `python examples/<script>` (or `torchrun ... examples/<script>`) must name an
+existing script whose source defines every option used; `python -m pytest <paths>` must name existing paths.
+From each ```python block: every `from flashtile... import ...` line must import.
+"""
+import importlib
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+import flashtile.cli
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+REQUIRED = {"design.md", "api.md", "performance.md"}
+
+
+def _blocks(lang: str):
+    """(file name, line) for every line of every ```lang block."""
+    out = []
+    for path in DOCS:
+        for block in re.findall(rf"^```{lang}[ \t]*\n(.*?)^```", path.read_text(), flags=re.M | re.S):
+            out += [(path.name, line) for line in block.splitlines() if line.strip()]
+    return out
+
+
+def _commands():
+    """(file, argv) of every shell command: lines split at && ; |, comments and VAR=value prefixes dropped."""
+    cmds = []
+    for name, line in _blocks("bash"):
+        line = line.split(" #")[0].strip()
+        if not line or line.startswith("#"):
+            continue
+        for part in re.split(r"&&|;|\|", line):
+            argv = shlex.split(part)
+            while argv and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=\S*", argv[0]):
+                argv = argv[1:]
+            if argv:
+                cmds.append((name, argv))
+    return cmds
+
+
+def _options(argv):
+    return [a.split("=")[0] for a in argv if a.startswith("--")]
+
+
+def _cli_help(sub: str, capsys) -> str:
+    with pytest.raises(SystemExit) as exc:
+        flashtile.cli.main([sub, "--help"])
+    assert exc.value.code == 0, f"`flashtile {sub} --help` exited {exc.value.code}"
+    return capsys.readouterr().out
+
+
+def test_docs_exist():
+    assert REQUIRED <= {p.name for p in DOCS}
+
+
+def test_flashtile_commands_exist(capsys):
+    found = 0
+    for name, argv in _commands():
+        if argv[0] == "flashtile":
+            rest = argv[1:]
+        elif argv[:3] in (["python", "-m", "flashtile.cli"], ["python3", "-m", "flashtile.cli"]):
+            rest = argv[3:]
+        elif argv[:3] == ["python", "-m", "flashtile.bench"]:
+            rest = ["bench", *argv[3:]]
+        else:
+            continue
+        assert rest, f"{name}: `{' '.join(argv)}` names no subcommand"
+        help_text = _cli_help(rest[0], capsys)
+        for opt in _options(rest[1:]):
+            assert opt in help_text, f"{name}: `{' '.join(argv)}`: {opt} is not an option of `flashtile {rest[0]}`"
+        found += 1
+    assert found >= 3, "docs show fewer than 3 flashtile commands: is the ```bash extraction broken?"
+
+
+def test_example_scripts_exist():
+    found = 0
+    for name, argv in _commands():
+        scripts = [a for a in argv if a.startswith("examples/")]
+        if argv[0] not in ("python", "python3", "torchrun") or not scripts:
+            continue
+        path = ROOT / scripts[0]
+        assert path.is_file(), f"{name}: `{' '.join(argv)}`: {scripts[0]} does not exist"
+        source = path.read_text()
+        after = argv[argv.index(scripts[0]) + 1:]
+        for opt in _options(after):
+            assert f'"{opt}"' in source, f"{name}: `{' '.join(argv)}`: {scripts[0]} defines no option {opt}"
+        found += 1
+    assert found >= 1
+
+
+def test_pytest_paths_exist():
+    for name, argv in _commands():
+        if argv[:3] != ["python", "-m", "pytest"]:
+            continue
+        for arg in argv[3:]:
+            if not arg.startswith("-"):
+                assert (ROOT / arg.split("::")[0]).exists(), f"{name}: `{' '.join(argv)}`: no {arg}"
+
+
+def test_python_imports_in_docs_resolve():
+    lines = [(n, ln.strip()) for n, ln in _blocks("python") if re.match(r"\s*from flashtile[\w.]* import ", ln)]
+    assert lines, "docs show no `from flashtile... import` line"
+    for name, line in lines:
+        m = re.match(r"from (flashtile[\w.]*) import (.+)", line)
+        module = importlib.import_module(m.group(1))
+        for attr in (a.strip().split(" as ")[0] for a in m.group(2).split("#")[0].strip("() ").split(",")):
+            assert hasattr(module, attr), f"{name}: `{line}`: {m.group(1)} has no {attr}"
