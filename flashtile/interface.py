@@ -78,9 +78,11 @@ def validate(q, k, v, *, dropout_p, softmax_scale, causal, window_size, softcap,
         _fail("dropout_p", dropout_p, "a float in [0, 1)")
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(d)
-    elif not isinstance(softmax_scale, (int, float)) or not math.isfinite(softmax_scale):
+    # comparisons rather than math.isfinite: torch.compile(dynamic=True) cannot fold math.* calls (torch 2.13);
+    # NaN fails every comparison, so it is refused too
+    elif not isinstance(softmax_scale, (int, float)) or not -math.inf < softmax_scale < math.inf:
         _fail("softmax_scale", softmax_scale, "a finite float or None")
-    if not isinstance(softcap, (int, float)) or softcap < 0 or not math.isfinite(softcap):
+    if not isinstance(softcap, (int, float)) or not 0 <= softcap < math.inf:
         _fail("softcap", softcap, "a float >= 0 (0 disables it)")
     if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
             or not all(isinstance(w, int) for w in window_size)):

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from . import combine as _combine
 from .launch import AttnParams, _block_d, _dot_precision, interpreting
-from .mods import key_range, online_softmax_step, scores_log2, seq_bounds, visible
+from .mods import key_range, load_rows, online_softmax_step, scores_log2, seq_bounds, visible
 
 
 @triton.jit
@@ -48,19 +48,6 @@ def _cache_slots(BT_ROW, pos, valid, page_size, PAGED: tl.constexpr, MASKED: tl.
 
 
 @triton.jit
-def _load_rows(ptrs, valid, offs_d, head_dim, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
-    """A (BLOCK_N, BLOCK_D) tile of gathered cache rows; rows past the sequence and columns past the head dim
-    read as 0 (only the masked tiles can hold rows past the sequence)."""
-    if MASKED:
-        t = tl.load(ptrs, mask=valid[:, None] & (offs_d[None, :] < head_dim), other=0.0)
-    elif EVEN_D:
-        t = tl.load(ptrs)
-    else:
-        t = tl.load(ptrs, mask=offs_d[None, :] < head_dim, other=0.0)
-    return t
-
-
-@triton.jit
 def _decode_tile(acc, l_i, m_i, q, K_head, V_head, BT_ROW, start_n, offs_n, offs_d, qi, leftpad,
                  seqlen_q, seqlen_k, stride_kp, stride_kn, stride_vp, stride_vn, page_size, head_dim,
                  score_scale, softcap_log2, slope2, window_left, window_right,
@@ -70,7 +57,7 @@ def _decode_tile(acc, l_i, m_i, q, K_head, V_head, BT_ROW, start_n, offs_n, offs
     cols = start_n + offs_n                      # key index within the sequence (after left padding)
     valid = cols < seqlen_k
     page, slot = _cache_slots(BT_ROW, leftpad + cols, valid, page_size, PAGED, MASKED)
-    k = _load_rows(K_head + (page * stride_kp + slot * stride_kn)[:, None] + offs_d[None, :], valid, offs_d,
+    k = load_rows(K_head + (page * stride_kp + slot * stride_kn)[:, None] + offs_d[None, :], valid, offs_d,
                    head_dim, MASKED, EVEN_D)
     # Alg. 1 line 8: S = Q K_j^T, scaled / soft-capped / ALiBi-biased, in log2 units
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
@@ -81,7 +68,7 @@ def _decode_tile(acc, l_i, m_i, q, K_head, V_head, BT_ROW, start_n, offs_n, offs
                              HAS_LEFT, HAS_RIGHT), s, float("-inf"))
     # Alg. 1 line 9: running max m_i, P~ = exp2(S - m_i), running sum l_i
     m_i, p, alpha, l_i = online_softmax_step(m_i, l_i, s, MASKED)
-    v = _load_rows(V_head + (page * stride_vp + slot * stride_vn)[:, None] + offs_d[None, :], valid, offs_d,
+    v = load_rows(V_head + (page * stride_vp + slot * stride_vn)[:, None] + offs_d[None, :], valid, offs_d,
                    head_dim, MASKED, EVEN_D)
     # Alg. 1 line 10: O~ = diag(alpha) O~ + P~ V_j
     acc = acc * alpha[:, None]

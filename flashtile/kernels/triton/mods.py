@@ -139,13 +139,21 @@ def load_tile(desc, blk, row, head, offs_r, offs_d, idx, seqlen, stride_r, head_
         if MASKED:
             t = tl.where(idx[:, None] < seqlen, t, 0.0)
     else:
-        ptrs = blk + offs_r[:, None] * stride_r + offs_d[None, :]
-        if MASKED:
-            t = tl.load(ptrs, mask=(idx[:, None] < seqlen) & (offs_d[None, :] < head_dim), other=0.0)
-        elif EVEN_D:
-            t = tl.load(ptrs)
-        else:
-            t = tl.load(ptrs, mask=offs_d[None, :] < head_dim, other=0.0)
+        t = load_rows(blk + offs_r[:, None] * stride_r + offs_d[None, :], idx < seqlen, offs_d, head_dim,
+                      MASKED, EVEN_D)
+    return t
+
+
+@triton.jit
+def load_rows(ptrs, valid, offs_d, head_dim, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
+    """Pointer load of a (rows, BLOCK_D) tile: rows where `valid` is False (only masked tiles have them) and
+    columns past the head dim read as 0."""
+    if MASKED:
+        t = tl.load(ptrs, mask=valid[:, None] & (offs_d[None, :] < head_dim), other=0.0)
+    elif EVEN_D:
+        t = tl.load(ptrs)
+    else:
+        t = tl.load(ptrs, mask=offs_d[None, :] < head_dim, other=0.0)
     return t
 
 

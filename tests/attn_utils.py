@@ -1,0 +1,243 @@
+"""Shared helpers for the attention tests: input generation, the reference runs, and the one tolerance rule.
+
+The tolerance rule (flash-attn 2.x test suite), applied to out, lse, the attention probabilities and every
+gradient:
+
+    max |ours - ref64|  <=  2 * max |std - ref64|  +  eps
+
+ref64 is ``attention_ref(upcast=True)`` (float64 ground truth) and std is ``attention_ref(upcast=False)``:
+standard attention in the inputs' dtype (matmuls in that dtype, softmax in float32). "Twice as wrong as the
+textbook implementation in the same precision" is the bar. eps only matters where std happens to be almost
+exact (tiny problems, seqlen_k = 1, ...); see ``tolerance_eps`` for the values and why.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from flashtile.reference.dense import attention_ref, visible_mask
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# eps of the rule, relative to max(1, max|ref64|) of the compared quantity.
+# - float16 / bfloat16: one unit in the last place at magnitude 1 (2**-10, 2**-7). The kernel rounds its
+#   float32 accumulator to the output dtype once, and std rounds independently: the two roundings may land one
+#   ulp apart even when std's own error is (by luck) zero.
+# - float32: 1e-5, about 80 ulps at magnitude 1. The kernels compute exp as exp2 of log2(e)-pre-scaled scores
+#   and tanh (softcap) through a sigmoid; these add errors of order 2**-23 * |score| * softcap that std
+#   (torch.exp / torch.tanh) does not share, plus a different (blocked) summation order; on the CPU the
+#   interpreter's float32 dot products are numpy's. A real bug moves results by O(1e-2) or more.
+EPS_REL = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7, torch.float32: 1e-5}
+
+
+def tolerance_eps(dtype: torch.dtype, ref64: torch.Tensor) -> float:
+    finite = ref64[torch.isfinite(ref64)]
+    scale = max(1.0, finite.abs().max().item()) if finite.numel() else 1.0
+    return EPS_REL[dtype] * scale
+
+
+def assert_within_rule(name: str, ours: torch.Tensor, ref64: torch.Tensor, std: torch.Tensor,
+                       dtype: torch.dtype, context: str = "", eps: Optional[float] = None) -> None:
+    """The flash-attn tolerance rule: max|ours - ref64| <= 2 max|std - ref64| + eps (see module docstring).
+
+    -inf entries (lse of rows with no visible key) must be -inf in ours too, at exactly the same places;
+    NaN anywhere in ours fails. ``dtype`` is the dtype of the attention inputs (it picks eps).
+    """
+    assert ours.shape == ref64.shape, f"{name}: shape {tuple(ours.shape)} != expected {tuple(ref64.shape)} {context}"
+    ours64, std64, ref64 = ours.detach().double(), std.detach().double(), ref64.detach().double()
+    n_nan = torch.isnan(ours64).sum().item()
+    assert n_nan == 0, f"{name}: {n_nan} NaN entries in ours {context}"
+    ref_inf = torch.isinf(ref64)
+    ours_inf = torch.isinf(ours64)
+    if ref_inf.any() or ours_inf.any():
+        mism = (ref_inf != ours_inf) | (ref_inf & (torch.sign(ref64) != torch.sign(ours64)))
+        if mism.any():
+            idx = tuple(mism.nonzero()[0].tolist())
+            raise AssertionError(f"{name}: infinities differ at {mism.sum().item()} entries, first {idx}: "
+                                 f"ours={ours64[idx].item()} ref={ref64[idx].item()} {context}")
+        fin = ~ref_inf
+        ours64, std64, ref64 = ours64[fin], std64[fin], ref64[fin]
+        std64 = torch.where(torch.isfinite(std64), std64, ref64)
+    if ref64.numel() == 0:
+        return
+    if eps is None:
+        eps = tolerance_eps(dtype, ref64)
+    err = (ours64 - ref64).abs()
+    err_std = (std64 - ref64).abs().max().item()
+    bound = 2 * err_std + eps
+    worst = err.max().item()
+    print(f"  {name}: max|ours-ref64| {worst:.2e}  2*max|std-ref64| {2 * err_std:.2e}  eps {eps:.1e}  "
+          f"used {worst / bound:.0%} of the bound {context}")
+    if not worst <= bound:
+        flat = err.argmax().item()
+        raise AssertionError(
+            f"{name}: max|ours - ref64| = {worst:.3e} > bound {bound:.3e} "
+            f"(= 2 * max|std - ref64| {err_std:.3e} + eps {eps:.1e}); worst at flat index {flat} "
+            f"(ours={ours64.flatten()[flat].item():.6g}, ref64={ref64.flatten()[flat].item():.6g}); "
+            f"{(err > bound).sum().item()}/{err.numel()} entries out of bound {context}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Inputs
+
+LAYOUTS = ("contig", "sliced", "padded", "transposed")
+
+
+def rand_tensor(shape: Sequence[int], dtype, device=DEVICE, layout: str = "contig",
+                requires_grad: bool = False) -> torch.Tensor:
+    """Standard-normal tensor of ``shape`` (b, s, h, d) with the given memory layout; never zeros.
+
+    contig:     a fresh contiguous tensor.
+    sliced:     a view into a larger (b, s+3, h+1, d+5) buffer with an odd storage offset: every stride but the
+                last differs from the contiguous one, and nothing is 16-byte aligned (kernels that use TMA
+                descriptors must fall back to plain loads).
+    padded:     a view into a larger (b, s+2, h+1, d+pad) buffer, pad chosen so every stride and the storage
+                offset stay 16-byte aligned: strided, yet eligible for TMA descriptors.
+    transposed: a (b, h, s, d) buffer transposed to (b, s, h, d) (the layout of q after a head-first projection).
+    The last dimension is always contiguous. The result is a leaf (requires_grad as asked) with that layout.
+    """
+    b, s, h, d = shape
+    if layout == "contig":
+        t = torch.randn(b, s, h, d, dtype=dtype, device=device)
+    elif layout == "sliced":
+        t = torch.randn(b, s + 3, h + 1, d + 5, dtype=dtype, device=device)[:, 2:2 + s, 1:, 3:3 + d]
+    elif layout == "padded":
+        elems16 = 16 // torch.tensor([], dtype=dtype).element_size()
+        pad = elems16 + (-d) % elems16
+        t = torch.randn(b, s + 2, h + 1, d + pad, dtype=dtype, device=device)[:, 1:1 + s, 1:, :d]
+    elif layout == "transposed":
+        t = torch.randn(b, h, s, d, dtype=dtype, device=device).transpose(1, 2)
+    else:
+        raise ValueError(layout)
+    assert t.shape == (b, s, h, d) and t.stride(-1) == 1
+    return t.detach().requires_grad_(requires_grad)
+
+
+def rand_alibi(kind: Optional[str], batch: int, nheads: int, device=DEVICE) -> Optional[torch.Tensor]:
+    """ALiBi slopes, float32, shape (nheads,) for kind 'h' or (batch, nheads) for kind 'bh'; None for None."""
+    if kind is None:
+        return None
+    shape = (nheads,) if kind == "h" else (batch, nheads)
+    # positive slopes of the usual magnitude (2**-1 .. 2**-8), randomised so heads/batches differ
+    return torch.rand(shape, dtype=torch.float32, device=device) * 0.5 + 2.0 ** -8
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One forward+backward configuration of the feature matrix."""
+    b: int
+    sq: int
+    sk: int
+    h: int
+    hk: int
+    d: int
+    dtype: torch.dtype
+    causal: bool = False
+    window: Tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    alibi: Optional[str] = None   # None, 'h' or 'bh'
+    dropout_p: float = 0.0
+    layout: str = "contig"
+    softmax_scale: Optional[float] = None
+    deterministic: bool = False
+
+    @property
+    def id(self) -> str:
+        dt = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[self.dtype]
+        parts = [f"b{self.b}", f"sq{self.sq}", f"sk{self.sk}", f"h{self.h}", f"hk{self.hk}", f"d{self.d}", dt]
+        if self.causal:
+            parts.append("causal")
+        if self.window != (-1, -1):
+            parts.append(f"win{self.window[0]}_{self.window[1]}")
+        if self.softcap:
+            parts.append(f"cap{self.softcap:g}")
+        if self.alibi:
+            parts.append(f"alibi-{self.alibi}")
+        if self.dropout_p:
+            parts.append(f"drop{self.dropout_p:g}")
+        if self.layout != "contig":
+            parts.append(self.layout)
+        if self.softmax_scale is not None:
+            parts.append(f"scale{self.softmax_scale:g}")
+        if self.deterministic:
+            parts.append("det")
+        return "-".join(parts)
+
+    def replace(self, **kw) -> "Case":
+        return dataclasses.replace(self, **kw)
+
+
+def case_inputs(c: Case, device=DEVICE):
+    """Fresh random q, k, v (leaves requiring grad), dout and alibi slopes for a case."""
+    q = rand_tensor((c.b, c.sq, c.h, c.d), c.dtype, device, c.layout, requires_grad=True)
+    k = rand_tensor((c.b, c.sk, c.hk, c.d), c.dtype, device, c.layout, requires_grad=True)
+    v = rand_tensor((c.b, c.sk, c.hk, c.d), c.dtype, device, c.layout, requires_grad=True)
+    dout = torch.randn(c.b, c.sq, c.h, c.d, dtype=c.dtype, device=device)
+    alibi = rand_alibi(c.alibi, c.b, c.h, device)
+    return q, k, v, dout, alibi
+
+
+def flash_kwargs(c: Case, alibi, **extra) -> dict:
+    """flash_attn_func keyword arguments of a case (plus overrides)."""
+    kw = dict(dropout_p=c.dropout_p, softmax_scale=c.softmax_scale, causal=c.causal, window_size=c.window,
+              softcap=c.softcap, alibi_slopes=alibi, deterministic=c.deterministic)
+    kw.update(extra)
+    return kw
+
+
+def ref_kwargs(c: Case, alibi) -> dict:
+    return dict(softmax_scale=c.softmax_scale, causal=c.causal, window_size=c.window, softcap=c.softcap,
+                alibi_slopes=alibi)
+
+
+def reference_fwd_bwd(q, k, v, dout, *, upcast: bool, dropout_p: float = 0.0, dropout_mask=None, **kw):
+    """attention_ref forward + autograd backward. upcast=True: float64 leaves (ref64); False: std in q.dtype.
+
+    Returns (out, lse, probs, dq, dk, dv).
+    """
+    cast = (lambda t: t.detach().double()) if upcast else (lambda t: t.detach().clone())
+    qr, kr, vr = (cast(t).requires_grad_() for t in (q, k, v))
+    out, lse, probs = attention_ref(qr, kr, vr, dropout_p=dropout_p, dropout_mask=dropout_mask,
+                                    upcast=upcast, **kw)
+    out.backward(dout.to(out.dtype))
+    return out.detach(), lse.detach(), probs.detach(), qr.grad, kr.grad, vr.grad
+
+
+def check_against_reference(c: Case, q, k, v, dout, alibi, out, lse, s_dmask, grads,
+                            dropout_mask=None) -> None:
+    """Rule-check ours (out, lse, optional S_dmask, optional grads (dq, dk, dv)) against ref64 and std."""
+    kw = ref_kwargs(c, alibi)
+    ref = reference_fwd_bwd(q, k, v, dout, upcast=True, dropout_p=c.dropout_p, dropout_mask=dropout_mask, **kw)
+    std = reference_fwd_bwd(q, k, v, dout, upcast=False, dropout_p=c.dropout_p, dropout_mask=dropout_mask, **kw)
+    ctx = f"[{c.id}]"
+    assert_within_rule("out", out, ref[0], std[0], c.dtype, ctx)
+    if lse is not None:
+        assert_within_rule("softmax_lse", lse, ref[1], std[1], c.dtype, ctx)
+    if s_dmask is not None:
+        assert_within_rule("|S_dmask| (probabilities)", s_dmask.abs(), ref[2], std[2], c.dtype, ctx)
+    if grads is not None:
+        for name, g, gr, gs in zip(("dq", "dk", "dv"), grads, ref[3:], std[3:]):
+            assert g is not None, f"{name} is None {ctx}"
+            assert_within_rule(name, g, gr, gs, c.dtype, ctx)
+
+
+def keep_mask_from_s_dmask(s_dmask: torch.Tensor) -> torch.Tensor:
+    """S_dmask holds P where kept and -P where dropped (0 where masked): kept <=> S_dmask >= 0."""
+    return s_dmask >= 0
+
+
+def visible(c: Case, device=DEVICE) -> torch.Tensor:
+    """Bool (sq, sk) visibility of the case (bottom-right aligned causal/window)."""
+    return visible_mask(c.sq, c.sk, c.window, c.causal, device=device)
+
+
+def empty_rows(c: Case, device=DEVICE) -> torch.Tensor:
+    """Bool (sq,): query rows that see no key at all."""
+    return ~visible(c, device).any(dim=1)
+
+
+def binomial_5sigma(n: int, p_keep: float) -> float:
+    return 5.0 * math.sqrt(n * p_keep * (1.0 - p_keep))
