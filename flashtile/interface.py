@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -107,6 +107,32 @@ def validate(q, k, v, *, dropout_p, softmax_scale, causal, window_size, softcap,
     return AttnArgs(float(softmax_scale), left, right, float(softcap), float(dropout_p))
 
 
+def validate_bias_mask(q, k, attn_bias, attn_mask):
+    """Check attn_bias / attn_mask of a dense (batch, seqlen, nheads, headdim) call; return them as 4-D views
+    broadcastable to (batch, nheads, seqlen_q, seqlen_k) (leading size-1 dimensions added, nothing copied)."""
+    target = (q.shape[0], q.shape[2], q.shape[1], k.shape[1])
+    expected = f"broadcastable to (batch, nheads, seqlen_q, seqlen_k) = {target}"
+    out = []
+    for name, t, dtypes, what in (("attn_bias", attn_bias, SUPPORTED_DTYPES, "float16, bfloat16 or float32"),
+                                  ("attn_mask", attn_mask, (torch.bool,), "torch.bool (True = may attend)")):
+        if t is None:
+            out.append(None)
+            continue
+        if not isinstance(t, torch.Tensor):
+            _fail(name, type(t).__name__, "a torch.Tensor or None", TypeError)
+        if t.dtype not in dtypes:
+            _fail(f"{name}.dtype", t.dtype, what, TypeError)
+        if t.device != q.device:
+            _fail(f"{name}.device", t.device, f"the device of q ({q.device})")
+        if not 1 <= t.dim() <= 4:
+            _fail(f"{name}.shape", tuple(t.shape), expected)
+        t4 = t[(None,) * (4 - t.dim())]
+        if any(n not in (1, m) for n, m in zip(t4.shape, target)):
+            _fail(f"{name}.shape", tuple(t.shape), expected)
+        out.append(t4)
+    return tuple(out)
+
+
 # --------------------------------------------------------------------------------------------------
 # Custom ops (what torch.compile sees) and their fake implementations
 # --------------------------------------------------------------------------------------------------
@@ -128,14 +154,28 @@ def _check_device(q):
                            "when no CUDA device is present)")
 
 
+def _sparse(block_size, *lists):
+    if block_size <= 0:
+        return None
+    return launch.SparseLists(block_size, *lists)
+
+
 @torch.library.custom_op("flashtile::fwd", mutates_args=(), device_types=None)
 def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi_slopes: Optional[torch.Tensor],
             cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
             max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, softmax_scale: float,
-            window_left: int, window_right: int, softcap: float, return_probs: bool, deterministic: bool
+            window_left: int, window_right: int, softcap: float, return_probs: bool, deterministic: bool,
+            attn_bias: Optional[torch.Tensor] = None, attn_mask: Optional[torch.Tensor] = None,
+            sparse_kv_num: Optional[torch.Tensor] = None, sparse_kv_idx: Optional[torch.Tensor] = None,
+            sparse_full_kv_num: Optional[torch.Tensor] = None, sparse_full_kv_idx: Optional[torch.Tensor] = None,
+            sparse_q_num: Optional[torch.Tensor] = None, sparse_q_idx: Optional[torch.Tensor] = None,
+            sparse_full_q_num: Optional[torch.Tensor] = None, sparse_full_q_idx: Optional[torch.Tensor] = None,
+            sparse_block_size: int = 0,
             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward kernel. Returns (out, softmax_lse, rng_state (seed, offset) int64 on CPU, probs or empty).
-    `deterministic` is only recorded for the backward (see _setup_context)."""
+    `deterministic` is only recorded for the backward (see _setup_context). attn_bias / attn_mask: 4-D,
+    broadcastable to (batch, nheads, seqlen_q, seqlen_k). sparse_*: a block mask's tile lists (see
+    launch.SparseLists), sparse_block_size > 0 when given; its partial tiles read attn_mask."""
     _check_device(q)
     # Dropout RNG state (seed, offset): drawn from torch's default generator (so torch.manual_seed
     # reproduces it), returned so the backward replays exactly the same mask Z; never a stored mask.
@@ -150,9 +190,11 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi_slopes: Opt
     params = _params(softmax_scale, window_left, window_right, softcap, dropout_p, rng_state)
     varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                   max_seqlen_k=max_seqlen_k)
-    launch.flash_fwd(q, k, v, out, lse, params, alibi_slopes, **varlen)
+    sparse = _sparse(sparse_block_size, sparse_kv_num, sparse_kv_idx, sparse_full_kv_num, sparse_full_kv_idx,
+                     sparse_q_num, sparse_q_idx, sparse_full_q_num, sparse_full_q_idx)
+    launch.flash_fwd(q, k, v, out, lse, params, alibi_slopes, **varlen, bias=attn_bias, mask=attn_mask, sparse=sparse)
     if return_probs:
-        probs = launch.attn_probs(q, k, lse, params, alibi_slopes, **varlen)
+        probs = launch.attn_probs(q, k, lse, params, alibi_slopes, **varlen, bias=attn_bias, mask=attn_mask)
     else:
         probs = torch.empty(0, device=q.device, dtype=torch.float32)
     return out, lse, rng_state, probs
@@ -160,7 +202,9 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi_slopes: Opt
 
 @_fwd_op.register_fake
 def _(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-      softmax_scale, window_left, window_right, softcap, return_probs, deterministic):
+      softmax_scale, window_left, window_right, softcap, return_probs, deterministic, attn_bias=None,
+      attn_mask=None, sparse_kv_num=None, sparse_kv_idx=None, sparse_full_kv_num=None, sparse_full_kv_idx=None,
+      sparse_q_num=None, sparse_q_idx=None, sparse_full_q_num=None, sparse_full_q_idx=None, sparse_block_size=0):
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = q.new_empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32)
     rng_state = torch.empty(2, dtype=torch.int64)
@@ -179,8 +223,16 @@ def _bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             lse: torch.Tensor, rng_state: torch.Tensor, alibi_slopes: Optional[torch.Tensor],
             cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
             max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, softmax_scale: float,
-            window_left: int, window_right: int, softcap: float, deterministic: bool
-            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            window_left: int, window_right: int, softcap: float, deterministic: bool,
+            attn_bias: Optional[torch.Tensor] = None, attn_mask: Optional[torch.Tensor] = None,
+            sparse_kv_num: Optional[torch.Tensor] = None, sparse_kv_idx: Optional[torch.Tensor] = None,
+            sparse_full_kv_num: Optional[torch.Tensor] = None, sparse_full_kv_idx: Optional[torch.Tensor] = None,
+            sparse_q_num: Optional[torch.Tensor] = None, sparse_q_idx: Optional[torch.Tensor] = None,
+            sparse_full_q_num: Optional[torch.Tensor] = None, sparse_full_q_idx: Optional[torch.Tensor] = None,
+            sparse_block_size: int = 0, bias_grad: bool = False,
+            ) -> List[torch.Tensor]:
+    """[dq, dk, dv], plus dbias (attn_bias's shape and dtype) when bias_grad. A list, so that callers of the
+    three-gradient form unpack it unchanged."""
     _check_device(q)
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
@@ -188,36 +240,61 @@ def _bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     dk = torch.full_like(k, float("nan"), memory_format=torch.contiguous_format)
     dv = torch.full_like(v, float("nan"), memory_format=torch.contiguous_format)
     params = _params(softmax_scale, window_left, window_right, softcap, dropout_p, rng_state)
+    sparse = _sparse(sparse_block_size, sparse_kv_num, sparse_kv_idx, sparse_full_kv_num, sparse_full_kv_idx,
+                     sparse_q_num, sparse_q_idx, sparse_full_q_num, sparse_full_q_idx)
+    # dBias accumulates in float32 (atomics where attn_bias broadcasts); tiles never visited stay 0
+    dbias = torch.zeros(attn_bias.shape, device=q.device, dtype=torch.float32) if bias_grad else None
     launch.flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params, alibi_slopes, cu_seqlens_q=cu_seqlens_q,
                      cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                     deterministic=deterministic)
-    return dq, dk, dv
+                     deterministic=deterministic, bias=attn_bias, mask=attn_mask, sparse=sparse, dbias=dbias)
+    if bias_grad:
+        return [dq, dk, dv, dbias.to(attn_bias.dtype)]
+    return [dq, dk, dv]
 
 
 @_bwd_op.register_fake
 def _(dout, q, k, v, out, lse, rng_state, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-      max_seqlen_k, dropout_p, softmax_scale, window_left, window_right, softcap, deterministic):
-    return (torch.empty_like(q, memory_format=torch.contiguous_format),
-            torch.empty_like(k, memory_format=torch.contiguous_format),
-            torch.empty_like(v, memory_format=torch.contiguous_format))
+      max_seqlen_k, dropout_p, softmax_scale, window_left, window_right, softcap, deterministic, attn_bias=None,
+      attn_mask=None, sparse_kv_num=None, sparse_kv_idx=None, sparse_full_kv_num=None, sparse_full_kv_idx=None,
+      sparse_q_num=None, sparse_q_idx=None, sparse_full_q_num=None, sparse_full_q_idx=None, sparse_block_size=0,
+      bias_grad=False):
+    grads = [torch.empty_like(q, memory_format=torch.contiguous_format),
+             torch.empty_like(k, memory_format=torch.contiguous_format),
+             torch.empty_like(v, memory_format=torch.contiguous_format)]
+    if bias_grad:
+        grads.append(attn_bias.new_empty(attn_bias.shape))
+    return grads
 
 
 _FWD_SCALARS = ("max_seqlen_q", "max_seqlen_k", "dropout_p", "softmax_scale", "window_left", "window_right",
                 "softcap")
 
 
+_N_FWD_BASE = 6 + len(_FWD_SCALARS) + 2   # q k v alibi cu_q cu_k, the scalars, return_probs, deterministic
+_N_SPARSE = 8
+
+
 def _setup_context(ctx, inputs, output):
-    (q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, *scalars, _return_probs, deterministic) = inputs
+    (q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, *scalars, _return_probs, deterministic) = inputs[:_N_FWD_BASE]
+    # the optional trailing inputs (defaults filled in): attn_bias, attn_mask, 8 sparse lists, sparse_block_size
+    attn_bias, attn_mask, *sparse, ctx.sparse_block_size = inputs[_N_FWD_BASE:]
+    ctx.n_inputs = len(inputs)
     out, lse, rng_state, _ = output
-    ctx.save_for_backward(q, k, v, out, lse, rng_state, alibi_slopes, cu_seqlens_q, cu_seqlens_k)
+    ctx.save_for_backward(q, k, v, out, lse, rng_state, alibi_slopes, cu_seqlens_q, cu_seqlens_k, attn_bias,
+                          attn_mask, *sparse)
     ctx.scalars = (*scalars, deterministic)
 
 
 def _backward(ctx, dout, _dlse, _drng, _dprobs):
-    q, k, v, out, lse, rng_state, alibi_slopes, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-    dq, dk, dv = _bwd_op(dout, q, k, v, out, lse, rng_state, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-                         *ctx.scalars)
-    return dq, dk, dv, None, None, None, *([None] * (len(_FWD_SCALARS) + 2))
+    (q, k, v, out, lse, rng_state, alibi_slopes, cu_seqlens_q, cu_seqlens_k, attn_bias, attn_mask,
+     *sparse) = ctx.saved_tensors
+    bias_grad = attn_bias is not None and ctx.needs_input_grad[_N_FWD_BASE]
+    grads = _bwd_op(dout, q, k, v, out, lse, rng_state, alibi_slopes, cu_seqlens_q, cu_seqlens_k, *ctx.scalars,
+                    attn_bias, attn_mask, *sparse, ctx.sparse_block_size, bias_grad)
+    result = [grads[0], grads[1], grads[2]] + [None] * (ctx.n_inputs - 3)
+    if bias_grad:
+        result[_N_FWD_BASE] = grads[3]
+    return tuple(result)
 
 
 torch.library.register_autograd("flashtile::fwd", _backward, setup_context=_setup_context)
@@ -228,49 +305,68 @@ torch.library.register_autograd("flashtile::fwd", _backward, setup_context=_setu
 # --------------------------------------------------------------------------------------------------
 def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                deterministic, return_attn_probs, cu_seqlens_q=None, cu_seqlens_k=None,
-               max_seqlen_q=None, max_seqlen_k=None):
+               max_seqlen_q=None, max_seqlen_k=None, attn_bias=None, attn_mask=None, block_mask=None):
     a = validate(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
                  window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                  cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     if cu_seqlens_q is None:
         max_seqlen_q, max_seqlen_k = q.shape[1], k.shape[1]
+    extra = ()
+    if attn_bias is not None or attn_mask is not None or block_mask is not None:
+        attn_bias, attn_mask = validate_bias_mask(q, k, attn_bias, attn_mask)
+        sparse = (None,) * 8 + (0,)
+        if block_mask is not None:
+            if attn_mask is not None:
+                _fail("attn_mask", "a tensor", "None when block_mask is given (fold it into the block mask's mask_fn)")
+            attn_mask, sparse = block_mask._kernel_args(q, k)
+        extra = (attn_bias, attn_mask, *sparse)
     out, lse, _, probs = torch.ops.flashtile.fwd(
         q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
         a.dropout_p, a.softmax_scale, a.window_left, a.window_right, a.softcap, bool(return_attn_probs),
-        bool(deterministic))
+        bool(deterministic), *extra)
     if return_attn_probs:
         return out, lse, probs
     return out
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
+                    attn_bias=None, attn_mask=None):
     """Exact attention, FlashAttention-2 algorithm.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim), nheads % nheads_k == 0.
     dtype float16, bfloat16 or float32; headdim 1..256; any strides with a contiguous last dimension.
     causal / window_size=(left, right) are aligned to the bottom-right corner; softcap > 0 applies
     softcap * tanh(s / softcap); alibi_slopes (nheads,) or (batch, nheads) float32.
+    attn_bias: float16/bfloat16/float32, broadcastable to (batch, nheads, seqlen_q, seqlen_k) (e.g. (1, 1, sq, sk),
+    (batch, 1, 1, sk)); added to the scores after softcap and ALiBi; receives a gradient (summed over its
+    broadcast dimensions) when it requires grad. attn_mask: bool, same broadcast, True = may attend (SDPA's
+    convention), combined with causal/window; a row with no visible key outputs 0 with lse = -inf.
     Returns out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse (batch, nheads, seqlen_q) float32,
     S_dmask (batch, nheads, seqlen_q, seqlen_k) float32: P, negated where dropped) if return_attn_probs.
     """
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                      deterministic, return_attn_probs)
+                      deterministic, return_attn_probs, attn_bias=attn_bias, attn_mask=attn_mask)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
-    """qkv: (batch, seqlen, 3, nheads, headdim). Gradients flow back into qkv."""
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
+                              attn_bias=None, attn_mask=None):
+    """qkv: (batch, seqlen, 3, nheads, headdim). Gradients flow back into qkv. attn_bias/attn_mask as in
+    flash_attn_func."""
     if not isinstance(qkv, torch.Tensor) or qkv.dim() != 5 or qkv.shape[2] != 3:
         _fail("qkv.shape", tuple(getattr(qkv, "shape", ())), "(batch, seqlen, 3, nheads, headdim)")
     return _attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal, window_size,
-                      softcap, alibi_slopes, deterministic, return_attn_probs)
+                      softcap, alibi_slopes, deterministic, return_attn_probs, attn_bias=attn_bias,
+                      attn_mask=attn_mask)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
-    """q: (batch, seqlen_q, nheads, headdim); kv: (batch, seqlen_k, 2, nheads_k, headdim)."""
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
+                             attn_bias=None, attn_mask=None):
+    """q: (batch, seqlen_q, nheads, headdim); kv: (batch, seqlen_k, 2, nheads_k, headdim). attn_bias/attn_mask as
+    in flash_attn_func."""
     if not isinstance(kv, torch.Tensor) or kv.dim() != 5 or kv.shape[2] != 2:
         _fail("kv.shape", tuple(getattr(kv, "shape", ())), "(batch, seqlen_k, 2, nheads_k, headdim)")
     return _attention(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
-                      alibi_slopes, deterministic, return_attn_probs)
+                      alibi_slopes, deterministic, return_attn_probs, attn_bias=attn_bias, attn_mask=attn_mask)

@@ -1,6 +1,7 @@
 """FlashAttention-2 backward (seed 000, FA2 Algorithm 2) in Triton.
 
-Three launches, no atomics, so gradients are bitwise reproducible:
+Three launches, no atomics, so gradients are bitwise reproducible (the one exception: the gradient of an
+attn_bias that broadcasts over some dimension, summed over it with fp32 atomics in the dK/dV kernel):
   1. preprocess:  D_i = rowsum(dO_i o O_i)                                    (Alg. 2 line 4)
   2. dK/dV:       one program per key block K_j, V_j of one K/V head; it loops over the query blocks that
                   see it (and, for GQA, over every query head of its group), recomputing P from L and
@@ -8,11 +9,12 @@ Three launches, no atomics, so gradients are bitwise reproducible:
   3. dQ:          one program per query block Q_i, looping over its key blocks (the second pass FA2 offers
                   instead of atomic adds of dQ_i)
 Scores are recomputed exactly as the forward computed them (mods.py), so P = exp2(S*log2e - L*log2e).
+BLOCK_SPARSE (constexpr) swaps the range loops for FA1 Alg. 5's: only the tiles a block mask lists.
 """
 import triton
 import triton.language as tl
 
-from .mods import dropout_keep, key_range, load_lse2, load_tile, query_range, scores_log2, seq_bounds, visible
+from .mods import bias_mask_log2, dropout_keep, key_range, load_lse2, load_tile, query_range, scores_log2, seq_bounds, visible
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -46,10 +48,12 @@ def attn_bwd_preprocess_kernel(O, DO, Delta, CU_SEQLENS_Q,
 def _dkdv_tile(dk, dv, k, v, desc_q, desc_do, q_blk, do_blk, dq_blk, lse_blk, delta_blk, q_row, h, start_m,
                offs_m_rel, offs_n, offs_d, seqlen_q, seqlen_k, stride_qm, stride_dom, stride_dqm, head_dim, sm_scale,
                score_scale, softcap_log2, alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base,
-               rng_stride_m, dropout_p,
+               rng_stride_m, dropout_p, bias_bh, stride_bias_m, stride_bias_n, mask_bh, stride_mask_m, stride_mask_n,
+               dbias_bh, stride_dbias_m, stride_dbias_n,
                MASKED: tl.constexpr, EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
-               ATOMIC_DQ: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_D: tl.constexpr):
+               ATOMIC_DQ: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_D: tl.constexpr,
+               HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DBIAS: tl.constexpr, DBIAS_ATOMIC: tl.constexpr):
     """Alg. 2 lines 8-20 for one query block Q_i against the program's K_j, V_j, in transposed form
     (S^T, P^T: keys along rows) so dK_j and dV_j accumulate without transposing P. With ATOMIC_DQ the
     same tile also adds its dQ_i contribution (line 15) to an fp32 buffer with atomics."""
@@ -66,6 +70,9 @@ def _dkdv_tile(dk, dv, k, v, desc_q, desc_do, q_blk, do_blk, dq_blk, lse_blk, de
     # Alg. 2 lines 9-11: recompute S_ij^T = K_j Q_i^T and P_ij^T = exp(S^T - L_i)
     qkt = tl.dot(k, qt, input_precision=DOT_PREC)
     st, t = scores_log2(qkt, i, j, seqlen_q, seqlen_k, score_scale, softcap_log2, alibi_slope_log2, SOFTCAP, ALIBI)
+    if HAS_BIAS or HAS_MASK:
+        st = bias_mask_log2(st, i, j, seqlen_q, seqlen_k, bias_bh, stride_bias_m, stride_bias_n, mask_bh,
+                            stride_mask_m, stride_mask_n, HAS_BIAS, HAS_MASK)
     if MASKED:
         st = tl.where(visible(i, j, seqlen_q, seqlen_k, window_left, window_right, HAS_LEFT, HAS_RIGHT),
                       st, float("-inf"))
@@ -81,6 +88,16 @@ def _dkdv_tile(dk, dv, k, v, desc_q, desc_do, q_blk, do_blk, dq_blk, lse_blk, de
     dv = tl.dot(pdt.to(do.dtype), do, dv, input_precision=DOT_PREC)
     # Alg. 2 line 14: dS_ij = P_ij o (dP_ij - D_i); softcap multiplies by d(cap tanh(x))/dx = 1 - tanh^2
     dst = pt * (dpt - delta[None, :])
+    if HAS_DBIAS:
+        # dBias = dS, the gradient of the final pre-softmax score (bias is added after softcap). This program
+        # is the only one that visits tile (b, h, i-block, j-block): a full-shape bias takes plain stores; a
+        # broadcast one sums over its broadcast dimensions with atomics into an fp32 buffer.
+        db_ptrs = dbias_bh + i.to(tl.int64) * stride_dbias_m + j.to(tl.int64) * stride_dbias_n
+        db_mask = (i < seqlen_q) & (j < seqlen_k)
+        if DBIAS_ATOMIC:
+            tl.atomic_add(db_ptrs, dst, mask=db_mask, sem="relaxed")
+        else:
+            tl.store(db_ptrs, dst, mask=db_mask)
     if SOFTCAP:
         dst = dst * (1.0 - t * t)
     # Alg. 2 line 16: dK_j += dS_ij^T Q_i   (the softmax scale tau is applied once at the end)
@@ -106,10 +123,16 @@ def attn_bwd_dkdv_kernel(
     nheads_k, group_size, seqlen_q_static, seqlen_k_static, head_dim,
     sm_scale, score_scale, softcap_log2, window_left, window_right,
     dropout_p, seed, rng_offset, rng_stride_b, rng_stride_h, rng_stride_m,
+    BIAS, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
+    MASK, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+    DBIAS, stride_dbias_b, stride_dbias_h, stride_dbias_m, stride_dbias_n,
+    Q_NUM, Q_IDX, FULL_Q_NUM, FULL_Q_IDX, stride_sp_b, stride_sp_h, stride_sp_n, sparse_blocks,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    USE_TMA: tl.constexpr, HAS_BIAS: tl.constexpr = False, HAS_MASK: tl.constexpr = False,
+    HAS_DBIAS: tl.constexpr = False, DBIAS_ATOMIC: tl.constexpr = False, BLOCK_SPARSE: tl.constexpr = False,
+    SPARSE_BLOCK: tl.constexpr = 128,
 ):
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
@@ -152,34 +175,83 @@ def attn_bwd_dkdv_kernel(
         dq_head = DQ_ACC + b64 * stride_dqb + tl.cast(h, tl.int64) * stride_dqh + tl.cast(q_start, tl.int64) * stride_dqm
         lse_head = LSE + b64 * stride_lse_b + tl.cast(h, tl.int64) * stride_lse_h + q_start
         delta_head = Delta + b64 * stride_lse_b + tl.cast(h, tl.int64) * stride_lse_h + q_start
-        # Alg. 2 line 8: for i = 1..Tr (only the query blocks that can see this key block)
-        for start_m in range(lo, full_lo, BLOCK_M):
-            dk, dv = _dkdv_tile(dk, dv, k, v, desc_q, desc_do, q_head + tl.cast(start_m, tl.int64) * stride_qm,
-                                do_head + tl.cast(start_m, tl.int64) * stride_dom,
-                                dq_head + tl.cast(start_m, tl.int64) * stride_dqm, lse_head, delta_head,
-                                q_row0 + start_m, h, start_m, offs_m_rel, offs_n, offs_d, seqlen_q, seqlen_k,
-                                stride_qm, stride_dom, stride_dqm, head_dim, sm_scale, score_scale, softcap_log2,
-                                alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base,
-                                rng_stride_m, dropout_p, True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
-                                DROPOUT, DOT_PREC, ATOMIC_DQ, USE_TMA, BLOCK_D)
-        for start_m in range(full_lo, full_hi, BLOCK_M):
-            dk, dv = _dkdv_tile(dk, dv, k, v, desc_q, desc_do, q_head + tl.cast(start_m, tl.int64) * stride_qm,
-                                do_head + tl.cast(start_m, tl.int64) * stride_dom,
-                                dq_head + tl.cast(start_m, tl.int64) * stride_dqm, lse_head, delta_head,
-                                q_row0 + start_m, h, start_m, offs_m_rel, offs_n, offs_d, seqlen_q, seqlen_k,
-                                stride_qm, stride_dom, stride_dqm, head_dim, sm_scale, score_scale, softcap_log2,
-                                alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base,
-                                rng_stride_m, dropout_p, False, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
-                                DROPOUT, DOT_PREC, ATOMIC_DQ, USE_TMA, BLOCK_D)
-        for start_m in range(full_hi, hi, BLOCK_M):
-            dk, dv = _dkdv_tile(dk, dv, k, v, desc_q, desc_do, q_head + tl.cast(start_m, tl.int64) * stride_qm,
-                                do_head + tl.cast(start_m, tl.int64) * stride_dom,
-                                dq_head + tl.cast(start_m, tl.int64) * stride_dqm, lse_head, delta_head,
-                                q_row0 + start_m, h, start_m, offs_m_rel, offs_n, offs_d, seqlen_q, seqlen_k,
-                                stride_qm, stride_dom, stride_dqm, head_dim, sm_scale, score_scale, softcap_log2,
-                                alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base,
-                                rng_stride_m, dropout_p, True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
-                                DROPOUT, DOT_PREC, ATOMIC_DQ, USE_TMA, BLOCK_D)
+        bias_bh = BIAS
+        mask_bh = MASK
+        dbias_bh = DBIAS
+        if HAS_BIAS:
+            bias_bh = BIAS + b64 * stride_bias_b + tl.cast(h, tl.int64) * stride_bias_h
+        if HAS_MASK:
+            mask_bh = MASK + b64 * stride_mask_b + tl.cast(h, tl.int64) * stride_mask_h
+        if HAS_DBIAS:
+            dbias_bh = DBIAS + b64 * stride_dbias_b + tl.cast(h, tl.int64) * stride_dbias_h
+        if BLOCK_SPARSE:
+            # FA1 Alg. 5 transposed: only the query blocks the block mask lists for this key block
+            sp = b64 * stride_sp_b + tl.cast(h, tl.int64) * stride_sp_h + (start_n // SPARSE_BLOCK) * stride_sp_n
+            n_partial = tl.load(Q_NUM + sp)
+            for t in range(0, n_partial):
+                blk_lo = tl.load(Q_IDX + sp * sparse_blocks + t) * SPARSE_BLOCK
+                blk_hi = tl.minimum(blk_lo + SPARSE_BLOCK, seqlen_q)
+                for start_m in range(blk_lo, blk_hi, BLOCK_M):
+                    dk, dv = _dkdv_tile(dk, dv, k, v, desc_q, desc_do, q_head + tl.cast(start_m, tl.int64) * stride_qm,
+                                        do_head + tl.cast(start_m, tl.int64) * stride_dom,
+                                        dq_head + tl.cast(start_m, tl.int64) * stride_dqm, lse_head, delta_head,
+                                        q_row0 + start_m, h, start_m, offs_m_rel, offs_n, offs_d, seqlen_q, seqlen_k,
+                                        stride_qm, stride_dom, stride_dqm, head_dim, sm_scale, score_scale, softcap_log2,
+                                        alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base,
+                                        rng_stride_m, dropout_p, bias_bh, stride_bias_m, stride_bias_n, mask_bh,
+                                        stride_mask_m, stride_mask_n, dbias_bh, stride_dbias_m, stride_dbias_n, True, EVEN_D,
+                                        HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, ATOMIC_DQ, USE_TMA, BLOCK_D,
+                                        HAS_BIAS, True, HAS_DBIAS, DBIAS_ATOMIC)
+            n_full = tl.load(FULL_Q_NUM + sp)
+            for t in range(0, n_full):
+                blk_lo = tl.load(FULL_Q_IDX + sp * sparse_blocks + t) * SPARSE_BLOCK
+                blk_hi = tl.minimum(blk_lo + SPARSE_BLOCK, seqlen_q)
+                for start_m in range(blk_lo, blk_hi, BLOCK_M):
+                    dk, dv = _dkdv_tile(dk, dv, k, v, desc_q, desc_do, q_head + tl.cast(start_m, tl.int64) * stride_qm,
+                                        do_head + tl.cast(start_m, tl.int64) * stride_dom,
+                                        dq_head + tl.cast(start_m, tl.int64) * stride_dqm, lse_head, delta_head,
+                                        q_row0 + start_m, h, start_m, offs_m_rel, offs_n, offs_d, seqlen_q, seqlen_k,
+                                        stride_qm, stride_dom, stride_dqm, head_dim, sm_scale, score_scale, softcap_log2,
+                                        alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base,
+                                        rng_stride_m, dropout_p, bias_bh, stride_bias_m, stride_bias_n, mask_bh,
+                                        stride_mask_m, stride_mask_n, dbias_bh, stride_dbias_m, stride_dbias_n, True, EVEN_D,
+                                        HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, ATOMIC_DQ, USE_TMA, BLOCK_D,
+                                        HAS_BIAS, False, HAS_DBIAS, DBIAS_ATOMIC)
+        else:
+            # Alg. 2 line 8: for i = 1..Tr (only the query blocks that can see this key block)
+            for start_m in range(lo, full_lo, BLOCK_M):
+                dk, dv = _dkdv_tile(dk, dv, k, v, desc_q, desc_do, q_head + tl.cast(start_m, tl.int64) * stride_qm,
+                                    do_head + tl.cast(start_m, tl.int64) * stride_dom,
+                                    dq_head + tl.cast(start_m, tl.int64) * stride_dqm, lse_head, delta_head,
+                                    q_row0 + start_m, h, start_m, offs_m_rel, offs_n, offs_d, seqlen_q, seqlen_k,
+                                    stride_qm, stride_dom, stride_dqm, head_dim, sm_scale, score_scale, softcap_log2,
+                                    alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base,
+                                    rng_stride_m, dropout_p, bias_bh, stride_bias_m, stride_bias_n, mask_bh,
+                                    stride_mask_m, stride_mask_n, dbias_bh, stride_dbias_m, stride_dbias_n, True, EVEN_D,
+                                    HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, ATOMIC_DQ, USE_TMA, BLOCK_D,
+                                    HAS_BIAS, HAS_MASK, HAS_DBIAS, DBIAS_ATOMIC)
+            for start_m in range(full_lo, full_hi, BLOCK_M):
+                dk, dv = _dkdv_tile(dk, dv, k, v, desc_q, desc_do, q_head + tl.cast(start_m, tl.int64) * stride_qm,
+                                    do_head + tl.cast(start_m, tl.int64) * stride_dom,
+                                    dq_head + tl.cast(start_m, tl.int64) * stride_dqm, lse_head, delta_head,
+                                    q_row0 + start_m, h, start_m, offs_m_rel, offs_n, offs_d, seqlen_q, seqlen_k,
+                                    stride_qm, stride_dom, stride_dqm, head_dim, sm_scale, score_scale, softcap_log2,
+                                    alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base,
+                                    rng_stride_m, dropout_p, bias_bh, stride_bias_m, stride_bias_n, mask_bh,
+                                    stride_mask_m, stride_mask_n, dbias_bh, stride_dbias_m, stride_dbias_n, False, EVEN_D,
+                                    HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, ATOMIC_DQ, USE_TMA, BLOCK_D,
+                                    HAS_BIAS, HAS_MASK, HAS_DBIAS, DBIAS_ATOMIC)
+            for start_m in range(full_hi, hi, BLOCK_M):
+                dk, dv = _dkdv_tile(dk, dv, k, v, desc_q, desc_do, q_head + tl.cast(start_m, tl.int64) * stride_qm,
+                                    do_head + tl.cast(start_m, tl.int64) * stride_dom,
+                                    dq_head + tl.cast(start_m, tl.int64) * stride_dqm, lse_head, delta_head,
+                                    q_row0 + start_m, h, start_m, offs_m_rel, offs_n, offs_d, seqlen_q, seqlen_k,
+                                    stride_qm, stride_dom, stride_dqm, head_dim, sm_scale, score_scale, softcap_log2,
+                                    alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base,
+                                    rng_stride_m, dropout_p, bias_bh, stride_bias_m, stride_bias_n, mask_bh,
+                                    stride_mask_m, stride_mask_n, dbias_bh, stride_dbias_m, stride_dbias_n, True, EVEN_D,
+                                    HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, ATOMIC_DQ, USE_TMA, BLOCK_D,
+                                    HAS_BIAS, HAS_MASK, HAS_DBIAS, DBIAS_ATOMIC)
     # Alg. 2 line 21: write dK_j (with the softmax scale tau of dK = tau dS^T Q), dV_j
     dk = dk * sm_scale
     tl.store(DK + b64 * stride_dkb + hk * stride_dkh + kv_rows[:, None] * stride_dkn + offs_d[None, :],
@@ -192,9 +264,10 @@ def attn_bwd_dkdv_kernel(
 def _dq_tile(dq, q, do, lse2, delta, desc_k, desc_v, k_blk, v_blk, kv_row, hk, start_n, offs_m, offs_n_rel, offs_d,
              seqlen_q, seqlen_k, stride_kn, stride_vn, head_dim, score_scale, softcap_log2, alibi_slope_log2,
              window_left, window_right, seed, rng_offset, rng_base, rng_stride_m, dropout_p,
+             bias_bh, stride_bias_m, stride_bias_n, mask_bh, stride_mask_m, stride_mask_n,
              MASKED: tl.constexpr, EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
              SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
-             USE_TMA: tl.constexpr, BLOCK_D: tl.constexpr):
+             USE_TMA: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr):
     """dQ_i += dS_ij K_j (Alg. 2 line 15), recomputing S_ij, P_ij and dP_ij for one key block."""
     cols = start_n + offs_n_rel
     k = load_tile(desc_k, k_blk, kv_row, hk, offs_n_rel, offs_d, cols, seqlen_k, stride_kn, head_dim,
@@ -207,6 +280,9 @@ def _dq_tile(dq, q, do, lse2, delta, desc_k, desc_v, k_blk, v_blk, kv_row, hk, s
     j = cols[None, :]
     qk = tl.dot(q, kt, input_precision=DOT_PREC)
     s, t = scores_log2(qk, i, j, seqlen_q, seqlen_k, score_scale, softcap_log2, alibi_slope_log2, SOFTCAP, ALIBI)
+    if HAS_BIAS or HAS_MASK:
+        s = bias_mask_log2(s, i, j, seqlen_q, seqlen_k, bias_bh, stride_bias_m, stride_bias_n, mask_bh,
+                           stride_mask_m, stride_mask_n, HAS_BIAS, HAS_MASK)
     if MASKED:
         s = tl.where(visible(i, j, seqlen_q, seqlen_k, window_left, window_right, HAS_LEFT, HAS_RIGHT),
                      s, float("-inf"))
@@ -231,9 +307,14 @@ def attn_bwd_dq_kernel(
     nheads, group_size, seqlen_q_static, seqlen_k_static, head_dim,
     sm_scale, score_scale, softcap_log2, window_left, window_right,
     dropout_p, seed, rng_offset, rng_stride_b, rng_stride_h, rng_stride_m,
+    BIAS, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
+    MASK, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+    KV_NUM, KV_IDX, FULL_KV_NUM, FULL_KV_IDX, stride_sp_b, stride_sp_h, stride_sp_m, sparse_blocks,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr,
+    HAS_BIAS: tl.constexpr = False, HAS_MASK: tl.constexpr = False, BLOCK_SPARSE: tl.constexpr = False,
+    SPARSE_BLOCK: tl.constexpr = 128,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -269,29 +350,66 @@ def attn_bwd_dq_kernel(
     else:
         kv_row0 = b * seqlen_k_static
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    lo, full_lo, full_hi, hi = key_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
-                                         BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    for start_n in range(lo, full_lo, BLOCK_N):
-        dq = _dq_tile(dq, q, do, lse2, delta, desc_k, desc_v, k_base + tl.cast(start_n, tl.int64) * stride_kn,
-                      v_base + tl.cast(start_n, tl.int64) * stride_vn, kv_row0 + start_n, hk, start_n, offs_m,
-                      offs_n_rel, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn, head_dim, score_scale,
-                      softcap_log2, alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base,
-                      rng_stride_m, dropout_p, True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT,
-                      DOT_PREC, USE_TMA, BLOCK_D)
-    for start_n in range(full_lo, full_hi, BLOCK_N):
-        dq = _dq_tile(dq, q, do, lse2, delta, desc_k, desc_v, k_base + tl.cast(start_n, tl.int64) * stride_kn,
-                      v_base + tl.cast(start_n, tl.int64) * stride_vn, kv_row0 + start_n, hk, start_n, offs_m,
-                      offs_n_rel, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn, head_dim, score_scale,
-                      softcap_log2, alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base,
-                      rng_stride_m, dropout_p, False, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT,
-                      DOT_PREC, USE_TMA, BLOCK_D)
-    for start_n in range(full_hi, hi, BLOCK_N):
-        dq = _dq_tile(dq, q, do, lse2, delta, desc_k, desc_v, k_base + tl.cast(start_n, tl.int64) * stride_kn,
-                      v_base + tl.cast(start_n, tl.int64) * stride_vn, kv_row0 + start_n, hk, start_n, offs_m,
-                      offs_n_rel, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn, head_dim, score_scale,
-                      softcap_log2, alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base,
-                      rng_stride_m, dropout_p, True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT,
-                      DOT_PREC, USE_TMA, BLOCK_D)
+    bias_bh = BIAS
+    mask_bh = MASK
+    if HAS_BIAS:
+        bias_bh = BIAS + b64 * stride_bias_b + tl.cast(h, tl.int64) * stride_bias_h
+    if HAS_MASK:
+        mask_bh = MASK + b64 * stride_mask_b + tl.cast(h, tl.int64) * stride_mask_h
+    if BLOCK_SPARSE:
+        # FA1 Alg. 5: only the key blocks the block mask lists for this query block
+        sp = b64 * stride_sp_b + tl.cast(h, tl.int64) * stride_sp_h + (start_m // SPARSE_BLOCK) * stride_sp_m
+        n_partial = tl.load(KV_NUM + sp)
+        for t in range(0, n_partial):
+            blk_lo = tl.load(KV_IDX + sp * sparse_blocks + t) * SPARSE_BLOCK
+            blk_hi = tl.minimum(blk_lo + SPARSE_BLOCK, seqlen_k)
+            for start_n in range(blk_lo, blk_hi, BLOCK_N):
+                dq = _dq_tile(dq, q, do, lse2, delta, desc_k, desc_v, k_base + tl.cast(start_n, tl.int64) * stride_kn,
+                              v_base + tl.cast(start_n, tl.int64) * stride_vn, kv_row0 + start_n, hk, start_n, offs_m,
+                              offs_n_rel, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn, head_dim, score_scale,
+                              softcap_log2, alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base,
+                              rng_stride_m, dropout_p, bias_bh, stride_bias_m, stride_bias_n, mask_bh, stride_mask_m,
+                              stride_mask_n, True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT,
+                              DOT_PREC, USE_TMA, BLOCK_D, HAS_BIAS, True)
+        n_full = tl.load(FULL_KV_NUM + sp)
+        for t in range(0, n_full):
+            blk_lo = tl.load(FULL_KV_IDX + sp * sparse_blocks + t) * SPARSE_BLOCK
+            blk_hi = tl.minimum(blk_lo + SPARSE_BLOCK, seqlen_k)
+            for start_n in range(blk_lo, blk_hi, BLOCK_N):
+                dq = _dq_tile(dq, q, do, lse2, delta, desc_k, desc_v, k_base + tl.cast(start_n, tl.int64) * stride_kn,
+                              v_base + tl.cast(start_n, tl.int64) * stride_vn, kv_row0 + start_n, hk, start_n, offs_m,
+                              offs_n_rel, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn, head_dim, score_scale,
+                              softcap_log2, alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base,
+                              rng_stride_m, dropout_p, bias_bh, stride_bias_m, stride_bias_n, mask_bh, stride_mask_m,
+                              stride_mask_n, True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT,
+                              DOT_PREC, USE_TMA, BLOCK_D, HAS_BIAS, False)
+    else:
+        lo, full_lo, full_hi, hi = key_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
+                                             BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        for start_n in range(lo, full_lo, BLOCK_N):
+            dq = _dq_tile(dq, q, do, lse2, delta, desc_k, desc_v, k_base + tl.cast(start_n, tl.int64) * stride_kn,
+                          v_base + tl.cast(start_n, tl.int64) * stride_vn, kv_row0 + start_n, hk, start_n, offs_m,
+                          offs_n_rel, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn, head_dim, score_scale,
+                          softcap_log2, alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base,
+                          rng_stride_m, dropout_p, bias_bh, stride_bias_m, stride_bias_n, mask_bh, stride_mask_m,
+                          stride_mask_n, True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT,
+                          DOT_PREC, USE_TMA, BLOCK_D, HAS_BIAS, HAS_MASK)
+        for start_n in range(full_lo, full_hi, BLOCK_N):
+            dq = _dq_tile(dq, q, do, lse2, delta, desc_k, desc_v, k_base + tl.cast(start_n, tl.int64) * stride_kn,
+                          v_base + tl.cast(start_n, tl.int64) * stride_vn, kv_row0 + start_n, hk, start_n, offs_m,
+                          offs_n_rel, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn, head_dim, score_scale,
+                          softcap_log2, alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base,
+                          rng_stride_m, dropout_p, bias_bh, stride_bias_m, stride_bias_n, mask_bh, stride_mask_m,
+                          stride_mask_n, False, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT,
+                          DOT_PREC, USE_TMA, BLOCK_D, HAS_BIAS, HAS_MASK)
+        for start_n in range(full_hi, hi, BLOCK_N):
+            dq = _dq_tile(dq, q, do, lse2, delta, desc_k, desc_v, k_base + tl.cast(start_n, tl.int64) * stride_kn,
+                          v_base + tl.cast(start_n, tl.int64) * stride_vn, kv_row0 + start_n, hk, start_n, offs_m,
+                          offs_n_rel, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn, head_dim, score_scale,
+                          softcap_log2, alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base,
+                          rng_stride_m, dropout_p, bias_bh, stride_bias_m, stride_bias_n, mask_bh, stride_mask_m,
+                          stride_mask_n, True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT,
+                          DOT_PREC, USE_TMA, BLOCK_D, HAS_BIAS, HAS_MASK)
     dq = dq * sm_scale
     tl.store(DQ + b64 * stride_dqb + tl.cast(h, tl.int64) * stride_dqh + rows[:, None] * stride_dqm + offs_d[None, :],
              dq.to(DQ.dtype.element_ty), mask=q_mask)

@@ -4,21 +4,26 @@ One program owns one query block Q_i (Br = BLOCK_M rows) of one (batch, head) an
 blocks K_j, V_j (Bc = BLOCK_N rows) through on-chip memory, keeping the running row max m_i, the running
 row sum l_i and the *un-scaled* accumulator acc = O~_i. Only the log-sum-exp L_i = m_i + log l_i is written
 besides O. Scores live in log2 units (see mods.py), so exp is exp2.
+Optional, each behind a constexpr that defaults off (the dense path compiles as before): an additive attn_bias
+and a bool attn_mask (mods.bias_mask_log2), and BLOCK_SPARSE, FA1 Alg. 5's loop over the key blocks a
+block mask lists instead of the key range of causal/window masking.
 """
 import triton
 import triton.language as tl
 
-from .mods import (dropout_keep, key_range, load_lse2, load_tile, online_softmax_step, scores_log2, seq_bounds,
-                   visible)
+from .mods import (bias_mask_log2, dropout_keep, key_range, load_lse2, load_tile, online_softmax_step, scores_log2,
+                   seq_bounds, visible)
 
 
 @triton.jit
 def _fwd_tile(acc, l_i, m_i, q, desc_k, desc_v, k_blk, v_blk, b, kv_row, hk, start_n, offs_m, offs_n, offs_d,
               seqlen_q, seqlen_k, stride_kn, stride_vn, head_dim, score_scale, softcap_log2, alibi_slope_log2,
               window_left, window_right, seed, rng_offset, rng_base, rng_stride_m, dropout_p,
+              bias_bh, stride_bias_m, stride_bias_n, mask_bh, stride_mask_m, stride_mask_n,
               MASKED: tl.constexpr, EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
               SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
-              USE_TMA: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+              USE_TMA: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+              HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr):
     """One step j of the inner loop (FA2 Alg. 1 lines 7-10) for the key block starting at start_n."""
     cols = start_n + offs_n
     k = load_tile(desc_k, k_blk, kv_row, hk, offs_n, offs_d, cols, seqlen_k, stride_kn, head_dim,
@@ -28,11 +33,18 @@ def _fwd_tile(acc, l_i, m_i, q, desc_k, desc_v, k_blk, v_blk, b, kv_row, hk, sta
     qk = tl.dot(q, kt, input_precision=DOT_PREC)
     s, _ = scores_log2(qk, offs_m[:, None], cols[None, :], seqlen_q, seqlen_k, score_scale, softcap_log2, alibi_slope_log2,
                        SOFTCAP, ALIBI)
+    if HAS_BIAS or HAS_MASK:
+        s = bias_mask_log2(s, offs_m[:, None], cols[None, :], seqlen_q, seqlen_k, bias_bh, stride_bias_m,
+                           stride_bias_n, mask_bh, stride_mask_m, stride_mask_n, HAS_BIAS, HAS_MASK)
     if MASKED:
         s = tl.where(visible(offs_m[:, None], cols[None, :], seqlen_q, seqlen_k, window_left, window_right, HAS_LEFT, HAS_RIGHT),
                      s, float("-inf"))
     # Alg. 1 line 9: m_i^(j) = max(m_i^(j-1), rowmax(S)), P~ = exp(S - m_i^(j)), l_i^(j) = e^(m_old - m_new) l + rowsum(P~)
-    m_new, p, alpha, l_i = online_softmax_step(m_i, l_i, s, MASKED)
+    if HAS_BIAS or HAS_MASK:
+        # a user mask (or a -inf bias) can hide a whole row of any tile, not only of the edge tiles
+        m_new, p, alpha, l_i = online_softmax_step(m_i, l_i, s, True)
+    else:
+        m_new, p, alpha, l_i = online_softmax_step(m_i, l_i, s, MASKED)
     if DROPOUT:
         # l_i sums the un-dropped P~ (the softmax normaliser); only the P~ V product sees Z (FA1 Alg. 2 line 13)
         keep = dropout_keep(seed, rng_offset, rng_base, offs_m[:, None], cols[None, :], rng_stride_m, dropout_p)
@@ -54,9 +66,14 @@ def attn_fwd_kernel(
     nheads, group_size, seqlen_q_static, seqlen_k_static, head_dim,
     score_scale, softcap_log2, window_left, window_right,
     dropout_p, seed, rng_offset, rng_stride_b, rng_stride_h, rng_stride_m,
+    BIAS, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
+    MASK, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+    KV_NUM, KV_IDX, FULL_KV_NUM, FULL_KV_IDX, stride_sp_b, stride_sp_h, stride_sp_m, sparse_blocks,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr,
+    HAS_BIAS: tl.constexpr = False, HAS_MASK: tl.constexpr = False, BLOCK_SPARSE: tl.constexpr = False,
+    SPARSE_BLOCK: tl.constexpr = 128,
 ):
     pid_m = tl.program_id(0)
     if HAS_RIGHT:
@@ -91,6 +108,12 @@ def attn_fwd_kernel(
     if ALIBI:
         alibi_slope_log2 = tl.load(ALIBI_SLOPES + b * stride_alibi_b + h).to(tl.float32) * 1.4426950408889634
     rng_base = b64 * rng_stride_b + tl.cast(h, tl.int64) * rng_stride_h
+    bias_bh = BIAS
+    mask_bh = MASK
+    if HAS_BIAS:
+        bias_bh = BIAS + b64 * stride_bias_b + tl.cast(h, tl.int64) * stride_bias_h
+    if HAS_MASK:
+        mask_bh = MASK + b64 * stride_mask_b + tl.cast(h, tl.int64) * stride_mask_h
 
     # Alg. 1 line 4: load Q_i (rows past the end are 0; their outputs are never stored)
     q_mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim)
@@ -100,34 +123,68 @@ def attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    lo, full_lo, full_hi, hi = key_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
-                                         BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    # Alg. 1 line 6: for j = 1..Tc. Tiles straddling a mask edge or the end of K take the masked path;
-    # the rest (most of them) skip per-element masking entirely.
-    for start_n in range(lo, full_lo, BLOCK_N):
-        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, desc_k, desc_v, k_base + tl.cast(start_n, tl.int64) * stride_kn,
-                                  v_base + tl.cast(start_n, tl.int64) * stride_vn, b, kv_row0 + start_n, hk,
-                                  start_n, offs_m, offs_n, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn,
-                                  head_dim, score_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
-                                  seed, rng_offset, rng_base, rng_stride_m, dropout_p, True, EVEN_D,
-                                  HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, USE_TMA, IS_VARLEN,
-                                  BLOCK_N, BLOCK_D)
-    for start_n in range(full_lo, full_hi, BLOCK_N):
-        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, desc_k, desc_v, k_base + tl.cast(start_n, tl.int64) * stride_kn,
-                                  v_base + tl.cast(start_n, tl.int64) * stride_vn, b, kv_row0 + start_n, hk,
-                                  start_n, offs_m, offs_n, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn,
-                                  head_dim, score_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
-                                  seed, rng_offset, rng_base, rng_stride_m, dropout_p, False, EVEN_D,
-                                  HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, USE_TMA, IS_VARLEN,
-                                  BLOCK_N, BLOCK_D)
-    for start_n in range(full_hi, hi, BLOCK_N):
-        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, desc_k, desc_v, k_base + tl.cast(start_n, tl.int64) * stride_kn,
-                                  v_base + tl.cast(start_n, tl.int64) * stride_vn, b, kv_row0 + start_n, hk,
-                                  start_n, offs_m, offs_n, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn,
-                                  head_dim, score_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
-                                  seed, rng_offset, rng_base, rng_stride_m, dropout_p, True, EVEN_D,
-                                  HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, USE_TMA, IS_VARLEN,
-                                  BLOCK_N, BLOCK_D)
+    if BLOCK_SPARSE:
+        # FA1 Alg. 5: visit only the key blocks the block mask lists for this query block; empty blocks are
+        # never touched. Partial blocks apply the mask tensor element-wise, full blocks skip it.
+        sp = b64 * stride_sp_b + tl.cast(h, tl.int64) * stride_sp_h + (start_m // SPARSE_BLOCK) * stride_sp_m
+        n_partial = tl.load(KV_NUM + sp)
+        for t in range(0, n_partial):
+            blk_lo = tl.load(KV_IDX + sp * sparse_blocks + t) * SPARSE_BLOCK
+            blk_hi = tl.minimum(blk_lo + SPARSE_BLOCK, seqlen_k)
+            for start_n in range(blk_lo, blk_hi, BLOCK_N):
+                acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, desc_k, desc_v, k_base + tl.cast(start_n, tl.int64) * stride_kn,
+                                      v_base + tl.cast(start_n, tl.int64) * stride_vn, b, kv_row0 + start_n, hk,
+                                      start_n, offs_m, offs_n, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn,
+                                      head_dim, score_scale, softcap_log2, alibi_slope_log2, window_left,
+                                      window_right, seed, rng_offset, rng_base, rng_stride_m, dropout_p, bias_bh,
+                                      stride_bias_m, stride_bias_n, mask_bh, stride_mask_m, stride_mask_n, True,
+                                      EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, USE_TMA,
+                                      IS_VARLEN, BLOCK_N, BLOCK_D, HAS_BIAS, True)
+        n_full = tl.load(FULL_KV_NUM + sp)
+        for t in range(0, n_full):
+            blk_lo = tl.load(FULL_KV_IDX + sp * sparse_blocks + t) * SPARSE_BLOCK
+            blk_hi = tl.minimum(blk_lo + SPARSE_BLOCK, seqlen_k)
+            for start_n in range(blk_lo, blk_hi, BLOCK_N):
+                acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, desc_k, desc_v, k_base + tl.cast(start_n, tl.int64) * stride_kn,
+                                      v_base + tl.cast(start_n, tl.int64) * stride_vn, b, kv_row0 + start_n, hk,
+                                      start_n, offs_m, offs_n, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn,
+                                      head_dim, score_scale, softcap_log2, alibi_slope_log2, window_left,
+                                      window_right, seed, rng_offset, rng_base, rng_stride_m, dropout_p, bias_bh,
+                                      stride_bias_m, stride_bias_n, mask_bh, stride_mask_m, stride_mask_n, True,
+                                      EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, USE_TMA,
+                                      IS_VARLEN, BLOCK_N, BLOCK_D, HAS_BIAS, False)
+    else:
+        lo, full_lo, full_hi, hi = key_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
+                                             BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        # Alg. 1 line 6: for j = 1..Tc. Tiles straddling a mask edge or the end of K take the masked path;
+        # the rest (most of them) skip per-element masking entirely.
+        for start_n in range(lo, full_lo, BLOCK_N):
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, desc_k, desc_v, k_base + tl.cast(start_n, tl.int64) * stride_kn,
+                                      v_base + tl.cast(start_n, tl.int64) * stride_vn, b, kv_row0 + start_n, hk,
+                                      start_n, offs_m, offs_n, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn,
+                                      head_dim, score_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
+                                      seed, rng_offset, rng_base, rng_stride_m, dropout_p, bias_bh, stride_bias_m,
+                                      stride_bias_n, mask_bh, stride_mask_m, stride_mask_n, True, EVEN_D,
+                                      HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, USE_TMA, IS_VARLEN,
+                                      BLOCK_N, BLOCK_D, HAS_BIAS, HAS_MASK)
+        for start_n in range(full_lo, full_hi, BLOCK_N):
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, desc_k, desc_v, k_base + tl.cast(start_n, tl.int64) * stride_kn,
+                                      v_base + tl.cast(start_n, tl.int64) * stride_vn, b, kv_row0 + start_n, hk,
+                                      start_n, offs_m, offs_n, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn,
+                                      head_dim, score_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
+                                      seed, rng_offset, rng_base, rng_stride_m, dropout_p, bias_bh, stride_bias_m,
+                                      stride_bias_n, mask_bh, stride_mask_m, stride_mask_n, False, EVEN_D,
+                                      HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, USE_TMA, IS_VARLEN,
+                                      BLOCK_N, BLOCK_D, HAS_BIAS, HAS_MASK)
+        for start_n in range(full_hi, hi, BLOCK_N):
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, desc_k, desc_v, k_base + tl.cast(start_n, tl.int64) * stride_kn,
+                                      v_base + tl.cast(start_n, tl.int64) * stride_vn, b, kv_row0 + start_n, hk,
+                                      start_n, offs_m, offs_n, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn,
+                                      head_dim, score_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
+                                      seed, rng_offset, rng_base, rng_stride_m, dropout_p, bias_bh, stride_bias_m,
+                                      stride_bias_n, mask_bh, stride_mask_m, stride_mask_n, True, EVEN_D,
+                                      HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, USE_TMA, IS_VARLEN,
+                                      BLOCK_N, BLOCK_D, HAS_BIAS, HAS_MASK)
 
     # Alg. 1 lines 12-13: O_i = diag(l_i)^-1 O~_i, L_i = m_i + log l_i. A row that saw no key has l_i = 0:
     # it outputs 0 and L = -inf (zero probability mass), never NaN.
@@ -152,9 +209,12 @@ def attn_probs_kernel(
     nheads, group_size, seqlen_q_static, seqlen_k_static, head_dim,
     score_scale, softcap_log2, window_left, window_right,
     dropout_p, seed, rng_offset, rng_stride_b, rng_stride_h, rng_stride_m,
+    BIAS, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
+    MASK, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_BIAS: tl.constexpr = False, HAS_MASK: tl.constexpr = False,
 ):
     """Debug/test output of return_attn_probs: P = exp(S - L) from the forward's L, negated where dropout
     dropped the entry (flash-attn's S_dmask convention). O(N^2) memory: never used by the fast path."""
@@ -182,6 +242,12 @@ def attn_probs_kernel(
     rng_base = b64 * rng_stride_b + tl.cast(h, tl.int64) * rng_stride_h
     k_base = K + b64 * stride_kb + tl.cast(hk, tl.int64) * stride_kh + tl.cast(k_start, tl.int64) * stride_kn
     p_base = P + b64 * stride_pb + tl.cast(h, tl.int64) * stride_ph
+    bias_bh = BIAS
+    mask_bh = MASK
+    if HAS_BIAS:
+        bias_bh = BIAS + b64 * stride_bias_b + tl.cast(h, tl.int64) * stride_bias_h
+    if HAS_MASK:
+        mask_bh = MASK + b64 * stride_mask_b + tl.cast(h, tl.int64) * stride_mask_h
     for start_n in range(0, seqlen_k, BLOCK_N):
         cols = start_n + offs_n
         kt = tl.load(k_base + cols[None, :].to(tl.int64) * stride_kn + offs_d[:, None],
@@ -190,6 +256,9 @@ def attn_probs_kernel(
         i = offs_m[:, None]
         j = cols[None, :]
         s, _ = scores_log2(qk, i, j, seqlen_q, seqlen_k, score_scale, softcap_log2, alibi_slope_log2, SOFTCAP, ALIBI)
+        if HAS_BIAS or HAS_MASK:
+            s = bias_mask_log2(s, i, j, seqlen_q, seqlen_k, bias_bh, stride_bias_m, stride_bias_n, mask_bh,
+                               stride_mask_m, stride_mask_n, HAS_BIAS, HAS_MASK)
         s = tl.where(visible(i, j, seqlen_q, seqlen_k, window_left, window_right, HAS_LEFT, HAS_RIGHT),
                      s, float("-inf"))
         p = tl.math.exp2(s - lse2[:, None])

@@ -159,9 +159,71 @@ def _common(q, k, params, alibi, cu_q, max_sq, max_sk):
     return batch, nheads, nheads_k, score_scale, softcap_log2, rng, alibi_stride_b
 
 
+@dataclass(frozen=True)
+class SparseLists:
+    """A block mask's tile lists (int32, contiguous; batch/head dimensions of size 1 broadcast):
+    kv_num/full_kv_num (B, H, n_q_blocks), kv_idx/full_kv_idx (B, H, n_q_blocks, n_kv_blocks): per query block,
+    the key blocks that are partial / full; q_* the transpose (per key block, its query blocks)."""
+    block_size: int
+    kv_num: torch.Tensor
+    kv_idx: torch.Tensor
+    full_kv_num: torch.Tensor
+    full_kv_idx: torch.Tensor
+    q_num: torch.Tensor
+    q_idx: torch.Tensor
+    full_q_num: torch.Tensor
+    full_q_idx: torch.Tensor
+
+
+def _pair_args(t, batch, nheads, sq, sk):
+    """(pointer, stride_b, stride_h, stride_m, stride_n) of a (b, h, sq, sk)-broadcastable 4-D tensor: an expand
+    view, so broadcast dimensions get stride 0 and nothing is materialised. bool masks are read as uint8."""
+    if t is None:
+        return (None, 0, 0, 0, 0)
+    if t.dtype == torch.bool:
+        t = t.view(torch.uint8)
+    e = t.expand(batch, nheads, sq, sk)
+    return (e, *e.stride())
+
+
+def _sparse_args(lists, batch, nheads, transposed):
+    """(num, idx, full_num, full_idx, stride_b, stride_h, stride_block, n_blocks) for the kernels' block-sparse loop."""
+    if lists is None:
+        return (None, None, None, None, 0, 0, 0, 0)
+    if transposed:
+        num, idx, fnum, fidx = lists.q_num, lists.q_idx, lists.full_q_num, lists.full_q_idx
+    else:
+        num, idx, fnum, fidx = lists.kv_num, lists.kv_idx, lists.full_kv_num, lists.full_kv_idx
+    st = num.expand(batch, nheads, num.shape[2]).stride()
+    return (num, idx, fnum, fidx, st[0], st[1], st[2], idx.shape[-1])
+
+
+def _sparse_config(cfg: Config, lists) -> Config:
+    """With a block mask every kernel tile must lie inside one mask block: tile sizes divide block_size (both
+    powers of two)."""
+    if lists is None:
+        return cfg
+    return Config(min(cfg.BLOCK_M, lists.block_size), min(cfg.BLOCK_N, lists.block_size), cfg.num_warps,
+                  cfg.num_stages, cfg.atomic_dq)
+
+
+def _mod_flags(bias, mask, lists):
+    flags = {}
+    if bias is not None:
+        flags["HAS_BIAS"] = True
+    if mask is not None:
+        flags["HAS_MASK"] = True
+    if lists is not None:
+        flags.update(BLOCK_SPARSE=True, SPARSE_BLOCK=lists.block_size)
+    return flags
+
+
 def flash_fwd(q, k, v, out, lse, params: AttnParams, alibi: Optional[torch.Tensor] = None,
-              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
-    """out[...] = attention(q, k, v); lse[...] = row log-sum-exp (natural log, -inf for empty rows)."""
+              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+              bias=None, mask=None, sparse: Optional[SparseLists] = None):
+    """out[...] = attention(q, k, v); lse[...] = row log-sum-exp (natural log, -inf for empty rows).
+    bias (float) / mask (bool, True = may attend): 4-D, broadcastable to (batch, nheads, seqlen_q, seqlen_k);
+    dense layout only. sparse: a block mask's lists (the partial tiles read `mask`)."""
     head_dim = q.shape[-1]
     max_sq = max_seqlen_q if cu_seqlens_q is not None else q.shape[1]
     max_sk = max_seqlen_k if cu_seqlens_k is not None else k.shape[1]
@@ -172,7 +234,7 @@ def flash_fwd(q, k, v, out, lse, params: AttnParams, alibi: Optional[torch.Tenso
         out.zero_()
         lse.fill_(float("-inf"))
         return
-    cfg = fwd_config(head_dim, q.dtype, params.window_right == 0)
+    cfg = _sparse_config(fwd_config(head_dim, q.dtype, params.window_right == 0), sparse)
     grid = (triton.cdiv(max_sq, cfg.BLOCK_M), batch * nheads)
     block_d = _block_d(head_dim)
     desc_k = kv_descriptor(k, cfg.BLOCK_N, block_d)
@@ -185,12 +247,15 @@ def flash_fwd(q, k, v, out, lse, params: AttnParams, alibi: Optional[torch.Tenso
         nheads, nheads // nheads_k, max_sq, max_sk, head_dim,
         score_scale, softcap_log2, params.window_left, params.window_right,
         params.dropout_p, params.seed, params.rng_offset, *rng,
+        *_pair_args(bias, batch, nheads, max_sq, max_sk), *_pair_args(mask, batch, nheads, max_sq, max_sk),
+        *_sparse_args(sparse, batch, nheads, False),
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, EVEN_D=block_d == head_dim, USE_TMA=use_tma,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_flags(params, alibi, cu_seqlens_q, head_dim, q.dtype))
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_flags(params, alibi, cu_seqlens_q, head_dim, q.dtype),
+        **_mod_flags(bias, mask, sparse))
 
 
 def attn_probs(q, k, lse, params: AttnParams, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None,
-               max_seqlen_q=None, max_seqlen_k=None):
+               max_seqlen_q=None, max_seqlen_k=None, bias=None, mask=None):
     """(batch, nheads, max_seqlen_q, max_seqlen_k) float32 P, negated where dropout dropped it."""
     head_dim = q.shape[-1]
     max_sq = max_seqlen_q if cu_seqlens_q is not None else q.shape[1]
@@ -207,14 +272,19 @@ def attn_probs(q, k, lse, params: AttnParams, alibi=None, cu_seqlens_q=None, cu_
         nheads, nheads // nheads_k, max_sq, max_sk, head_dim,
         score_scale, softcap_log2, params.window_left, params.window_right,
         params.dropout_p, params.seed, params.rng_offset, *rng,
-        BLOCK_M=32, BLOCK_N=32, num_warps=4, **_flags(params, alibi, cu_seqlens_q, head_dim, q.dtype))
+        *_pair_args(bias, batch, nheads, max_sq, max_sk), *_pair_args(mask, batch, nheads, max_sq, max_sk),
+        BLOCK_M=32, BLOCK_N=32, num_warps=4, **_flags(params, alibi, cu_seqlens_q, head_dim, q.dtype),
+        **_mod_flags(bias, mask, None))
     return p
 
 
 def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=None,
-              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, deterministic=False):
+              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, deterministic=False,
+              bias=None, mask=None, sparse: Optional[SparseLists] = None, dbias=None):
     """Fills dq, dk, dv (same layouts as q, k, v). deterministic=True: no atomics anywhere, bitwise
-    reproducible gradients."""
+    reproducible gradients (a broadcast bias's dbias excepted: its reduction uses atomics).
+    dbias: a zero-filled float32 tensor of bias's (4-D, unexpanded) shape, filled with dS summed over the
+    dimensions bias broadcasts along; None skips that work."""
     head_dim = q.shape[-1]
     max_sq = max_seqlen_q if cu_seqlens_q is not None else q.shape[1]
     max_sk = max_seqlen_k if cu_seqlens_k is not None else k.shape[1]
@@ -232,8 +302,17 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
     _bwd.attn_bwd_preprocess_kernel[(triton.cdiv(max_sq, pre_m), batch * nheads)](
         out, dout, delta, cu_seqlens_q, *_rows(out), *_rows(dout), *_lse_strides(lse),
         nheads, max_sq, head_dim, BLOCK_M=pre_m, BLOCK_D=flags["BLOCK_D"], IS_VARLEN=flags["IS_VARLEN"])
-    cfg = bwd_config(head_dim, q.dtype)
+    cfg = _sparse_config(bwd_config(head_dim, q.dtype), sparse)
     common = (*_lse_strides(lse), alibi_sb)
+    bias_args = _pair_args(bias, batch, nheads, max_sq, max_sk)
+    mask_args = _pair_args(mask, batch, nheads, max_sq, max_sk)
+    mod_flags = _mod_flags(bias, mask, sparse)
+    dbias_flags = {}
+    if dbias is not None:
+        # a dimension bias broadcasts along is summed over: several tiles add into one element
+        target = (batch, nheads, max_sq, max_sk)
+        broadcast = any(n == 1 and t > 1 for n, t in zip(dbias.shape, target))
+        dbias_flags = dict(HAS_DBIAS=True, DBIAS_ATOMIC=broadcast)
     # atomic_dq: dQ accumulated with fp32 atomics inside the dK/dV kernel (5 matmuls per tile instead of 7,
     # but contended read-modify-writes); otherwise a second pass computes dQ without atomics. deterministic
     # forces the second pass.
@@ -250,8 +329,10 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
         nheads_k, nheads // nheads_k, max_sq, max_sk, head_dim,
         params.softmax_scale, score_scale, softcap_log2, params.window_left, params.window_right,
         params.dropout_p, params.seed, params.rng_offset, *rng,
+        *bias_args, *mask_args, *_pair_args(dbias, batch, nheads, max_sq, max_sk),
+        *_sparse_args(sparse, batch, nheads, True),
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, EVEN_D=even_d, ATOMIC_DQ=atomic, USE_TMA=use_tma,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags, **mod_flags, **dbias_flags)
     if atomic:
         dq.copy_(dq_acc)
         return
@@ -262,5 +343,6 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
         nheads, nheads // nheads_k, max_sq, max_sk, head_dim,
         params.softmax_scale, score_scale, softcap_log2, params.window_left, params.window_right,
         params.dropout_p, params.seed, params.rng_offset, *rng,
+        *bias_args, *mask_args, *_sparse_args(sparse, batch, nheads, False),
         BLOCK_M=cfg.BLOCK_N, BLOCK_N=cfg.BLOCK_M, EVEN_D=even_d, USE_TMA=use_tma,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags, **mod_flags)

@@ -192,3 +192,25 @@ def merge_partial(m_i, l_i, acc, lse2_b, o_b):
     l_new = l_i * alpha + beta
     acc = acc * alpha[:, None] + o_b * beta[:, None]
     return m_new, l_new, acc
+
+
+# --------------------------------------------------------------------------------------------------
+# User-supplied score modifiers: an additive attn_bias and a boolean attn_mask, each a (b, h)-offset
+# pointer plus (row, column) strides (stride 0 on broadcast dimensions, so nothing is materialised).
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def bias_mask_log2(s, i, j, seqlen_q, seqlen_k, bias_bh, stride_bias_m, stride_bias_n,
+                   mask_bh, stride_mask_m, stride_mask_n, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr):
+    """Score tile s (log2 units) at query i, key j (broadcastable 2-D index tensors) plus attn_bias[i, j]
+    (natural-log units, so times log2 e; added after softcap and ALiBi), and -inf where attn_mask[i, j] is
+    False. Entries outside the sequences read bias 0 / mask False."""
+    inb = (i < seqlen_q) & (j < seqlen_k)
+    ii = i.to(tl.int64)
+    jj = j.to(tl.int64)
+    if HAS_BIAS:
+        bias = tl.load(bias_bh + ii * stride_bias_m + jj * stride_bias_n, mask=inb, other=0.0)
+        s = s + bias.to(tl.float32) * 1.4426950408889634
+    if HAS_MASK:
+        keep = tl.load(mask_bh + ii * stride_mask_m + jj * stride_mask_n, mask=inb, other=0)
+        s = tl.where(keep != 0, s, float("-inf"))
+    return s
