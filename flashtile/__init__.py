@@ -12,6 +12,7 @@ import torch as _torch
 if "TRITON_INTERPRET" not in _os.environ and not _torch.cuda.is_available():
     _os.environ["TRITON_INTERPRET"] = "1"
 
+from .blocksparse import BlockMask, blocksparse_attn_func, create_block_mask  # noqa: E402
 from .fp8 import flash_attn_fp8_func, quantize_fp8  # noqa: E402
 from .interface import (  # noqa: E402
     flash_attn_func,
@@ -31,5 +32,5 @@ __all__ = [
     "flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func",
     "flash_attn_varlen_func", "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func",
     "flash_attn_with_kvcache", "unpad_input", "pad_input", "index_first_axis", "index_put_first_axis",
-    "flash_attn_fp8_func", "quantize_fp8",
+    "flash_attn_fp8_func", "quantize_fp8", "BlockMask", "blocksparse_attn_func", "create_block_mask",
 ]

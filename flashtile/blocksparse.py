@@ -1,0 +1,139 @@
+"""Block-sparse attention (FA1 Algorithm 5) at the kernels' tile granularity, with a FlexAttention-style mask.
+
+    from flashtile.blocksparse import create_block_mask, blocksparse_attn_func
+    def document(b, h, q_idx, kv_idx):
+        return doc_id[q_idx] == doc_id[kv_idx]
+    bm = create_block_mask(document, None, None, seqlen, seqlen, BLOCK_SIZE=128, device="cuda")
+    out = blocksparse_attn_func(q, k, v, bm)
+
+`create_block_mask` evaluates mask_fn once on the whole (B, H, Q_LEN, KV_LEN) index grid and classifies every
+(query block, key block) tile of BLOCK_SIZE x BLOCK_SIZE as empty (no visible pair), full (every pair visible)
+or partial. The kernels visit only the listed tiles: empty tiles are never loaded (runtime ~ density), full
+tiles skip per-element masking, partial tiles apply the element mask, which the BlockMask keeps as a bool
+tensor of mask_fn's broadcast shape (so a mask that depends on neither b nor h costs Q_LEN * KV_LEN bytes).
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Tuple
+
+import torch
+
+from .interface import _attention, _fail
+
+
+def _lists(sel: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """sel (B, H, n_rows, n_cols) bool -> (num (B, H, n_rows) int32, idx (B, H, n_rows, n_cols) int32): per
+    row, how many columns are selected and their indices in ascending order (the rest of idx is padding)."""
+    num = sel.sum(-1, dtype=torch.int32)
+    idx = torch.argsort((~sel).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    return num.contiguous(), idx.contiguous()
+
+
+class BlockMask:
+    """Tile classification of an attention mask (build it with create_block_mask).
+
+    shape: (B, H, Q_LEN, KV_LEN) it was made for (B / H of 1 broadcast over any batch / heads).
+    mask: bool, mask_fn's broadcast shape as 4-D (each dimension 1 or the full size), True = may attend.
+    kv_num_blocks / full_kv_num_blocks (B', H', n_q_blocks) and kv_indices / full_kv_indices
+    (B', H', n_q_blocks, n_kv_blocks), int32: per query block, its partial / full key blocks;
+    q_num_blocks, q_indices, full_q_num_blocks, full_q_indices: the transpose, per key block (the backward's
+    key-block programs). B', H' are the mask's own batch/head sizes (1 where mask_fn ignores b / h).
+    """
+
+    def __init__(self, shape, block_size, mask, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
+                 q_num_blocks, q_indices, full_q_num_blocks, full_q_indices):
+        self.shape = tuple(shape)
+        self.BLOCK_SIZE = block_size
+        self.mask = mask
+        self.kv_num_blocks, self.kv_indices = kv_num_blocks, kv_indices
+        self.full_kv_num_blocks, self.full_kv_indices = full_kv_num_blocks, full_kv_indices
+        self.q_num_blocks, self.q_indices = q_num_blocks, q_indices
+        self.full_q_num_blocks, self.full_q_indices = full_q_num_blocks, full_q_indices
+
+    def density(self) -> float:
+        """Fraction of tiles the kernels visit (partial or full)."""
+        visited = self.kv_num_blocks.sum() + self.full_kv_num_blocks.sum()
+        total = self.kv_num_blocks.numel() * self.kv_indices.shape[-1]
+        return float(visited) / max(total, 1)
+
+    def to_dense(self) -> torch.Tensor:
+        """The element mask, (B, H, Q_LEN, KV_LEN) bool (an expand view: nothing copied)."""
+        return self.mask.expand(*self.shape)
+
+    def __repr__(self):
+        return f"BlockMask(shape={self.shape}, BLOCK_SIZE={self.BLOCK_SIZE}, density={self.density():.3f})"
+
+    def _kernel_args(self, q: torch.Tensor, k: torch.Tensor):
+        """(element mask, the 8 tile lists + block size) for flashtile::fwd / bwd, after checking that this
+        block mask fits q (batch, seqlen_q, nheads, d) and k (batch, seqlen_k, nheads_k, d)."""
+        B, H, Q, KV = self.shape
+        if (Q, KV) != (q.shape[1], k.shape[1]):
+            _fail("block_mask.shape[2:] (Q_LEN, KV_LEN)", (Q, KV),
+                  f"(seqlen_q, seqlen_k) = {(q.shape[1], k.shape[1])}")
+        if B not in (1, q.shape[0]):
+            _fail("block_mask.shape[0] (B)", B, f"1 or the batch size {q.shape[0]}")
+        if H not in (1, q.shape[2]):
+            _fail("block_mask.shape[1] (H)", H, f"1 or nheads = {q.shape[2]}")
+        if self.mask.device != q.device:
+            _fail("block_mask device", self.mask.device, f"the device of q ({q.device})")
+        lists = (self.kv_num_blocks, self.kv_indices, self.full_kv_num_blocks, self.full_kv_indices,
+                 self.q_num_blocks, self.q_indices, self.full_q_num_blocks, self.full_q_indices)
+        return self.mask, (*lists, self.BLOCK_SIZE)
+
+
+def create_block_mask(mask_fn: Callable, B: Optional[int], H: Optional[int], Q_LEN: int, KV_LEN: int,
+                      BLOCK_SIZE: int = 128, device="cuda") -> BlockMask:
+    """Evaluate mask_fn(b, h, q_idx, kv_idx) -> bool tensor (vectorised: called once with broadcastable int64
+    index tensors of shapes (B,1,1,1), (1,H,1,1), (1,1,Q_LEN,1), (1,1,1,KV_LEN)) and classify its
+    BLOCK_SIZE x BLOCK_SIZE tiles. B / H None (or 1): one mask for every batch element / head.
+    BLOCK_SIZE: a power of two >= 16 (the kernels' tiles must divide it)."""
+    B = 1 if B is None else B
+    H = 1 if H is None else H
+    for name, val in (("B", B), ("H", H), ("Q_LEN", Q_LEN), ("KV_LEN", KV_LEN)):
+        if not isinstance(val, int) or val < 1:
+            _fail(name, val, "a positive int")
+    if not isinstance(BLOCK_SIZE, int) or BLOCK_SIZE < 16 or BLOCK_SIZE & (BLOCK_SIZE - 1):
+        _fail("BLOCK_SIZE", BLOCK_SIZE, "a power of two >= 16")
+    if not callable(mask_fn):
+        _fail("mask_fn", type(mask_fn).__name__, "a callable (b, h, q_idx, kv_idx) -> bool tensor", TypeError)
+    ar = lambda n: torch.arange(n, device=device)  # noqa: E731
+    mask = mask_fn(ar(B).view(B, 1, 1, 1), ar(H).view(1, H, 1, 1), ar(Q_LEN).view(1, 1, Q_LEN, 1),
+                   ar(KV_LEN).view(1, 1, 1, KV_LEN))
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        _fail("mask_fn(...)", type(mask).__name__ if not isinstance(mask, torch.Tensor) else mask.dtype,
+              "a bool tensor")
+    mask = mask[(None,) * max(0, 4 - mask.dim())]
+    if mask.dim() != 4 or any(n not in (1, m) for n, m in zip(mask.shape, (B, H, Q_LEN, KV_LEN))):
+        _fail("mask_fn(...).shape", tuple(mask.shape), f"broadcastable to {(B, H, Q_LEN, KV_LEN)}")
+    # keep batch / head dimensions mask_fn ignored at size 1; sequence dimensions at full size
+    mask = mask.expand(mask.shape[0], mask.shape[1], Q_LEN, KV_LEN).contiguous()
+    bs = BLOCK_SIZE
+    nq, nk = -(-Q_LEN // bs), -(-KV_LEN // bs)
+    padded = torch.zeros(*mask.shape[:2], nq * bs, nk * bs, dtype=torch.bool, device=mask.device)
+    padded[:, :, :Q_LEN, :KV_LEN] = mask
+    count = padded.view(*mask.shape[:2], nq, bs, nk, bs).sum((3, 5))
+    rows = torch.clamp(Q_LEN - torch.arange(nq, device=mask.device) * bs, max=bs)
+    cols = torch.clamp(KV_LEN - torch.arange(nk, device=mask.device) * bs, max=bs)
+    real = rows[:, None] * cols[None, :]           # pairs of each tile inside the sequences
+    full = count == real
+    partial = (count > 0) & ~full
+    kv_num, kv_idx = _lists(partial)
+    full_kv_num, full_kv_idx = _lists(full)
+    q_num, q_idx = _lists(partial.transpose(-1, -2))
+    full_q_num, full_q_idx = _lists(full.transpose(-1, -2))
+    return BlockMask((B, H, Q_LEN, KV_LEN), bs, mask, kv_num, kv_idx, full_kv_num, full_kv_idx,
+                     q_num, q_idx, full_q_num, full_q_idx)
+
+
+def blocksparse_attn_func(q, k, v, block_mask: BlockMask, dropout_p=0.0, softmax_scale=None, causal=False,
+                          window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                          return_attn_probs=False, attn_bias=None):
+    """flash_attn_func restricted to block_mask: query i may see key j iff block_mask.to_dense()[b, h, i, j]
+    (and causal / window allow it). Tiles the block mask marks empty are skipped, so the work is proportional
+    to its density. Arguments and returns as flashtile.flash_attn_func (q (batch, seqlen_q, nheads, headdim)
+    etc.); attn_bias as there (gradients included). The kernels' tiles are shrunk to divide BLOCK_SIZE."""
+    if not isinstance(block_mask, BlockMask):
+        _fail("block_mask", type(block_mask).__name__, "a flashtile.blocksparse.BlockMask (create_block_mask)",
+              TypeError)
+    return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                      deterministic, return_attn_probs, attn_bias=attn_bias, block_mask=block_mask)
