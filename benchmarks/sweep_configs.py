@@ -5,6 +5,7 @@ Prints one line per (shape, causal, pass, provider/config) with TFLOP/s; writes 
 FLOPs per ANCHORS.md: fwd 4*b*h*n^2*d (halved when causal), bwd 2.5x fwd.
 """
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -16,20 +17,8 @@ import torch.nn.functional as F
 
 import flashtile
 from flashtile.kernels.triton import launch
-from flashtile.kernels.triton.launch import Config
+from flashtile.kernels.triton.tuning import BWD, FWD  # the candidate lists (also autotuning's): launch.Config each
 
-FWD = {
-    64: [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 4, 3), (64, 64, 4, 3), (128, 64, 4, 4),
-         (64, 128, 4, 3), (128, 128, 8, 2)],
-    128: [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 8, 4),
-          (128, 128, 8, 2), (64, 128, 4, 3)],
-    256: [(64, 64, 4, 2), (64, 64, 8, 2), (64, 32, 4, 3), (128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4, 3)],
-}
-BWD = {
-    64: [(64, 128, 8, 2), (32, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 3), (64, 128, 8, 3), (128, 128, 8, 2)],
-    128: [(64, 128, 8, 2), (32, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 3), (64, 128, 8, 1), (32, 128, 4, 2)],
-    256: [(64, 32, 4, 1), (32, 32, 4, 2), (64, 32, 8, 2), (64, 64, 8, 1), (32, 64, 8, 1), (128, 32, 8, 1)],
-}
 SHAPES = [(2, 16, 8192, 128), (2, 32, 8192, 64), (2, 8, 8192, 256)]
 
 
@@ -81,10 +70,12 @@ def main():
                         print(f"{name} failed: {e!r}"[:200], flush=True)
                 cfgs = [(c, False) for c in (FWD if mode == "fwd" else BWD)[d]]
                 if mode == "bwd":  # the same tiles with dQ by atomics
-                    cfgs += [(c + (True,), False) for c in BWD[d][:2]]
-                for cfg, det in cfgs:
+                    cfgs += [(dataclasses.replace(c, atomic_dq=True), False) for c in BWD[d][:2]]
+                for config, det in cfgs:
+                    cfg = (dataclasses.astuple(config)[:4] + (("atomic_dq",) if config.atomic_dq else ())
+                           + (("split_dkdv",) if config.split_dkdv else ()))  # as printed/saved
                     launch.CONFIG_OVERRIDE.clear()
-                    launch.CONFIG_OVERRIDE[mode] = Config(*cfg)
+                    launch.CONFIG_OVERRIDE[mode] = config
                     det = False
                     try:
                         t0 = time.time()

@@ -11,6 +11,8 @@
 or partial. The kernels visit only the listed tiles: empty tiles are never loaded (runtime ~ density), full
 tiles skip per-element masking, partial tiles apply the element mask, which the BlockMask keeps as a bool
 tensor of mask_fn's broadcast shape (so a mask that depends on neither b nor h costs Q_LEN * KV_LEN bytes).
+mask_fn may instead be a flashtile.flex.MaskMod (a Triton device function): a kernel then classifies the
+tiles and the attention kernels evaluate the mask_mod on partial tiles, so no Q_LEN x KV_LEN tensor exists.
 """
 from __future__ import annotations
 
@@ -41,10 +43,11 @@ class BlockMask:
     """
 
     def __init__(self, shape, block_size, mask, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
-                 q_num_blocks, q_indices, full_q_num_blocks, full_q_indices):
+                 q_num_blocks, q_indices, full_q_num_blocks, full_q_indices, mask_mod=None):
         self.shape = tuple(shape)
         self.BLOCK_SIZE = block_size
-        self.mask = mask
+        self.mask = mask                  # None when built from a MaskMod
+        self.mask_mod = mask_mod
         self.kv_num_blocks, self.kv_indices = kv_num_blocks, kv_indices
         self.full_kv_num_blocks, self.full_kv_indices = full_kv_num_blocks, full_kv_indices
         self.q_num_blocks, self.q_indices = q_num_blocks, q_indices
@@ -57,7 +60,12 @@ class BlockMask:
         return float(visited) / max(total, 1)
 
     def to_dense(self) -> torch.Tensor:
-        """The element mask, (B, H, Q_LEN, KV_LEN) bool (an expand view: nothing copied)."""
+        """The element mask, (B, H, Q_LEN, KV_LEN) bool (an expand view: nothing copied; a MaskMod is
+        evaluated into a new tensor)."""
+        if self.mask is None:
+            B, H, Q, KV = self.shape
+            _, dense = _mask_mod_counts(self.mask_mod, B, H, Q, KV, self.BLOCK_SIZE, self.kv_num_blocks.device, True)
+            return dense
         return self.mask.expand(*self.shape)
 
     def __repr__(self):
@@ -74,8 +82,8 @@ class BlockMask:
             _fail("block_mask.shape[0] (B)", B, f"1 or the batch size {q.shape[0]}")
         if H not in (1, q.shape[2]):
             _fail("block_mask.shape[1] (H)", H, f"1 or nheads = {q.shape[2]}")
-        if self.mask.device != q.device:
-            _fail("block_mask device", self.mask.device, f"the device of q ({q.device})")
+        if self.kv_num_blocks.device != q.device:
+            _fail("block_mask device", self.kv_num_blocks.device, f"the device of q ({q.device})")
         lists = (self.kv_num_blocks, self.kv_indices, self.full_kv_num_blocks, self.full_kv_indices,
                  self.q_num_blocks, self.q_indices, self.full_q_num_blocks, self.full_q_indices)
         return self.mask, (*lists, self.BLOCK_SIZE)
@@ -86,6 +94,7 @@ def create_block_mask(mask_fn: Callable, B: Optional[int], H: Optional[int], Q_L
     """Evaluate mask_fn(b, h, q_idx, kv_idx) -> bool tensor (vectorised: called once with broadcastable int64
     index tensors of shapes (B,1,1,1), (1,H,1,1), (1,1,Q_LEN,1), (1,1,1,KV_LEN)) and classify its
     BLOCK_SIZE x BLOCK_SIZE tiles. B / H None (or 1): one mask for every batch element / head.
+    mask_fn may be a flashtile.flex.MaskMod instead: evaluated tile by tile in a Triton kernel, never stored.
     BLOCK_SIZE: a power of two >= 16 (the kernels' tiles must divide it)."""
     B = 1 if B is None else B
     H = 1 if H is None else H
@@ -94,8 +103,15 @@ def create_block_mask(mask_fn: Callable, B: Optional[int], H: Optional[int], Q_L
             _fail(name, val, "a positive int")
     if not isinstance(BLOCK_SIZE, int) or BLOCK_SIZE < 16 or BLOCK_SIZE & (BLOCK_SIZE - 1):
         _fail("BLOCK_SIZE", BLOCK_SIZE, "a power of two >= 16")
+    from .flex import MaskMod
+    if isinstance(mask_fn, MaskMod):
+        if mask_fn.check is not None:
+            mask_fn.check(B, H, Q_LEN, KV_LEN)
+        count, _ = _mask_mod_counts(mask_fn, B, H, Q_LEN, KV_LEN, BLOCK_SIZE, device, False)
+        return _classify(count, (B, H, Q_LEN, KV_LEN), BLOCK_SIZE, None, mask_fn)
     if not callable(mask_fn):
-        _fail("mask_fn", type(mask_fn).__name__, "a callable (b, h, q_idx, kv_idx) -> bool tensor", TypeError)
+        _fail("mask_fn", type(mask_fn).__name__, "a callable (b, h, q_idx, kv_idx) -> bool tensor or a MaskMod",
+              TypeError)
     ar = lambda n: torch.arange(n, device=device)  # noqa: E731
     mask = mask_fn(ar(B).view(B, 1, 1, 1), ar(H).view(1, H, 1, 1), ar(Q_LEN).view(1, 1, Q_LEN, 1),
                    ar(KV_LEN).view(1, 1, 1, KV_LEN))
@@ -112,8 +128,15 @@ def create_block_mask(mask_fn: Callable, B: Optional[int], H: Optional[int], Q_L
     padded = torch.zeros(*mask.shape[:2], nq * bs, nk * bs, dtype=torch.bool, device=mask.device)
     padded[:, :, :Q_LEN, :KV_LEN] = mask
     count = padded.view(*mask.shape[:2], nq, bs, nk, bs).sum((3, 5))
-    rows = torch.clamp(Q_LEN - torch.arange(nq, device=mask.device) * bs, max=bs)
-    cols = torch.clamp(KV_LEN - torch.arange(nk, device=mask.device) * bs, max=bs)
+    return _classify(count, (B, H, Q_LEN, KV_LEN), bs, mask, None)
+
+
+def _classify(count: torch.Tensor, shape, bs: int, mask, mask_mod) -> BlockMask:
+    """count (B', H', n_q_blocks, n_kv_blocks): visible pairs per tile -> the BlockMask's tile lists."""
+    _, _, Q_LEN, KV_LEN = shape
+    nq, nk = count.shape[-2:]
+    rows = torch.clamp(Q_LEN - torch.arange(nq, device=count.device) * bs, max=bs)
+    cols = torch.clamp(KV_LEN - torch.arange(nk, device=count.device) * bs, max=bs)
     real = rows[:, None] * cols[None, :]           # pairs of each tile inside the sequences
     full = count == real
     partial = (count > 0) & ~full
@@ -121,8 +144,31 @@ def create_block_mask(mask_fn: Callable, B: Optional[int], H: Optional[int], Q_L
     full_kv_num, full_kv_idx = _lists(full)
     q_num, q_idx = _lists(partial.transpose(-1, -2))
     full_q_num, full_q_idx = _lists(full.transpose(-1, -2))
-    return BlockMask((B, H, Q_LEN, KV_LEN), bs, mask, kv_num, kv_idx, full_kv_num, full_kv_idx,
-                     q_num, q_idx, full_q_num, full_q_idx)
+    return BlockMask(shape, bs, mask, kv_num, kv_idx, full_kv_num, full_kv_idx,
+                     q_num, q_idx, full_q_num, full_q_idx, mask_mod)
+
+
+def _mask_mod_counts(mask_mod, B, H, Q_LEN, KV_LEN, bs, device, dense: bool):
+    """(visible pairs per tile (B, H, n_q_blocks, n_kv_blocks) int32, the dense bool mask or None) of a MaskMod,
+    evaluated by kernels.triton.blockmask.classify_tiles_kernel."""
+    from .kernels.triton.blockmask import classify_tiles_kernel
+    from .interface import _check_device
+    from .flex import _aux
+    probe = torch.empty(0, device=device)
+    device = probe.device                        # "cuda" -> "cuda:0", as tensors report it
+    for i, c in enumerate(mask_mod.captured):
+        if isinstance(c, torch.Tensor) and c.device != device:
+            _fail(f"mask_fn.captured[{i}].device", c.device, f"the device argument ({device})")
+    _check_device(probe)
+    nq, nk = -(-Q_LEN // bs), -(-KV_LEN // bs)
+    count = torch.full((B, H, nq, nk), -1, dtype=torch.int32, device=device)   # poisoned: every tile is written
+    out = torch.empty((B, H, Q_LEN, KV_LEN) if dense else (0, 0, 0, 0), dtype=torch.bool, device=device)
+    aux, _ = _aux(mask_mod, [c for c in mask_mod.captured if isinstance(c, torch.Tensor)], 0)
+    sub = min(bs, 32)
+    classify_tiles_kernel[(nq, nk, B * H)](
+        count, out.view(torch.int8), aux, Q_LEN, KV_LEN, H, *count.stride()[:3], *out.stride()[:3],
+        MASK_MOD=mask_mod.fn, BLOCK=bs, SUB=sub, WRITE_DENSE=dense, num_warps=4)
+    return count, (out if dense else None)
 
 
 def blocksparse_attn_func(q, k, v, block_mask: BlockMask, dropout_p=0.0, softmax_scale=None, causal=False,

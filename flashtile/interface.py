@@ -154,6 +154,22 @@ def _check_device(q):
                            "when no CUDA device is present)")
 
 
+def _user_mods(mod_key, mod_tensors, grad_buffers=None):
+    """launch.UserMods of flashtile.flex's registered mods (mod_key > 0), else None."""
+    if not mod_key:
+        return None
+    from . import flex
+    return flex.user_mods(mod_key, list(mod_tensors or []), grad_buffers)
+
+
+def _score_tensors(mod_key, mod_tensors):
+    """The captured tensors of the score_mod (the first ones of mod_tensors)."""
+    if not mod_key:
+        return []
+    from . import flex
+    return list(mod_tensors or [])[:flex.n_score_tensors(mod_key)]
+
+
 def _sparse(block_size, *lists):
     if block_size <= 0:
         return None
@@ -165,17 +181,18 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi_slopes: Opt
             cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
             max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, softmax_scale: float,
             window_left: int, window_right: int, softcap: float, return_probs: bool, deterministic: bool,
-            attn_bias: Optional[torch.Tensor] = None, attn_mask: Optional[torch.Tensor] = None,
+            mod_tensors: List[torch.Tensor], attn_bias: Optional[torch.Tensor] = None, attn_mask: Optional[torch.Tensor] = None,
             sparse_kv_num: Optional[torch.Tensor] = None, sparse_kv_idx: Optional[torch.Tensor] = None,
             sparse_full_kv_num: Optional[torch.Tensor] = None, sparse_full_kv_idx: Optional[torch.Tensor] = None,
             sparse_q_num: Optional[torch.Tensor] = None, sparse_q_idx: Optional[torch.Tensor] = None,
             sparse_full_q_num: Optional[torch.Tensor] = None, sparse_full_q_idx: Optional[torch.Tensor] = None,
-            sparse_block_size: int = 0,
+            sparse_block_size: int = 0, mod_key: int = 0,
             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward kernel. Returns (out, softmax_lse, rng_state (seed, offset) int64 on CPU, probs or empty).
     `deterministic` is only recorded for the backward (see _setup_context). attn_bias / attn_mask: 4-D,
     broadcastable to (batch, nheads, seqlen_q, seqlen_k). sparse_*: a block mask's tile lists (see
-    launch.SparseLists), sparse_block_size > 0 when given; its partial tiles read attn_mask."""
+    launch.SparseLists), sparse_block_size > 0 when given; its partial tiles read attn_mask.
+    mod_key > 0: flashtile.flex's registered score_mod / mask_mod, whose captured tensors are mod_tensors."""
     _check_device(q)
     # Dropout RNG state (seed, offset): drawn from torch's default generator (so torch.manual_seed
     # reproduces it), returned so the backward replays exactly the same mask Z; never a stored mask.
@@ -192,7 +209,8 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi_slopes: Opt
                   max_seqlen_k=max_seqlen_k)
     sparse = _sparse(sparse_block_size, sparse_kv_num, sparse_kv_idx, sparse_full_kv_num, sparse_full_kv_idx,
                      sparse_q_num, sparse_q_idx, sparse_full_q_num, sparse_full_q_idx)
-    launch.flash_fwd(q, k, v, out, lse, params, alibi_slopes, **varlen, bias=attn_bias, mask=attn_mask, sparse=sparse)
+    launch.flash_fwd(q, k, v, out, lse, params, alibi_slopes, **varlen, bias=attn_bias, mask=attn_mask, sparse=sparse,
+                     mods=_user_mods(mod_key, mod_tensors))
     if return_probs:
         probs = launch.attn_probs(q, k, lse, params, alibi_slopes, **varlen, bias=attn_bias, mask=attn_mask)
     else:
@@ -202,9 +220,10 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi_slopes: Opt
 
 @_fwd_op.register_fake
 def _(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-      softmax_scale, window_left, window_right, softcap, return_probs, deterministic, attn_bias=None,
+      softmax_scale, window_left, window_right, softcap, return_probs, deterministic, mod_tensors, attn_bias=None,
       attn_mask=None, sparse_kv_num=None, sparse_kv_idx=None, sparse_full_kv_num=None, sparse_full_kv_idx=None,
-      sparse_q_num=None, sparse_q_idx=None, sparse_full_q_num=None, sparse_full_q_idx=None, sparse_block_size=0):
+      sparse_q_num=None, sparse_q_idx=None, sparse_full_q_num=None, sparse_full_q_idx=None, sparse_block_size=0,
+      mod_key=0):
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = q.new_empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32)
     rng_state = torch.empty(2, dtype=torch.int64)
@@ -224,15 +243,16 @@ def _bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
             max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, softmax_scale: float,
             window_left: int, window_right: int, softcap: float, deterministic: bool,
-            attn_bias: Optional[torch.Tensor] = None, attn_mask: Optional[torch.Tensor] = None,
+            mod_tensors: List[torch.Tensor], attn_bias: Optional[torch.Tensor] = None, attn_mask: Optional[torch.Tensor] = None,
             sparse_kv_num: Optional[torch.Tensor] = None, sparse_kv_idx: Optional[torch.Tensor] = None,
             sparse_full_kv_num: Optional[torch.Tensor] = None, sparse_full_kv_idx: Optional[torch.Tensor] = None,
             sparse_q_num: Optional[torch.Tensor] = None, sparse_q_idx: Optional[torch.Tensor] = None,
             sparse_full_q_num: Optional[torch.Tensor] = None, sparse_full_q_idx: Optional[torch.Tensor] = None,
-            sparse_block_size: int = 0, bias_grad: bool = False,
+            sparse_block_size: int = 0, bias_grad: bool = False, mod_key: int = 0, mod_grad_bits: int = 0,
             ) -> List[torch.Tensor]:
-    """[dq, dk, dv], plus dbias (attn_bias's shape and dtype) when bias_grad. A list, so that callers of the
-    three-gradient form unpack it unchanged."""
+    """[dq, dk, dv], plus dbias (attn_bias's shape and dtype) when bias_grad, plus the gradient of every
+    score_mod captured tensor i with bit i of mod_grad_bits set (its shape and dtype). A list, so that callers
+    of the three-gradient form unpack it unchanged."""
     _check_device(q)
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
@@ -244,25 +264,37 @@ def _bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                      sparse_q_num, sparse_q_idx, sparse_full_q_num, sparse_full_q_idx)
     # dBias accumulates in float32 (atomics where attn_bias broadcasts); tiles never visited stay 0
     dbias = torch.zeros(attn_bias.shape, device=q.device, dtype=torch.float32) if bias_grad else None
+    # score_mod's captured tensors that want a gradient get a float32 zero buffer (same strides) to add into
+    mod_buffers = [torch.zeros_like(t, dtype=torch.float32) if mod_grad_bits >> i & 1 else None
+                   for i, t in enumerate(_score_tensors(mod_key, mod_tensors))]
     launch.flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params, alibi_slopes, cu_seqlens_q=cu_seqlens_q,
                      cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                     deterministic=deterministic, bias=attn_bias, mask=attn_mask, sparse=sparse, dbias=dbias)
+                     deterministic=deterministic, bias=attn_bias, mask=attn_mask, sparse=sparse, dbias=dbias,
+                     mods=_user_mods(mod_key, mod_tensors, mod_buffers))
+    grads = [dq, dk, dv]
     if bias_grad:
-        return [dq, dk, dv, dbias.to(attn_bias.dtype)]
-    return [dq, dk, dv]
+        grads.append(dbias.to(attn_bias.dtype))
+    for t, g in zip(_score_tensors(mod_key, mod_tensors), mod_buffers):
+        if g is not None:
+            grads.append(g.to(t.dtype))
+    return grads
 
 
 @_bwd_op.register_fake
 def _(dout, q, k, v, out, lse, rng_state, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-      max_seqlen_k, dropout_p, softmax_scale, window_left, window_right, softcap, deterministic, attn_bias=None,
+      max_seqlen_k, dropout_p, softmax_scale, window_left, window_right, softcap, deterministic, mod_tensors,
+      attn_bias=None,
       attn_mask=None, sparse_kv_num=None, sparse_kv_idx=None, sparse_full_kv_num=None, sparse_full_kv_idx=None,
       sparse_q_num=None, sparse_q_idx=None, sparse_full_q_num=None, sparse_full_q_idx=None, sparse_block_size=0,
-      bias_grad=False):
+      bias_grad=False, mod_key=0, mod_grad_bits=0):
     grads = [torch.empty_like(q, memory_format=torch.contiguous_format),
              torch.empty_like(k, memory_format=torch.contiguous_format),
              torch.empty_like(v, memory_format=torch.contiguous_format)]
     if bias_grad:
         grads.append(attn_bias.new_empty(attn_bias.shape))
+    for i, t in enumerate(_score_tensors(mod_key, mod_tensors)):
+        if mod_grad_bits >> i & 1:
+            grads.append(torch.empty_like(t))
     return grads
 
 
@@ -270,30 +302,45 @@ _FWD_SCALARS = ("max_seqlen_q", "max_seqlen_k", "dropout_p", "softmax_scale", "w
                 "softcap")
 
 
-_N_FWD_BASE = 6 + len(_FWD_SCALARS) + 2   # q k v alibi cu_q cu_k, the scalars, return_probs, deterministic
+_N_FWD_BASE = 6 + len(_FWD_SCALARS) + 3   # q k v alibi cu_q cu_k, the scalars, return_probs, deterministic, mod_tensors
 _N_SPARSE = 8
 
 
 def _setup_context(ctx, inputs, output):
-    (q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, *scalars, _return_probs, deterministic) = inputs[:_N_FWD_BASE]
-    # the optional trailing inputs (defaults filled in): attn_bias, attn_mask, 8 sparse lists, sparse_block_size
-    attn_bias, attn_mask, *sparse, ctx.sparse_block_size = inputs[_N_FWD_BASE:]
-    ctx.n_inputs = len(inputs)
+    (q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, *scalars, _return_probs, deterministic,
+     mod_tensors) = inputs[:_N_FWD_BASE]
+    # the optional trailing inputs (defaults filled in): attn_bias, attn_mask, 8 sparse lists, sparse_block_size,
+    # mod_key (flashtile.flex's registered mods; mod_tensors are their captured tensors)
+    trailing = inputs[_N_FWD_BASE:]
+    attn_bias, attn_mask, *sparse, ctx.sparse_block_size, ctx.mod_key = trailing
+    # the backward returns one gradient per argument the op was called with, and the dispatcher drops trailing
+    # arguments equal to their defaults (all of them None or 0) before autograd sees the call
+    ctx.n_inputs = _N_FWD_BASE + max((i + 1 for i, x in enumerate(trailing) if x is not None and x is not False
+                                      and not (isinstance(x, int) and x == 0)), default=0)
+    mod_tensors = list(mod_tensors)
+    ctx.n_mod_tensors = len(mod_tensors)
+    # which of score_mod's captured tensors want a gradient (bit i: tensor i)
+    ctx.mod_grad_bits = sum(1 << i for i, t in enumerate(_score_tensors(ctx.mod_key, mod_tensors)) if t.requires_grad)
     out, lse, rng_state, _ = output
     ctx.save_for_backward(q, k, v, out, lse, rng_state, alibi_slopes, cu_seqlens_q, cu_seqlens_k, attn_bias,
-                          attn_mask, *sparse)
+                          attn_mask, *sparse, *mod_tensors)
     ctx.scalars = (*scalars, deterministic)
 
 
 def _backward(ctx, dout, _dlse, _drng, _dprobs):
     (q, k, v, out, lse, rng_state, alibi_slopes, cu_seqlens_q, cu_seqlens_k, attn_bias, attn_mask,
-     *sparse) = ctx.saved_tensors
+     *rest) = ctx.saved_tensors
+    sparse, mod_tensors = rest[:_N_SPARSE], rest[_N_SPARSE:]
     bias_grad = attn_bias is not None and ctx.needs_input_grad[_N_FWD_BASE]
     grads = _bwd_op(dout, q, k, v, out, lse, rng_state, alibi_slopes, cu_seqlens_q, cu_seqlens_k, *ctx.scalars,
-                    attn_bias, attn_mask, *sparse, ctx.sparse_block_size, bias_grad)
+                    list(mod_tensors), attn_bias, attn_mask, *sparse, ctx.sparse_block_size, bias_grad, ctx.mod_key,
+                    ctx.mod_grad_bits)
     result = [grads[0], grads[1], grads[2]] + [None] * (ctx.n_inputs - 3)
     if bias_grad:
         result[_N_FWD_BASE] = grads[3]
+    # mod_tensors (input _N_FWD_BASE - 1): a list with one gradient (or None) per tensor in it
+    extra = iter(grads[3 + bias_grad:])
+    result[_N_FWD_BASE - 1] = [next(extra) if ctx.mod_grad_bits >> i & 1 else None for i in range(ctx.n_mod_tensors)]
     return tuple(result)
 
 
@@ -305,14 +352,19 @@ torch.library.register_autograd("flashtile::fwd", _backward, setup_context=_setu
 # --------------------------------------------------------------------------------------------------
 def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                deterministic, return_attn_probs, cu_seqlens_q=None, cu_seqlens_k=None,
-               max_seqlen_q=None, max_seqlen_k=None, attn_bias=None, attn_mask=None, block_mask=None):
+               max_seqlen_q=None, max_seqlen_k=None, attn_bias=None, attn_mask=None, block_mask=None,
+               score_mod=None, mask_mod=None):
     a = validate(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
                  window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                  cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     if cu_seqlens_q is None:
         max_seqlen_q, max_seqlen_k = q.shape[1], k.shape[1]
     extra = ()
-    if attn_bias is not None or attn_mask is not None or block_mask is not None:
+    mod_tensors = []
+    if block_mask is not None and mask_mod is None:
+        mask_mod = block_mask.mask_mod     # a block mask built from a MaskMod masks its partial tiles with it
+    mods = score_mod is not None or mask_mod is not None
+    if attn_bias is not None or attn_mask is not None or block_mask is not None or mods:
         attn_bias, attn_mask = validate_bias_mask(q, k, attn_bias, attn_mask)
         sparse = (None,) * 8 + (0,)
         if block_mask is not None:
@@ -320,10 +372,14 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
                 _fail("attn_mask", "a tensor", "None when block_mask is given (fold it into the block mask's mask_fn)")
             attn_mask, sparse = block_mask._kernel_args(q, k)
         extra = (attn_bias, attn_mask, *sparse)
+        if mods:
+            from . import flex
+            mod_key, mod_tensors = flex.register(score_mod, mask_mod)
+            extra = (*extra, mod_key)
     out, lse, _, probs = torch.ops.flashtile.fwd(
         q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
         a.dropout_p, a.softmax_scale, a.window_left, a.window_right, a.softcap, bool(return_attn_probs),
-        bool(deterministic), *extra)
+        bool(deterministic), mod_tensors, *extra)
     if return_attn_probs:
         return out, lse, probs
     return out

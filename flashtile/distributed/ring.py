@@ -313,7 +313,7 @@ def _ring_forward(ring: _Ring, q, k, v, plans, scale, softcap, deterministic):
             blk_out, blk_lse, _, _ = torch.ops.flashtile.fwd(
                 q[:, c.q0:c.q1], kv[0][:, c.k0:c.k1], kv[1][:, c.k0:c.k1], None, None, None,
                 c.q1 - c.q0, c.k1 - c.k0, 0.0, scale, c.window_left, c.window_right, softcap, False,
-                deterministic)
+                deterministic, [])
             m_out, m_lse = merge_attention(out[:, c.q0:c.q1], lse[:, :, c.q0:c.q1], blk_out, blk_lse)
             out[:, c.q0:c.q1] = m_out
             lse[:, :, c.q0:c.q1] = m_lse
@@ -341,7 +341,7 @@ def _ring_backward(ring: _Ring, dout, q, k, v, out, lse, plans, scale, softcap, 
             dq_b, dk_b, dv_b = torch.ops.flashtile.bwd(
                 dout[:, c.q0:c.q1], q[:, c.q0:c.q1], kv[0][:, c.k0:c.k1], kv[1][:, c.k0:c.k1],
                 out[:, c.q0:c.q1], lse[:, :, c.q0:c.q1].contiguous(), rng_state, None, None, None,
-                c.q1 - c.q0, c.k1 - c.k0, 0.0, scale, c.window_left, c.window_right, softcap, deterministic)
+                c.q1 - c.q0, c.k1 - c.k0, 0.0, scale, c.window_left, c.window_right, softcap, deterministic, [])
             dq[:, c.q0:c.q1] += dq_b
             dkv[0][:, c.k0:c.k1] += dk_b
             dkv[1][:, c.k0:c.k1] += dv_b

@@ -14,7 +14,8 @@ BLOCK_SPARSE (constexpr) swaps the range loops for FA1 Alg. 5's: only the tiles 
 import triton
 import triton.language as tl
 
-from .mods import bias_mask_log2, dropout_keep, key_range, load_lse2, load_tile, query_range, scores_log2, seq_bounds, visible
+from .mods import (bias_mask_log2, dropout_keep, key_range, load_lse2, load_tile, query_range, score_mod_grad, scores_log2,
+                   seq_bounds, user_mods_log2, visible)
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -53,10 +54,15 @@ def _dkdv_tile(dk, dv, k, v, desc_q, desc_do, q_blk, do_blk, dq_blk, lse_blk, de
                MASKED: tl.constexpr, EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
                ATOMIC_DQ: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_D: tl.constexpr,
-               HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DBIAS: tl.constexpr, DBIAS_ATOMIC: tl.constexpr):
+               HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DBIAS: tl.constexpr, DBIAS_ATOMIC: tl.constexpr,
+               b, score_aux, mask_aux, score_aux_grad, SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr,
+               SCORE_CAPTURED_GRAD: tl.constexpr, MASK_MOD: tl.constexpr, COMPUTE_DK: tl.constexpr,
+               COMPUTE_DV: tl.constexpr):
     """Alg. 2 lines 8-20 for one query block Q_i against the program's K_j, V_j, in transposed form
     (S^T, P^T: keys along rows) so dK_j and dV_j accumulate without transposing P. With ATOMIC_DQ the
-    same tile also adds its dQ_i contribution (line 15) to an fp32 buffer with atomics."""
+    same tile also adds its dQ_i contribution (line 15) to an fp32 buffer with atomics.
+    COMPUTE_DK / COMPUTE_DV: a launch may do only one of the two (two launches then split the work: each
+    keeps one BLOCK_N x d accumulator instead of two, for large head dims; S is recomputed by both)."""
     offs_m = start_m + offs_m_rel
     q = load_tile(desc_q, q_blk, q_row, h, offs_m_rel, offs_d, offs_m, seqlen_q, stride_qm, head_dim,
                   MASKED, EVEN_D, USE_TMA, BLOCK_D)                      # Q_i  (BLOCK_M, BLOCK_D)
@@ -73,23 +79,53 @@ def _dkdv_tile(dk, dv, k, v, desc_q, desc_do, q_blk, do_blk, dq_blk, lse_blk, de
     if HAS_BIAS or HAS_MASK:
         st = bias_mask_log2(st, i, j, seqlen_q, seqlen_k, bias_bh, stride_bias_m, stride_bias_n, mask_bh,
                             stride_mask_m, stride_mask_n, HAS_BIAS, HAS_MASK)
+    st_in = st       # score_mod's input; only read when there is a score_mod (then set just below)
+    if SCORE_MOD is not None or MASK_MOD is not None:
+        st, st_in = user_mods_log2(st, b, h, i, j, score_aux, mask_aux, SCORE_MOD, MASK_MOD)
     if MASKED:
         st = tl.where(visible(i, j, seqlen_q, seqlen_k, window_left, window_right, HAS_LEFT, HAS_RIGHT),
                       st, float("-inf"))
     pt = tl.math.exp2(st - lse2[None, :])
-    # Alg. 2 line 12 (FA1 Alg. 4 lines 13-16 with dropout): dV_j += (P o Z / (1-p))^T dO_i
-    dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)     # (dO_i V_j^T)^T
+    keep = None
     if DROPOUT:
         keep = dropout_keep(seed, rng_offset, rng_base, i, j, rng_stride_m, dropout_p)
-        pdt = tl.where(keep, pt, 0.0) * (1.0 / (1.0 - dropout_p))
+    if COMPUTE_DV:
+        # Alg. 2 line 12 (FA1 Alg. 4 lines 13-16 with dropout): dV_j += (P o Z / (1-p))^T dO_i
+        if DROPOUT:
+            pdt = tl.where(keep, pt, 0.0) * (1.0 / (1.0 - dropout_p))
+        else:
+            pdt = pt
+        dv = tl.dot(pdt.to(do.dtype), do, dv, input_precision=DOT_PREC)
+    if COMPUTE_DK:
+        dk = _dk_step(dk, pt, v, do, qt, k, delta, st_in, t, keep, b, h, i, j, offs_m, offs_m_rel, offs_d, dq_blk,
+                      stride_dqm, seqlen_q, seqlen_k, head_dim, sm_scale, dropout_p, dbias_bh, stride_dbias_m,
+                      stride_dbias_n, score_aux, score_aux_grad, MASKED, EVEN_D, SOFTCAP, DROPOUT, DOT_PREC,
+                      ATOMIC_DQ, HAS_DBIAS, DBIAS_ATOMIC, SCORE_MOD, SCORE_GRAD, SCORE_CAPTURED_GRAD)
+    return dk, dv
+
+
+@triton.jit
+def _dk_step(dk, pt, v, do, qt, k, delta, st_in, t, keep, b, h, i, j, offs_m, offs_m_rel, offs_d, dq_blk,
+             stride_dqm, seqlen_q, seqlen_k, head_dim, sm_scale, dropout_p, dbias_bh, stride_dbias_m,
+             stride_dbias_n, score_aux, score_aux_grad, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
+             SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+             HAS_DBIAS: tl.constexpr, DBIAS_ATOMIC: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr,
+             SCORE_CAPTURED_GRAD: tl.constexpr):
+    """Alg. 2 lines 13-16 of one tile (transposed): dP^T, dS^T, dK_j += dS^T Q_i (and the atomic dQ_i, dBias
+    and score_mod-captured gradients, which all need dS)."""
+    dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)     # (dO_i V_j^T)^T
+    if DROPOUT:
         dpt = tl.where(keep, dpt, 0.0) * (1.0 / (1.0 - dropout_p))
-    else:
-        pdt = pt
-    dv = tl.dot(pdt.to(do.dtype), do, dv, input_precision=DOT_PREC)
     # Alg. 2 line 14: dS_ij = P_ij o (dP_ij - D_i); softcap multiplies by d(cap tanh(x))/dx = 1 - tanh^2
     dst = pt * (dpt - delta[None, :])
+    if SCORE_MOD is not None:
+        # through score_mod: its captured tensors' gradients (this kernel visits each tile once, so they are
+        # accumulated here only, not again in the dQ pass), then dS w.r.t. its input
+        if SCORE_CAPTURED_GRAD is not None:
+            SCORE_CAPTURED_GRAD(dst, st_in, b, h, i, j, score_aux, score_aux_grad)
+        dst = score_mod_grad(dst, st_in, b, h, i, j, score_aux, SCORE_GRAD)
     if HAS_DBIAS:
-        # dBias = dS, the gradient of the final pre-softmax score (bias is added after softcap). This program
+        # dBias = dS, the gradient of the score after softcap (bias is added there, before score_mod). This program
         # is the only one that visits tile (b, h, i-block, j-block): a full-shape bias takes plain stores; a
         # broadcast one sums over its broadcast dimensions with atomics into an fp32 buffer.
         db_ptrs = dbias_bh + i.to(tl.int64) * stride_dbias_m + j.to(tl.int64) * stride_dbias_n
@@ -111,7 +147,7 @@ def _dkdv_tile(dk, dv, k, v, desc_q, desc_do, q_blk, do_blk, dq_blk, lse_blk, de
                           sem="relaxed")
         else:
             tl.atomic_add(dq_ptrs, dq, sem="relaxed")
-    return dk, dv
+    return dk
 
 
 @triton.jit
@@ -132,7 +168,9 @@ def attn_bwd_dkdv_kernel(
     ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr, ATOMIC_DQ: tl.constexpr,
     USE_TMA: tl.constexpr, HAS_BIAS: tl.constexpr = False, HAS_MASK: tl.constexpr = False,
     HAS_DBIAS: tl.constexpr = False, DBIAS_ATOMIC: tl.constexpr = False, BLOCK_SPARSE: tl.constexpr = False,
-    SPARSE_BLOCK: tl.constexpr = 128,
+    SPARSE_BLOCK: tl.constexpr = 128, SPARSE_FULL_MASKED: tl.constexpr = True, score_aux=None, mask_aux=None, score_aux_grad=None,
+    SCORE_MOD: tl.constexpr = None, SCORE_GRAD: tl.constexpr = None, SCORE_CAPTURED_GRAD: tl.constexpr = None,
+    MASK_MOD: tl.constexpr = None, COMPUTE_DK: tl.constexpr = True, COMPUTE_DV: tl.constexpr = True,
 ):
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
@@ -188,35 +226,39 @@ def attn_bwd_dkdv_kernel(
             # FA1 Alg. 5 transposed: only the query blocks the block mask lists for this key block
             sp = b64 * stride_sp_b + tl.cast(h, tl.int64) * stride_sp_h + (start_n // SPARSE_BLOCK) * stride_sp_n
             n_partial = tl.load(Q_NUM + sp)
-            for t in range(0, n_partial):
-                blk_lo = tl.load(Q_IDX + sp * sparse_blocks + t) * SPARSE_BLOCK
-                blk_hi = tl.minimum(blk_lo + SPARSE_BLOCK, seqlen_q)
-                for start_m in range(blk_lo, blk_hi, BLOCK_M):
-                    dk, dv = _dkdv_tile(dk, dv, k, v, desc_q, desc_do, q_head + tl.cast(start_m, tl.int64) * stride_qm,
-                                        do_head + tl.cast(start_m, tl.int64) * stride_dom,
-                                        dq_head + tl.cast(start_m, tl.int64) * stride_dqm, lse_head, delta_head,
-                                        q_row0 + start_m, h, start_m, offs_m_rel, offs_n, offs_d, seqlen_q, seqlen_k,
-                                        stride_qm, stride_dom, stride_dqm, head_dim, sm_scale, score_scale, softcap_log2,
-                                        alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base,
-                                        rng_stride_m, dropout_p, bias_bh, stride_bias_m, stride_bias_n, mask_bh,
-                                        stride_mask_m, stride_mask_n, dbias_bh, stride_dbias_m, stride_dbias_n, True, EVEN_D,
-                                        HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, ATOMIC_DQ, USE_TMA, BLOCK_D,
-                                        HAS_BIAS, True, HAS_DBIAS, DBIAS_ATOMIC)
+            # one flat loop over (listed block, tile inside it), so Triton pipelines across blocks; tiles
+            # past the sequence end (a ragged last block) are fully masked
+            for t in range(0, n_partial * (SPARSE_BLOCK // BLOCK_M)):
+                start_m = (tl.load(Q_IDX + sp * sparse_blocks + t // (SPARSE_BLOCK // BLOCK_M)) * SPARSE_BLOCK
+                           + (t % (SPARSE_BLOCK // BLOCK_M)) * BLOCK_M)
+                dk, dv = _dkdv_tile(dk, dv, k, v, desc_q, desc_do, q_head + tl.cast(start_m, tl.int64) * stride_qm,
+                                    do_head + tl.cast(start_m, tl.int64) * stride_dom,
+                                    dq_head + tl.cast(start_m, tl.int64) * stride_dqm, lse_head, delta_head,
+                                    q_row0 + start_m, h, start_m, offs_m_rel, offs_n, offs_d, seqlen_q, seqlen_k,
+                                    stride_qm, stride_dom, stride_dqm, head_dim, sm_scale, score_scale, softcap_log2,
+                                    alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base,
+                                    rng_stride_m, dropout_p, bias_bh, stride_bias_m, stride_bias_n, mask_bh,
+                                    stride_mask_m, stride_mask_n, dbias_bh, stride_dbias_m, stride_dbias_n, True, EVEN_D,
+                                    HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, ATOMIC_DQ, USE_TMA, BLOCK_D,
+                                    HAS_BIAS, HAS_MASK, HAS_DBIAS, DBIAS_ATOMIC, b, score_aux, mask_aux, score_aux_grad,
+                                    SCORE_MOD, SCORE_GRAD, SCORE_CAPTURED_GRAD, MASK_MOD, COMPUTE_DK, COMPUTE_DV)
             n_full = tl.load(FULL_Q_NUM + sp)
-            for t in range(0, n_full):
-                blk_lo = tl.load(FULL_Q_IDX + sp * sparse_blocks + t) * SPARSE_BLOCK
-                blk_hi = tl.minimum(blk_lo + SPARSE_BLOCK, seqlen_q)
-                for start_m in range(blk_lo, blk_hi, BLOCK_M):
-                    dk, dv = _dkdv_tile(dk, dv, k, v, desc_q, desc_do, q_head + tl.cast(start_m, tl.int64) * stride_qm,
-                                        do_head + tl.cast(start_m, tl.int64) * stride_dom,
-                                        dq_head + tl.cast(start_m, tl.int64) * stride_dqm, lse_head, delta_head,
-                                        q_row0 + start_m, h, start_m, offs_m_rel, offs_n, offs_d, seqlen_q, seqlen_k,
-                                        stride_qm, stride_dom, stride_dqm, head_dim, sm_scale, score_scale, softcap_log2,
-                                        alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base,
-                                        rng_stride_m, dropout_p, bias_bh, stride_bias_m, stride_bias_n, mask_bh,
-                                        stride_mask_m, stride_mask_n, dbias_bh, stride_dbias_m, stride_dbias_n, True, EVEN_D,
-                                        HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, ATOMIC_DQ, USE_TMA, BLOCK_D,
-                                        HAS_BIAS, False, HAS_DBIAS, DBIAS_ATOMIC)
+            # one flat loop over (listed block, tile inside it), so Triton pipelines across blocks; tiles
+            # past the sequence end (a ragged last block) are fully masked
+            for t in range(0, n_full * (SPARSE_BLOCK // BLOCK_M)):
+                start_m = (tl.load(FULL_Q_IDX + sp * sparse_blocks + t // (SPARSE_BLOCK // BLOCK_M)) * SPARSE_BLOCK
+                           + (t % (SPARSE_BLOCK // BLOCK_M)) * BLOCK_M)
+                dk, dv = _dkdv_tile(dk, dv, k, v, desc_q, desc_do, q_head + tl.cast(start_m, tl.int64) * stride_qm,
+                                    do_head + tl.cast(start_m, tl.int64) * stride_dom,
+                                    dq_head + tl.cast(start_m, tl.int64) * stride_dqm, lse_head, delta_head,
+                                    q_row0 + start_m, h, start_m, offs_m_rel, offs_n, offs_d, seqlen_q, seqlen_k,
+                                    stride_qm, stride_dom, stride_dqm, head_dim, sm_scale, score_scale, softcap_log2,
+                                    alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base,
+                                    rng_stride_m, dropout_p, bias_bh, stride_bias_m, stride_bias_n, mask_bh,
+                                    stride_mask_m, stride_mask_n, dbias_bh, stride_dbias_m, stride_dbias_n, SPARSE_FULL_MASKED, EVEN_D,
+                                    HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, ATOMIC_DQ, USE_TMA, BLOCK_D,
+                                    HAS_BIAS, False, HAS_DBIAS, DBIAS_ATOMIC, b, score_aux, mask_aux, score_aux_grad,
+                                    SCORE_MOD, SCORE_GRAD, SCORE_CAPTURED_GRAD, None, COMPUTE_DK, COMPUTE_DV)
         else:
             # Alg. 2 line 8: for i = 1..Tr (only the query blocks that can see this key block)
             for start_m in range(lo, full_lo, BLOCK_M):
@@ -229,7 +271,8 @@ def attn_bwd_dkdv_kernel(
                                     rng_stride_m, dropout_p, bias_bh, stride_bias_m, stride_bias_n, mask_bh,
                                     stride_mask_m, stride_mask_n, dbias_bh, stride_dbias_m, stride_dbias_n, True, EVEN_D,
                                     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, ATOMIC_DQ, USE_TMA, BLOCK_D,
-                                    HAS_BIAS, HAS_MASK, HAS_DBIAS, DBIAS_ATOMIC)
+                                    HAS_BIAS, HAS_MASK, HAS_DBIAS, DBIAS_ATOMIC, b, score_aux, mask_aux, score_aux_grad,
+                                        SCORE_MOD, SCORE_GRAD, SCORE_CAPTURED_GRAD, MASK_MOD, COMPUTE_DK, COMPUTE_DV)
             for start_m in range(full_lo, full_hi, BLOCK_M):
                 dk, dv = _dkdv_tile(dk, dv, k, v, desc_q, desc_do, q_head + tl.cast(start_m, tl.int64) * stride_qm,
                                     do_head + tl.cast(start_m, tl.int64) * stride_dom,
@@ -240,7 +283,8 @@ def attn_bwd_dkdv_kernel(
                                     rng_stride_m, dropout_p, bias_bh, stride_bias_m, stride_bias_n, mask_bh,
                                     stride_mask_m, stride_mask_n, dbias_bh, stride_dbias_m, stride_dbias_n, False, EVEN_D,
                                     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, ATOMIC_DQ, USE_TMA, BLOCK_D,
-                                    HAS_BIAS, HAS_MASK, HAS_DBIAS, DBIAS_ATOMIC)
+                                    HAS_BIAS, HAS_MASK, HAS_DBIAS, DBIAS_ATOMIC, b, score_aux, mask_aux, score_aux_grad,
+                                        SCORE_MOD, SCORE_GRAD, SCORE_CAPTURED_GRAD, MASK_MOD, COMPUTE_DK, COMPUTE_DV)
             for start_m in range(full_hi, hi, BLOCK_M):
                 dk, dv = _dkdv_tile(dk, dv, k, v, desc_q, desc_do, q_head + tl.cast(start_m, tl.int64) * stride_qm,
                                     do_head + tl.cast(start_m, tl.int64) * stride_dom,
@@ -251,13 +295,16 @@ def attn_bwd_dkdv_kernel(
                                     rng_stride_m, dropout_p, bias_bh, stride_bias_m, stride_bias_n, mask_bh,
                                     stride_mask_m, stride_mask_n, dbias_bh, stride_dbias_m, stride_dbias_n, True, EVEN_D,
                                     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, ATOMIC_DQ, USE_TMA, BLOCK_D,
-                                    HAS_BIAS, HAS_MASK, HAS_DBIAS, DBIAS_ATOMIC)
+                                    HAS_BIAS, HAS_MASK, HAS_DBIAS, DBIAS_ATOMIC, b, score_aux, mask_aux, score_aux_grad,
+                                        SCORE_MOD, SCORE_GRAD, SCORE_CAPTURED_GRAD, MASK_MOD, COMPUTE_DK, COMPUTE_DV)
     # Alg. 2 line 21: write dK_j (with the softmax scale tau of dK = tau dS^T Q), dV_j
-    dk = dk * sm_scale
-    tl.store(DK + b64 * stride_dkb + hk * stride_dkh + kv_rows[:, None] * stride_dkn + offs_d[None, :],
-             dk.to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + b64 * stride_dvb + hk * stride_dvh + kv_rows[:, None] * stride_dvn + offs_d[None, :],
-             dv.to(DV.dtype.element_ty), mask=kv_mask)
+    if COMPUTE_DK:
+        dk = dk * sm_scale
+        tl.store(DK + b64 * stride_dkb + hk * stride_dkh + kv_rows[:, None] * stride_dkn + offs_d[None, :],
+                 dk.to(DK.dtype.element_ty), mask=kv_mask)
+    if COMPUTE_DV:
+        tl.store(DV + b64 * stride_dvb + hk * stride_dvh + kv_rows[:, None] * stride_dvn + offs_d[None, :],
+                 dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
 @triton.jit
@@ -267,7 +314,8 @@ def _dq_tile(dq, q, do, lse2, delta, desc_k, desc_v, k_blk, v_blk, kv_row, hk, s
              bias_bh, stride_bias_m, stride_bias_n, mask_bh, stride_mask_m, stride_mask_n,
              MASKED: tl.constexpr, EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
              SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
-             USE_TMA: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr):
+             USE_TMA: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
+             b, h, score_aux, mask_aux, SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr):
     """dQ_i += dS_ij K_j (Alg. 2 line 15), recomputing S_ij, P_ij and dP_ij for one key block."""
     cols = start_n + offs_n_rel
     k = load_tile(desc_k, k_blk, kv_row, hk, offs_n_rel, offs_d, cols, seqlen_k, stride_kn, head_dim,
@@ -283,6 +331,8 @@ def _dq_tile(dq, q, do, lse2, delta, desc_k, desc_v, k_blk, v_blk, kv_row, hk, s
     if HAS_BIAS or HAS_MASK:
         s = bias_mask_log2(s, i, j, seqlen_q, seqlen_k, bias_bh, stride_bias_m, stride_bias_n, mask_bh,
                            stride_mask_m, stride_mask_n, HAS_BIAS, HAS_MASK)
+    if SCORE_MOD is not None or MASK_MOD is not None:
+        s, s_in = user_mods_log2(s, b, h, i, j, score_aux, mask_aux, SCORE_MOD, MASK_MOD)
     if MASKED:
         s = tl.where(visible(i, j, seqlen_q, seqlen_k, window_left, window_right, HAS_LEFT, HAS_RIGHT),
                      s, float("-inf"))
@@ -292,6 +342,8 @@ def _dq_tile(dq, q, do, lse2, delta, desc_k, desc_v, k_blk, v_blk, kv_row, hk, s
         keep = dropout_keep(seed, rng_offset, rng_base, i, j, rng_stride_m, dropout_p)
         dp = tl.where(keep, dp, 0.0) * (1.0 / (1.0 - dropout_p))
     ds = p * (dp - delta[:, None])
+    if SCORE_MOD is not None:
+        ds = score_mod_grad(ds, s_in, b, h, i, j, score_aux, SCORE_GRAD)
     if SOFTCAP:
         ds = ds * (1.0 - t * t)
     dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq, input_precision=DOT_PREC)
@@ -314,7 +366,8 @@ def attn_bwd_dq_kernel(
     IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr,
     HAS_BIAS: tl.constexpr = False, HAS_MASK: tl.constexpr = False, BLOCK_SPARSE: tl.constexpr = False,
-    SPARSE_BLOCK: tl.constexpr = 128,
+    SPARSE_BLOCK: tl.constexpr = 128, SPARSE_FULL_MASKED: tl.constexpr = True, score_aux=None, mask_aux=None, SCORE_MOD: tl.constexpr = None,
+    SCORE_GRAD: tl.constexpr = None, MASK_MOD: tl.constexpr = None,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -360,29 +413,33 @@ def attn_bwd_dq_kernel(
         # FA1 Alg. 5: only the key blocks the block mask lists for this query block
         sp = b64 * stride_sp_b + tl.cast(h, tl.int64) * stride_sp_h + (start_m // SPARSE_BLOCK) * stride_sp_m
         n_partial = tl.load(KV_NUM + sp)
-        for t in range(0, n_partial):
-            blk_lo = tl.load(KV_IDX + sp * sparse_blocks + t) * SPARSE_BLOCK
-            blk_hi = tl.minimum(blk_lo + SPARSE_BLOCK, seqlen_k)
-            for start_n in range(blk_lo, blk_hi, BLOCK_N):
-                dq = _dq_tile(dq, q, do, lse2, delta, desc_k, desc_v, k_base + tl.cast(start_n, tl.int64) * stride_kn,
-                              v_base + tl.cast(start_n, tl.int64) * stride_vn, kv_row0 + start_n, hk, start_n, offs_m,
-                              offs_n_rel, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn, head_dim, score_scale,
-                              softcap_log2, alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base,
-                              rng_stride_m, dropout_p, bias_bh, stride_bias_m, stride_bias_n, mask_bh, stride_mask_m,
-                              stride_mask_n, True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT,
-                              DOT_PREC, USE_TMA, BLOCK_D, HAS_BIAS, True)
+        # one flat loop over (listed block, tile inside it), so Triton pipelines across blocks; tiles
+        # past the sequence end (a ragged last block) are fully masked
+        for t in range(0, n_partial * (SPARSE_BLOCK // BLOCK_N)):
+            start_n = (tl.load(KV_IDX + sp * sparse_blocks + t // (SPARSE_BLOCK // BLOCK_N)) * SPARSE_BLOCK
+                       + (t % (SPARSE_BLOCK // BLOCK_N)) * BLOCK_N)
+            dq = _dq_tile(dq, q, do, lse2, delta, desc_k, desc_v, k_base + tl.cast(start_n, tl.int64) * stride_kn,
+                          v_base + tl.cast(start_n, tl.int64) * stride_vn, kv_row0 + start_n, hk, start_n, offs_m,
+                          offs_n_rel, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn, head_dim, score_scale,
+                          softcap_log2, alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base,
+                          rng_stride_m, dropout_p, bias_bh, stride_bias_m, stride_bias_n, mask_bh, stride_mask_m,
+                          stride_mask_n, True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT,
+                          DOT_PREC, USE_TMA, BLOCK_D, HAS_BIAS, HAS_MASK, b, h, score_aux, mask_aux,
+                          SCORE_MOD, SCORE_GRAD, MASK_MOD)
         n_full = tl.load(FULL_KV_NUM + sp)
-        for t in range(0, n_full):
-            blk_lo = tl.load(FULL_KV_IDX + sp * sparse_blocks + t) * SPARSE_BLOCK
-            blk_hi = tl.minimum(blk_lo + SPARSE_BLOCK, seqlen_k)
-            for start_n in range(blk_lo, blk_hi, BLOCK_N):
-                dq = _dq_tile(dq, q, do, lse2, delta, desc_k, desc_v, k_base + tl.cast(start_n, tl.int64) * stride_kn,
-                              v_base + tl.cast(start_n, tl.int64) * stride_vn, kv_row0 + start_n, hk, start_n, offs_m,
-                              offs_n_rel, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn, head_dim, score_scale,
-                              softcap_log2, alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base,
-                              rng_stride_m, dropout_p, bias_bh, stride_bias_m, stride_bias_n, mask_bh, stride_mask_m,
-                              stride_mask_n, True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT,
-                              DOT_PREC, USE_TMA, BLOCK_D, HAS_BIAS, False)
+        # one flat loop over (listed block, tile inside it), so Triton pipelines across blocks; tiles
+        # past the sequence end (a ragged last block) are fully masked
+        for t in range(0, n_full * (SPARSE_BLOCK // BLOCK_N)):
+            start_n = (tl.load(FULL_KV_IDX + sp * sparse_blocks + t // (SPARSE_BLOCK // BLOCK_N)) * SPARSE_BLOCK
+                       + (t % (SPARSE_BLOCK // BLOCK_N)) * BLOCK_N)
+            dq = _dq_tile(dq, q, do, lse2, delta, desc_k, desc_v, k_base + tl.cast(start_n, tl.int64) * stride_kn,
+                          v_base + tl.cast(start_n, tl.int64) * stride_vn, kv_row0 + start_n, hk, start_n, offs_m,
+                          offs_n_rel, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn, head_dim, score_scale,
+                          softcap_log2, alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base,
+                          rng_stride_m, dropout_p, bias_bh, stride_bias_m, stride_bias_n, mask_bh, stride_mask_m,
+                          stride_mask_n, SPARSE_FULL_MASKED, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT,
+                          DOT_PREC, USE_TMA, BLOCK_D, HAS_BIAS, False, b, h, score_aux, mask_aux,
+                          SCORE_MOD, SCORE_GRAD, None)
     else:
         lo, full_lo, full_hi, hi = key_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
                                              BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
@@ -393,7 +450,8 @@ def attn_bwd_dq_kernel(
                           softcap_log2, alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base,
                           rng_stride_m, dropout_p, bias_bh, stride_bias_m, stride_bias_n, mask_bh, stride_mask_m,
                           stride_mask_n, True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT,
-                          DOT_PREC, USE_TMA, BLOCK_D, HAS_BIAS, HAS_MASK)
+                          DOT_PREC, USE_TMA, BLOCK_D, HAS_BIAS, HAS_MASK, b, h, score_aux, mask_aux,
+                              SCORE_MOD, SCORE_GRAD, MASK_MOD)
         for start_n in range(full_lo, full_hi, BLOCK_N):
             dq = _dq_tile(dq, q, do, lse2, delta, desc_k, desc_v, k_base + tl.cast(start_n, tl.int64) * stride_kn,
                           v_base + tl.cast(start_n, tl.int64) * stride_vn, kv_row0 + start_n, hk, start_n, offs_m,
@@ -401,7 +459,8 @@ def attn_bwd_dq_kernel(
                           softcap_log2, alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base,
                           rng_stride_m, dropout_p, bias_bh, stride_bias_m, stride_bias_n, mask_bh, stride_mask_m,
                           stride_mask_n, False, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT,
-                          DOT_PREC, USE_TMA, BLOCK_D, HAS_BIAS, HAS_MASK)
+                          DOT_PREC, USE_TMA, BLOCK_D, HAS_BIAS, HAS_MASK, b, h, score_aux, mask_aux,
+                              SCORE_MOD, SCORE_GRAD, MASK_MOD)
         for start_n in range(full_hi, hi, BLOCK_N):
             dq = _dq_tile(dq, q, do, lse2, delta, desc_k, desc_v, k_base + tl.cast(start_n, tl.int64) * stride_kn,
                           v_base + tl.cast(start_n, tl.int64) * stride_vn, kv_row0 + start_n, hk, start_n, offs_m,
@@ -409,7 +468,8 @@ def attn_bwd_dq_kernel(
                           softcap_log2, alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base,
                           rng_stride_m, dropout_p, bias_bh, stride_bias_m, stride_bias_n, mask_bh, stride_mask_m,
                           stride_mask_n, True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT,
-                          DOT_PREC, USE_TMA, BLOCK_D, HAS_BIAS, HAS_MASK)
+                          DOT_PREC, USE_TMA, BLOCK_D, HAS_BIAS, HAS_MASK, b, h, score_aux, mask_aux,
+                              SCORE_MOD, SCORE_GRAD, MASK_MOD)
     dq = dq * sm_scale
     tl.store(DQ + b64 * stride_dqb + tl.cast(h, tl.int64) * stride_dqh + rows[:, None] * stride_dqm + offs_d[None, :],
              dq.to(DQ.dtype.element_ty), mask=q_mask)

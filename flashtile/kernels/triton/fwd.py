@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from .mods import (bias_mask_log2, dropout_keep, key_range, load_lse2, load_tile, online_softmax_step, scores_log2,
-                   seq_bounds, visible)
+                   seq_bounds, user_mods_log2, visible)
 
 
 @triton.jit
@@ -23,7 +23,8 @@ def _fwd_tile(acc, l_i, m_i, q, desc_k, desc_v, k_blk, v_blk, b, kv_row, hk, sta
               MASKED: tl.constexpr, EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
               SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
               USE_TMA: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-              HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr):
+              HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
+              h, score_aux, mask_aux, SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr):
     """One step j of the inner loop (FA2 Alg. 1 lines 7-10) for the key block starting at start_n."""
     cols = start_n + offs_n
     k = load_tile(desc_k, k_blk, kv_row, hk, offs_n, offs_d, cols, seqlen_k, stride_kn, head_dim,
@@ -36,12 +37,14 @@ def _fwd_tile(acc, l_i, m_i, q, desc_k, desc_v, k_blk, v_blk, b, kv_row, hk, sta
     if HAS_BIAS or HAS_MASK:
         s = bias_mask_log2(s, offs_m[:, None], cols[None, :], seqlen_q, seqlen_k, bias_bh, stride_bias_m,
                            stride_bias_n, mask_bh, stride_mask_m, stride_mask_n, HAS_BIAS, HAS_MASK)
+    if SCORE_MOD is not None or MASK_MOD is not None:
+        s, _ = user_mods_log2(s, b, h, offs_m[:, None], cols[None, :], score_aux, mask_aux, SCORE_MOD, MASK_MOD)
     if MASKED:
         s = tl.where(visible(offs_m[:, None], cols[None, :], seqlen_q, seqlen_k, window_left, window_right, HAS_LEFT, HAS_RIGHT),
                      s, float("-inf"))
     # Alg. 1 line 9: m_i^(j) = max(m_i^(j-1), rowmax(S)), P~ = exp(S - m_i^(j)), l_i^(j) = e^(m_old - m_new) l + rowsum(P~)
-    if HAS_BIAS or HAS_MASK:
-        # a user mask (or a -inf bias) can hide a whole row of any tile, not only of the edge tiles
+    if HAS_BIAS or HAS_MASK or SCORE_MOD is not None or MASK_MOD is not None:
+        # a user mask (or a -inf bias / score_mod) can hide a whole row of any tile, not only of the edge tiles
         m_new, p, alpha, l_i = online_softmax_step(m_i, l_i, s, True)
     else:
         m_new, p, alpha, l_i = online_softmax_step(m_i, l_i, s, MASKED)
@@ -73,7 +76,8 @@ def attn_fwd_kernel(
     IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr,
     HAS_BIAS: tl.constexpr = False, HAS_MASK: tl.constexpr = False, BLOCK_SPARSE: tl.constexpr = False,
-    SPARSE_BLOCK: tl.constexpr = 128,
+    SPARSE_BLOCK: tl.constexpr = 128, SPARSE_FULL_MASKED: tl.constexpr = True, score_aux=None, mask_aux=None, SCORE_MOD: tl.constexpr = None,
+    MASK_MOD: tl.constexpr = None,
 ):
     pid_m = tl.program_id(0)
     if HAS_RIGHT:
@@ -125,34 +129,38 @@ def attn_fwd_kernel(
 
     if BLOCK_SPARSE:
         # FA1 Alg. 5: visit only the key blocks the block mask lists for this query block; empty blocks are
-        # never touched. Partial blocks apply the mask tensor element-wise, full blocks skip it.
+        # never touched. Partial blocks apply the element mask (the mask tensor or mask_mod), full blocks skip it.
         sp = b64 * stride_sp_b + tl.cast(h, tl.int64) * stride_sp_h + (start_m // SPARSE_BLOCK) * stride_sp_m
         n_partial = tl.load(KV_NUM + sp)
-        for t in range(0, n_partial):
-            blk_lo = tl.load(KV_IDX + sp * sparse_blocks + t) * SPARSE_BLOCK
-            blk_hi = tl.minimum(blk_lo + SPARSE_BLOCK, seqlen_k)
-            for start_n in range(blk_lo, blk_hi, BLOCK_N):
-                acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, desc_k, desc_v, k_base + tl.cast(start_n, tl.int64) * stride_kn,
-                                      v_base + tl.cast(start_n, tl.int64) * stride_vn, b, kv_row0 + start_n, hk,
-                                      start_n, offs_m, offs_n, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn,
-                                      head_dim, score_scale, softcap_log2, alibi_slope_log2, window_left,
-                                      window_right, seed, rng_offset, rng_base, rng_stride_m, dropout_p, bias_bh,
-                                      stride_bias_m, stride_bias_n, mask_bh, stride_mask_m, stride_mask_n, True,
-                                      EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, USE_TMA,
-                                      IS_VARLEN, BLOCK_N, BLOCK_D, HAS_BIAS, True)
+        # one flat loop over (listed block, tile inside it), so Triton pipelines across blocks; tiles
+        # past the sequence end (a ragged last block) are fully masked
+        for t in range(0, n_partial * (SPARSE_BLOCK // BLOCK_N)):
+            start_n = (tl.load(KV_IDX + sp * sparse_blocks + t // (SPARSE_BLOCK // BLOCK_N)) * SPARSE_BLOCK
+                       + (t % (SPARSE_BLOCK // BLOCK_N)) * BLOCK_N)
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, desc_k, desc_v, k_base + tl.cast(start_n, tl.int64) * stride_kn,
+                                  v_base + tl.cast(start_n, tl.int64) * stride_vn, b, kv_row0 + start_n, hk,
+                                  start_n, offs_m, offs_n, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn,
+                                  head_dim, score_scale, softcap_log2, alibi_slope_log2, window_left,
+                                  window_right, seed, rng_offset, rng_base, rng_stride_m, dropout_p, bias_bh,
+                                  stride_bias_m, stride_bias_n, mask_bh, stride_mask_m, stride_mask_n, True,
+                                  EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, USE_TMA,
+                                  IS_VARLEN, BLOCK_N, BLOCK_D, HAS_BIAS, HAS_MASK,
+                                  h, score_aux, mask_aux, SCORE_MOD, MASK_MOD)
         n_full = tl.load(FULL_KV_NUM + sp)
-        for t in range(0, n_full):
-            blk_lo = tl.load(FULL_KV_IDX + sp * sparse_blocks + t) * SPARSE_BLOCK
-            blk_hi = tl.minimum(blk_lo + SPARSE_BLOCK, seqlen_k)
-            for start_n in range(blk_lo, blk_hi, BLOCK_N):
-                acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, desc_k, desc_v, k_base + tl.cast(start_n, tl.int64) * stride_kn,
-                                      v_base + tl.cast(start_n, tl.int64) * stride_vn, b, kv_row0 + start_n, hk,
-                                      start_n, offs_m, offs_n, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn,
-                                      head_dim, score_scale, softcap_log2, alibi_slope_log2, window_left,
-                                      window_right, seed, rng_offset, rng_base, rng_stride_m, dropout_p, bias_bh,
-                                      stride_bias_m, stride_bias_n, mask_bh, stride_mask_m, stride_mask_n, True,
-                                      EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, USE_TMA,
-                                      IS_VARLEN, BLOCK_N, BLOCK_D, HAS_BIAS, False)
+        # one flat loop over (listed block, tile inside it), so Triton pipelines across blocks; tiles
+        # past the sequence end (a ragged last block) are fully masked
+        for t in range(0, n_full * (SPARSE_BLOCK // BLOCK_N)):
+            start_n = (tl.load(FULL_KV_IDX + sp * sparse_blocks + t // (SPARSE_BLOCK // BLOCK_N)) * SPARSE_BLOCK
+                       + (t % (SPARSE_BLOCK // BLOCK_N)) * BLOCK_N)
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, desc_k, desc_v, k_base + tl.cast(start_n, tl.int64) * stride_kn,
+                                  v_base + tl.cast(start_n, tl.int64) * stride_vn, b, kv_row0 + start_n, hk,
+                                  start_n, offs_m, offs_n, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn,
+                                  head_dim, score_scale, softcap_log2, alibi_slope_log2, window_left,
+                                  window_right, seed, rng_offset, rng_base, rng_stride_m, dropout_p, bias_bh,
+                                  stride_bias_m, stride_bias_n, mask_bh, stride_mask_m, stride_mask_n, SPARSE_FULL_MASKED,
+                                  EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, USE_TMA,
+                                  IS_VARLEN, BLOCK_N, BLOCK_D, HAS_BIAS, False,
+                                  h, score_aux, mask_aux, SCORE_MOD, None)
     else:
         lo, full_lo, full_hi, hi = key_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
                                              BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
@@ -166,7 +174,8 @@ def attn_fwd_kernel(
                                       seed, rng_offset, rng_base, rng_stride_m, dropout_p, bias_bh, stride_bias_m,
                                       stride_bias_n, mask_bh, stride_mask_m, stride_mask_n, True, EVEN_D,
                                       HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, USE_TMA, IS_VARLEN,
-                                      BLOCK_N, BLOCK_D, HAS_BIAS, HAS_MASK)
+                                      BLOCK_N, BLOCK_D, HAS_BIAS, HAS_MASK,
+                                      h, score_aux, mask_aux, SCORE_MOD, MASK_MOD)
         for start_n in range(full_lo, full_hi, BLOCK_N):
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, desc_k, desc_v, k_base + tl.cast(start_n, tl.int64) * stride_kn,
                                       v_base + tl.cast(start_n, tl.int64) * stride_vn, b, kv_row0 + start_n, hk,
@@ -175,7 +184,8 @@ def attn_fwd_kernel(
                                       seed, rng_offset, rng_base, rng_stride_m, dropout_p, bias_bh, stride_bias_m,
                                       stride_bias_n, mask_bh, stride_mask_m, stride_mask_n, False, EVEN_D,
                                       HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, USE_TMA, IS_VARLEN,
-                                      BLOCK_N, BLOCK_D, HAS_BIAS, HAS_MASK)
+                                      BLOCK_N, BLOCK_D, HAS_BIAS, HAS_MASK,
+                                      h, score_aux, mask_aux, SCORE_MOD, MASK_MOD)
         for start_n in range(full_hi, hi, BLOCK_N):
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, desc_k, desc_v, k_base + tl.cast(start_n, tl.int64) * stride_kn,
                                       v_base + tl.cast(start_n, tl.int64) * stride_vn, b, kv_row0 + start_n, hk,
@@ -184,7 +194,8 @@ def attn_fwd_kernel(
                                       seed, rng_offset, rng_base, rng_stride_m, dropout_p, bias_bh, stride_bias_m,
                                       stride_bias_n, mask_bh, stride_mask_m, stride_mask_n, True, EVEN_D,
                                       HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, USE_TMA, IS_VARLEN,
-                                      BLOCK_N, BLOCK_D, HAS_BIAS, HAS_MASK)
+                                      BLOCK_N, BLOCK_D, HAS_BIAS, HAS_MASK,
+                                      h, score_aux, mask_aux, SCORE_MOD, MASK_MOD)
 
     # Alg. 1 lines 12-13: O_i = diag(l_i)^-1 O~_i, L_i = m_i + log l_i. A row that saw no key has l_i = 0:
     # it outputs 0 and L = -inf (zero probability mass), never NaN.

@@ -5,6 +5,7 @@ dense (batch, seqlen, nheads, headdim) and varlen/packed (total_tokens, nheads, 
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -96,19 +97,26 @@ class Config:
     num_warps: int
     num_stages: int
     atomic_dq: bool = False   # backward only: dQ by fp32 atomics in the dK/dV kernel instead of a second pass
+    split_dkdv: bool = False  # backward only: dV and dK by two launches of the dK/dV kernel, one accumulator each
 
 
 # Benchmarks and tuning sweeps pin a config here ({"fwd": Config, "bwd": Config}); empty in normal use.
 CONFIG_OVERRIDE: dict = {}
 
 
-def fwd_config(head_dim: int, dtype: torch.dtype, causal: bool) -> Config:
+def fwd_config(head_dim: int, dtype: torch.dtype, causal: bool, seqlen: int = 0) -> Config:
     """Block shapes per head dim (Br = BLOCK_M, Bc = BLOCK_N), the best of benchmarks/sweep_configs.py on an
-    H200 (bf16, b2 n8192, 2026-11-21). Interpreter: small tiles so the CPU tests cross many tile edges."""
+    H200 (bf16, b2 n8192, 2026-11-21). Interpreter: small tiles so the CPU tests cross many tile edges.
+    seqlen = max(seqlen_q, seqlen_k) > 0: a winner cached by tuning.py for the key is used first."""
     if "fwd" in CONFIG_OVERRIDE:
         return CONFIG_OVERRIDE["fwd"]
     if interpreting():
         return Config(32, 16, 4, 1)
+    if seqlen > 0:
+        from . import tuning  # imported here: tuning imports this module
+        tuned = tuning.lookup("fwd", head_dim, dtype, causal, seqlen)
+        if tuned is not None:
+            return tuned
     bd = _block_d(head_dim)
     if dtype == torch.float32:  # 4-byte tiles: half the rows
         return Config(64, 64 if bd <= 64 else 32, 4, 2)
@@ -119,21 +127,30 @@ def fwd_config(head_dim: int, dtype: torch.dtype, causal: bool) -> Config:
     return Config(128, 64, 8, 2)
 
 
-def bwd_config(head_dim: int, dtype: torch.dtype) -> Config:
+def bwd_config(head_dim: int, dtype: torch.dtype, causal: bool = False, seqlen: int = 0) -> Config:
     """BLOCK_N: key rows a dK/dV program owns; BLOCK_M: query rows per inner step (swapped for the dQ pass).
     The two-pass backward (no atomics) measured faster than atomic dQ at every head dim on the H200 once the
     streamed tiles came through TMA (d128: 373 vs 294 TFLOP/s), so it is the default: gradients are then
-    bitwise reproducible whatever `deterministic` says."""
+    bitwise reproducible whatever `deterministic` says. seqlen > 0: a winner cached by tuning.py comes first."""
     if "bwd" in CONFIG_OVERRIDE:
         return CONFIG_OVERRIDE["bwd"]
     if interpreting():
         return Config(16, 32, 4, 1)
+    if seqlen > 0:
+        from . import tuning  # imported here: tuning imports this module
+        tuned = tuning.lookup("bwd", head_dim, dtype, causal, seqlen)
+        if tuned is not None:
+            return tuned
     bd = _block_d(head_dim)
     if dtype == torch.float32:
         return Config(32, 64 if bd <= 64 else 32, 4, 1)
     if bd <= 128:
         return Config(64, 128, 8, 2)
-    return Config(64, 32, 4, 1)
+    # d256: dV and dK by two launches (one 256-wide accumulator each) measured 265 / 231 TFLOP/s (full / causal)
+    # against 176 / 179 for the best single launch (benchmarks/sweep_configs.py --heads 256 --modes bwd, H200)
+    if causal:
+        return Config(64, 128, 8, 1, split_dkdv=True)
+    return Config(64, 64, 4, 2, split_dkdv=True)
 
 
 def _flags(params: AttnParams, alibi, cu_q, head_dim, dtype):
@@ -175,6 +192,47 @@ class SparseLists:
     full_q_idx: torch.Tensor
 
 
+@dataclass(frozen=True)
+class UserMods:
+    """flashtile.flex's modifiers, compiled into the kernels: @triton.jit functions (None: absent) and the
+    tuples of values they capture (tensors arrive in the kernels as pointers, ints / floats as scalars).
+    score_aux_grad: parallel to score_aux, a float32 zero buffer where the captured tensor wants a gradient
+    (score_captured_grad adds into it), the captured item itself elsewhere; backward only."""
+    score_mod: object = None
+    score_grad: object = None
+    score_captured_grad: object = None
+    score_aux: Optional[tuple] = None
+    mask_mod: object = None
+    mask_aux: Optional[tuple] = None
+    score_aux_grad: Optional[tuple] = None
+
+    def kernel_kwargs(self, kernel: str) -> dict:
+        """Keyword arguments of attn_fwd_kernel ("fwd"), attn_bwd_dkdv_kernel ("dkdv") or attn_bwd_dq_kernel ("dq")."""
+        kw = dict(score_aux=self.score_aux, mask_aux=self.mask_aux, SCORE_MOD=self.score_mod, MASK_MOD=self.mask_mod)
+        if kernel != "fwd":
+            kw["SCORE_GRAD"] = self.score_grad
+        if kernel == "dkdv":
+            kw.update(score_aux_grad=self.score_aux_grad, SCORE_CAPTURED_GRAD=self.score_captured_grad)
+        return kw
+
+
+def _launch(kernel, grid, *args, num_stages: int, **kwargs):
+    """kernel[grid](*args, ...), retried with fewer pipeline stages when the tiles do not fit in shared memory:
+    the tuned configs leave little room, and an attn_bias / attn_mask tile or a user mod's loads can push one
+    over (the compile-time check raises before anything runs, so a retry is safe)."""
+    while True:
+        try:
+            return kernel[grid](*args, num_stages=num_stages, **kwargs)
+        except triton.runtime.errors.OutOfResources:
+            if num_stages <= 1:
+                raise
+            num_stages -= 1
+
+
+def _user_mod_kwargs(mods: Optional[UserMods], kernel: str) -> dict:
+    return {} if mods is None else mods.kernel_kwargs(kernel)
+
+
 def _pair_args(t, batch, nheads, sq, sk):
     """(pointer, stride_b, stride_h, stride_m, stride_n) of a (b, h, sq, sk)-broadcastable 4-D tensor: an expand
     view, so broadcast dimensions get stride 0 and nothing is materialised. bool masks are read as uint8."""
@@ -203,27 +261,32 @@ def _sparse_config(cfg: Config, lists) -> Config:
     powers of two)."""
     if lists is None:
         return cfg
-    return Config(min(cfg.BLOCK_M, lists.block_size), min(cfg.BLOCK_N, lists.block_size), cfg.num_warps,
-                  cfg.num_stages, cfg.atomic_dq)
+    return dataclasses.replace(cfg, BLOCK_M=min(cfg.BLOCK_M, lists.block_size),
+                               BLOCK_N=min(cfg.BLOCK_N, lists.block_size))
 
 
-def _mod_flags(bias, mask, lists):
+def _mod_flags(bias, mask, lists, params: Optional[AttnParams] = None, sq: int = 0, sk: int = 0):
     flags = {}
     if bias is not None:
         flags["HAS_BIAS"] = True
     if mask is not None:
         flags["HAS_MASK"] = True
     if lists is not None:
-        flags.update(BLOCK_SPARSE=True, SPARSE_BLOCK=lists.block_size)
+        # a block mask's full tiles need no per-element masking at all, unless causal / window masking applies
+        # too or a sequence ends inside a block (then its last tiles read past the end)
+        even = sq % lists.block_size == 0 and sk % lists.block_size == 0
+        window = params is not None and (params.window_left >= 0 or params.window_right >= 0)
+        flags.update(BLOCK_SPARSE=True, SPARSE_BLOCK=lists.block_size, SPARSE_FULL_MASKED=window or not even)
     return flags
 
 
 def flash_fwd(q, k, v, out, lse, params: AttnParams, alibi: Optional[torch.Tensor] = None,
               cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-              bias=None, mask=None, sparse: Optional[SparseLists] = None):
+              bias=None, mask=None, sparse: Optional[SparseLists] = None, mods: Optional[UserMods] = None):
     """out[...] = attention(q, k, v); lse[...] = row log-sum-exp (natural log, -inf for empty rows).
     bias (float) / mask (bool, True = may attend): 4-D, broadcastable to (batch, nheads, seqlen_q, seqlen_k);
-    dense layout only. sparse: a block mask's lists (the partial tiles read `mask`)."""
+    dense layout only. sparse: a block mask's lists (the partial tiles read `mask` and mods.mask_mod).
+    mods: user score_mod / mask_mod (flashtile.flex)."""
     head_dim = q.shape[-1]
     max_sq = max_seqlen_q if cu_seqlens_q is not None else q.shape[1]
     max_sk = max_seqlen_k if cu_seqlens_k is not None else k.shape[1]
@@ -234,13 +297,22 @@ def flash_fwd(q, k, v, out, lse, params: AttnParams, alibi: Optional[torch.Tenso
         out.zero_()
         lse.fill_(float("-inf"))
         return
-    cfg = _sparse_config(fwd_config(head_dim, q.dtype, params.window_right == 0), sparse)
+    from . import tuning  # imported here: tuning imports this module
+    causal, seqlen = params.window_right == 0, max(max_sq, max_sk)
+    if sparse is None and tuning.needs_tuning("fwd", head_dim, q.dtype, causal, seqlen, q.device):
+        # FLASHTILE_AUTOTUNE=1, key not cached: time the candidates on scratch outputs; the launch below uses the winner
+        out_, lse_ = torch.empty_like(out), torch.empty_like(lse)
+        tuning.autotune("fwd", head_dim, q.dtype, causal, seqlen, lambda: flash_fwd(
+            q, k, v, out_, lse_, params, alibi=alibi, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, bias=bias, mask=mask, mods=mods),
+            default=fwd_config(head_dim, q.dtype, causal))
+    cfg = _sparse_config(fwd_config(head_dim, q.dtype, causal, seqlen=seqlen), sparse)
     grid = (triton.cdiv(max_sq, cfg.BLOCK_M), batch * nheads)
     block_d = _block_d(head_dim)
     desc_k = kv_descriptor(k, cfg.BLOCK_N, block_d)
     desc_v = kv_descriptor(v, cfg.BLOCK_N, block_d)
     use_tma = desc_k is not None and desc_v is not None
-    _fwd.attn_fwd_kernel[grid](
+    _launch(_fwd.attn_fwd_kernel, grid,
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi, desc_k if use_tma else None,
         desc_v if use_tma else None,
         *_rows(q), *_rows(k), *_rows(v), *_rows(out), *_lse_strides(lse), alibi_sb,
@@ -251,7 +323,7 @@ def flash_fwd(q, k, v, out, lse, params: AttnParams, alibi: Optional[torch.Tenso
         *_sparse_args(sparse, batch, nheads, False),
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, EVEN_D=block_d == head_dim, USE_TMA=use_tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_flags(params, alibi, cu_seqlens_q, head_dim, q.dtype),
-        **_mod_flags(bias, mask, sparse))
+        **_mod_flags(bias, mask, sparse, params, max_sq, max_sk), **_user_mod_kwargs(mods, "fwd"))
 
 
 def attn_probs(q, k, lse, params: AttnParams, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None,
@@ -280,7 +352,8 @@ def attn_probs(q, k, lse, params: AttnParams, alibi=None, cu_seqlens_q=None, cu_
 
 def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=None,
               cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, deterministic=False,
-              bias=None, mask=None, sparse: Optional[SparseLists] = None, dbias=None):
+              bias=None, mask=None, sparse: Optional[SparseLists] = None, dbias=None,
+              mods: Optional[UserMods] = None):
     """Fills dq, dk, dv (same layouts as q, k, v). deterministic=True: no atomics anywhere, bitwise
     reproducible gradients (a broadcast bias's dbias excepted: its reduction uses atomics).
     dbias: a zero-filled float32 tensor of bias's (4-D, unexpanded) shape, filled with dS summed over the
@@ -297,16 +370,28 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
         for g in (dq, dk, dv):
             g.zero_()
         return
+    from . import tuning  # imported here: tuning imports this module
+    causal, seqlen = params.window_right == 0, max(max_sq, max_sk)
+    if sparse is None and mods is None and tuning.needs_tuning("bwd", head_dim, q.dtype, causal, seqlen, q.device):
+        # FLASHTILE_AUTOTUNE=1, key not cached: time the candidates on scratch gradients; the launches below use the
+        # winner (not with mods: their captured-tensor gradient buffers would be added into)
+        dq_, dk_, dv_ = torch.empty_like(dq), torch.empty_like(dk), torch.empty_like(dv)
+        dbias_ = None if dbias is None else torch.zeros_like(dbias)
+        tuning.autotune("bwd", head_dim, q.dtype, causal, seqlen, lambda: flash_bwd(
+            dout, q, k, v, out, lse, dq_, dk_, dv_, params, alibi=alibi, cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+            deterministic=deterministic, bias=bias, mask=mask, dbias=dbias_),
+            default=bwd_config(head_dim, q.dtype, causal))
     delta = torch.empty_like(lse)
     pre_m = 64 if not interpreting() else 32
     _bwd.attn_bwd_preprocess_kernel[(triton.cdiv(max_sq, pre_m), batch * nheads)](
         out, dout, delta, cu_seqlens_q, *_rows(out), *_rows(dout), *_lse_strides(lse),
         nheads, max_sq, head_dim, BLOCK_M=pre_m, BLOCK_D=flags["BLOCK_D"], IS_VARLEN=flags["IS_VARLEN"])
-    cfg = _sparse_config(bwd_config(head_dim, q.dtype), sparse)
+    cfg = _sparse_config(bwd_config(head_dim, q.dtype, causal, seqlen=seqlen), sparse)
     common = (*_lse_strides(lse), alibi_sb)
     bias_args = _pair_args(bias, batch, nheads, max_sq, max_sk)
     mask_args = _pair_args(mask, batch, nheads, max_sq, max_sk)
-    mod_flags = _mod_flags(bias, mask, sparse)
+    mod_flags = _mod_flags(bias, mask, sparse, params, max_sq, max_sk)
     dbias_flags = {}
     if dbias is not None:
         # a dimension bias broadcasts along is summed over: several tiles add into one element
@@ -323,21 +408,27 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
     descs = [kv_descriptor(t, cfg.BLOCK_M, block_d) for t in (q, dout, k, v)]
     use_tma = all(d is not None for d in descs)
     desc_q, desc_do, desc_k, desc_v = descs if use_tma else (None,) * 4
-    _bwd.attn_bwd_dkdv_kernel[(triton.cdiv(max_sk, cfg.BLOCK_N), batch * nheads_k)](
-        q, k, v, dout, lse, delta, dk, dv, dq_acc, cu_seqlens_q, cu_seqlens_k, alibi, desc_q, desc_do,
-        *_rows(q), *_rows(k), *_rows(v), *_rows(dout), *_rows(dk), *_rows(dv), *_rows(dq_acc), *common,
-        nheads_k, nheads // nheads_k, max_sq, max_sk, head_dim,
-        params.softmax_scale, score_scale, softcap_log2, params.window_left, params.window_right,
-        params.dropout_p, params.seed, params.rng_offset, *rng,
-        *bias_args, *mask_args, *_pair_args(dbias, batch, nheads, max_sq, max_sk),
-        *_sparse_args(sparse, batch, nheads, True),
-        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, EVEN_D=even_d, ATOMIC_DQ=atomic, USE_TMA=use_tma,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags, **mod_flags, **dbias_flags)
+    # split_dkdv: a dV-only launch, then a dK-only one that also does everything else that needs dS (atomic
+    # dQ, dBias, score_mod's captured gradients); otherwise one launch does both
+    passes = [dict(COMPUTE_DK=False), dict(COMPUTE_DV=False)] if cfg.split_dkdv else [{}]
+    for only in passes:
+        with_ds = only.get("COMPUTE_DK", True)
+        _launch(_bwd.attn_bwd_dkdv_kernel, (triton.cdiv(max_sk, cfg.BLOCK_N), batch * nheads_k),
+            q, k, v, dout, lse, delta, dk, dv, dq_acc, cu_seqlens_q, cu_seqlens_k, alibi, desc_q, desc_do,
+            *_rows(q), *_rows(k), *_rows(v), *_rows(dout), *_rows(dk), *_rows(dv), *_rows(dq_acc), *common,
+            nheads_k, nheads // nheads_k, max_sq, max_sk, head_dim,
+            params.softmax_scale, score_scale, softcap_log2, params.window_left, params.window_right,
+            params.dropout_p, params.seed, params.rng_offset, *rng,
+            *bias_args, *mask_args, *_pair_args(dbias, batch, nheads, max_sq, max_sk),
+            *_sparse_args(sparse, batch, nheads, True),
+            BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, EVEN_D=even_d, ATOMIC_DQ=atomic and with_ds, USE_TMA=use_tma,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags, **mod_flags,
+            **(dbias_flags if with_ds else {}), **_user_mod_kwargs(mods, "dkdv" if with_ds else "dq"), **only)
     if atomic:
         dq.copy_(dq_acc)
         return
     # dQ pass: query blocks of BLOCK_N rows stream key blocks of BLOCK_M rows (the roles swap)
-    _bwd.attn_bwd_dq_kernel[(triton.cdiv(max_sq, cfg.BLOCK_N), batch * nheads)](
+    _launch(_bwd.attn_bwd_dq_kernel, (triton.cdiv(max_sq, cfg.BLOCK_N), batch * nheads),
         q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, alibi, desc_k, desc_v,
         *_rows(q), *_rows(k), *_rows(v), *_rows(dout), *_rows(dq), *common,
         nheads, nheads // nheads_k, max_sq, max_sk, head_dim,
@@ -345,4 +436,4 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
         params.dropout_p, params.seed, params.rng_offset, *rng,
         *bias_args, *mask_args, *_sparse_args(sparse, batch, nheads, False),
         BLOCK_M=cfg.BLOCK_N, BLOCK_N=cfg.BLOCK_M, EVEN_D=even_d, USE_TMA=use_tma,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags, **mod_flags)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags, **mod_flags, **_user_mod_kwargs(mods, "dq"))

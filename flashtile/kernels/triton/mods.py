@@ -214,3 +214,30 @@ def bias_mask_log2(s, i, j, seqlen_q, seqlen_k, bias_bh, stride_bias_m, stride_b
         keep = tl.load(mask_bh + ii * stride_mask_m + jj * stride_mask_n, mask=inb, other=0)
         s = tl.where(keep != 0, s, float("-inf"))
     return s
+
+
+# --------------------------------------------------------------------------------------------------
+# User-written modifiers (flashtile.flex): mask_mod / score_mod as Triton device functions compiled into the
+# kernels. Each is a constexpr JITFunction (None: compiled out) with its captured values in a tuple `aux`.
+# Scores reach score_mod in natural-log units (q.k * softmax_scale, after softcap / ALiBi / attn_bias), the
+# unit FlexAttention uses; the kernels' log2 units are restored right after.
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def user_mods_log2(s, b, h, i, j, score_aux, mask_aux, SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr):
+    """Score tile s (log2 units) at query i, key j -> (s after score_mod, in log2 units, -inf where mask_mod
+    is False; s_in, score_mod's input in natural units, which its gradient needs)."""
+    s_in = s * 0.6931471805599453
+    if SCORE_MOD is not None:
+        s = SCORE_MOD(s_in, b, h, i, j, score_aux).to(tl.float32) * 1.4426950408889634
+    if MASK_MOD is not None:
+        s = tl.where(MASK_MOD(b, h, i, j, mask_aux), s, float("-inf"))
+    return s, s_in
+
+
+@triton.jit
+def score_mod_grad(ds, s_in, b, h, i, j, score_aux, GRAD_FN: tl.constexpr):
+    """dS w.r.t. score_mod's output -> dS w.r.t. its input (GRAD_FN None: identity, an additive mod). Entries
+    with dS = 0 (masked, or P = 0) stay exactly 0, whatever GRAD_FN does with an infinite s_in."""
+    if GRAD_FN is not None:
+        ds = tl.where(ds == 0.0, 0.0, GRAD_FN(ds, s_in, b, h, i, j, score_aux).to(tl.float32))
+    return ds
