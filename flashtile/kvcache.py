@@ -197,7 +197,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if k is not None:
             _fail("cache_seqlens", None, "the current cache lengths when k/v are appended (flash-attn semantics)")
         cache_seqlens = capacity
-    cache_seqlens = _seqlens_tensor("cache_seqlens", cache_seqlens, batch, device)
+    # Without an append, an int cache_seqlens (or None: the full cache) is one end position for every batch
+    # element: the kernel takes it as a scalar, so no (batch,) tensor is filled on the device for it.
+    static_end = None
+    if k is None and isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        if cache_seqlens < 0:
+            _fail("cache_seqlens", cache_seqlens, ">= 0")
+        if cache_seqlens > capacity:
+            _fail("cache_seqlens", cache_seqlens, f"<= the cache capacity {capacity}")
+        static_end = cache_seqlens
+    else:
+        cache_seqlens = _seqlens_tensor("cache_seqlens", cache_seqlens, batch, device)
     if cache_leftpad is not None:
         check_index_tensor("cache_leftpad", cache_leftpad, (batch,), device)
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
@@ -208,12 +218,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
     # ---- index values (one synchronisation; skipped when disabled / capturing / compiling) ----
     if values_checkable(q):
-        end = cache_seqlens.long() + seqlen_new
-        if bool((cache_seqlens < 0).any()):
-            _fail("cache_seqlens", cache_seqlens.tolist(), "values >= 0")
-        if bool((end > capacity).any()):
-            _fail("cache_seqlens", cache_seqlens.tolist(), f"cache_seqlens + seqlen_new ({seqlen_new}) <= the "
-                  f"cache capacity {capacity}")
+        if static_end is None:
+            end = cache_seqlens.long() + seqlen_new
+            if bool((cache_seqlens < 0).any()):
+                _fail("cache_seqlens", cache_seqlens.tolist(), "values >= 0")
+            if bool((end > capacity).any()):
+                _fail("cache_seqlens", cache_seqlens.tolist(), f"cache_seqlens + seqlen_new ({seqlen_new}) <= the "
+                      f"cache capacity {capacity}")
+        else:   # checked above, on the host
+            end = torch.full((batch,), static_end, dtype=torch.long, device=device)
         if cache_leftpad is not None and bool(((cache_leftpad < 0) | (cache_leftpad > cache_seqlens)).any()):
             _fail("cache_leftpad", cache_leftpad.tolist(), "values in [0, cache_seqlens]")
         if cache_batch_idx is not None and bool(((cache_batch_idx < 0) | (cache_batch_idx >= k_cache.shape[0])).any()):
@@ -233,7 +246,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             local = a.window_left >= 0 or a.window_right >= 0   # causal is window_right = 0
             q_attn = _rotary.rotary_q(q, rotary_cos, rotary_sin, pos0.to(torch.int32), per_row=local,
                                       interleaved=rotary_interleaved)
-        seqlens_k = (cache_seqlens + seqlen_new).to(torch.int32) if seqlen_new else cache_seqlens
+        if static_end is not None:
+            seqlens_k = None
+        else:
+            seqlens_k = (cache_seqlens + seqlen_new).to(torch.int32) if seqlen_new else cache_seqlens
 
         # ---- split-KV attention over the cache ----
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -241,5 +257,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         params = AttnParams(a.softmax_scale, a.window_left, a.window_right, a.softcap)
         _decode.flash_decode(q_attn, k_cache, v_cache, out, lse, seqlens_k, params,
                              cache_batch_idx=cache_batch_idx, leftpad=cache_leftpad, block_table=block_table,
-                             alibi=alibi_slopes, num_splits=num_splits, max_seqlen_k=capacity)
+                             alibi=alibi_slopes, num_splits=num_splits,
+                             max_seqlen_k=capacity if static_end is None else static_end,
+                             seqlen_k_static=static_end)
     return (out, lse) if return_softmax_lse else out

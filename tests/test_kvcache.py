@@ -290,6 +290,123 @@ def test_num_splits_heuristic_fills_the_gpu():
     assert _decode.num_splits_heuristic(1, 10, 64, dev) == 1
 
 
+def test_num_splits_heuristic_rule():
+    """The documented rule (decode.num_splits_heuristic) on an H200-sized GPU (132 SMs) and across a grid of
+    problems: >= ~2 waves where the key blocks allow, >= MIN_BLOCKS_PER_SPLIT blocks per split, never an empty
+    last split, no split when the tiles alone reach the target."""
+    dev, h = torch.device("cpu"), _decode.num_splits_heuristic
+    # nheads_k 8, BLOCK_N 64, seqlen_q 1 (one M tile): tiles = 8 * batch
+    assert [h(8, n, 64, dev, sms=132) for n in (4096, 32768, 131072)] == [16, 32, 33]
+    assert [h(64, n, 64, dev, sms=132) for n in (4096, 32768, 131072)] == [4, 4, 4]
+    assert h(128, 32768, 64, dev, sms=132) == 2          # batch 16: one wave of tiles -> two
+    assert h(256, 32768, 64, dev, sms=132) == 1          # batch 32: ~2 waves already
+    assert h(512, 131072, 64, dev, sms=132) == 1
+    for sms in (8, 78, 132):
+        need = _decode.WAVE_SLACK * _decode.TARGET_WAVES * sms
+        for tiles in (1, 3, 8, 24, 64, 100, 300):
+            for n_blocks in (1, 3, 4, 7, 8, 33, 64, 100, 512, 2048, 5000):
+                s = h(tiles, n_blocks * 64, 64, dev, sms=sms)
+                assert 1 <= s <= _decode.MAX_SPLITS
+                if s == 1:
+                    continue
+                bps = -(-n_blocks // s)
+                assert -(-n_blocks // bps) == s, (tiles, n_blocks, s)          # no empty split
+                assert n_blocks // s >= _decode.MIN_BLOCKS_PER_SPLIT, (tiles, n_blocks, s)
+                assert tiles < need
+                if tiles * s < need:   # target out of reach: the most splits the block limit allows
+                    limit = min(_decode.MAX_SPLITS, n_blocks // _decode.MIN_BLOCKS_PER_SPLIT)
+                    assert s == max(t for t in range(2, limit + 1) if -(-n_blocks // -(-n_blocks // t)) == t)
+
+
+def test_config_override_fields_and_split_pin(monkeypatch):
+    """CONFIG_OVERRIDE: single fields replace the default's, "num_splits" pins the automatic choice,
+    "page_tiles": False turns the paged fast path off."""
+    base = _decode.decode_config(4, 64, fp16)
+    monkeypatch.setattr(_decode, "CONFIG_OVERRIDE", {"BLOCK_N": 32, "num_warps": 8, "use_tma": True})
+    cfg = _decode.decode_config(4, 64, fp16)
+    assert (cfg.BLOCK_M, cfg.BLOCK_N, cfg.num_warps, cfg.num_stages, cfg.use_tma) == \
+        (base.BLOCK_M, 32, 8, base.num_stages, True)
+    plan = _decode.plan_decode(1, 8, 2, 64, fp16, 1, 1000, torch.device("cpu"), page_size=64)
+    assert plan.page_tiles and plan.num_splits == _decode.num_splits_heuristic(2, 1000, 32, torch.device("cpu"))
+    _decode.CONFIG_OVERRIDE["num_splits"] = 5
+    assert _decode.plan_decode(1, 8, 2, 64, fp16, 1, 1000, torch.device("cpu")).num_splits == 5
+    assert _decode.plan_decode(1, 8, 2, 64, fp16, 1, 1000, torch.device("cpu"), num_splits=2).num_splits == 2
+    _decode.CONFIG_OVERRIDE["page_tiles"] = False
+    assert not _decode.plan_decode(1, 8, 2, 64, fp16, 1, 1000, torch.device("cpu"), page_size=64).page_tiles
+
+
+@pytest.mark.parametrize("page,block_n,tiles", [(16, 16, True), (64, 16, True), (48, 16, True), (256, 32, True),
+                                               (16, 32, False), (24, 16, False), (8, 16, False), (0, 16, False)])
+def test_page_tiles_ok(page, block_n, tiles):
+    """The one-page-per-tile path is taken exactly when BLOCK_N divides the page size (0: contiguous)."""
+    assert _decode.page_tiles_ok(page, block_n) is tiles
+
+
+# Paged caches: the one-page-per-tile fast path (page_size % BLOCK_N == 0, per batch element leftpad % BLOCK_N
+# == 0) against the per-row gather and the contiguous cache, which read the same rows in the same order: the
+# outputs must be bitwise equal, and within the rule of the float64 reference. Left padding is set per batch
+# element to an aligned non-zero value, a misaligned value and 0, so that one launch runs both paths.
+PAGED_PATH_CASES = [
+    # page, BLOCK_N, dtype, leftpad, causal, window, num_splits, use_tma
+    (16, 16, fp16, False, False, (-1, -1), 1, False),    # page == tile
+    (64, 16, fp16, False, True, (-1, -1), 3, False),     # 4 tiles per page, splits
+    (48, 16, fp32, False, False, (40, 0), 2, False),     # page not a power of two; left window: lo > 0
+    (32, 16, fp16, True, False, (-1, -1), 3, False),     # leftpad: aligned / misaligned / 0 in one launch
+    (64, 32, fp32, True, True, (-1, -1), 1, False),
+    (16, 32, fp16, False, False, (-1, -1), 2, False),    # tile spans two pages: gather only
+    (24, 16, fp16, True, False, (-1, -1), 3, False),     # 16 does not divide 24: gather only
+    (8, 16, fp32, False, True, (-1, -1), 1, False),      # page smaller than the tile: gather only
+    (32, 16, fp16, False, False, (-1, -1), 3, True),     # TMA descriptors (emulated by the interpreter)
+    (64, 16, fp16, True, True, (-1, -1), 2, True),       # TMA + leftpad (misaligned elements: pointer gather)
+]
+
+
+@pytest.mark.parametrize("page,block_n,dtype,leftpad,causal,window,num_splits,use_tma", PAGED_PATH_CASES,
+                         ids=lambda v: str(v).replace("torch.", "").replace(" ", ""))
+def test_paged_fast_path_matches_gather_and_contiguous(page, block_n, dtype, leftpad, causal, window, num_splits,
+                                                       use_tma, seed, monkeypatch):
+    sq, h, hk, d, cap = 2, 4, 2, 32, 150
+    c = KCase(3, sq, h, hk, d, dtype, capacity=cap, causal=causal, window=window, page=page, leftpad=leftpad,
+              num_splits=num_splits)
+    gen = torch.Generator().manual_seed(seed)
+    q, k_log, v_log, _, _, _, _, _, _, alibi = make_problem(c, gen)
+    seqlens = torch.tensor([cap, 131, 77])
+    lp = torch.tensor([2 * block_n, 5, 0]) if leftpad else None       # aligned non-zero, misaligned, zero
+    k_cache, table, _ = physical_cache(c, k_log, torch.Generator().manual_seed(seed + 1))
+    v_cache, _, _ = physical_cache(c, v_log, torch.Generator().manual_seed(seed + 1))
+    kw = dict(cache_seqlens=seqlens.to(torch.int32).to(DEVICE), causal=causal, window_size=window,
+              cache_leftpad=None if lp is None else lp.to(torch.int32).to(DEVICE), num_splits=num_splits,
+              return_softmax_lse=True)
+    monkeypatch.setattr(_decode, "CONFIG_OVERRIDE", {"BLOCK_N": block_n, "use_tma": use_tma})
+    fast = flash_attn_with_kvcache(q, k_cache, v_cache, block_table=table, **kw)
+    contig = flash_attn_with_kvcache(q, k_log, v_log, **kw)
+    _decode.CONFIG_OVERRIDE["page_tiles"] = False
+    gather = flash_attn_with_kvcache(q, k_cache, v_cache, block_table=table, **kw)
+    _decode.CONFIG_OVERRIDE["page_tiles"] = True
+    assert _decode.page_tiles_ok(page, block_n) is (page % block_n == 0)
+    if use_tma:
+        assert _decode._cache_descriptor(k_cache, block_n, d) is not None, "the TMA path must be exercised"
+    for name, other in (("gather", gather), ("contiguous", contig)):
+        assert torch.equal(fast[0], other[0]) and torch.equal(fast[1], other[1]), \
+            f"paged (page {page}, BLOCK_N {block_n}) differs from the {name} result"
+    ref = reference(c, q, k_log.double(), v_log.double(), seqlens, lp, None, None, alibi, upcast=True)
+    std = reference(c, q, k_log, v_log, seqlens, lp, None, None, alibi, upcast=False)
+    assert_within_rule("out", fast[0], ref[0], std[0], dtype)
+    assert_within_rule("softmax_lse", fast[1], ref[1], std[1], dtype)
+
+
+def test_int_cache_seqlens_equals_tensor(seed):
+    """An int cache_seqlens (no append) goes to the kernel as a scalar; same result as the equivalent tensor."""
+    q = torch.randn(2, 1, 4, 32, dtype=fp16, device=DEVICE)
+    kc = torch.randn(2, 70, 2, 32, dtype=fp16, device=DEVICE)
+    vc = torch.randn(2, 70, 2, 32, dtype=fp16, device=DEVICE)
+    for n, ns in ((70, 3), (37, 2), (0, 1)):
+        a = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=n, num_splits=ns, return_softmax_lse=True)
+        b = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=torch.full((2,), n, dtype=torch.int32, device=DEVICE),
+                                    num_splits=ns, return_softmax_lse=True)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
 def test_empty_cache_gives_zero_output_and_neg_inf_lse(seed):
     q = torch.randn(2, 2, 2, 16, dtype=fp16, device=DEVICE)
     kc = torch.randn(2, 32, 1, 16, dtype=fp16, device=DEVICE)
@@ -342,6 +459,7 @@ BAD = [
     ("seqlens-shape", dict(cache_seqlens=_i32([3, 4, 5])), "cache_seqlens.shape"),
     ("seqlens-negative-int", dict(cache_seqlens=-1), "cache_seqlens"),
     ("seqlens-over-capacity", dict(cache_seqlens=_i32([3, 33])), "cache_seqlens"),
+    ("seqlens-int-over-capacity", dict(cache_seqlens=33), "cache_seqlens"),
     ("append-over-capacity", dict(cache_seqlens=_i32([3, 32]), k=torch.randn(2, 1, 2, 16, dtype=fp16, device=DEVICE),
                                   v=torch.randn(2, 1, 2, 16, dtype=fp16, device=DEVICE)), "cache_seqlens"),
     ("append-without-seqlens", dict(k=torch.randn(2, 1, 2, 16, dtype=fp16, device=DEVICE),

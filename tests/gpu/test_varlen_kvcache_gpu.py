@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
     pytest.skip("CUDA-only tests", allow_module_level=True)
 
 import flashtile  # noqa: E402,F401
-from test_kvcache import KCase, run_case  # noqa: E402
+from test_kvcache import KCase, make_problem, physical_cache, reference, run_case  # noqa: E402
 from test_varlen import (VCase, check_varlen, cu, packed_inputs, paged_from_packed,  # noqa: E402
                          varlen_reference)
 from attn_utils import assert_within_rule  # noqa: E402
@@ -71,6 +71,39 @@ def test_split_counts_agree_on_gpu(seed):
         o, l_ = flash_attn_with_kvcache(q, kc, vc, num_splits=n, return_softmax_lse=True)
         torch.testing.assert_close(o.float(), one[0].float(), rtol=0, atol=1.6e-2)   # one bf16 rounding apart
         torch.testing.assert_close(l_, one[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("block_n,warps,stages,use_tma", [(64, 4, 3, False), (64, 4, 3, True), (128, 8, 2, True),
+                                                       (32, 4, 4, False)])
+def test_decode_paths_and_configs_gpu(block_n, warps, stages, use_tma, seed, monkeypatch):
+    """Paged (page 256: one page per tile) vs the per-row gather vs the contiguous cache, bf16, with tile configs
+    of benchmarks/sweep_decode.py (TMA included), left padding aligned / misaligned / 0 in one launch."""
+    cap = 8192
+    c = KCase(3, 1, 32, 8, 128, bf16, capacity=cap, causal=True, page=256, leftpad=True, num_splits=4)
+    gen = torch.Generator().manual_seed(seed)
+    q, k_log, v_log, _, _, _, _, _, _, alibi = make_problem(c, gen)
+    seqlens = torch.tensor([cap, 5000, 777])
+    lp = torch.tensor([512, 37, 0])
+    k_cache, table, _ = physical_cache(c, k_log, torch.Generator().manual_seed(seed + 1))
+    v_cache, _, _ = physical_cache(c, v_log, torch.Generator().manual_seed(seed + 1))
+    kw = dict(cache_seqlens=seqlens.to(torch.int32).cuda(), cache_leftpad=lp.to(torch.int32).cuda(), causal=True,
+              return_softmax_lse=True)
+    monkeypatch.setattr(_decode, "CONFIG_OVERRIDE", dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages,
+                                                         use_tma=use_tma))
+    res = {}
+    for ns in (1, 4):
+        res["paged", ns] = flash_attn_with_kvcache(q, k_cache, v_cache, block_table=table, num_splits=ns, **kw)
+        res["contig", ns] = flash_attn_with_kvcache(q, k_log, v_log, num_splits=ns, **kw)
+        _decode.CONFIG_OVERRIDE["page_tiles"] = False
+        res["gather", ns] = flash_attn_with_kvcache(q, k_cache, v_cache, block_table=table, num_splits=ns, **kw)
+        _decode.CONFIG_OVERRIDE.pop("page_tiles")
+    ref = reference(c, q, k_log.double(), v_log.double(), seqlens, lp, None, None, alibi, upcast=True)
+    std = reference(c, q, k_log, v_log, seqlens, lp, None, None, alibi, upcast=False)
+    for key, (o, l_) in res.items():
+        assert_within_rule("out", o, ref[0], std[0], bf16, f"[{key}]")
+        assert_within_rule("softmax_lse", l_, ref[1], std[1], bf16, f"[{key}]")
+        torch.testing.assert_close(o.float(), res["paged", key[1]][0].float(), rtol=0, atol=2e-3)
+        torch.testing.assert_close(l_, res["paged", key[1]][1], rtol=1e-5, atol=1e-5)
 
 
 GPU_VARLEN_CASES = [

@@ -14,7 +14,7 @@ import triton.language as tl
 from .mods import merge_partial
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def combine_kernel(O_PART, LSE_PART, O, LSE,
                    stride_ps, stride_pm, stride_ph, stride_lps, stride_lpm,
                    stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h,

@@ -12,16 +12,33 @@ that is 4x less traffic than a per-query-head decode, and decode is bound by exa
 Each program runs the FA2 inner loop (Alg. 1 lines 6-10, the update itself is mods.online_softmax_step) over
 its split's keys. With one split it writes the final O and LSE; with several it writes a normalised partial
 O_s and its log2-sum-exp lse2_s, which combine.py merges (mods.merge_partial) into O and LSE. Splits let a
-decode step with few (batch x K/V heads) tiles still fill every multiprocessor.
+decode step with few (batch x K/V heads) tiles still fill every multiprocessor (num_splits_heuristic).
 
 Keys are addressed through the cache: key j (0-based, after left padding) of batch element b sits at cache
-position leftpad[b] + j, which is row (leftpad[b] + j) of cache batch row cache_batch_idx[b] (contiguous), or
-slot (pos % page_size) of page block_table[b, pos // page_size] (paged). Rows are gathered one by one, so a
-page may be any size (smaller or larger than BLOCK_N).
+position pos = leftpad[b] + j, which is row pos of cache batch row cache_batch_idx[b] (contiguous), or slot
+(pos % page_size) of page block_table[b, pos // page_size] (paged). Every key tile starts at a multiple of
+BLOCK_N after the left padding (key_range's bounds and the split boundaries are multiples of BLOCK_N), so a
+paged tile is addressed one of two ways:
+
+- one page per tile (PAGE_TILES): when BLOCK_N divides page_size and the tile's first position
+  leftpad + start_n is a multiple of BLOCK_N, the whole tile lies in one page: ONE block-table entry is loaded
+  per tile (a scalar) and the tile is BLOCK_N consecutive rows of that page, addressed (and, with USE_TMA,
+  copied) exactly like a contiguous cache's tile. The host turns this on when page_size % BLOCK_N == 0; with
+  cache_leftpad the kernel checks leftpad[b] % BLOCK_N per batch element and falls back to the gather for
+  the elements where it is not 0.
+- per-row gather (the general case): one block-table entry per key row, so a page may be any size (smaller
+  or larger than BLOCK_N) and a tile may straddle pages.
+
+Both ways read the same rows and do the same arithmetic in the same order: the output is bitwise the same.
+USE_TMA loads the K/V tiles through host-made TMA descriptors over the cache's 2-D view
+(rows = pages * page_size or batch_cache * capacity, nheads_k * headdim) instead of pointer loads (contiguous
+caches and one-page-per-tile paged caches only; rows past the keys are zeroed like the masked pointer loads).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -33,32 +50,78 @@ from . import combine as _combine
 from .launch import AttnParams, _block_d, _dot_precision, interpreting
 from .mods import key_range, load_rows, online_softmax_step, scores_log2, seq_bounds, visible
 
+try:  # host-side TMA descriptors (triton >= 3.4; the interpreter emulates them)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older triton
+    TensorDescriptor = None
+
 
 @triton.jit
-def _cache_slots(BT_ROW, pos, valid, page_size, PAGED: tl.constexpr, MASKED: tl.constexpr):
-    """(page, slot) int64 of cache positions pos (BLOCK_N,): contiguous caches have one 'page' (0)."""
+def _tile_rows(BT_ROW, cb, pos0, offs_n, valid, page_size, stride_kp, stride_kn, stride_vp, stride_vn,
+               MASKED: tl.constexpr, PAGED: tl.constexpr, PAGE_TILES: tl.constexpr):
+    """Where the key tile at cache positions pos0 + offs_n lives: (row, k_rows, v_rows).
+
+    k_rows / v_rows (BLOCK_N,) int64: element offsets of each row from K_head / V_head (pointer loads).
+    row: the tile's first row in the 2-D (dim0 * page_size, nheads_k * d) view the TMA descriptors cover
+    (paged one-page-per-tile: page * page_size + slot; contiguous: cb * capacity + pos0; page_size is
+    k_cache.shape[1] either way). Unused outputs are dead code."""
     if PAGED:
-        if MASKED:
-            page = tl.load(BT_ROW + pos // page_size, mask=valid, other=0)
+        if PAGE_TILES:
+            # the whole tile lies in one page: one block-table entry, BLOCK_N consecutive slots
+            page = tl.load(BT_ROW + pos0 // page_size)
+            slot0 = pos0 % page_size
+            row = page * page_size + slot0
+            base = page.to(tl.int64) * stride_kp
+            vbase = page.to(tl.int64) * stride_vp
+            slot = (slot0 + offs_n).to(tl.int64)
+            k_rows = base + slot * stride_kn
+            v_rows = vbase + slot * stride_vn
         else:
-            page = tl.load(BT_ROW + pos // page_size)
-        return page.to(tl.int64), (pos % page_size).to(tl.int64)
+            # general gather: one block-table entry per row (rows past the keys read entry 0, never used)
+            pos = pos0 + offs_n
+            if MASKED:
+                page = tl.load(BT_ROW + pos // page_size, mask=valid, other=0).to(tl.int64)
+            else:
+                page = tl.load(BT_ROW + pos // page_size).to(tl.int64)
+            slot = (pos % page_size).to(tl.int64)
+            row = pos0
+            k_rows = page * stride_kp + slot * stride_kn
+            v_rows = page * stride_vp + slot * stride_vn
     else:
-        return tl.zeros_like(pos).to(tl.int64), pos.to(tl.int64)
+        row = cb * page_size + pos0
+        slot = (pos0 + offs_n).to(tl.int64)
+        k_rows = slot * stride_kn
+        v_rows = slot * stride_vn
+    return row, k_rows, v_rows
 
 
 @triton.jit
-def _decode_tile(acc, l_i, m_i, q, K_head, V_head, BT_ROW, start_n, offs_n, offs_d, qi, leftpad,
-                 seqlen_q, seqlen_k, stride_kp, stride_kn, stride_vp, stride_vn, page_size, head_dim,
+def _load_kv(desc, HEAD, rows, row, head_col, valid, offs_d, head_dim,
+             MASKED: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr):
+    """A (BLOCK_N, BLOCK_D) K or V tile; rows past the keys (masked tiles only) and columns past the head dim
+    read as 0. USE_TMA: one bulk copy of BLOCK_N rows at (row, head_col) of the descriptor's 2-D view."""
+    if USE_TMA:
+        t = desc.load([row, head_col])
+        if MASKED:
+            t = tl.where(valid[:, None], t, 0.0)
+    else:
+        t = load_rows(HEAD + rows[:, None] + offs_d[None, :], valid, offs_d, head_dim, MASKED, EVEN_D)
+    return t
+
+
+@triton.jit
+def _decode_tile(acc, l_i, m_i, q, K_head, V_head, desc_k, desc_v, BT_ROW, cb, head_col, start_n, offs_n, offs_d,
+                 qi, leftpad, seqlen_q, seqlen_k, stride_kp, stride_kn, stride_vp, stride_vn, page_size, head_dim,
                  score_scale, softcap_log2, slope2, window_left, window_right,
-                 MASKED: tl.constexpr, EVEN_D: tl.constexpr, PAGED: tl.constexpr, HAS_LEFT: tl.constexpr,
-                 HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DOT_PREC: tl.constexpr):
+                 MASKED: tl.constexpr, EVEN_D: tl.constexpr, PAGED: tl.constexpr, PAGE_TILES: tl.constexpr,
+                 USE_TMA: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+                 ALIBI: tl.constexpr, DOT_PREC: tl.constexpr):
     """One step j of the inner loop (FA2 Alg. 1 lines 7-10) for the key block starting at start_n."""
     cols = start_n + offs_n                      # key index within the sequence (after left padding)
     valid = cols < seqlen_k
-    page, slot = _cache_slots(BT_ROW, leftpad + cols, valid, page_size, PAGED, MASKED)
-    k = load_rows(K_head + (page * stride_kp + slot * stride_kn)[:, None] + offs_d[None, :], valid, offs_d,
-                   head_dim, MASKED, EVEN_D)
+    row, k_rows, v_rows = _tile_rows(BT_ROW, cb, leftpad + start_n, offs_n, valid, page_size, stride_kp, stride_kn,
+                                     stride_vp, stride_vn, MASKED, PAGED, PAGE_TILES)
+    k = _load_kv(desc_k, K_head, k_rows, row, head_col, valid, offs_d, head_dim, MASKED, EVEN_D, USE_TMA)
     # Alg. 1 line 8: S = Q K_j^T, scaled / soft-capped / ALiBi-biased, in log2 units
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
     s, _ = scores_log2(qk, qi[:, None], cols[None, :], seqlen_q, seqlen_k, score_scale, softcap_log2, slope2,
@@ -68,8 +131,7 @@ def _decode_tile(acc, l_i, m_i, q, K_head, V_head, BT_ROW, start_n, offs_n, offs
                              HAS_LEFT, HAS_RIGHT), s, float("-inf"))
     # Alg. 1 line 9: running max m_i, P~ = exp2(S - m_i), running sum l_i
     m_i, p, alpha, l_i = online_softmax_step(m_i, l_i, s, MASKED)
-    v = load_rows(V_head + (page * stride_vp + slot * stride_vn)[:, None] + offs_d[None, :], valid, offs_d,
-                   head_dim, MASKED, EVEN_D)
+    v = _load_kv(desc_v, V_head, v_rows, row, head_col, valid, offs_d, head_dim, MASKED, EVEN_D, USE_TMA)
     # Alg. 1 line 10: O~ = diag(alpha) O~ + P~ V_j
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
@@ -77,17 +139,47 @@ def _decode_tile(acc, l_i, m_i, q, K_head, V_head, BT_ROW, start_n, offs_n, offs
 
 
 @triton.jit
+def _attend_split(acc, l_i, m_i, q, K_head, V_head, desc_k, desc_v, BT_ROW, cb, head_col, s_lo, f_lo, f_hi, s_hi,
+                  offs_n, offs_d, qi, leftpad, seqlen_q, seqlen_k, stride_kp, stride_kn, stride_vp, stride_vn,
+                  page_size, head_dim, score_scale, softcap_log2, slope2, window_left, window_right,
+                  BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, PAGED: tl.constexpr, PAGE_TILES: tl.constexpr,
+                  USE_TMA: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+                  ALIBI: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Alg. 1 line 6: the split's key blocks, [s_lo, f_lo) masked | [f_lo, f_hi) unmasked | [f_hi, s_hi) masked."""
+    for start_n in range(s_lo, f_lo, BLOCK_N):
+        acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, K_head, V_head, desc_k, desc_v, BT_ROW, cb, head_col, start_n,
+                                     offs_n, offs_d, qi, leftpad, seqlen_q, seqlen_k, stride_kp, stride_kn, stride_vp,
+                                     stride_vn, page_size, head_dim, score_scale, softcap_log2, slope2, window_left,
+                                     window_right, True, EVEN_D, PAGED, PAGE_TILES, USE_TMA, HAS_LEFT, HAS_RIGHT,
+                                     SOFTCAP, ALIBI, DOT_PREC)
+    for start_n in range(f_lo, f_hi, BLOCK_N):
+        acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, K_head, V_head, desc_k, desc_v, BT_ROW, cb, head_col, start_n,
+                                     offs_n, offs_d, qi, leftpad, seqlen_q, seqlen_k, stride_kp, stride_kn, stride_vp,
+                                     stride_vn, page_size, head_dim, score_scale, softcap_log2, slope2, window_left,
+                                     window_right, False, EVEN_D, PAGED, PAGE_TILES, USE_TMA, HAS_LEFT, HAS_RIGHT,
+                                     SOFTCAP, ALIBI, DOT_PREC)
+    for start_n in range(f_hi, s_hi, BLOCK_N):
+        acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, K_head, V_head, desc_k, desc_v, BT_ROW, cb, head_col, start_n,
+                                     offs_n, offs_d, qi, leftpad, seqlen_q, seqlen_k, stride_kp, stride_kn, stride_vp,
+                                     stride_vn, page_size, head_dim, score_scale, softcap_log2, slope2, window_left,
+                                     window_right, True, EVEN_D, PAGED, PAGE_TILES, USE_TMA, HAS_LEFT, HAS_RIGHT,
+                                     SOFTCAP, ALIBI, DOT_PREC)
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=["num_splits", "seqlen_k_static"])
 def decode_kernel(
-    Q, K, V, O, LSE, O_PART, LSE_PART,
+    Q, K, V, O, LSE, O_PART, LSE_PART, desc_k, desc_v,
     CU_SEQLENS_Q, SEQLENS_K, CACHE_BATCH_IDX, LEFTPAD, BLOCK_TABLE, ALIBI_SLOPES,
     stride_qb, stride_qm, stride_qh, stride_kp, stride_kn, stride_kh, stride_vp, stride_vn, stride_vh,
     stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h,
     stride_ps, stride_pm, stride_ph, stride_lps, stride_lpm,
     stride_bt_b, stride_alibi_b,
-    nheads_k, group_size, seqlen_q_static, head_dim, page_size,
+    nheads_k, group_size, seqlen_q_static, seqlen_k_static, head_dim, page_size,
     score_scale, softcap_log2, window_left, window_right, num_splits,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-    IS_VARLEN_Q: tl.constexpr, PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
+    IS_VARLEN_Q: tl.constexpr, PAGED: tl.constexpr, PAGE_TILES: tl.constexpr, USE_TMA: tl.constexpr,
+    HAS_SEQLENS: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
@@ -103,12 +195,16 @@ def decode_kernel(
     leftpad = 0
     if HAS_LEFTPAD:
         leftpad = tl.load(LEFTPAD + b)
-    seqlen_k = tl.load(SEQLENS_K + b) - leftpad   # visible keys: cache positions [leftpad, seqlens_k[b])
+    # visible keys: cache positions [leftpad, seqlens_k[b]) (or [leftpad, seqlen_k_static) for every b)
+    if HAS_SEQLENS:
+        seqlen_k = tl.load(SEQLENS_K + b) - leftpad
+    else:
+        seqlen_k = seqlen_k_static - leftpad
+    cb = b
     if PAGED:
         kv_off = tl.cast(hk, tl.int64) * stride_kh
         vv_off = tl.cast(hk, tl.int64) * stride_vh
     else:
-        cb = b
         if HAS_BATCH_IDX:
             cb = tl.load(CACHE_BATCH_IDX + b)
         kv_off = tl.cast(cb, tl.int64) * stride_kp + tl.cast(hk, tl.int64) * stride_kh
@@ -116,6 +212,7 @@ def decode_kernel(
     K_head = K + kv_off
     V_head = V + vv_off
     BT_ROW = BLOCK_TABLE + tl.cast(b, tl.int64) * stride_bt_b
+    head_col = hk * BLOCK_D   # column of this K/V head in the TMA descriptors' 2-D view (BLOCK_D == head_dim)
 
     # GQA packing: tile row r is query qi = r // group of head h = hk * group + r % group
     offs_r = start_r + tl.arange(0, BLOCK_M)
@@ -143,7 +240,9 @@ def decode_kernel(
     _, full_lo, _, hi = key_range(i_hi, seqlen_q, seqlen_k, window_left, window_right, 1, BLOCK_N,
                                   HAS_LEFT, HAS_RIGHT)
     hi = tl.maximum(hi, lo)
-    # this split's share of the visible key blocks (flash-decoding)
+    # this split's share of the visible key blocks (flash-decoding). Every tile the loops below visit starts
+    # at a multiple of BLOCK_N (lo, full_lo, full_hi and the split bounds are; a bound clamped to hi only ever
+    # ends a loop), which is what lets a paged tile lie in one page.
     blocks_per_split = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), num_splits)
     s_lo = tl.minimum(lo + split * blocks_per_split * BLOCK_N, hi)
     s_hi = tl.minimum(s_lo + blocks_per_split * BLOCK_N, hi)
@@ -154,22 +253,27 @@ def decode_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    # Alg. 1 line 6: for each key block of the split
-    for start_n in range(s_lo, f_lo, BLOCK_N):
-        acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, K_head, V_head, BT_ROW, start_n, offs_n, offs_d, qi, leftpad,
-                                     seqlen_q, seqlen_k, stride_kp, stride_kn, stride_vp, stride_vn, page_size,
-                                     head_dim, score_scale, softcap_log2, slope2, window_left, window_right,
-                                     True, EVEN_D, PAGED, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DOT_PREC)
-    for start_n in range(f_lo, f_hi, BLOCK_N):
-        acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, K_head, V_head, BT_ROW, start_n, offs_n, offs_d, qi, leftpad,
-                                     seqlen_q, seqlen_k, stride_kp, stride_kn, stride_vp, stride_vn, page_size,
-                                     head_dim, score_scale, softcap_log2, slope2, window_left, window_right,
-                                     False, EVEN_D, PAGED, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DOT_PREC)
-    for start_n in range(f_hi, s_hi, BLOCK_N):
-        acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, K_head, V_head, BT_ROW, start_n, offs_n, offs_d, qi, leftpad,
-                                     seqlen_q, seqlen_k, stride_kp, stride_kn, stride_vp, stride_vn, page_size,
-                                     head_dim, score_scale, softcap_log2, slope2, window_left, window_right,
-                                     True, EVEN_D, PAGED, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DOT_PREC)
+    if PAGE_TILES and HAS_LEFTPAD:
+        # a tile starts at cache position leftpad + (multiple of BLOCK_N): in one page iff leftpad is aligned
+        if leftpad % BLOCK_N == 0:
+            acc, l_i, m_i = _attend_split(acc, l_i, m_i, q, K_head, V_head, desc_k, desc_v, BT_ROW, cb, head_col,
+                                          s_lo, f_lo, f_hi, s_hi, offs_n, offs_d, qi, leftpad, seqlen_q, seqlen_k,
+                                          stride_kp, stride_kn, stride_vp, stride_vn, page_size, head_dim,
+                                          score_scale, softcap_log2, slope2, window_left, window_right, BLOCK_N,
+                                          EVEN_D, PAGED, True, USE_TMA, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DOT_PREC)
+        else:
+            acc, l_i, m_i = _attend_split(acc, l_i, m_i, q, K_head, V_head, desc_k, desc_v, BT_ROW, cb, head_col,
+                                          s_lo, f_lo, f_hi, s_hi, offs_n, offs_d, qi, leftpad, seqlen_q, seqlen_k,
+                                          stride_kp, stride_kn, stride_vp, stride_vn, page_size, head_dim,
+                                          score_scale, softcap_log2, slope2, window_left, window_right, BLOCK_N,
+                                          EVEN_D, PAGED, False, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DOT_PREC)
+    else:
+        acc, l_i, m_i = _attend_split(acc, l_i, m_i, q, K_head, V_head, desc_k, desc_v, BT_ROW, cb, head_col,
+                                      s_lo, f_lo, f_hi, s_hi, offs_n, offs_d, qi, leftpad, seqlen_q, seqlen_k,
+                                      stride_kp, stride_kn, stride_vp, stride_vn, page_size, head_dim,
+                                      score_scale, softcap_log2, slope2, window_left, window_right, BLOCK_N,
+                                      EVEN_D, PAGED, PAGE_TILES, USE_TMA, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
+                                      DOT_PREC)
 
     # Alg. 1 lines 12-13: O = O~ / l, lse2 = m + log2 l; a row that saw no key: O = 0, lse = -inf
     empty = l_i == 0.0
@@ -204,42 +308,168 @@ class DecodeConfig:
     BLOCK_N: int
     num_warps: int
     num_stages: int
+    use_tma: bool = False   # K/V tiles by TMA where the layout allows it (else pointer loads)
 
 
-# Benchmarks and tuning sweeps pin a config here (a DecodeConfig under "decode"); empty in normal use.
+# Benchmarks and tuning sweeps pin the decode launch here; empty in normal use. Keys:
+#   "decode": a full DecodeConfig (replaces the default, BLOCK_M included);
+#   "BLOCK_M" / "BLOCK_N" / "num_warps" / "num_stages" / "use_tma": replace that field of the default (or of
+#       "decode"), e.g. {"BLOCK_N": 128, "num_warps": 8, "num_stages": 2};
+#   "num_splits": an int used wherever the caller leaves the choice to num_splits_heuristic (num_splits=0);
+#   "page_tiles": False disables the one-page-per-tile paged path (every paged tile then uses the row gather).
 CONFIG_OVERRIDE: dict = {}
+_CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(DecodeConfig))
+
 MAX_SPLITS = 128
+# num_splits_heuristic's knobs (see its docstring)
+TARGET_WAVES = 2.0            # aim for >= this many programs per multiprocessor ...
+WAVE_SLACK = 0.9              # ... give or take this factor
+MIN_BLOCKS_PER_SPLIT = 4      # never fewer key blocks per split than this
 
 
-def decode_config(rows: int, head_dim: int, dtype: torch.dtype) -> DecodeConfig:
+def default_decode_config(rows: int, head_dim: int, dtype: torch.dtype) -> DecodeConfig:
     """rows = seqlen_q * group (the packed M extent). tl.dot needs M >= 16; beyond 64 rows the tile is
     split over several programs. Interpreter: small tiles so that the CPU tests cross many tile edges."""
-    if "decode" in CONFIG_OVERRIDE:
-        return CONFIG_OVERRIDE["decode"]
     block_m = min(64, max(16, triton.next_power_of_2(rows)))
     if interpreting():
         return DecodeConfig(min(block_m, 16), 16, 4, 1)
     bd = _block_d(head_dim)
+    if bd <= 128 and dtype != torch.float32:
+        # benchmarks/sweep_decode.py on an H200 (bf16, hd128, batch 1-64, cache 4k-128k, contiguous and page
+        # 256): 128-key tiles through TMA, 2 stages, were within 2% of each point's best tile on average (0.5%
+        # paged) and 13-30% faster than the former 64/4/3 at batch 64 (results/h200-2026-11-21/sweep_decode.md)
+        return DecodeConfig(block_m, 128, 4, 2, use_tma=True)
     if bd <= 128:
-        return DecodeConfig(block_m, 64 if dtype != torch.float32 else 32, 4, 3)
+        return DecodeConfig(block_m, 32, 4, 3)
     return DecodeConfig(block_m, 32, 4, 2)
 
 
+def decode_config(rows: int, head_dim: int, dtype: torch.dtype) -> DecodeConfig:
+    """The launch config: default_decode_config, then CONFIG_OVERRIDE ("decode", then single fields)."""
+    cfg = CONFIG_OVERRIDE.get("decode") or default_decode_config(rows, head_dim, dtype)
+    fields = {k: CONFIG_OVERRIDE[k] for k in _CONFIG_FIELDS if k in CONFIG_OVERRIDE}
+    return dataclasses.replace(cfg, **fields) if fields else cfg
+
+
 @functools.lru_cache(maxsize=None)
-def _multiprocessors(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+def _device_props(device_index: int):
+    p = torch.cuda.get_device_properties(device_index)
+    return p.multi_processor_count, p.major
 
 
-def num_splits_heuristic(tiles: int, max_seqlen_k: int, block_n: int, device: torch.device) -> int:
-    """How many splits of the keys so that tiles * splits programs fill the GPU (about two programs per
-    multiprocessor), while each split keeps at least 4 key blocks (a shorter split costs more in launch,
-    partial writes and combine than it gains). On the CPU a small count, so the tests exercise the combine."""
-    sms = _multiprocessors(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else 8
-    if tiles >= 0.8 * sms:
-        return 1
+def multiprocessors(device: torch.device) -> int:
+    """SM count of a CUDA device; 8 on the CPU (so that the interpreter tests exercise splitting)."""
+    if device.type != "cuda":
+        return 8
+    return _device_props(device.index if device.index is not None else torch.cuda.current_device())[0]
+
+
+def num_splits_heuristic(tiles: int, max_seqlen_k: int, block_n: int, device: torch.device,
+                         sms: Optional[int] = None) -> int:
+    """Number of key splits for `tiles` = m_blocks * batch * nheads_k programs per split over up to
+    max_seqlen_k keys in blocks of block_n, on a GPU with `sms` multiprocessors (default: the device's).
+
+    Decode is bound by reading K/V, and a multiprocessor reads at full speed only with several programs'
+    loads in flight, so the rule is:
+
+    1. Target: at least TARGET_WAVES (2) waves, i.e. tiles * splits >= 2 * SMs programs (WAVE_SLACK 0.9:
+       1.8 waves count as reached). Problems whose tiles reach it alone are not split (1).
+    2. Each split keeps >= MIN_BLOCKS_PER_SPLIT (4) key blocks (shorter splits cost more in per-program
+       set-up, partial-output writes and combine work than they gain), and at most MAX_SPLITS.
+    3. Only split counts that the kernel's division really produces are candidates: blocks_per_split =
+       cdiv(n_blocks, s) must give exactly s non-empty splits (s = 33 over 512 blocks gives 32 splits of 16
+       and an empty 33rd program, so 33 is not a candidate).
+    4. If no candidate reaches the target, the largest candidate (as many programs as rule 2 allows).
+       Otherwise, among the candidates from the smallest s0 that reaches the target up to 1.5 * s0, the one
+       whose last wave is fullest (wave efficiency waves / ceil(waves), waves = tiles * s / SMs), the
+       smallest s among those within 0.02 of the best.
+
+    H200 (132 SMs), nheads_k 8, BLOCK_N 64, seqlen_q 1: batch 1 -> 16 / 32 / 33 splits at 4k / 32k / 128k
+    keys, batch 8 -> 4, batch >= 32 -> 1.
+    """
+    if sms is None:
+        sms = multiprocessors(device)
     n_blocks = triton.cdiv(max(max_seqlen_k, 1), block_n)
-    return max(1, min(triton.cdiv(2 * sms, tiles), n_blocks // 4, MAX_SPLITS))
+    limit = max(1, min(MAX_SPLITS, n_blocks // MIN_BLOCKS_PER_SPLIT))
+    need = WAVE_SLACK * TARGET_WAVES * sms
+    if tiles <= 0 or tiles >= need or limit == 1:
+        return 1
+    cands = [s for s in range(2, limit + 1) if triton.cdiv(n_blocks, triton.cdiv(n_blocks, s)) == s]
+    if not cands:
+        return 1
+    reach = [s for s in cands if tiles * s >= need]
+    if not reach:
+        return cands[-1]
+    window = [s for s in reach if s <= 1.5 * reach[0]]
+
+    def wave_efficiency(s):
+        waves = tiles * s / sms
+        return waves / math.ceil(waves)
+    best = max(wave_efficiency(s) for s in window)
+    return min(s for s in window if wave_efficiency(s) >= best - 0.02)
+
+
+def page_tiles_ok(page_size: int, block_n: int) -> bool:
+    """Whether a paged cache can take the one-page-per-tile path: BLOCK_N divides the page size (then every
+    tile that starts at a BLOCK_N-aligned position lies in one page)."""
+    return page_size > 0 and page_size % block_n == 0 and CONFIG_OVERRIDE.get("page_tiles", True) is not False
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """What flash_decode launches for a problem (also for sweeps and reports)."""
+    cfg: DecodeConfig
+    m_blocks: int
+    num_splits: int
+    page_tiles: bool     # paged cache through the one-page-per-tile path (else the per-row gather)
+
+
+def plan_decode(seqlen_q: int, nheads: int, nheads_k: int, head_dim: int, dtype: torch.dtype, batch: int,
+                max_seqlen_k: int, device: torch.device, *, page_size: int = 0, num_splits: int = 0) -> DecodePlan:
+    """The config, split count (num_splits <= 0: CONFIG_OVERRIDE["num_splits"] or num_splits_heuristic) and
+    paged path flash_decode uses. page_size 0: contiguous cache."""
+    group = nheads // nheads_k
+    cfg = decode_config(seqlen_q * group, head_dim, dtype)
+    if (page_size and "BLOCK_N" not in CONFIG_OVERRIDE and "decode" not in CONFIG_OVERRIDE
+            and not page_tiles_ok(page_size, cfg.BLOCK_N) and page_size >= 16 and page_size & (page_size - 1) == 0):
+        # small power-of-two pages: shrink the key tile to one page so each tile stays inside a page (one
+        # block-table read, contiguous rows) rather than gathering rows one by one
+        cfg = dataclasses.replace(cfg, BLOCK_N=min(cfg.BLOCK_N, page_size))
+    m_blocks = triton.cdiv(max(seqlen_q * group, 1), cfg.BLOCK_M)
+    if num_splits <= 0:
+        num_splits = int(CONFIG_OVERRIDE.get("num_splits", 0))
+    if num_splits <= 0:
+        num_splits = num_splits_heuristic(m_blocks * batch * nheads_k, max_seqlen_k, cfg.BLOCK_N, device)
+    num_splits = max(1, min(int(num_splits), MAX_SPLITS, triton.cdiv(max(max_seqlen_k, 1), cfg.BLOCK_N)))
+    return DecodePlan(cfg, m_blocks, num_splits, page_tiles_ok(page_size, cfg.BLOCK_N))
+
+
+def _cache_descriptor(t: torch.Tensor, block_n: int, block_d: int):
+    """A TMA descriptor over the 2-D view (t.shape[0] * t.shape[1], nheads_k * headdim) of a cache
+    (batch_cache, capacity, nheads_k, d) or (num_pages, page_size, nheads_k, d), for tiles of (block_n rows,
+    one head). None where the kernel must use pointer loads: not a Hopper-or-newer GPU, headdim not a power of
+    two >= 16 (the tile would read the next head's columns), a layout that is not such a view, strides / base
+    not 16-byte aligned, or more rows than int32 coordinates reach."""
+    if TensorDescriptor is None or t.numel() == 0:
+        return None
+    if t.device.type == "cuda":
+        if _device_props(t.device.index if t.device.index is not None else torch.cuda.current_device())[1] < 9:
+            return None
+    elif not interpreting():
+        return None
+    _, _, nheads_k, head_dim = t.shape
+    if block_d != head_dim or t.stride(3) != 1 or t.stride(2) != head_dim:
+        return None
+    row_stride = t.stride(1)
+    if row_stride < nheads_k * head_dim or (t.shape[0] > 1 and t.stride(0) != t.shape[1] * row_stride):
+        return None
+    if t.data_ptr() % 16 or (row_stride * t.element_size()) % 16:
+        return None
+    rows = t.shape[0] * t.shape[1]
+    if rows + block_n >= 2 ** 31:
+        return None
+    view = t.as_strided((rows, nheads_k * head_dim), (row_stride, 1))
+    return TensorDescriptor(view, [rows, nheads_k * head_dim], [row_stride, 1], [block_n, block_d])
 
 
 def _rows3(t: torch.Tensor):
@@ -250,18 +480,20 @@ def _rows3(t: torch.Tensor):
 
 
 def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor, seqlens_k: torch.Tensor, params: AttnParams, *,
+                 lse: torch.Tensor, seqlens_k: Optional[torch.Tensor], params: AttnParams, *,
                  cu_seqlens_q: Optional[torch.Tensor] = None, max_seqlen_q: Optional[int] = None,
                  cache_batch_idx: Optional[torch.Tensor] = None, leftpad: Optional[torch.Tensor] = None,
                  block_table: Optional[torch.Tensor] = None, alibi: Optional[torch.Tensor] = None,
-                 num_splits: int = 0, max_seqlen_k: Optional[int] = None) -> int:
+                 num_splits: int = 0, max_seqlen_k: Optional[int] = None,
+                 seqlen_k_static: Optional[int] = None) -> int:
     """out[...] = attention of q over the cache; lse[...] its natural-log LSE (-inf for rows with no key).
 
     q / out: (batch, seqlen_q, nheads, d), or packed (total_q, nheads, d) with cu_seqlens_q / max_seqlen_q.
     lse: (batch, nheads, seqlen_q) or (nheads, total_q) float32.
     k_cache / v_cache: (batch_cache, capacity, nheads_k, d), or (num_blocks, page_size, nheads_k, d) with
     block_table (batch, max_blocks) int32. seqlens_k (batch,) int32: batch element b sees cache positions
-    [leftpad[b], seqlens_k[b]). cache_batch_idx (batch,) int32: cache row of each batch element.
+    [leftpad[b], seqlens_k[b]); or seqlens_k None and seqlen_k_static: the same end position for every batch
+    element (no tensor, no kernel to fill one). cache_batch_idx (batch,) int32: cache row of each batch element.
     Inputs are already validated. Returns the number of splits used.
     """
     varlen = cu_seqlens_q is not None
@@ -272,19 +504,27 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     nheads_k = k_cache.shape[-2]
     group = nheads // nheads_k
     paged = block_table is not None
-    page_size = k_cache.shape[1] if paged else 1
+    has_seqlens = seqlens_k is not None
+    if not has_seqlens and seqlen_k_static is None:
+        raise ValueError("flash_decode: seqlens_k or seqlen_k_static is required")
+    page_size = k_cache.shape[1] if paged else 0
     if max_seqlen_k is None:
         max_seqlen_k = block_table.shape[1] * page_size if paged else k_cache.shape[1]
-    cfg = decode_config(sq * group, head_dim, q.dtype)
-    m_blocks = triton.cdiv(max(sq * group, 1), cfg.BLOCK_M)
-    if num_splits <= 0:
-        num_splits = num_splits_heuristic(m_blocks * batch * nheads_k, max_seqlen_k, cfg.BLOCK_N, q.device)
-    num_splits = max(1, min(int(num_splits), MAX_SPLITS, triton.cdiv(max(max_seqlen_k, 1), cfg.BLOCK_N)))
+    plan = plan_decode(sq, nheads, nheads_k, head_dim, q.dtype, batch, max_seqlen_k, q.device,
+                       page_size=page_size, num_splits=num_splits)
+    cfg, num_splits = plan.cfg, plan.num_splits
     if batch == 0 or total_rows == 0:
         return num_splits
     split = num_splits > 1
     score_scale, softcap_log2 = params.score_args()
     block_d = _block_d(head_dim)
+    desc_k = desc_v = None
+    if cfg.use_tma and (not paged or plan.page_tiles):
+        desc_k = _cache_descriptor(k_cache, cfg.BLOCK_N, block_d)
+        desc_v = _cache_descriptor(v_cache, cfg.BLOCK_N, block_d) if desc_k is not None else None
+        if desc_v is None:
+            desc_k = None
+    use_tma = desc_k is not None
     if split:
         o_part = torch.empty(num_splits, total_rows, nheads, head_dim, device=q.device, dtype=torch.float32)
         lse_part = torch.empty(num_splits, total_rows, nheads, device=q.device, dtype=torch.float32)
@@ -292,11 +532,12 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         o_part = torch.empty(1, 1, 1, 1, device=q.device, dtype=torch.float32)
         lse_part = torch.empty(1, 1, 1, device=q.device, dtype=torch.float32)
     lse_sb, lse_sh = (lse.stride(0), lse.stride(1)) if lse.dim() == 3 else (0, lse.stride(0))
-    dummy_i32 = seqlens_k  # stands in for absent int32 pointers (never dereferenced: flags are off)
-    grid = (m_blocks, batch * nheads_k, num_splits)
+    # stands in for absent int32 pointers (never dereferenced: their flags are off)
+    dummy_i32 = seqlens_k if has_seqlens else torch.empty(1, device=q.device, dtype=torch.int32)
+    grid = (plan.m_blocks, batch * nheads_k, num_splits)
     decode_kernel[grid](
-        q, k_cache, v_cache, out, lse, o_part, lse_part,
-        cu_seqlens_q if varlen else dummy_i32, seqlens_k,
+        q, k_cache, v_cache, out, lse, o_part, lse_part, desc_k, desc_v,
+        cu_seqlens_q if varlen else dummy_i32, dummy_i32,
         cache_batch_idx if cache_batch_idx is not None else dummy_i32,
         leftpad if leftpad is not None else dummy_i32,
         block_table if paged else dummy_i32, alibi,
@@ -306,10 +547,11 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
         block_table.stride(0) if paged else 0,
         0 if alibi is None or alibi.dim() == 1 else alibi.stride(0),
-        nheads_k, group, sq, head_dim, page_size,
+        nheads_k, group, sq, 0 if has_seqlens else int(seqlen_k_static), head_dim, k_cache.shape[1],
         score_scale, softcap_log2, params.window_left, params.window_right, num_splits,
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_D=block_d, EVEN_D=block_d == head_dim,
-        IS_VARLEN_Q=varlen, PAGED=paged, HAS_BATCH_IDX=cache_batch_idx is not None,
+        IS_VARLEN_Q=varlen, PAGED=paged, PAGE_TILES=paged and plan.page_tiles, USE_TMA=use_tma,
+        HAS_SEQLENS=has_seqlens, HAS_BATCH_IDX=cache_batch_idx is not None,
         HAS_LEFTPAD=leftpad is not None, HAS_LEFT=params.window_left >= 0, HAS_RIGHT=params.window_right >= 0,
         SOFTCAP=params.softcap > 0, ALIBI=alibi is not None, SPLIT=split, DOT_PREC=_dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
