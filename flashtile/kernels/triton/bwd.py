@@ -89,6 +89,9 @@ def _dkdv_tile(dk, dv, k, v, desc_q, desc_do, q_blk, do_blk, dq_blk, lse_blk, de
     keep = None
     if DROPOUT:
         keep = dropout_keep(seed, rng_offset, rng_base, i, j, rng_stride_m, dropout_p)
+    if COMPUTE_DK:
+        # issued before the dV product, the order the single-launch kernel was tuned with
+        dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)     # (dO_i V_j^T)^T
     if COMPUTE_DV:
         # Alg. 2 line 12 (FA1 Alg. 4 lines 13-16 with dropout): dV_j += (P o Z / (1-p))^T dO_i
         if DROPOUT:
@@ -97,7 +100,7 @@ def _dkdv_tile(dk, dv, k, v, desc_q, desc_do, q_blk, do_blk, dq_blk, lse_blk, de
             pdt = pt
         dv = tl.dot(pdt.to(do.dtype), do, dv, input_precision=DOT_PREC)
     if COMPUTE_DK:
-        dk = _dk_step(dk, pt, v, do, qt, k, delta, st_in, t, keep, b, h, i, j, offs_m, offs_m_rel, offs_d, dq_blk,
+        dk = _dk_step(dk, pt, dpt, qt, k, delta, st_in, t, keep, b, h, i, j, offs_m, offs_m_rel, offs_d, dq_blk,
                       stride_dqm, seqlen_q, seqlen_k, head_dim, sm_scale, dropout_p, dbias_bh, stride_dbias_m,
                       stride_dbias_n, score_aux, score_aux_grad, MASKED, EVEN_D, SOFTCAP, DROPOUT, DOT_PREC,
                       ATOMIC_DQ, HAS_DBIAS, DBIAS_ATOMIC, SCORE_MOD, SCORE_GRAD, SCORE_CAPTURED_GRAD)
@@ -105,15 +108,14 @@ def _dkdv_tile(dk, dv, k, v, desc_q, desc_do, q_blk, do_blk, dq_blk, lse_blk, de
 
 
 @triton.jit
-def _dk_step(dk, pt, v, do, qt, k, delta, st_in, t, keep, b, h, i, j, offs_m, offs_m_rel, offs_d, dq_blk,
+def _dk_step(dk, pt, dpt, qt, k, delta, st_in, t, keep, b, h, i, j, offs_m, offs_m_rel, offs_d, dq_blk,
              stride_dqm, seqlen_q, seqlen_k, head_dim, sm_scale, dropout_p, dbias_bh, stride_dbias_m,
              stride_dbias_n, score_aux, score_aux_grad, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
              SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr, ATOMIC_DQ: tl.constexpr,
              HAS_DBIAS: tl.constexpr, DBIAS_ATOMIC: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr,
              SCORE_CAPTURED_GRAD: tl.constexpr):
-    """Alg. 2 lines 13-16 of one tile (transposed): dP^T, dS^T, dK_j += dS^T Q_i (and the atomic dQ_i, dBias
-    and score_mod-captured gradients, which all need dS)."""
-    dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)     # (dO_i V_j^T)^T
+    """Alg. 2 lines 13-16 of one tile (transposed), given dP^T: dS^T, dK_j += dS^T Q_i (and the atomic dQ_i,
+    dBias and score_mod-captured gradients, which all need dS)."""
     if DROPOUT:
         dpt = tl.where(keep, dpt, 0.0) * (1.0 / (1.0 - dropout_p))
     # Alg. 2 line 14: dS_ij = P_ij o (dP_ij - D_i); softcap multiplies by d(cap tanh(x))/dx = 1 - tanh^2
