@@ -73,7 +73,8 @@ def main():
                     cfgs += [(dataclasses.replace(c, atomic_dq=True), False) for c in BWD[d][:2]]
                 for config, det in cfgs:
                     cfg = (dataclasses.astuple(config)[:4] + (("atomic_dq",) if config.atomic_dq else ())
-                           + (("split_dkdv",) if config.split_dkdv else ()))  # as printed/saved
+                           + (("split_dkdv",) if config.split_dkdv else ())
+                           + ((("dq",) + tuple(config.dq)) if config.dq else ()))  # as printed/saved
                     launch.CONFIG_OVERRIDE.clear()
                     launch.CONFIG_OVERRIDE[mode] = config
                     det = False

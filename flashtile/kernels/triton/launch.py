@@ -98,6 +98,21 @@ class Config:
     num_stages: int
     atomic_dq: bool = False   # backward only: dQ by fp32 atomics in the dK/dV kernel instead of a second pass
     split_dkdv: bool = False  # backward only: dV and dK by two launches of the dK/dV kernel, one accumulator each
+    # backward only: (query rows, key rows, num_warps, num_stages) of the dQ pass; None: the dK/dV tiles swapped
+    # (BLOCK_N query rows streaming BLOCK_M key rows) with the same warps and stages
+    dq: Optional[tuple] = None
+
+    def __post_init__(self):
+        if self.dq is not None:   # JSON (the tuning cache) gives a list back
+            object.__setattr__(self, "dq", tuple(self.dq))
+
+    def dq_tiles(self, block_size: int = 0):
+        """(query rows, key rows, num_warps, num_stages) of the dQ pass, tiles clamped to a block mask's
+        block_size when given."""
+        rows_q, rows_k, warps, stages = self.dq or (self.BLOCK_N, self.BLOCK_M, self.num_warps, self.num_stages)
+        if block_size:
+            rows_q, rows_k = min(rows_q, block_size), min(rows_k, block_size)
+        return rows_q, rows_k, warps, stages
 
 
 # Benchmarks and tuning sweeps pin a config here ({"fwd": Config, "bwd": Config}); empty in normal use.
@@ -147,9 +162,10 @@ def bwd_config(head_dim: int, dtype: torch.dtype, causal: bool = False, seqlen: 
     if bd <= 128:
         return Config(64, 128, 8, 2)
     # d256: dV and dK by two launches (one 256-wide accumulator each) measured 265 / 231 TFLOP/s (full / causal)
-    # against 176 / 179 for the best single launch (benchmarks/sweep_configs.py --heads 256 --modes bwd, H200)
+    # against 176 / 179 for the best single launch (benchmarks/sweep_configs.py --heads 256 --modes bwd, H200);
+    # causal gains 4% more (242) from a dQ pass of 64 x 64 tiles, 4 warps
     if causal:
-        return Config(64, 128, 8, 1, split_dkdv=True)
+        return Config(64, 128, 8, 1, split_dkdv=True, dq=(64, 64, 4, 2))
     return Config(64, 64, 4, 2, split_dkdv=True)
 
 
@@ -405,7 +421,9 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
     dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if atomic else dq
     # the streamed operands (Q, dO in the dK/dV kernel; K, V in the dQ pass) come in tiles of BLOCK_M rows
     block_d = flags["BLOCK_D"]
-    descs = [kv_descriptor(t, cfg.BLOCK_M, block_d) for t in (q, dout, k, v)]
+    dq_rows, dq_keys, dq_warps, dq_stages = cfg.dq_tiles(sparse.block_size if sparse is not None else 0)
+    descs = [kv_descriptor(t, rows, block_d) for t, rows in ((q, cfg.BLOCK_M), (dout, cfg.BLOCK_M), (k, dq_keys),
+                                                             (v, dq_keys))]
     use_tma = all(d is not None for d in descs)
     desc_q, desc_do, desc_k, desc_v = descs if use_tma else (None,) * 4
     # split_dkdv: a dV-only launch, then a dK-only one that also does everything else that needs dS (atomic
@@ -427,13 +445,13 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
     if atomic:
         dq.copy_(dq_acc)
         return
-    # dQ pass: query blocks of BLOCK_N rows stream key blocks of BLOCK_M rows (the roles swap)
-    _launch(_bwd.attn_bwd_dq_kernel, (triton.cdiv(max_sq, cfg.BLOCK_N), batch * nheads),
+    # dQ pass: query blocks of dq_rows stream key blocks of dq_keys (by default BLOCK_N and BLOCK_M: the roles swap)
+    _launch(_bwd.attn_bwd_dq_kernel, (triton.cdiv(max_sq, dq_rows), batch * nheads),
         q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, alibi, desc_k, desc_v,
         *_rows(q), *_rows(k), *_rows(v), *_rows(dout), *_rows(dq), *common,
         nheads, nheads // nheads_k, max_sq, max_sk, head_dim,
         params.softmax_scale, score_scale, softcap_log2, params.window_left, params.window_right,
         params.dropout_p, params.seed, params.rng_offset, *rng,
         *bias_args, *mask_args, *_sparse_args(sparse, batch, nheads, False),
-        BLOCK_M=cfg.BLOCK_N, BLOCK_N=cfg.BLOCK_M, EVEN_D=even_d, USE_TMA=use_tma,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags, **mod_flags, **_user_mod_kwargs(mods, "dq"))
+        BLOCK_M=dq_rows, BLOCK_N=dq_keys, EVEN_D=even_d, USE_TMA=use_tma,
+        num_warps=dq_warps, num_stages=dq_stages, **flags, **mod_flags, **_user_mod_kwargs(mods, "dq"))

@@ -54,7 +54,13 @@ BWD: Dict[int, List[Config]] = {
           # dV and dK by two launches (one BLOCK_N x 256 accumulator each): larger key tiles fit
           Config(64, 64, 8, 1, split_dkdv=True), Config(64, 64, 4, 2, split_dkdv=True),
           Config(32, 64, 4, 2, split_dkdv=True), Config(64, 128, 8, 1, split_dkdv=True),
-          Config(32, 128, 8, 2, split_dkdv=True)],
+          Config(32, 128, 8, 2, split_dkdv=True),
+          # ... with the dQ pass's own tiles (query rows, key rows, warps, stages)
+          Config(64, 128, 8, 1, split_dkdv=True, dq=(64, 64, 4, 2)),
+          Config(64, 128, 8, 1, split_dkdv=True, dq=(64, 32, 4, 2)),
+          Config(64, 64, 4, 2, split_dkdv=True, dq=(64, 64, 8, 2)),
+          Config(64, 128, 8, 1, split_dkdv=True, dq=(128, 32, 8, 2)),
+          Config(64, 128, 8, 1, split_dkdv=True, dq=(32, 64, 4, 2))],
 }
 
 
