@@ -14,8 +14,8 @@ BLOCK_SPARSE (constexpr) swaps the range loops for FA1 Alg. 5's: only the tiles 
 import triton
 import triton.language as tl
 
-from .mods import (bias_mask_log2, dropout_keep, key_range, load_lse2, load_tile, query_range, score_mod_grad, scores_log2,
-                   seq_bounds, user_mods_log2, visible)
+from .mods import (bias_mask_log2, dropout_keep, key_range, load_lse2, load_tile, present, query_range,
+                   score_mod_grad, scores_log2, seq_bounds, user_mods_log2, visible)
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -46,23 +46,27 @@ def attn_bwd_preprocess_kernel(O, DO, Delta, CU_SEQLENS_Q,
 
 
 @triton.jit
-def _dkdv_tile(dk, dv, k, v, desc_q, desc_do, q_blk, do_blk, dq_blk, lse_blk, delta_blk, q_row, h, start_m,
-               offs_m_rel, offs_n, offs_d, seqlen_q, seqlen_k, stride_qm, stride_dom, stride_dqm, head_dim, sm_scale,
-               score_scale, softcap_log2, alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base,
-               rng_stride_m, dropout_p, bias_bh, stride_bias_m, stride_bias_n, mask_bh, stride_mask_m, stride_mask_n,
-               dbias_bh, stride_dbias_m, stride_dbias_n,
-               MASKED: tl.constexpr, EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-               SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
-               ATOMIC_DQ: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_D: tl.constexpr,
-               HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DBIAS: tl.constexpr, DBIAS_ATOMIC: tl.constexpr,
-               b, score_aux, mask_aux, score_aux_grad, SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr,
-               SCORE_CAPTURED_GRAD: tl.constexpr, MASK_MOD: tl.constexpr, COMPUTE_DK: tl.constexpr,
-               COMPUTE_DV: tl.constexpr):
+def _dkdv_tile(dk, dv, start_m, row, MASKED: tl.constexpr, HAS_MASK: tl.constexpr, MASK_MOD: tl.constexpr,
+               EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+               ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+               USE_TMA: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DBIAS: tl.constexpr,
+               DBIAS_ATOMIC: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr,
+               SCORE_CAPTURED_GRAD: tl.constexpr, COMPUTE_DK: tl.constexpr, COMPUTE_DV: tl.constexpr):
     """Alg. 2 lines 8-20 for one query block Q_i against the program's K_j, V_j, in transposed form
     (S^T, P^T: keys along rows) so dK_j and dV_j accumulate without transposing P. With ATOMIC_DQ the
     same tile also adds its dQ_i contribution (line 15) to an fp32 buffer with atomics.
+    row: what every step reads for the current query head (packed by attn_bwd_dkdv_kernel).
     COMPUTE_DK / COMPUTE_DV: a launch may do only one of the two (two launches then split the work: each
     keeps one BLOCK_N x d accumulator instead of two, for large head dims; S is recomputed by both)."""
+    (k, v, desc_q, desc_do, q_head, do_head, dq_head, lse_blk, delta_blk, q_row0, b, h, offs_m_rel, offs_n, offs_d,
+     seqlen_q, seqlen_k, stride_qm, stride_dom, stride_dqm, head_dim, sm_scale, score_scale, softcap_log2,
+     alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base, rng_stride_m, dropout_p, bias_bh,
+     stride_bias_m, stride_bias_n, mask_bh, stride_mask_m, stride_mask_n, dbias_bh, stride_dbias_m, stride_dbias_n,
+     score_aux, mask_aux, score_aux_grad) = row
+    q_blk = q_head + tl.cast(start_m, tl.int64) * stride_qm
+    do_blk = do_head + tl.cast(start_m, tl.int64) * stride_dom
+    dq_blk = dq_head + tl.cast(start_m, tl.int64) * stride_dqm
+    q_row = q_row0 + start_m
     offs_m = start_m + offs_m_rel
     q = load_tile(desc_q, q_blk, q_row, h, offs_m_rel, offs_d, offs_m, seqlen_q, stride_qm, head_dim,
                   MASKED, EVEN_D, USE_TMA, BLOCK_D)                      # Q_i  (BLOCK_M, BLOCK_D)
@@ -224,6 +228,13 @@ def attn_bwd_dkdv_kernel(
             mask_bh = MASK + b64 * stride_mask_b + tl.cast(h, tl.int64) * stride_mask_h
         if HAS_DBIAS:
             dbias_bh = DBIAS + b64 * stride_dbias_b + tl.cast(h, tl.int64) * stride_dbias_h
+        # what every tile step reads for query head h (one tuple: each call site names only the tile and its masks)
+        row = (k, v, present(desc_q), present(desc_do), q_head, do_head, dq_head, lse_head, delta_head, q_row0, b,
+               h, offs_m_rel, offs_n, offs_d, seqlen_q, seqlen_k, stride_qm, stride_dom, stride_dqm, head_dim,
+               sm_scale, score_scale, softcap_log2, alibi_slope_log2, window_left, window_right, seed, rng_offset,
+               rng_base, rng_stride_m, dropout_p, present(bias_bh), stride_bias_m, stride_bias_n, present(mask_bh),
+               stride_mask_m, stride_mask_n, present(dbias_bh), stride_dbias_m, stride_dbias_n, present(score_aux),
+               present(mask_aux), present(score_aux_grad))
         if BLOCK_SPARSE:
             # FA1 Alg. 5 transposed: only the query blocks the block mask lists for this key block
             sp = b64 * stride_sp_b + tl.cast(h, tl.int64) * stride_sp_h + (start_n // SPARSE_BLOCK) * stride_sp_n
@@ -233,72 +244,32 @@ def attn_bwd_dkdv_kernel(
             for t in range(0, n_partial * (SPARSE_BLOCK // BLOCK_M)):
                 start_m = (tl.load(Q_IDX + sp * sparse_blocks + t // (SPARSE_BLOCK // BLOCK_M)) * SPARSE_BLOCK
                            + (t % (SPARSE_BLOCK // BLOCK_M)) * BLOCK_M)
-                dk, dv = _dkdv_tile(dk, dv, k, v, desc_q, desc_do, q_head + tl.cast(start_m, tl.int64) * stride_qm,
-                                    do_head + tl.cast(start_m, tl.int64) * stride_dom,
-                                    dq_head + tl.cast(start_m, tl.int64) * stride_dqm, lse_head, delta_head,
-                                    q_row0 + start_m, h, start_m, offs_m_rel, offs_n, offs_d, seqlen_q, seqlen_k,
-                                    stride_qm, stride_dom, stride_dqm, head_dim, sm_scale, score_scale, softcap_log2,
-                                    alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base,
-                                    rng_stride_m, dropout_p, bias_bh, stride_bias_m, stride_bias_n, mask_bh,
-                                    stride_mask_m, stride_mask_n, dbias_bh, stride_dbias_m, stride_dbias_n, True, EVEN_D,
-                                    HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, ATOMIC_DQ, USE_TMA, BLOCK_D,
-                                    HAS_BIAS, HAS_MASK, HAS_DBIAS, DBIAS_ATOMIC, b, score_aux, mask_aux, score_aux_grad,
-                                    SCORE_MOD, SCORE_GRAD, SCORE_CAPTURED_GRAD, MASK_MOD, COMPUTE_DK, COMPUTE_DV)
+                dk, dv = _dkdv_tile(dk, dv, start_m, row, True, HAS_MASK, MASK_MOD, EVEN_D, HAS_LEFT, HAS_RIGHT,
+                                    SOFTCAP, ALIBI, DROPOUT, DOT_PREC, ATOMIC_DQ, USE_TMA, BLOCK_D, HAS_BIAS, HAS_DBIAS,
+                                    DBIAS_ATOMIC, SCORE_MOD, SCORE_GRAD, SCORE_CAPTURED_GRAD, COMPUTE_DK, COMPUTE_DV)
             n_full = tl.load(FULL_Q_NUM + sp)
             # one flat loop over (listed block, tile inside it), so Triton pipelines across blocks; tiles
             # past the sequence end (a ragged last block) are fully masked
             for t in range(0, n_full * (SPARSE_BLOCK // BLOCK_M)):
                 start_m = (tl.load(FULL_Q_IDX + sp * sparse_blocks + t // (SPARSE_BLOCK // BLOCK_M)) * SPARSE_BLOCK
                            + (t % (SPARSE_BLOCK // BLOCK_M)) * BLOCK_M)
-                dk, dv = _dkdv_tile(dk, dv, k, v, desc_q, desc_do, q_head + tl.cast(start_m, tl.int64) * stride_qm,
-                                    do_head + tl.cast(start_m, tl.int64) * stride_dom,
-                                    dq_head + tl.cast(start_m, tl.int64) * stride_dqm, lse_head, delta_head,
-                                    q_row0 + start_m, h, start_m, offs_m_rel, offs_n, offs_d, seqlen_q, seqlen_k,
-                                    stride_qm, stride_dom, stride_dqm, head_dim, sm_scale, score_scale, softcap_log2,
-                                    alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base,
-                                    rng_stride_m, dropout_p, bias_bh, stride_bias_m, stride_bias_n, mask_bh,
-                                    stride_mask_m, stride_mask_n, dbias_bh, stride_dbias_m, stride_dbias_n, SPARSE_FULL_MASKED, EVEN_D,
-                                    HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, ATOMIC_DQ, USE_TMA, BLOCK_D,
-                                    HAS_BIAS, False, HAS_DBIAS, DBIAS_ATOMIC, b, score_aux, mask_aux, score_aux_grad,
-                                    SCORE_MOD, SCORE_GRAD, SCORE_CAPTURED_GRAD, None, COMPUTE_DK, COMPUTE_DV)
+                dk, dv = _dkdv_tile(dk, dv, start_m, row, SPARSE_FULL_MASKED, False, None, EVEN_D, HAS_LEFT, HAS_RIGHT,
+                                    SOFTCAP, ALIBI, DROPOUT, DOT_PREC, ATOMIC_DQ, USE_TMA, BLOCK_D, HAS_BIAS, HAS_DBIAS,
+                                    DBIAS_ATOMIC, SCORE_MOD, SCORE_GRAD, SCORE_CAPTURED_GRAD, COMPUTE_DK, COMPUTE_DV)
         else:
             # Alg. 2 line 8: for i = 1..Tr (only the query blocks that can see this key block)
             for start_m in range(lo, full_lo, BLOCK_M):
-                dk, dv = _dkdv_tile(dk, dv, k, v, desc_q, desc_do, q_head + tl.cast(start_m, tl.int64) * stride_qm,
-                                    do_head + tl.cast(start_m, tl.int64) * stride_dom,
-                                    dq_head + tl.cast(start_m, tl.int64) * stride_dqm, lse_head, delta_head,
-                                    q_row0 + start_m, h, start_m, offs_m_rel, offs_n, offs_d, seqlen_q, seqlen_k,
-                                    stride_qm, stride_dom, stride_dqm, head_dim, sm_scale, score_scale, softcap_log2,
-                                    alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base,
-                                    rng_stride_m, dropout_p, bias_bh, stride_bias_m, stride_bias_n, mask_bh,
-                                    stride_mask_m, stride_mask_n, dbias_bh, stride_dbias_m, stride_dbias_n, True, EVEN_D,
-                                    HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, ATOMIC_DQ, USE_TMA, BLOCK_D,
-                                    HAS_BIAS, HAS_MASK, HAS_DBIAS, DBIAS_ATOMIC, b, score_aux, mask_aux, score_aux_grad,
-                                        SCORE_MOD, SCORE_GRAD, SCORE_CAPTURED_GRAD, MASK_MOD, COMPUTE_DK, COMPUTE_DV)
+                dk, dv = _dkdv_tile(dk, dv, start_m, row, True, HAS_MASK, MASK_MOD, EVEN_D, HAS_LEFT, HAS_RIGHT,
+                                    SOFTCAP, ALIBI, DROPOUT, DOT_PREC, ATOMIC_DQ, USE_TMA, BLOCK_D, HAS_BIAS, HAS_DBIAS,
+                                    DBIAS_ATOMIC, SCORE_MOD, SCORE_GRAD, SCORE_CAPTURED_GRAD, COMPUTE_DK, COMPUTE_DV)
             for start_m in range(full_lo, full_hi, BLOCK_M):
-                dk, dv = _dkdv_tile(dk, dv, k, v, desc_q, desc_do, q_head + tl.cast(start_m, tl.int64) * stride_qm,
-                                    do_head + tl.cast(start_m, tl.int64) * stride_dom,
-                                    dq_head + tl.cast(start_m, tl.int64) * stride_dqm, lse_head, delta_head,
-                                    q_row0 + start_m, h, start_m, offs_m_rel, offs_n, offs_d, seqlen_q, seqlen_k,
-                                    stride_qm, stride_dom, stride_dqm, head_dim, sm_scale, score_scale, softcap_log2,
-                                    alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base,
-                                    rng_stride_m, dropout_p, bias_bh, stride_bias_m, stride_bias_n, mask_bh,
-                                    stride_mask_m, stride_mask_n, dbias_bh, stride_dbias_m, stride_dbias_n, False, EVEN_D,
-                                    HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, ATOMIC_DQ, USE_TMA, BLOCK_D,
-                                    HAS_BIAS, HAS_MASK, HAS_DBIAS, DBIAS_ATOMIC, b, score_aux, mask_aux, score_aux_grad,
-                                        SCORE_MOD, SCORE_GRAD, SCORE_CAPTURED_GRAD, MASK_MOD, COMPUTE_DK, COMPUTE_DV)
+                dk, dv = _dkdv_tile(dk, dv, start_m, row, False, HAS_MASK, MASK_MOD, EVEN_D, HAS_LEFT, HAS_RIGHT,
+                                    SOFTCAP, ALIBI, DROPOUT, DOT_PREC, ATOMIC_DQ, USE_TMA, BLOCK_D, HAS_BIAS, HAS_DBIAS,
+                                    DBIAS_ATOMIC, SCORE_MOD, SCORE_GRAD, SCORE_CAPTURED_GRAD, COMPUTE_DK, COMPUTE_DV)
             for start_m in range(full_hi, hi, BLOCK_M):
-                dk, dv = _dkdv_tile(dk, dv, k, v, desc_q, desc_do, q_head + tl.cast(start_m, tl.int64) * stride_qm,
-                                    do_head + tl.cast(start_m, tl.int64) * stride_dom,
-                                    dq_head + tl.cast(start_m, tl.int64) * stride_dqm, lse_head, delta_head,
-                                    q_row0 + start_m, h, start_m, offs_m_rel, offs_n, offs_d, seqlen_q, seqlen_k,
-                                    stride_qm, stride_dom, stride_dqm, head_dim, sm_scale, score_scale, softcap_log2,
-                                    alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base,
-                                    rng_stride_m, dropout_p, bias_bh, stride_bias_m, stride_bias_n, mask_bh,
-                                    stride_mask_m, stride_mask_n, dbias_bh, stride_dbias_m, stride_dbias_n, True, EVEN_D,
-                                    HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, ATOMIC_DQ, USE_TMA, BLOCK_D,
-                                    HAS_BIAS, HAS_MASK, HAS_DBIAS, DBIAS_ATOMIC, b, score_aux, mask_aux, score_aux_grad,
-                                        SCORE_MOD, SCORE_GRAD, SCORE_CAPTURED_GRAD, MASK_MOD, COMPUTE_DK, COMPUTE_DV)
+                dk, dv = _dkdv_tile(dk, dv, start_m, row, True, HAS_MASK, MASK_MOD, EVEN_D, HAS_LEFT, HAS_RIGHT,
+                                    SOFTCAP, ALIBI, DROPOUT, DOT_PREC, ATOMIC_DQ, USE_TMA, BLOCK_D, HAS_BIAS, HAS_DBIAS,
+                                    DBIAS_ATOMIC, SCORE_MOD, SCORE_GRAD, SCORE_CAPTURED_GRAD, COMPUTE_DK, COMPUTE_DV)
     # Alg. 2 line 21: write dK_j (with the softmax scale tau of dK = tau dS^T Q), dV_j
     if COMPUTE_DK:
         dk = dk * sm_scale
@@ -310,15 +281,19 @@ def attn_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dq_tile(dq, q, do, lse2, delta, desc_k, desc_v, k_blk, v_blk, kv_row, hk, start_n, offs_m, offs_n_rel, offs_d,
-             seqlen_q, seqlen_k, stride_kn, stride_vn, head_dim, score_scale, softcap_log2, alibi_slope_log2,
-             window_left, window_right, seed, rng_offset, rng_base, rng_stride_m, dropout_p,
-             bias_bh, stride_bias_m, stride_bias_n, mask_bh, stride_mask_m, stride_mask_n,
-             MASKED: tl.constexpr, EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-             SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
-             USE_TMA: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
-             b, h, score_aux, mask_aux, SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr):
-    """dQ_i += dS_ij K_j (Alg. 2 line 15), recomputing S_ij, P_ij and dP_ij for one key block."""
+def _dq_tile(dq, start_n, row, MASKED: tl.constexpr, HAS_MASK: tl.constexpr, MASK_MOD: tl.constexpr,
+             EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+             ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr,
+             BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr):
+    """dQ_i += dS_ij K_j (Alg. 2 line 15), recomputing S_ij, P_ij and dP_ij for one key block; row: what every
+    step of this program reads (packed by attn_bwd_dq_kernel)."""
+    (q, do, lse2, delta, desc_k, desc_v, k_base, v_base, kv_row0, b, h, hk, offs_m, offs_n_rel, offs_d, seqlen_q,
+     seqlen_k, stride_kn, stride_vn, head_dim, score_scale, softcap_log2, alibi_slope_log2, window_left,
+     window_right, seed, rng_offset, rng_base, rng_stride_m, dropout_p, bias_bh, stride_bias_m, stride_bias_n,
+     mask_bh, stride_mask_m, stride_mask_n, score_aux, mask_aux) = row
+    k_blk = k_base + tl.cast(start_n, tl.int64) * stride_kn
+    v_blk = v_base + tl.cast(start_n, tl.int64) * stride_vn
+    kv_row = kv_row0 + start_n
     cols = start_n + offs_n_rel
     k = load_tile(desc_k, k_blk, kv_row, hk, offs_n_rel, offs_d, cols, seqlen_k, stride_kn, head_dim,
                   MASKED, EVEN_D, USE_TMA, BLOCK_D)
@@ -411,6 +386,12 @@ def attn_bwd_dq_kernel(
         bias_bh = BIAS + b64 * stride_bias_b + tl.cast(h, tl.int64) * stride_bias_h
     if HAS_MASK:
         mask_bh = MASK + b64 * stride_mask_b + tl.cast(h, tl.int64) * stride_mask_h
+    # what every tile step reads (one tuple: each call site names only the tile and its masks)
+    row = (q, do, lse2, delta, present(desc_k), present(desc_v), k_base, v_base, kv_row0, b, h, hk, offs_m,
+           offs_n_rel, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn, head_dim, score_scale, softcap_log2,
+           alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base, rng_stride_m, dropout_p,
+           present(bias_bh), stride_bias_m, stride_bias_n, present(mask_bh), stride_mask_m, stride_mask_n,
+           present(score_aux), present(mask_aux))
     if BLOCK_SPARSE:
         # FA1 Alg. 5: only the key blocks the block mask lists for this query block
         sp = b64 * stride_sp_b + tl.cast(h, tl.int64) * stride_sp_h + (start_m // SPARSE_BLOCK) * stride_sp_m
@@ -420,58 +401,28 @@ def attn_bwd_dq_kernel(
         for t in range(0, n_partial * (SPARSE_BLOCK // BLOCK_N)):
             start_n = (tl.load(KV_IDX + sp * sparse_blocks + t // (SPARSE_BLOCK // BLOCK_N)) * SPARSE_BLOCK
                        + (t % (SPARSE_BLOCK // BLOCK_N)) * BLOCK_N)
-            dq = _dq_tile(dq, q, do, lse2, delta, desc_k, desc_v, k_base + tl.cast(start_n, tl.int64) * stride_kn,
-                          v_base + tl.cast(start_n, tl.int64) * stride_vn, kv_row0 + start_n, hk, start_n, offs_m,
-                          offs_n_rel, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn, head_dim, score_scale,
-                          softcap_log2, alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base,
-                          rng_stride_m, dropout_p, bias_bh, stride_bias_m, stride_bias_n, mask_bh, stride_mask_m,
-                          stride_mask_n, True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT,
-                          DOT_PREC, USE_TMA, BLOCK_D, HAS_BIAS, HAS_MASK, b, h, score_aux, mask_aux,
-                          SCORE_MOD, SCORE_GRAD, MASK_MOD)
+            dq = _dq_tile(dq, start_n, row, True, HAS_MASK, MASK_MOD, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+                          ALIBI, DROPOUT, DOT_PREC, USE_TMA, BLOCK_D, HAS_BIAS, SCORE_MOD, SCORE_GRAD)
         n_full = tl.load(FULL_KV_NUM + sp)
         # one flat loop over (listed block, tile inside it), so Triton pipelines across blocks; tiles
         # past the sequence end (a ragged last block) are fully masked
         for t in range(0, n_full * (SPARSE_BLOCK // BLOCK_N)):
             start_n = (tl.load(FULL_KV_IDX + sp * sparse_blocks + t // (SPARSE_BLOCK // BLOCK_N)) * SPARSE_BLOCK
                        + (t % (SPARSE_BLOCK // BLOCK_N)) * BLOCK_N)
-            dq = _dq_tile(dq, q, do, lse2, delta, desc_k, desc_v, k_base + tl.cast(start_n, tl.int64) * stride_kn,
-                          v_base + tl.cast(start_n, tl.int64) * stride_vn, kv_row0 + start_n, hk, start_n, offs_m,
-                          offs_n_rel, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn, head_dim, score_scale,
-                          softcap_log2, alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base,
-                          rng_stride_m, dropout_p, bias_bh, stride_bias_m, stride_bias_n, mask_bh, stride_mask_m,
-                          stride_mask_n, SPARSE_FULL_MASKED, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT,
-                          DOT_PREC, USE_TMA, BLOCK_D, HAS_BIAS, False, b, h, score_aux, mask_aux,
-                          SCORE_MOD, SCORE_GRAD, None)
+            dq = _dq_tile(dq, start_n, row, SPARSE_FULL_MASKED, False, None, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+                          ALIBI, DROPOUT, DOT_PREC, USE_TMA, BLOCK_D, HAS_BIAS, SCORE_MOD, SCORE_GRAD)
     else:
         lo, full_lo, full_hi, hi = key_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
                                              BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
         for start_n in range(lo, full_lo, BLOCK_N):
-            dq = _dq_tile(dq, q, do, lse2, delta, desc_k, desc_v, k_base + tl.cast(start_n, tl.int64) * stride_kn,
-                          v_base + tl.cast(start_n, tl.int64) * stride_vn, kv_row0 + start_n, hk, start_n, offs_m,
-                          offs_n_rel, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn, head_dim, score_scale,
-                          softcap_log2, alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base,
-                          rng_stride_m, dropout_p, bias_bh, stride_bias_m, stride_bias_n, mask_bh, stride_mask_m,
-                          stride_mask_n, True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT,
-                          DOT_PREC, USE_TMA, BLOCK_D, HAS_BIAS, HAS_MASK, b, h, score_aux, mask_aux,
-                              SCORE_MOD, SCORE_GRAD, MASK_MOD)
+            dq = _dq_tile(dq, start_n, row, True, HAS_MASK, MASK_MOD, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+                          ALIBI, DROPOUT, DOT_PREC, USE_TMA, BLOCK_D, HAS_BIAS, SCORE_MOD, SCORE_GRAD)
         for start_n in range(full_lo, full_hi, BLOCK_N):
-            dq = _dq_tile(dq, q, do, lse2, delta, desc_k, desc_v, k_base + tl.cast(start_n, tl.int64) * stride_kn,
-                          v_base + tl.cast(start_n, tl.int64) * stride_vn, kv_row0 + start_n, hk, start_n, offs_m,
-                          offs_n_rel, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn, head_dim, score_scale,
-                          softcap_log2, alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base,
-                          rng_stride_m, dropout_p, bias_bh, stride_bias_m, stride_bias_n, mask_bh, stride_mask_m,
-                          stride_mask_n, False, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT,
-                          DOT_PREC, USE_TMA, BLOCK_D, HAS_BIAS, HAS_MASK, b, h, score_aux, mask_aux,
-                              SCORE_MOD, SCORE_GRAD, MASK_MOD)
+            dq = _dq_tile(dq, start_n, row, False, HAS_MASK, MASK_MOD, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+                          ALIBI, DROPOUT, DOT_PREC, USE_TMA, BLOCK_D, HAS_BIAS, SCORE_MOD, SCORE_GRAD)
         for start_n in range(full_hi, hi, BLOCK_N):
-            dq = _dq_tile(dq, q, do, lse2, delta, desc_k, desc_v, k_base + tl.cast(start_n, tl.int64) * stride_kn,
-                          v_base + tl.cast(start_n, tl.int64) * stride_vn, kv_row0 + start_n, hk, start_n, offs_m,
-                          offs_n_rel, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn, head_dim, score_scale,
-                          softcap_log2, alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base,
-                          rng_stride_m, dropout_p, bias_bh, stride_bias_m, stride_bias_n, mask_bh, stride_mask_m,
-                          stride_mask_n, True, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT,
-                          DOT_PREC, USE_TMA, BLOCK_D, HAS_BIAS, HAS_MASK, b, h, score_aux, mask_aux,
-                              SCORE_MOD, SCORE_GRAD, MASK_MOD)
+            dq = _dq_tile(dq, start_n, row, True, HAS_MASK, MASK_MOD, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+                          ALIBI, DROPOUT, DOT_PREC, USE_TMA, BLOCK_D, HAS_BIAS, SCORE_MOD, SCORE_GRAD)
     dq = dq * sm_scale
     tl.store(DQ + b64 * stride_dqb + tl.cast(h, tl.int64) * stride_dqh + rows[:, None] * stride_dqm + offs_d[None, :],
              dq.to(DQ.dtype.element_ty), mask=q_mask)

@@ -11,21 +11,25 @@ block mask lists instead of the key range of causal/window masking.
 import triton
 import triton.language as tl
 
-from .mods import (bias_mask_log2, dropout_keep, key_range, load_lse2, load_tile, online_softmax_step, scores_log2,
-                   seq_bounds, user_mods_log2, visible)
+from .mods import (bias_mask_log2, dropout_keep, key_range, load_lse2, load_tile, online_softmax_step, present,
+                   scores_log2, seq_bounds, user_mods_log2, visible)
 
 
 @triton.jit
-def _fwd_tile(acc, l_i, m_i, q, desc_k, desc_v, k_blk, v_blk, b, kv_row, hk, start_n, offs_m, offs_n, offs_d,
-              seqlen_q, seqlen_k, stride_kn, stride_vn, head_dim, score_scale, softcap_log2, alibi_slope_log2,
-              window_left, window_right, seed, rng_offset, rng_base, rng_stride_m, dropout_p,
-              bias_bh, stride_bias_m, stride_bias_n, mask_bh, stride_mask_m, stride_mask_n,
-              MASKED: tl.constexpr, EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-              SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
-              USE_TMA: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-              HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
-              h, score_aux, mask_aux, SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr):
-    """One step j of the inner loop (FA2 Alg. 1 lines 7-10) for the key block starting at start_n."""
+def _fwd_tile(acc, l_i, m_i, start_n, row, MASKED: tl.constexpr, HAS_MASK: tl.constexpr, MASK_MOD: tl.constexpr,
+              EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+              ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, SCORE_MOD: tl.constexpr):
+    """One step j of the inner loop (FA2 Alg. 1 lines 7-10) for the key block starting at start_n.
+    row: what every step of this program reads, as attn_fwd_kernel packs it; MASKED / HAS_MASK / MASK_MOD: which
+    per-element masks this tile needs (edge tiles and a block mask's partial tiles do, the others not)."""
+    (q, desc_k, desc_v, k_base, v_base, b, h, hk, kv_row0, offs_m, offs_n, offs_d, seqlen_q, seqlen_k, stride_kn,
+     stride_vn, head_dim, score_scale, softcap_log2, alibi_slope_log2, window_left, window_right, seed, rng_offset,
+     rng_base, rng_stride_m, dropout_p, bias_bh, stride_bias_m, stride_bias_n, mask_bh, stride_mask_m, stride_mask_n,
+     score_aux, mask_aux) = row
+    k_blk = k_base + tl.cast(start_n, tl.int64) * stride_kn
+    v_blk = v_base + tl.cast(start_n, tl.int64) * stride_vn
+    kv_row = kv_row0 + start_n
     cols = start_n + offs_n
     k = load_tile(desc_k, k_blk, kv_row, hk, offs_n, offs_d, cols, seqlen_k, stride_kn, head_dim,
                   MASKED, EVEN_D, USE_TMA, BLOCK_D)
@@ -127,6 +131,11 @@ def attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
+    # what every tile step reads (one tuple, so each call site names only what differs: the tile and its masks)
+    row = (q, present(desc_k), present(desc_v), k_base, v_base, b, h, hk, kv_row0, offs_m, offs_n, offs_d, seqlen_q,
+           seqlen_k, stride_kn, stride_vn, head_dim, score_scale, softcap_log2, alibi_slope_log2, window_left,
+           window_right, seed, rng_offset, rng_base, rng_stride_m, dropout_p, present(bias_bh), stride_bias_m,
+           stride_bias_n, present(mask_bh), stride_mask_m, stride_mask_n, present(score_aux), present(mask_aux))
     if BLOCK_SPARSE:
         # FA1 Alg. 5: visit only the key blocks the block mask lists for this query block; empty blocks are
         # never touched. Partial blocks apply the element mask (the mask tensor or mask_mod), full blocks skip it.
@@ -137,65 +146,35 @@ def attn_fwd_kernel(
         for t in range(0, n_partial * (SPARSE_BLOCK // BLOCK_N)):
             start_n = (tl.load(KV_IDX + sp * sparse_blocks + t // (SPARSE_BLOCK // BLOCK_N)) * SPARSE_BLOCK
                        + (t % (SPARSE_BLOCK // BLOCK_N)) * BLOCK_N)
-            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, desc_k, desc_v, k_base + tl.cast(start_n, tl.int64) * stride_kn,
-                                  v_base + tl.cast(start_n, tl.int64) * stride_vn, b, kv_row0 + start_n, hk,
-                                  start_n, offs_m, offs_n, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn,
-                                  head_dim, score_scale, softcap_log2, alibi_slope_log2, window_left,
-                                  window_right, seed, rng_offset, rng_base, rng_stride_m, dropout_p, bias_bh,
-                                  stride_bias_m, stride_bias_n, mask_bh, stride_mask_m, stride_mask_n, True,
-                                  EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, USE_TMA,
-                                  IS_VARLEN, BLOCK_N, BLOCK_D, HAS_BIAS, HAS_MASK,
-                                  h, score_aux, mask_aux, SCORE_MOD, MASK_MOD)
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, start_n, row, True, HAS_MASK, MASK_MOD, EVEN_D, HAS_LEFT,
+                                      HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, USE_TMA, BLOCK_N, BLOCK_D, HAS_BIAS,
+                                      SCORE_MOD)
         n_full = tl.load(FULL_KV_NUM + sp)
         # one flat loop over (listed block, tile inside it), so Triton pipelines across blocks; tiles
         # past the sequence end (a ragged last block) are fully masked
         for t in range(0, n_full * (SPARSE_BLOCK // BLOCK_N)):
             start_n = (tl.load(FULL_KV_IDX + sp * sparse_blocks + t // (SPARSE_BLOCK // BLOCK_N)) * SPARSE_BLOCK
                        + (t % (SPARSE_BLOCK // BLOCK_N)) * BLOCK_N)
-            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, desc_k, desc_v, k_base + tl.cast(start_n, tl.int64) * stride_kn,
-                                  v_base + tl.cast(start_n, tl.int64) * stride_vn, b, kv_row0 + start_n, hk,
-                                  start_n, offs_m, offs_n, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn,
-                                  head_dim, score_scale, softcap_log2, alibi_slope_log2, window_left,
-                                  window_right, seed, rng_offset, rng_base, rng_stride_m, dropout_p, bias_bh,
-                                  stride_bias_m, stride_bias_n, mask_bh, stride_mask_m, stride_mask_n, SPARSE_FULL_MASKED,
-                                  EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, USE_TMA,
-                                  IS_VARLEN, BLOCK_N, BLOCK_D, HAS_BIAS, False,
-                                  h, score_aux, mask_aux, SCORE_MOD, None)
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, start_n, row, SPARSE_FULL_MASKED, False, None, EVEN_D, HAS_LEFT,
+                                      HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, USE_TMA, BLOCK_N, BLOCK_D, HAS_BIAS,
+                                      SCORE_MOD)
     else:
         lo, full_lo, full_hi, hi = key_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
                                              BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
         # Alg. 1 line 6: for j = 1..Tc. Tiles straddling a mask edge or the end of K take the masked path;
         # the rest (most of them) skip per-element masking entirely.
         for start_n in range(lo, full_lo, BLOCK_N):
-            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, desc_k, desc_v, k_base + tl.cast(start_n, tl.int64) * stride_kn,
-                                      v_base + tl.cast(start_n, tl.int64) * stride_vn, b, kv_row0 + start_n, hk,
-                                      start_n, offs_m, offs_n, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn,
-                                      head_dim, score_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
-                                      seed, rng_offset, rng_base, rng_stride_m, dropout_p, bias_bh, stride_bias_m,
-                                      stride_bias_n, mask_bh, stride_mask_m, stride_mask_n, True, EVEN_D,
-                                      HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, USE_TMA, IS_VARLEN,
-                                      BLOCK_N, BLOCK_D, HAS_BIAS, HAS_MASK,
-                                      h, score_aux, mask_aux, SCORE_MOD, MASK_MOD)
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, start_n, row, True, HAS_MASK, MASK_MOD, EVEN_D, HAS_LEFT,
+                                      HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, USE_TMA, BLOCK_N, BLOCK_D, HAS_BIAS,
+                                      SCORE_MOD)
         for start_n in range(full_lo, full_hi, BLOCK_N):
-            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, desc_k, desc_v, k_base + tl.cast(start_n, tl.int64) * stride_kn,
-                                      v_base + tl.cast(start_n, tl.int64) * stride_vn, b, kv_row0 + start_n, hk,
-                                      start_n, offs_m, offs_n, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn,
-                                      head_dim, score_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
-                                      seed, rng_offset, rng_base, rng_stride_m, dropout_p, bias_bh, stride_bias_m,
-                                      stride_bias_n, mask_bh, stride_mask_m, stride_mask_n, False, EVEN_D,
-                                      HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, USE_TMA, IS_VARLEN,
-                                      BLOCK_N, BLOCK_D, HAS_BIAS, HAS_MASK,
-                                      h, score_aux, mask_aux, SCORE_MOD, MASK_MOD)
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, start_n, row, False, HAS_MASK, MASK_MOD, EVEN_D, HAS_LEFT,
+                                      HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, USE_TMA, BLOCK_N, BLOCK_D, HAS_BIAS,
+                                      SCORE_MOD)
         for start_n in range(full_hi, hi, BLOCK_N):
-            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, desc_k, desc_v, k_base + tl.cast(start_n, tl.int64) * stride_kn,
-                                      v_base + tl.cast(start_n, tl.int64) * stride_vn, b, kv_row0 + start_n, hk,
-                                      start_n, offs_m, offs_n, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn,
-                                      head_dim, score_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
-                                      seed, rng_offset, rng_base, rng_stride_m, dropout_p, bias_bh, stride_bias_m,
-                                      stride_bias_n, mask_bh, stride_mask_m, stride_mask_n, True, EVEN_D,
-                                      HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, USE_TMA, IS_VARLEN,
-                                      BLOCK_N, BLOCK_D, HAS_BIAS, HAS_MASK,
-                                      h, score_aux, mask_aux, SCORE_MOD, MASK_MOD)
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, start_n, row, True, HAS_MASK, MASK_MOD, EVEN_D, HAS_LEFT,
+                                      HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, USE_TMA, BLOCK_N, BLOCK_D, HAS_BIAS,
+                                      SCORE_MOD)
 
     # Alg. 1 lines 12-13: O_i = diag(l_i)^-1 O~_i, L_i = m_i + log l_i. A row that saw no key has l_i = 0:
     # it outputs 0 and L = -inf (zero probability mass), never NaN.

@@ -241,3 +241,14 @@ def score_mod_grad(ds, s_in, b, h, i, j, score_aux, GRAD_FN: tl.constexpr):
     if GRAD_FN is not None:
         ds = tl.where(ds == 0.0, 0.0, GRAD_FN(ds, s_in, b, h, i, j, score_aux).to(tl.float32))
     return ds
+
+
+@triton.jit
+def present(x):
+    """x, or 0 in place of None: the tile steps get their per-program values as one tuple, and Triton 3.6
+    cannot build a tuple holding None (an absent TMA descriptor, bias, mask or mod). Every such value is read
+    only under the constexpr flag that says it exists."""
+    if x is None:
+        return 0
+    else:
+        return x
