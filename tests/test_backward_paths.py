@@ -30,3 +30,78 @@ def test_atomic_dq_matches_two_pass_and_reference(seed, causal):
     for g2, ga, r in zip(grads[False], grads[True], ref):
         assert (g2.double() - r.grad).abs().max() < 1e-5
         assert (ga.double() - r.grad).abs().max() < 1e-5
+
+
+def _grads(cfg, run, leaves, do):
+    launch.CONFIG_OVERRIDE["bwd"] = cfg
+    try:
+        for x in leaves:
+            x.grad = None
+        run().backward(do)
+        return [x.grad.clone() for x in leaves]
+    finally:
+        launch.CONFIG_OVERRIDE.clear()
+
+
+@pytest.mark.parametrize("case", ["causal+bias", "dropout+gqa", "block-sparse"])
+def test_split_dkdv_and_dq_tiles_give_the_single_launch_gradients(seed, case):
+    """Config(split_dkdv=True) (dV and dK by two launches) is bitwise the single launch, dBias and dropout
+    included; Config(dq=...) (the dQ pass's own tiles) keeps dK, dV bitwise and dQ to rounding, and matches
+    float64 with a block mask too (tiles clamped to its block size)."""
+    b, s, h, hk, d = 1, 64, 4, 2, 32
+    q = torch.randn(b, s, h, d, requires_grad=True)
+    k = torch.randn(b, s, hk, d, requires_grad=True)
+    v = torch.randn(b, s, hk, d, requires_grad=True)
+    do = torch.randn(b, s, h, d)
+    leaves = [q, k, v]
+    if case == "causal+bias":
+        bias = torch.randn(1, h, s, s, requires_grad=True)
+        leaves.append(bias)
+        run = lambda: flashtile.flash_attn_func(q, k, v, causal=True, attn_bias=bias)  # noqa: E731
+    elif case == "dropout+gqa":
+        def run():
+            torch.manual_seed(7)   # the same dropout mask for every config
+            return flashtile.flash_attn_func(q, k, v, dropout_p=0.25)
+    else:
+        from flashtile.blocksparse import blocksparse_attn_func, create_block_mask
+        bm = create_block_mask(lambda b_, h_, qi, ki: (qi // 16) >= (ki // 16), None, None, s, s, BLOCK_SIZE=32,
+                               device="cpu")
+        run = lambda: blocksparse_attn_func(q, k, v, bm)  # noqa: E731
+    base = _grads(launch.Config(16, 32, 4, 1), run, leaves, do)
+    split = _grads(launch.Config(16, 32, 4, 1, split_dkdv=True), run, leaves, do)
+    for g0, g1 in zip(base, split):
+        assert torch.equal(g0, g1)
+    dq_tiles = _grads(launch.Config(16, 32, 4, 1, split_dkdv=True, dq=(64, 16, 4, 1)), run, leaves, do)
+    for g0, g1 in zip(base, dq_tiles):
+        assert torch.equal(g0, g1)            # dQ: 64 query rows, the same 16-key blocks -> the same sums
+    dq_keys = _grads(launch.Config(16, 32, 4, 1, dq=(16, 32, 4, 1)), run, leaves, do)
+    assert all(torch.equal(g0, g1) for g0, g1 in zip(base[1:], dq_keys[1:]))
+    assert (dq_keys[0] - base[0]).abs().max() < 1e-5   # dQ summed over 32-key blocks: rounding only
+    assert not torch.equal(dq_keys[0], torch.zeros_like(dq_keys[0]))
+
+
+def test_launch_retries_with_fewer_stages_when_shared_memory_runs_out():
+    """launch._launch: a config whose tiles do not fit in shared memory (OutOfResources at compile time) is
+    retried with one pipeline stage fewer, down to 1, then the error propagates."""
+    import triton
+
+    calls = []
+
+    class FakeKernel:
+        def __init__(self, fits_at):
+            self.fits_at = fits_at
+
+        def __getitem__(self, grid):
+            def launch_(*args, num_stages, **kwargs):
+                calls.append(num_stages)
+                if num_stages > self.fits_at:
+                    raise triton.runtime.errors.OutOfResources(263168, 232448, "shared memory")
+                return "ran"
+            return launch_
+
+    assert launch._launch(FakeKernel(fits_at=2), (1,), 0, num_stages=4, num_warps=4) == "ran"
+    assert calls == [4, 3, 2]
+    calls.clear()
+    with pytest.raises(triton.runtime.errors.OutOfResources):
+        launch._launch(FakeKernel(fits_at=0), (1,), num_stages=2)
+    assert calls == [2, 1]
