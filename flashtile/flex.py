@@ -197,7 +197,7 @@ def flex_attention(q, k, v, score_mod: Optional[ScoreMod] = None, block_mask=Non
     mask_mod when it was built from a MaskMod). mask_mod: applied to every visited tile (with a block mask made
     from another mask, both apply). causal / window_size as in flash_attn_func (bottom-right aligned).
     Gradients reach q, k, v and the score_mod's captured tensors. Returns out, or (out, lse (batch, nheads,
-    seqlen_q) float32) with return_lse."""
+    seqlen_q) float32, differentiable) with return_lse."""
     for name, t in (("q", q), ("k", k)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             _fail(f"{name}.shape", tuple(getattr(t, "shape", ())), "(batch, seqlen, nheads, headdim)")
@@ -209,11 +209,8 @@ def flex_attention(q, k, v, score_mod: Optional[ScoreMod] = None, block_mask=Non
         if mask_mod is not None and mask_mod is not block_mask.mask_mod:
             _fail("mask_mod", mask_mod, "None (or the block mask's own mask_mod) with a block mask built from a MaskMod")
         mask_mod = block_mask.mask_mod
-    out = _attention(q, k, v, 0.0, softmax_scale, causal, window_size, 0.0, None, False, return_lse,
-                     block_mask=block_mask, score_mod=score_mod, mask_mod=mask_mod)
-    if return_lse:
-        return out[0], out[1]
-    return out
+    return _attention(q, k, v, 0.0, softmax_scale, causal, window_size, 0.0, None, False, False,
+                      block_mask=block_mask, score_mod=score_mod, mask_mod=mask_mod, return_lse=return_lse)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -249,10 +249,11 @@ def _bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             sparse_q_num: Optional[torch.Tensor] = None, sparse_q_idx: Optional[torch.Tensor] = None,
             sparse_full_q_num: Optional[torch.Tensor] = None, sparse_full_q_idx: Optional[torch.Tensor] = None,
             sparse_block_size: int = 0, bias_grad: bool = False, mod_key: int = 0, mod_grad_bits: int = 0,
+            dlse: Optional[torch.Tensor] = None,
             ) -> List[torch.Tensor]:
     """[dq, dk, dv], plus dbias (attn_bias's shape and dtype) when bias_grad, plus the gradient of every
     score_mod captured tensor i with bit i of mod_grad_bits set (its shape and dtype). A list, so that callers
-    of the three-gradient form unpack it unchanged."""
+    of the three-gradient form unpack it unchanged. dlse: the gradient of the forward's LSE output, if any."""
     _check_device(q)
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
@@ -270,7 +271,7 @@ def _bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     launch.flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params, alibi_slopes, cu_seqlens_q=cu_seqlens_q,
                      cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                      deterministic=deterministic, bias=attn_bias, mask=attn_mask, sparse=sparse, dbias=dbias,
-                     mods=_user_mods(mod_key, mod_tensors, mod_buffers))
+                     mods=_user_mods(mod_key, mod_tensors, mod_buffers), dlse=dlse)
     grads = [dq, dk, dv]
     if bias_grad:
         grads.append(dbias.to(attn_bias.dtype))
@@ -286,7 +287,7 @@ def _(dout, q, k, v, out, lse, rng_state, alibi_slopes, cu_seqlens_q, cu_seqlens
       attn_bias=None,
       attn_mask=None, sparse_kv_num=None, sparse_kv_idx=None, sparse_full_kv_num=None, sparse_full_kv_idx=None,
       sparse_q_num=None, sparse_q_idx=None, sparse_full_q_num=None, sparse_full_q_idx=None, sparse_block_size=0,
-      bias_grad=False, mod_key=0, mod_grad_bits=0):
+      bias_grad=False, mod_key=0, mod_grad_bits=0, dlse=None):
     grads = [torch.empty_like(q, memory_format=torch.contiguous_format),
              torch.empty_like(k, memory_format=torch.contiguous_format),
              torch.empty_like(v, memory_format=torch.contiguous_format)]
@@ -334,7 +335,7 @@ def _backward(ctx, dout, _dlse, _drng, _dprobs):
     bias_grad = attn_bias is not None and ctx.needs_input_grad[_N_FWD_BASE]
     grads = _bwd_op(dout, q, k, v, out, lse, rng_state, alibi_slopes, cu_seqlens_q, cu_seqlens_k, *ctx.scalars,
                     list(mod_tensors), attn_bias, attn_mask, *sparse, ctx.sparse_block_size, bias_grad, ctx.mod_key,
-                    ctx.mod_grad_bits)
+                    ctx.mod_grad_bits, _dlse)
     result = [grads[0], grads[1], grads[2]] + [None] * (ctx.n_inputs - 3)
     if bias_grad:
         result[_N_FWD_BASE] = grads[3]
@@ -353,7 +354,7 @@ torch.library.register_autograd("flashtile::fwd", _backward, setup_context=_setu
 def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                deterministic, return_attn_probs, cu_seqlens_q=None, cu_seqlens_k=None,
                max_seqlen_q=None, max_seqlen_k=None, attn_bias=None, attn_mask=None, block_mask=None,
-               score_mod=None, mask_mod=None):
+               score_mod=None, mask_mod=None, return_lse=False):
     a = validate(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
                  window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                  cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
@@ -382,6 +383,8 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
         bool(deterministic), mod_tensors, *extra)
     if return_attn_probs:
         return out, lse, probs
+    if return_lse:
+        return out, lse
     return out
 
 
@@ -400,6 +403,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     convention), combined with causal/window; a row with no visible key outputs 0 with lse = -inf.
     Returns out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse (batch, nheads, seqlen_q) float32,
     S_dmask (batch, nheads, seqlen_q, seqlen_k) float32: P, negated where dropped) if return_attn_probs.
+    softmax_lse is differentiable (flash-attn's is not): a loss that uses it gets its gradient.
     """
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                       deterministic, return_attn_probs, attn_bias=attn_bias, attn_mask=attn_mask)

@@ -105,3 +105,37 @@ def test_launch_retries_with_fewer_stages_when_shared_memory_runs_out():
     with pytest.raises(triton.runtime.errors.OutOfResources):
         launch._launch(FakeKernel(fits_at=0), (1,), num_stages=2)
     assert calls == [2, 1]
+
+
+@pytest.mark.parametrize("path", ["flash_attn_func", "flex score_mod", "varlen"])
+def test_gradient_through_the_lse_output(seed, path):
+    """softmax_lse is differentiable: d lse_i / d S_ij = P_ij, folded into D (dS = P o (dP - (D - dlse))).
+    A loss using both out and lse matches float64 autograd; an lse the loss ignores changes nothing."""
+    from flashtile.flex import flex_attention, softcap_score
+    from flashtile.varlen import flash_attn_varlen_func
+    b, s, h, hk, d = 2, 40, 4, 2, 32
+    q = torch.randn(b, s, h, d, requires_grad=True)
+    k = torch.randn(b, s, hk, d, requires_grad=True)
+    v = torch.randn(b, s, hk, d, requires_grad=True)
+    do = torch.randn(b, s, h, d)
+    w = torch.randn(b, h, s)
+    if path == "flash_attn_func":
+        out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    elif path == "flex score_mod":
+        out, lse = flex_attention(q, k, v, score_mod=softcap_score(3.0), causal=True, return_lse=True)
+    else:
+        cu = torch.tensor([0, s, 2 * s], dtype=torch.int32)
+        out, lse, _ = flash_attn_varlen_func(q.reshape(b * s, h, d), k.reshape(b * s, hk, d), v.reshape(b * s, hk, d),
+                                             cu, cu, s, s, causal=True, return_attn_probs=True)
+        out = out.reshape(b, s, h, d)
+        lse = lse.reshape(h, b, s).transpose(0, 1)            # (nheads, total) -> (batch, nheads, seqlen)
+    grads = torch.autograd.grad((out * do).sum() + (lse * w).sum(), (q, k, v))
+    ref = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    kw = dict(causal=True, softcap=3.0) if path == "flex score_mod" else dict(causal=True)
+    r_out, r_lse, _ = attention_ref(*ref, **kw)
+    ref_grads = torch.autograd.grad((r_out * do.double()).sum() + (r_lse * w.double()).sum(), ref, retain_graph=True)
+    for g, r in zip(grads, ref_grads):
+        assert (g.double() - r).abs().max() < 1e-4 * max(1.0, r.abs().max().item())
+    # the lse gradient is really used: without the lse term the gradients differ
+    plain = torch.autograd.grad((r_out * do.double()).sum(), ref)
+    assert (plain[0] - ref_grads[0]).abs().max() > 1e-2

@@ -369,7 +369,7 @@ def attn_probs(q, k, lse, params: AttnParams, alibi=None, cu_seqlens_q=None, cu_
 def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=None,
               cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, deterministic=False,
               bias=None, mask=None, sparse: Optional[SparseLists] = None, dbias=None,
-              mods: Optional[UserMods] = None):
+              mods: Optional[UserMods] = None, dlse: Optional[torch.Tensor] = None):
     """Fills dq, dk, dv (same layouts as q, k, v). deterministic=True: no atomics anywhere, bitwise
     reproducible gradients (a broadcast bias's dbias excepted: its reduction uses atomics).
     dbias: a zero-filled float32 tensor of bias's (4-D, unexpanded) shape, filled with dS summed over the
@@ -403,6 +403,10 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
     _bwd.attn_bwd_preprocess_kernel[(triton.cdiv(max_sq, pre_m), batch * nheads)](
         out, dout, delta, cu_seqlens_q, *_rows(out), *_rows(dout), *_lse_strides(lse),
         nheads, max_sq, head_dim, BLOCK_M=pre_m, BLOCK_D=flags["BLOCK_D"], IS_VARLEN=flags["IS_VARLEN"])
+    if dlse is not None:
+        # a gradient arriving through the LSE output: d lse_i / d S_ij = P_ij, so dS_ij gains P_ij * dlse_i, i.e.
+        # dS = P o (dP - (D - dlse)): folded into D, the kernels are unchanged
+        delta.sub_(dlse)
     cfg = _sparse_config(bwd_config(head_dim, q.dtype, causal, seqlen=seqlen), sparse)
     common = (*_lse_strides(lse), alibi_sb)
     bias_args = _pair_args(bias, batch, nheads, max_sq, max_sk)
