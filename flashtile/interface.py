@@ -266,8 +266,9 @@ def _bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     # dBias accumulates in float32 (atomics where attn_bias broadcasts); tiles never visited stay 0
     dbias = torch.zeros(attn_bias.shape, device=q.device, dtype=torch.float32) if bias_grad else None
     # score_mod's captured tensors that want a gradient get a float32 zero buffer (same strides) to add into
+    score_tensors = _score_tensors(mod_key, mod_tensors)
     mod_buffers = [torch.zeros_like(t, dtype=torch.float32) if mod_grad_bits >> i & 1 else None
-                   for i, t in enumerate(_score_tensors(mod_key, mod_tensors))]
+                   for i, t in enumerate(score_tensors)]
     launch.flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params, alibi_slopes, cu_seqlens_q=cu_seqlens_q,
                      cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                      deterministic=deterministic, bias=attn_bias, mask=attn_mask, sparse=sparse, dbias=dbias,
@@ -275,7 +276,7 @@ def _bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     grads = [dq, dk, dv]
     if bias_grad:
         grads.append(dbias.to(attn_bias.dtype))
-    for t, g in zip(_score_tensors(mod_key, mod_tensors), mod_buffers):
+    for t, g in zip(score_tensors, mod_buffers):
         if g is not None:
             grads.append(g.to(t.dtype))
     return grads

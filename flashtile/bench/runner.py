@@ -403,11 +403,17 @@ def _positive_ints(text: str) -> List[int]:
     return out
 
 
-def _positive_int(text: str) -> int:
-    vals = _positive_ints(text)
-    if len(vals) != 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected one value")
-    return vals[0]
+def _single(parse_list, what: str):
+    """An argparse type taking exactly one item of what parse_list accepts."""
+    def parse(text: str):
+        vals = parse_list(text)
+        if len(vals) != 1:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected one {what}")
+        return vals[0]
+    return parse
+
+
+_positive_int = _single(_positive_ints, "value")
 
 
 def _positive_float(text: str) -> float:
@@ -427,11 +433,7 @@ def _provider_names(text: str) -> List[str]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _provider_name(text: str) -> str:
-    names = _provider_names(text)
-    if len(names) != 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected one provider")
-    return names[0]
+_provider_name = _single(_provider_names, "provider")
 
 
 def _device(text: str) -> str:

@@ -119,19 +119,27 @@ class Config:
 CONFIG_OVERRIDE: dict = {}
 
 
+def _pinned_or_tuned(pass_: str, interpreter: Config, head_dim: int, dtype: torch.dtype, causal: bool,
+                     seqlen: int) -> Optional[Config]:
+    """What overrides the hand-picked table, in order: a config pinned in CONFIG_OVERRIDE, the interpreter's small
+    tiles, a winner cached by tuning.py (only when seqlen > 0 is known). None: use the table."""
+    if pass_ in CONFIG_OVERRIDE:
+        return CONFIG_OVERRIDE[pass_]
+    if interpreting():
+        return interpreter
+    if seqlen > 0:
+        from . import tuning  # imported here: tuning imports this module
+        return tuning.lookup(pass_, head_dim, dtype, causal, seqlen)
+    return None
+
+
 def fwd_config(head_dim: int, dtype: torch.dtype, causal: bool, seqlen: int = 0) -> Config:
     """Block shapes per head dim (Br = BLOCK_M, Bc = BLOCK_N), the best of benchmarks/sweep_configs.py on an
     H200 (bf16, b2 n8192, 2026-11-21). Interpreter: small tiles so the CPU tests cross many tile edges.
     seqlen = max(seqlen_q, seqlen_k) > 0: a winner cached by tuning.py for the key is used first."""
-    if "fwd" in CONFIG_OVERRIDE:
-        return CONFIG_OVERRIDE["fwd"]
-    if interpreting():
-        return Config(32, 16, 4, 1)
-    if seqlen > 0:
-        from . import tuning  # imported here: tuning imports this module
-        tuned = tuning.lookup("fwd", head_dim, dtype, causal, seqlen)
-        if tuned is not None:
-            return tuned
+    chosen = _pinned_or_tuned("fwd", Config(32, 16, 4, 1), head_dim, dtype, causal, seqlen)
+    if chosen is not None:
+        return chosen
     bd = _block_d(head_dim)
     if dtype == torch.float32:  # 4-byte tiles: half the rows
         return Config(64, 64 if bd <= 64 else 32, 4, 2)
@@ -147,15 +155,9 @@ def bwd_config(head_dim: int, dtype: torch.dtype, causal: bool = False, seqlen: 
     The two-pass backward (no atomics) measured faster than atomic dQ at every head dim on the H200 once the
     streamed tiles came through TMA (d128: 373 vs 294 TFLOP/s), so it is the default: gradients are then
     bitwise reproducible whatever `deterministic` says. seqlen > 0: a winner cached by tuning.py comes first."""
-    if "bwd" in CONFIG_OVERRIDE:
-        return CONFIG_OVERRIDE["bwd"]
-    if interpreting():
-        return Config(16, 32, 4, 1)
-    if seqlen > 0:
-        from . import tuning  # imported here: tuning imports this module
-        tuned = tuning.lookup("bwd", head_dim, dtype, causal, seqlen)
-        if tuned is not None:
-            return tuned
+    chosen = _pinned_or_tuned("bwd", Config(16, 32, 4, 1), head_dim, dtype, causal, seqlen)
+    if chosen is not None:
+        return chosen
     bd = _block_d(head_dim)
     if dtype == torch.float32:
         return Config(32, 64 if bd <= 64 else 32, 4, 1)
