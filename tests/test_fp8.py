@@ -205,12 +205,17 @@ def test_fa3_table3_accuracy_ordering_emulated():
 
 
 def test_kernel_accuracy_ordering_small(seed):
-    """The same ordering through the Triton kernels (interpreter) at a tiny size, in float32 output."""
+    """The same ordering through the Triton kernels (interpreter) at a tiny size, in float32 output. At this size
+    one draw holds only ~65 outliers per tensor, and a single draw inverts the ordering about 1 time in 24
+    (measured over seeds 0-23: MSE ratio 0.39-1.04); the RMSE is therefore pooled over 4 independent draws
+    (pooled ratio 0.46-0.82 over 12 groups), which keeps the claim and removes the flakiness."""
     g = torch.Generator().manual_seed(seed)
-    q, k, v = (E.outlier_inputs((1, 128, 2, 64), g, p=0.004).to(torch.float16) for _ in range(3))
-    ref = attention_ref(q, k, v)[0]
-    r = {}
-    for bq, inc in ((False, False), (True, True)):
-        out = flash_attn_fp8_func(q, k, v, block_quant=bq, incoherent=inc, out_dtype=torch.float32)
-        r[(bq, inc)] = (out.double() - ref).pow(2).mean().sqrt().item()
+    sq_err = {(False, False): 0.0, (True, True): 0.0}
+    for _ in range(4):
+        q, k, v = (E.outlier_inputs((1, 128, 2, 64), g, p=0.004).to(torch.float16) for _ in range(3))
+        ref = attention_ref(q, k, v)[0]
+        for bq, inc in sq_err:
+            out = flash_attn_fp8_func(q, k, v, block_quant=bq, incoherent=inc, out_dtype=torch.float32)
+            sq_err[(bq, inc)] += (out.double() - ref).pow(2).mean().item()
+    r = {key: (val / 4) ** 0.5 for key, val in sq_err.items()}
     assert r[(True, True)] < r[(False, False)], r
