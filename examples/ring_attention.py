@@ -103,6 +103,8 @@ def main():
     if rank == 0:
         tok = a.batch * a.seqlen / dt.item()
         print(f"  forward+backward: {dt.item() * 1e3:.1f} ms/iter, {tok:,.0f} tokens/s ({tok / world:,.0f} per rank)")
+    # leave together: a gloo rank that tears its group down while a peer is still inside it can abort at exit
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -355,6 +355,12 @@ def test_example_script_under_torchrun(tmp_path):
            "--dtype", "float32", "--iters", "1"]
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    if (proc.returncode != 0 and "terminate called without an active exception" in proc.stderr
+            and "tokens/s" in proc.stdout):
+        # gloo on CPU occasionally aborts a rank while tearing the process group down, after the script has
+        # finished and printed everything (seen about 1 run in 30 on the 2-core CI machine, with a barrier before
+        # destroy_process_group); one retry of the whole launch, never more, and any other failure fails
+        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     errs = [float(x) for x in re.findall(r"max \|ring - one device\| +\w+: ([0-9.e+-]+)", proc.stdout)]
     assert len(errs) == 4 and max(errs) < 1e-5, proc.stdout
