@@ -19,10 +19,13 @@ from .mods import (bias_mask_log2, dropout_keep, key_range, load_lse2, load_tile
 def _fwd_tile(acc, l_i, m_i, start_n, row, MASKED: tl.constexpr, HAS_MASK: tl.constexpr, MASK_MOD: tl.constexpr,
               EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
               ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, SCORE_MOD: tl.constexpr):
+              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, SCORE_MOD: tl.constexpr,
+              FOLD_SCALE: tl.constexpr):
     """One step j of the inner loop (FA2 Alg. 1 lines 7-10) for the key block starting at start_n.
     row: what every step of this program reads, as attn_fwd_kernel packs it; MASKED / HAS_MASK / MASK_MOD: which
-    per-element masks this tile needs (edge tiles and a block mask's partial tiles do, the others not)."""
+    per-element masks this tile needs (edge tiles and a block mask's partial tiles do, the others not).
+    FOLD_SCALE (softmax scale > 0, no score-changing feature): S stays raw q.k and the online softmax applies the
+    scale inside exp2's argument (mods.online_softmax_step)."""
     (q, desc_k, desc_v, k_base, v_base, b, h, hk, kv_row0, offs_m, offs_n, offs_d, seqlen_q, seqlen_k, stride_kn,
      stride_vn, head_dim, score_scale, softcap_log2, alibi_slope_log2, window_left, window_right, seed, rng_offset,
      rng_base, rng_stride_m, dropout_p, bias_bh, stride_bias_m, stride_bias_n, mask_bh, stride_mask_m, stride_mask_n,
@@ -36,8 +39,14 @@ def _fwd_tile(acc, l_i, m_i, start_n, row, MASKED: tl.constexpr, HAS_MASK: tl.co
     kt = tl.trans(k)
     # Alg. 1 line 8: S_i^(j) = Q_i K_j^T (then scale / softcap / ALiBi, in log2 units)
     qk = tl.dot(q, kt, input_precision=DOT_PREC)
-    s, _ = scores_log2(qk, offs_m[:, None], cols[None, :], seqlen_q, seqlen_k, score_scale, softcap_log2, alibi_slope_log2,
-                       SOFTCAP, ALIBI)
+    if FOLD_SCALE and not (SOFTCAP or ALIBI or HAS_BIAS or HAS_MASK or SCORE_MOD is not None
+                           or MASK_MOD is not None):
+        s = qk
+        scale = score_scale
+    else:
+        s, _ = scores_log2(qk, offs_m[:, None], cols[None, :], seqlen_q, seqlen_k, score_scale, softcap_log2,
+                           alibi_slope_log2, SOFTCAP, ALIBI)
+        scale = 1.0
     if HAS_BIAS or HAS_MASK:
         s = bias_mask_log2(s, offs_m[:, None], cols[None, :], seqlen_q, seqlen_k, bias_bh, stride_bias_m,
                            stride_bias_n, mask_bh, stride_mask_m, stride_mask_n, HAS_BIAS, HAS_MASK)
@@ -49,9 +58,9 @@ def _fwd_tile(acc, l_i, m_i, start_n, row, MASKED: tl.constexpr, HAS_MASK: tl.co
     # Alg. 1 line 9: m_i^(j) = max(m_i^(j-1), rowmax(S)), P~ = exp(S - m_i^(j)), l_i^(j) = e^(m_old - m_new) l + rowsum(P~)
     if HAS_BIAS or HAS_MASK or SCORE_MOD is not None or MASK_MOD is not None:
         # a user mask (or a -inf bias / score_mod) can hide a whole row of any tile, not only of the edge tiles
-        m_new, p, alpha, l_i = online_softmax_step(m_i, l_i, s, True)
+        m_new, p, alpha, l_i = online_softmax_step(m_i, l_i, s, True, scale)
     else:
-        m_new, p, alpha, l_i = online_softmax_step(m_i, l_i, s, MASKED)
+        m_new, p, alpha, l_i = online_softmax_step(m_i, l_i, s, MASKED, scale)
     if DROPOUT:
         # l_i sums the un-dropped P~ (the softmax normaliser); only the P~ V product sees Z (FA1 Alg. 2 line 13)
         keep = dropout_keep(seed, rng_offset, rng_base, offs_m[:, None], cols[None, :], rng_stride_m, dropout_p)
@@ -81,7 +90,7 @@ def attn_fwd_kernel(
     ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr,
     HAS_BIAS: tl.constexpr = False, HAS_MASK: tl.constexpr = False, BLOCK_SPARSE: tl.constexpr = False,
     SPARSE_BLOCK: tl.constexpr = 128, SPARSE_FULL_MASKED: tl.constexpr = True, score_aux=None, mask_aux=None, SCORE_MOD: tl.constexpr = None,
-    MASK_MOD: tl.constexpr = None,
+    MASK_MOD: tl.constexpr = None, FOLD_SCALE: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     if HAS_RIGHT:
@@ -148,7 +157,7 @@ def attn_fwd_kernel(
                        + (t % (SPARSE_BLOCK // BLOCK_N)) * BLOCK_N)
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, start_n, row, True, HAS_MASK, MASK_MOD, EVEN_D, HAS_LEFT,
                                       HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, USE_TMA, BLOCK_N, BLOCK_D, HAS_BIAS,
-                                      SCORE_MOD)
+                                      SCORE_MOD, FOLD_SCALE)
         n_full = tl.load(FULL_KV_NUM + sp)
         # one flat loop over (listed block, tile inside it), so Triton pipelines across blocks; tiles
         # past the sequence end (a ragged last block) are fully masked
@@ -157,7 +166,7 @@ def attn_fwd_kernel(
                        + (t % (SPARSE_BLOCK // BLOCK_N)) * BLOCK_N)
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, start_n, row, SPARSE_FULL_MASKED, False, None, EVEN_D, HAS_LEFT,
                                       HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, USE_TMA, BLOCK_N, BLOCK_D, HAS_BIAS,
-                                      SCORE_MOD)
+                                      SCORE_MOD, FOLD_SCALE)
     else:
         lo, full_lo, full_hi, hi = key_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
                                              BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
@@ -166,15 +175,15 @@ def attn_fwd_kernel(
         for start_n in range(lo, full_lo, BLOCK_N):
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, start_n, row, True, HAS_MASK, MASK_MOD, EVEN_D, HAS_LEFT,
                                       HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, USE_TMA, BLOCK_N, BLOCK_D, HAS_BIAS,
-                                      SCORE_MOD)
+                                      SCORE_MOD, FOLD_SCALE)
         for start_n in range(full_lo, full_hi, BLOCK_N):
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, start_n, row, False, HAS_MASK, MASK_MOD, EVEN_D, HAS_LEFT,
                                       HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, USE_TMA, BLOCK_N, BLOCK_D, HAS_BIAS,
-                                      SCORE_MOD)
+                                      SCORE_MOD, FOLD_SCALE)
         for start_n in range(full_hi, hi, BLOCK_N):
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, start_n, row, True, HAS_MASK, MASK_MOD, EVEN_D, HAS_LEFT,
                                       HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, USE_TMA, BLOCK_N, BLOCK_D, HAS_BIAS,
-                                      SCORE_MOD)
+                                      SCORE_MOD, FOLD_SCALE)
 
     # Alg. 1 lines 12-13: O_i = diag(l_i)^-1 O~_i, L_i = m_i + log l_i. A row that saw no key has l_i = 0:
     # it outputs 0 and L = -inf (zero probability mass), never NaN.

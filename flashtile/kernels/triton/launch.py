@@ -340,6 +340,7 @@ def flash_fwd(q, k, v, out, lse, params: AttnParams, alibi: Optional[torch.Tenso
         *_pair_args(bias, batch, nheads, max_sq, max_sk), *_pair_args(mask, batch, nheads, max_sq, max_sk),
         *_sparse_args(sparse, batch, nheads, False),
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, EVEN_D=block_d == head_dim, USE_TMA=use_tma,
+        FOLD_SCALE=score_scale > 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_flags(params, alibi, cu_seqlens_q, head_dim, q.dtype),
         **_mod_flags(bias, mask, sparse, params, max_sq, max_sk), **_user_mod_kwargs(mods, "fwd"))
 

@@ -161,19 +161,23 @@ def load_rows(ptrs, valid, offs_d, head_dim, MASKED: tl.constexpr, EVEN_D: tl.co
 # Online-softmax update and partial-result merge, shared by the decode (split-KV) and combine kernels.
 # --------------------------------------------------------------------------------------------------
 @triton.jit
-def online_softmax_step(m_i, l_i, s, MASKED: tl.constexpr):
-    """FA2 Alg. 1 line 9 for one score tile s (BLOCK_M, BLOCK_N), log2 units.
+def online_softmax_step(m_i, l_i, s, MASKED: tl.constexpr, scale=1.0):
+    """FA2 Alg. 1 line 9 for one score tile s * scale (BLOCK_M, BLOCK_N), log2 units.
 
-    Returns (m_new, p, alpha, l_new): m_new = max(m_i, rowmax(s)), P~ = exp2(s - m_new),
+    Returns (m_new, p, alpha, l_new): m_new = max(m_i, rowmax(s) * scale), P~ = exp2(s * scale - m_new),
     alpha = exp2(m_i - m_new) (the factor by which the caller rescales its accumulator before adding P~ V,
     Alg. 1 line 10), l_new = alpha * l_i + rowsum(P~). MASKED: a row that has seen no visible key yet keeps
-    m = -inf and is exponentiated against 0, so P~ = 0 and alpha = 1 instead of NaN."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m = -inf and is exponentiated against 0, so P~ = 0 and alpha = 1 instead of NaN.
+    scale (> 0): raw q.k products may come in with the softmax scale still to apply; the max commutes with
+    it, so the scale costs one multiply per row for m and rides in exp2's argument as one FMA per element
+    ("exp2 with the scale folded in"), instead of a multiply of the whole tile. Already-scaled scores pass 1.0,
+    which the compiler drops."""
+    m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
     m_use = m_new
     if MASKED:
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.math.exp2(m_i - m_use)
-    p = tl.math.exp2(s - m_use[:, None])
+    p = tl.math.exp2(s * scale - m_use[:, None])
     l_new = l_i * alpha + tl.sum(p, 1)
     return m_new, p, alpha, l_new
 
