@@ -18,6 +18,7 @@ P is quantized to e4m3 for the P V product with the fixed scale 448 (P~ = exp2(S
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -51,11 +52,14 @@ def fp8_config(head_dim: int, causal: bool = False) -> FP8Config:
         return CONFIG_OVERRIDE["fwd"]
     if interpreting():
         return FP8Config(32, 16, 4, 1)
+    # the best of a tile sweep on an H200 (b2 n8192, 16 heads x 128 / 32 x 64 / 8 x 256, 2026-11-21, see
+    # BENCHMARKS.md): d64 full 540 TFLOP/s (64, 128, 4, 3), causal 475 (128, 128, 4, 3); d128 751 / 680
+    # (128, 256, 8, 3); d256 932 / 868 (128, 128, 8, 3)
     if head_dim <= 64:
-        return FP8Config(128, 128, 4, 3)
+        return FP8Config(128, 128, 4, 3) if causal else FP8Config(64, 128, 4, 3)
     if head_dim <= 128:
-        return FP8Config(128, 128, 8, 3)
-    return FP8Config(128, 64, 8, 2)
+        return FP8Config(128, 256, 8, 3)
+    return FP8Config(128, 128, 8, 3)
 
 
 @dataclass
@@ -122,6 +126,25 @@ def _block_d(d):
     return max(32, triton.next_power_of_2(d))
 
 
+# How the quantizer applies H: None = on the tensor cores (fwht_rows_mma) wherever tl.dot can take the input
+# (on a GPU; under the interpreter for fp16, whose bf16 dot is broken), else by butterflies (fwht_rows).
+# True / False force one (tests, benchmarks).
+FWHT_MMA = None
+
+
+def _fwht_mma(dtype) -> bool:
+    if FWHT_MMA is not None:
+        return FWHT_MMA
+    return not interpreting() or dtype == torch.float16
+
+
+@functools.lru_cache(maxsize=64)
+def _signs(d: int, seed: int, device: torch.device) -> torch.Tensor:
+    """hadamard_signs, made once per (d, seed, device): building them on the host and copying them over
+    on every call stalled the GPU queue."""
+    return hadamard_signs(d, seed, device=device)
+
+
 def _quant_one(x, block, per_tensor, signs, transpose):
     """One tensor -> (e4m3 tensor, descale (batch, nheads, nblocks) float32)."""
     b, n, h, d = x.shape
@@ -144,11 +167,15 @@ def _quant_one(x, block, per_tensor, signs, transpose):
     if x.stride(-1) != 1:
         x = x.contiguous()
     grid = (nblk, b * h)
-    warps = 8 if block * bd >= 16384 else 4
+    # 4 warps, 8 for the largest tiles (H200, per tensor of 16k tokens x 2048: d128 with H on the tensor
+    # cores 68 us with 4 warps vs 86 with 8; d256 132 vs 110; without the rotation 31-35 us either way, the
+    # speed of torch's own fp8 cast)
+    warps = 8 if block * bd >= 32768 else 4
     sig = signs if incoherent else scale
     common = (x.stride(0), x.stride(1), x.stride(2), *ystr, scale.stride(0), scale.stride(1),
               h, n, d, 1.0 / math.sqrt(d))
-    meta = dict(BLOCK=block, BLOCK_D=bd, INCOHERENT=incoherent, num_warps=warps)
+    meta = dict(BLOCK=block, BLOCK_D=bd, INCOHERENT=incoherent, FWHT_MMA=_fwht_mma(x.dtype),
+                SOFT_ROUND=interpreting(), num_warps=warps)
     amax = scale
     if per_tensor:  # pass 1: block amaxes (after the rotation) -> the tensor's amax
         _k.quant_fp8_kernel[grid](x, y, scale, sig, scale, *common, PER_TENSOR=False, WRITE_Y=False, **meta)
@@ -183,7 +210,7 @@ def quantize_fp8(q, k, v, *, block_quant: bool = True, incoherent: bool = True, 
     for name, val in (("block_m", block_m), ("block_n", block_n)):
         if val < 16 or val & (val - 1):
             _fail(name, val, "a power of two >= 16")
-    signs = hadamard_signs(d, hadamard_seed, device=q.device) if incoherent else None
+    signs = _signs(d, hadamard_seed, q.device) if incoherent else None
     per_tensor = not block_quant
     q8, qs = _quant_one(q, block_m, per_tensor, signs, False)
     k8, ks = _quant_one(k, block_n, per_tensor, signs, False)

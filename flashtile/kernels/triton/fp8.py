@@ -2,20 +2,25 @@
 an attention kernel over its tiles. The math is written out in flashtile/reference/fp8_emulation.py.
 
 quant_fp8_kernel: one program per (block of BLOCK rows, batch * head) of Q, K or V: load the tile, optionally
-  apply the incoherent transform x -> x diag(s) H / sqrt(d) (fast Walsh-Hadamard transform, log2 d butterfly
-  stages on the register tile), take the block's amax, store descale = amax / 448 and e4m3(x * 448 / amax);
-  V can be written transposed, (batch, nheads_k, d, seqlen_pad), so that the P V product's B operand is
-  K-major in memory (FP8 wgmma accepts only K-major operands, FA3 §3.3 "layout").
+  apply the incoherent transform x -> x diag(s) H / sqrt(d), take the block's amax, store descale = amax / 448
+  and e4m3(x * 448 / amax); V can be written transposed, (batch, nheads_k, d, seqlen_pad), so that the P V
+  product's B operand is K-major in memory (FP8 wgmma accepts only K-major operands, FA3 §3.3 "layout").
+  H is applied one of two ways: fwht_rows, the fast Walsh-Hadamard transform (log2 d butterfly stages on the
+  register tile, O(d log d) adds), or fwht_rows_mma, one tensor-core product with the +-1 matrix (O(d^2)
+  multiply-adds, but on the tensor cores). Each butterfly stage regroups the tile's columns, which Triton does
+  through shared memory, so on an H200 the product is the faster (per tensor of 16k tokens x 2048, H200:
+  d64 37 vs 88 us, d128 68 vs 116, d256 110 vs 133; no rotation 31-35 us); the launcher takes it wherever
+  tl.dot accepts the input dtype.
 attn_fwd_fp8_kernel: FA2's forward loop (fwd.py) on e4m3 tiles; the per-block scales enter as one scalar
   per S tile (folded into the softmax scale) and one per-row factor per V tile (folded into the rescale
   of the accumulator), so block quantization costs no extra work per element.
 
 e4m3 rounding: the kernels' casts are round-to-nearest-even, saturating at +-448 (PTX cvt.rn.satfinite).
 The Triton interpreter's fp32 -> fp8 cast does not round that way (it truncates with a half-up bit and
-drops the carry into the exponent: 125.04 -> 64), so with SOFT_CAST the value is first rounded onto the
-e4m3 grid in fp32 arithmetic (e4m3_round), after which any cast is exact. The quantization kernel always
-does this (it is memory-bound); the attention kernel's P cast does it only when SOFT_CAST is set (the
-launcher sets it under the interpreter; the GPU script checks both paths agree).
+drops the carry into the exponent: 125.04 -> 64), so with SOFT_CAST / SOFT_ROUND the value is first rounded
+onto the e4m3 grid in fp32 arithmetic (e4m3_round), after which any cast is exact. The launchers set them
+under the interpreter only; on the GPU both casts give the same bits (checked by benchmarks/bench_fp8.py
+and tests/gpu), and the hardware cast keeps the quantizer at the speed of a plain copy.
 """
 import triton
 import triton.language as tl
@@ -82,13 +87,27 @@ def fwht_rows(x, BLOCK: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
+def fwht_rows_mma(x, signs, BLOCK_D: tl.constexpr):
+    """x diag(signs) H_D on the tensor cores: x (BLOCK, D) in its 16-bit input dtype times the +-1 matrix
+    diag(signs) H (H[i, j] = (-1)^popcount(i & j), built in registers), fp32 accumulate. Every product is
+    exact; only the fp32 summation order differs from the butterflies."""
+    i = tl.arange(0, BLOCK_D)
+    v = i[:, None] & i[None, :]
+    v = v ^ (v >> 4)
+    v = v ^ (v >> 2)
+    v = v ^ (v >> 1)                                         # bit 0: parity of popcount(i & j), i, j < 256
+    h = tl.where((v & 1) == 0, 1.0, -1.0) * signs[:, None]
+    return tl.dot(x, h.to(x.dtype))
+
+
+@triton.jit
 def quant_fp8_kernel(
     X, Y, SCALE, SIGNS, AMAX_IN,
     stride_xb, stride_xn, stride_xh, stride_yb, stride_yn, stride_yh, stride_yd,
     stride_sb, stride_sh,
     nheads, seqlen, head_dim, inv_sqrt_d,
     BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, INCOHERENT: tl.constexpr,
-    PER_TENSOR: tl.constexpr, WRITE_Y: tl.constexpr,
+    PER_TENSOR: tl.constexpr, WRITE_Y: tl.constexpr, FWHT_MMA: tl.constexpr = False, SOFT_ROUND: tl.constexpr = True,
 ):
     """Y = e4m3(T(X) * 448 / amax), SCALE[b, h, blk] = amax / 448, T the optional incoherent transform.
 
@@ -100,16 +119,22 @@ def quant_fp8_kernel(
     bh = tl.program_id(1)
     b = bh // nheads
     h = bh % nheads
-    offs_n = pid_n * BLOCK + tl.arange(0, BLOCK)
+    offs_r = tl.arange(0, BLOCK)                             # rows relative to the block: int32 offsets
+    offs_n = pid_n * BLOCK + offs_r
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_n[:, None] < seqlen) & (offs_d[None, :] < head_dim)
     b64 = tl.cast(b, tl.int64)
-    x_ptrs = X + b64 * stride_xb + tl.cast(h, tl.int64) * stride_xh \
-        + offs_n[:, None].to(tl.int64) * stride_xn + offs_d[None, :]
-    x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    n0 = tl.cast(pid_n * BLOCK, tl.int64)
+    x_blk = X + b64 * stride_xb + tl.cast(h, tl.int64) * stride_xh + n0 * stride_xn
+    x = tl.load(x_blk + offs_r[:, None] * stride_xn + offs_d[None, :], mask=mask, other=0.0)
     if INCOHERENT:
-        signs = tl.load(SIGNS + offs_d)
-        x = fwht_rows(x * signs[None, :], BLOCK, BLOCK_D) * inv_sqrt_d
+        signs = tl.load(SIGNS + offs_d, mask=offs_d < head_dim, other=0.0)
+        if FWHT_MMA:
+            x = fwht_rows_mma(x, signs, BLOCK_D) * inv_sqrt_d
+        else:
+            x = fwht_rows(x.to(tl.float32) * signs[None, :], BLOCK, BLOCK_D) * inv_sqrt_d
+    else:
+        x = x.to(tl.float32)
     if PER_TENSOR:
         amax = tl.load(AMAX_IN)
     else:
@@ -118,10 +143,9 @@ def quant_fp8_kernel(
     # IEEE divisions (Triton's `/` on fp32 is approximate on NVIDIA): the same bits as the torch emulation
     if WRITE_Y:
         inv = tl.math.div_rn(amax * 0.0 + 448.0, amax)
-        y = e4m3_round(x * inv).to(tl.float8e4nv)
-        y_ptrs = Y + b64 * stride_yb + tl.cast(h, tl.int64) * stride_yh \
-            + offs_n[:, None].to(tl.int64) * stride_yn + offs_d[None, :].to(tl.int64) * stride_yd
-        tl.store(y_ptrs, y, mask=mask)
+        y = to_e4m3(x * inv, SOFT_ROUND)
+        y_blk = Y + b64 * stride_yb + tl.cast(h, tl.int64) * stride_yh + n0 * stride_yn
+        tl.store(y_blk + offs_r[:, None] * stride_yn + offs_d[None, :] * stride_yd, y, mask=mask)
         tl.store(SCALE + b * stride_sb + h * stride_sh + pid_n, tl.math.div_rn(amax, amax * 0.0 + 448.0))
     else:
         tl.store(SCALE + b * stride_sb + h * stride_sh + pid_n, amax)
@@ -188,19 +212,20 @@ def _fp8_tile(acc, l_i, m_i, dv_prev, q, qk_scale, desc_k, desc_v, k_blk, v_blk,
     k = _load_k(desc_k, k_blk, kv_row, hk, offs_n, offs_d, cols, seqlen_k, stride_kn, head_dim,
                 MASKED, USE_TMA, BLOCK_D)
     # line 8: S = Q8 K8^T, fp32 accumulate; block descales of Q_i and K_j join the softmax scale (FA3 §3.3)
-    dk = tl.load(K_SCALE_ROW + blk * stride_ksm)
-    s = tl.dot(q, tl.trans(k)) * (qk_scale * dk)
+    # (the scale c > 0 is applied to the row max and inside exp2's argument, not to the whole tile)
+    c = qk_scale * tl.load(K_SCALE_ROW + blk * stride_ksm)
+    s = tl.dot(q, tl.trans(k))
     if MASKED:
         s = tl.where(visible(offs_m[:, None], cols[None, :], seqlen_q, seqlen_k, 0, 0, False, CAUSAL),
                      s, float("-inf"))
     # line 9: online softmax in log2 units
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * c)
     m_use = m_new
     if MASKED:
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.math.exp2(m_i - m_use)
     # P~ scaled by 448 (free: it rides on the row max) so it spans e4m3's range; l carries the same factor
-    p = tl.math.exp2(s - (m_use - 8.807354922057604)[:, None])
+    p = tl.math.exp2(s * c - (m_use - 8.807354922057604)[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = _load_v(desc_v, v_blk, vt_row, start_n, kv_row, hk, offs_n, offs_d, cols, seqlen_k, stride_vn, stride_vd,
                 head_dim, MASKED, V_TRANSPOSED, USE_TMA, BLOCK_D)
@@ -248,7 +273,7 @@ def attn_fwd_fp8_kernel(
     k_scale_row = K_SCALE + b * stride_ksb + hk * stride_ksh
     v_scale_row = V_SCALE + b * stride_vsb + hk * stride_vsh
     dq = tl.load(Q_SCALE + b * stride_qsb + (h // q_scale_group) * stride_qsh + pid_m * stride_qsm)
-    qk_scale = score_scale * dq                       # softmax_scale * log2(e) * descale_q
+    qk_scale = score_scale * dq                       # softmax_scale * log2(e) * descale_q (> 0)
 
     q = tl.load(q_base + offs_r[:, None] * stride_qm + offs_d[None, :],
                 mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim), other=0.0)
