@@ -155,8 +155,7 @@ def main():
             nb = min(batch, 2)
             ref = reference_slice(q, k_cache, v_cache, nb)
             providers = []
-            splits = _decode.num_splits_heuristic(batch * HK, seqlen, _decode.decode_config(H // HK, D, DTYPE).BLOCK_N,
-                                                  q.device)
+            splits = _decode.plan_decode(1, H, HK, D, DTYPE, batch, seqlen, q.device).num_splits
             providers.append(("flashtile-contig", lambda: flash_attn_with_kvcache(q, k_cache, v_cache), "packed"))
             kp, vp, table = to_paged(k_cache, v_cache, args.page)
             providers.append((f"flashtile-paged{args.page}",

@@ -65,7 +65,7 @@ def test_split_counts_agree_on_gpu(seed):
     kc = torch.randn(1, 32768, 8, 128, dtype=bf16, device="cuda")
     vc = torch.randn(1, 32768, 8, 128, dtype=bf16, device="cuda")
     one = flash_attn_with_kvcache(q, kc, vc, num_splits=1, return_softmax_lse=True)
-    auto_n = _decode.num_splits_heuristic(8, 32768, _decode.decode_config(4, 128, bf16).BLOCK_N, q.device)
+    auto_n = _decode.plan_decode(1, 32, 8, 128, bf16, 1, 32768, q.device).num_splits
     assert auto_n > 1, "batch 1 x 8 K/V heads must be split to fill the GPU"
     for n in (0, 16, 128):
         o, l_ = flash_attn_with_kvcache(q, kc, vc, num_splits=n, return_softmax_lse=True)

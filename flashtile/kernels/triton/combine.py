@@ -1,9 +1,10 @@
 """Flash-decoding's combine step: merge the per-split partial results of decode.py into O and LSE.
 
 Split s of a query row produced O_s (normalised over its keys) and lse2_s = log2 sum_j exp2(S_j) over its keys.
-Over all splits, lse2 = log2 sum_s exp2(lse2_s) and O = sum_s exp2(lse2_s - lse2) O_s: exactly the online-softmax
-rule with each split as one block whose row max is lse2_s and row sum 1, folded in one at a time by
-mods.merge_partial (the same update the forward's inner loop performs on score tiles).
+Over all splits, lse2 = log2 sum_s exp2(lse2_s) and O = sum_s exp2(lse2_s - lse2) O_s: FA2's inner loop once
+more, with the splits as the keys: split s is a key whose score is lse2_s and whose value row is O_s (its
+weight exp2(lse2_s) is its row sum, since O_s is normalised). So the kernel runs mods.online_softmax_step over
+chunks of splits, the very update the forward applies to score tiles.
 """
 from __future__ import annotations
 
@@ -11,32 +12,37 @@ import torch
 import triton
 import triton.language as tl
 
-from .mods import merge_partial
+from .mods import online_softmax_step
 
 
 @triton.jit(do_not_specialize=["num_splits"])
 def combine_kernel(O_PART, LSE_PART, O, LSE,
                    stride_ps, stride_pm, stride_ph, stride_lps, stride_lpm,
                    stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h,
-                   nheads, seqlen_rows, head_dim, num_splits,
-                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One program per (packed query row, block of BLOCK_H heads). Packed row g is query g % seqlen_rows of
-    batch element g // seqlen_rows (dense layout; varlen passes seqlen_rows = total_q and batch strides 0)."""
-    g = tl.program_id(0)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+                   seqlen_rows, head_dim, num_splits,
+                   CHUNK: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One program per (packed query row, head); it reads CHUNK splits per step, all their loads in flight at
+    once (a decode step's latency is what a combine adds, so the splits are not visited one by one). Packed
+    row g is query g % seqlen_rows of batch element g // seqlen_rows (dense layout; varlen passes
+    seqlen_rows = total_q and batch strides 0)."""
+    g64 = tl.cast(tl.program_id(0), tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, CHUNK)
     offs_d = tl.arange(0, BLOCK_D)
-    h_ok = heads < nheads
-    tile_mask = h_ok[:, None] & (offs_d[None, :] < head_dim)
-    g64 = tl.cast(g, tl.int64)
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    for s in range(0, num_splits):
-        s64 = tl.cast(s, tl.int64)
-        lse2_s = tl.load(LSE_PART + s64 * stride_lps + g64 * stride_lpm + heads, mask=h_ok, other=float("-inf"))
-        o_s = tl.load(O_PART + s64 * stride_ps + g64 * stride_pm + heads.to(tl.int64)[:, None] * stride_ph
-                      + offs_d[None, :], mask=tile_mask, other=0.0)
-        m_i, l_i, acc = merge_partial(m_i, l_i, acc, lse2_s, o_s)
+    lse_row = LSE_PART + g64 * stride_lpm + h
+    o_row = O_PART + g64 * stride_pm + tl.cast(h, tl.int64) * stride_ph
+    m_i = tl.full([1], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([1], dtype=tl.float32)
+    acc = tl.zeros([1, BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, num_splits, CHUNK):
+        sp = s0 + offs_s
+        ok = sp < num_splits
+        lse2 = tl.load(lse_row + sp.to(tl.int64) * stride_lps, mask=ok, other=float("-inf"))
+        o_s = tl.load(o_row + sp.to(tl.int64)[:, None] * stride_ps + offs_d[None, :],
+                      mask=ok[:, None] & (offs_d[None, :] < head_dim), other=0.0)
+        # FA2 Alg. 1 lines 9-10 with the splits as keys: scores lse2_s, values O_s
+        m_i, p, alpha, l_i = online_softmax_step(m_i, l_i, lse2[None, :], True)
+        acc = acc * alpha[:, None] + tl.sum(tl.reshape(p, (CHUNK, 1)) * o_s, 0)[None, :]
     # rows no split saw a key for: O = 0, LSE = -inf
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
@@ -44,9 +50,10 @@ def combine_kernel(O_PART, LSE_PART, O, LSE,
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
     b = g64 // seqlen_rows
     i = g64 % seqlen_rows
-    o_rows = b * stride_ob + i * stride_om + heads.to(tl.int64) * stride_oh
-    tl.store(O + o_rows[:, None] + offs_d[None, :], out.to(O.dtype.element_ty), mask=tile_mask)
-    tl.store(LSE + b * stride_lse_b + heads.to(tl.int64) * stride_lse_h + i, lse, mask=h_ok)
+    o_ptr = O + b * stride_ob + i * stride_om + tl.cast(h, tl.int64) * stride_oh
+    tl.store(o_ptr + offs_d[None, :], out.to(O.dtype.element_ty), mask=offs_d[None, :] < head_dim)
+    lse_ptr = LSE + b * stride_lse_b + tl.cast(h, tl.int64) * stride_lse_h + i + tl.arange(0, 1)
+    tl.store(lse_ptr, lse)
 
 
 def combine_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
@@ -61,9 +68,11 @@ def combine_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tens
     else:
         ob, om, oh = 0, out.stride(0), out.stride(1)
         lb, lh = 0, lse.stride(0)
-    block_h = min(16, triton.next_power_of_2(nheads))
-    combine_kernel[(rows, triton.cdiv(nheads, block_h))](
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    # all splits in one step up to 32 (64 KB of fp32 partials per program at d256), else steps of 32
+    chunk = min(max(2, triton.next_power_of_2(num_splits)), 32)
+    combine_kernel[(rows, nheads)](
         o_part, lse_part, out, lse,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
-        ob, om, oh, lb, lh, nheads, seqlen_rows, head_dim, num_splits,
-        BLOCK_H=block_h, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), num_warps=4)
+        ob, om, oh, lb, lh, seqlen_rows, head_dim, num_splits,
+        CHUNK=chunk, BLOCK_D=block_d, num_warps=4)

@@ -11,7 +11,7 @@ that is 4x less traffic than a per-query-head decode, and decode is bound by exa
 
 Each program runs the FA2 inner loop (Alg. 1 lines 6-10, the update itself is mods.online_softmax_step) over
 its split's keys. With one split it writes the final O and LSE; with several it writes a normalised partial
-O_s and its log2-sum-exp lse2_s, which combine.py merges (mods.merge_partial) into O and LSE. Splits let a
+O_s and its log2-sum-exp lse2_s, which combine.py merges (the same online-softmax update) into O and LSE. Splits let a
 decode step with few (batch x K/V heads) tiles still fill every multiprocessor (num_splits_heuristic).
 
 Keys are addressed through the cache: key j (0-based, after left padding) of batch element b sits at cache
@@ -327,26 +327,36 @@ WAVE_SLACK = 0.9              # ... give or take this factor
 MIN_BLOCKS_PER_SPLIT = 4      # never fewer key blocks per split than this
 
 
-def default_decode_config(rows: int, head_dim: int, dtype: torch.dtype) -> DecodeConfig:
+def _block_m(rows: int) -> int:
+    return min(64, max(16, triton.next_power_of_2(rows)))
+
+
+def default_decode_config(rows: int, head_dim: int, dtype: torch.dtype, few_tiles: bool = False) -> DecodeConfig:
     """rows = seqlen_q * group (the packed M extent). tl.dot needs M >= 16; beyond 64 rows the tile is
-    split over several programs. Interpreter: small tiles so that the CPU tests cross many tile edges."""
-    block_m = min(64, max(16, triton.next_power_of_2(rows)))
+    split over several programs. few_tiles: batch x K/V heads x row blocks at most an eighth of the SMs
+    (batch 1-2 of a GQA model): every program then owns only a few key tiles of its split and shorter,
+    deeper-pipelined tiles pay. Interpreter: small tiles so that the CPU tests cross many tile edges."""
+    block_m = _block_m(rows)
     if interpreting():
         return DecodeConfig(min(block_m, 16), 16, 4, 1)
     bd = _block_d(head_dim)
     if bd <= 128 and dtype != torch.float32:
         # benchmarks/sweep_decode.py on an H200 (bf16, hd128, batch 1-64, cache 4k-128k, contiguous and page
         # 256): 128-key tiles through TMA, 2 stages, were within 2% of each point's best tile on average (0.5%
-        # paged) and 13-30% faster than the former 64/4/3 at batch 64 (results/h200-2026-11-21/sweep_decode.md)
+        # paged) and 13-30% faster than the former 64/4/3 at batch 64 (results/h200-2026-11-21/sweep_decode.md).
+        # At batch 1, 64-key tiles with 3 stages were within 0.9% of the best at every cache and 10% faster
+        # at 4k (16.1 vs 17.8 us; results/h200-2026-11-21b/sweep_decode_b1.md).
+        if few_tiles:
+            return DecodeConfig(block_m, 64, 4, 3, use_tma=True)
         return DecodeConfig(block_m, 128, 4, 2, use_tma=True)
     if bd <= 128:
         return DecodeConfig(block_m, 32, 4, 3)
     return DecodeConfig(block_m, 32, 4, 2)
 
 
-def decode_config(rows: int, head_dim: int, dtype: torch.dtype) -> DecodeConfig:
+def decode_config(rows: int, head_dim: int, dtype: torch.dtype, few_tiles: bool = False) -> DecodeConfig:
     """The launch config: default_decode_config, then CONFIG_OVERRIDE ("decode", then single fields)."""
-    cfg = CONFIG_OVERRIDE.get("decode") or default_decode_config(rows, head_dim, dtype)
+    cfg = CONFIG_OVERRIDE.get("decode") or default_decode_config(rows, head_dim, dtype, few_tiles)
     fields = {k: CONFIG_OVERRIDE[k] for k in _CONFIG_FIELDS if k in CONFIG_OVERRIDE}
     return dataclasses.replace(cfg, **fields) if fields else cfg
 
@@ -429,7 +439,8 @@ def plan_decode(seqlen_q: int, nheads: int, nheads_k: int, head_dim: int, dtype:
     """The config, split count (num_splits <= 0: CONFIG_OVERRIDE["num_splits"] or num_splits_heuristic) and
     paged path flash_decode uses. page_size 0: contiguous cache."""
     group = nheads // nheads_k
-    cfg = decode_config(seqlen_q * group, head_dim, dtype)
+    tiles = triton.cdiv(max(seqlen_q * group, 1), _block_m(seqlen_q * group)) * batch * nheads_k
+    cfg = decode_config(seqlen_q * group, head_dim, dtype, few_tiles=8 * tiles <= multiprocessors(device))
     if (page_size and "BLOCK_N" not in CONFIG_OVERRIDE and "decode" not in CONFIG_OVERRIDE
             and not page_tiles_ok(page_size, cfg.BLOCK_N) and page_size >= 16 and page_size & (page_size - 1) == 0):
         # small power-of-two pages: shrink the key tile to one page so each tile stays inside a page (one

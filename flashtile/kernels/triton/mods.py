@@ -183,26 +183,6 @@ def online_softmax_step(m_i, l_i, s, MASKED: tl.constexpr, scale=1.0):
 
 
 @triton.jit
-def merge_partial(m_i, l_i, acc, lse2_b, o_b):
-    """Fold one normalised partial result (o_b, lse2_b: its output and log2-sum-exp over a disjoint key
-    range) into the running (m_i, l_i, acc) of the same rows: the online-softmax rule with the partial as a
-    block whose row max is lse2_b and row sum 1 (flash-decoding's combine step). Finish with
-    out = acc / l_i, lse2 = m_i + log2(l_i). Partials that saw no key (lse2_b = -inf) contribute nothing.
-    Shapes: m_i, l_i, lse2_b (R,); acc, o_b (R, D)."""
-    m_new = tl.maximum(m_i, lse2_b)
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.math.exp2(m_i - m_use)
-    beta = tl.math.exp2(lse2_b - m_use)
-    l_new = l_i * alpha + beta
-    acc = acc * alpha[:, None] + o_b * beta[:, None]
-    return m_new, l_new, acc
-
-
-# --------------------------------------------------------------------------------------------------
-# User-supplied score modifiers: an additive attn_bias and a boolean attn_mask, each a (b, h)-offset
-# pointer plus (row, column) strides (stride 0 on broadcast dimensions, so nothing is materialised).
-# --------------------------------------------------------------------------------------------------
-@triton.jit
 def bias_mask_log2(s, i, j, seqlen_q, seqlen_k, bias_bh, stride_bias_m, stride_bias_n,
                    mask_bh, stride_mask_m, stride_mask_n, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr):
     """Score tile s (log2 units) at query i, key j (broadcastable 2-D index tensors) plus attn_bias[i, j]
