@@ -36,6 +36,10 @@ def _fwd_tile(acc, l_i, m_i, start_n, row, MASKED: tl.constexpr, HAS_MASK: tl.co
     cols = start_n + offs_n
     k = load_tile(desc_k, k_blk, kv_row, hk, offs_n, offs_d, cols, seqlen_k, stride_kn, head_dim,
                   MASKED, EVEN_D, USE_TMA, BLOCK_D)
+    # V_j is requested together with K_j (not after the softmax): the pipeliner then waits for both tiles at the
+    # top of the step, and the softmax's FMULs/conversions interleave with the QK^T GEMM instead of trailing it
+    v = load_tile(desc_v, v_blk, kv_row, hk, offs_n, offs_d, cols, seqlen_k, stride_vn, head_dim,
+                  MASKED, EVEN_D, USE_TMA, BLOCK_D)
     kt = tl.trans(k)
     # Alg. 1 line 8: S_i^(j) = Q_i K_j^T (then scale / softcap / ALiBi, in log2 units)
     qk = tl.dot(q, kt, input_precision=DOT_PREC)
@@ -65,8 +69,6 @@ def _fwd_tile(acc, l_i, m_i, start_n, row, MASKED: tl.constexpr, HAS_MASK: tl.co
         # l_i sums the un-dropped P~ (the softmax normaliser); only the P~ V product sees Z (FA1 Alg. 2 line 13)
         keep = dropout_keep(seed, rng_offset, rng_base, offs_m[:, None], cols[None, :], rng_stride_m, dropout_p)
         p = tl.where(keep, p, 0.0)
-    v = load_tile(desc_v, v_blk, kv_row, hk, offs_n, offs_d, cols, seqlen_k, stride_vn, head_dim,
-                  MASKED, EVEN_D, USE_TMA, BLOCK_D)
     # Alg. 1 line 10: O~_i^(j) = diag(e^(m_old - m_new)) O~_i^(j-1) + P~ V_j   (no division here: FA2's change)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
