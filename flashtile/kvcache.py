@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from .interface import AttnArgs, _check_device, _check_tensor, _fail, validate
+from .interface import AttnArgs, _check_device, _check_tensor, _fail, _output, _output_like, validate
 from .kernels.triton import decode as _decode
 from .kernels.triton import rotary as _rotary
 from .kernels.triton.launch import AttnParams
@@ -252,8 +252,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             seqlens_k = (cache_seqlens + seqlen_new).to(torch.int32) if seqlen_new else cache_seqlens
 
         # ---- split-KV attention over the cache ----
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-        lse = torch.empty(batch, nheads, seqlen_q, device=device, dtype=torch.float32)
+        out = _output_like(q)
+        lse = _output((batch, nheads, seqlen_q), device, torch.float32)
         params = AttnParams(a.softmax_scale, a.window_left, a.window_right, a.softcap)
         _decode.flash_decode(q_attn, k_cache, v_cache, out, lse, seqlens_k, params,
                              cache_batch_idx=cache_batch_idx, leftpad=cache_leftpad, block_table=block_table,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import kvcache as _kvcache
-from .interface import _attention, _check_device, _check_tensor, _fail, validate
+from .interface import _attention, _check_device, _check_tensor, _fail, _output, _output_like, validate
 from .kernels.triton import decode as _decode
 from .kernels.triton.launch import AttnParams
 
@@ -110,8 +110,8 @@ def _varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     params = AttnParams(a.softmax_scale, a.window_left, a.window_right, a.softcap)
 
     def run(q_):
-        out = torch.empty_like(q_, memory_format=torch.contiguous_format)
-        lse = torch.empty(q_.shape[1], q_.shape[0], device=q_.device, dtype=torch.float32)
+        out = _output_like(q_)
+        lse = _output((q_.shape[1], q_.shape[0]), q_.device, torch.float32)
         _decode.flash_decode(q_, k, v, out, lse, seqlens_k, params, cu_seqlens_q=cu_seqlens_q,
                              max_seqlen_q=max_seqlen_q, block_table=block_table, alibi=alibi_slopes,
                              max_seqlen_k=min(max_seqlen_k, capacity))

@@ -10,6 +10,8 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# outputs start as NaN in every test, so an element a kernel fails to write cannot pass (flashtile.interface)
+os.environ.setdefault("FLASHTILE_POISON", "1")
 
 HAS_CUDA = torch.cuda.is_available()
 

@@ -238,3 +238,12 @@ def test_valid_edge_options_accepted(kw, seed):
     with torch.no_grad():
         out = _call(q, k, v, **kw)
     assert out.shape == q.shape and torch.isfinite(out).all()
+
+
+def test_outputs_are_poisoned_under_the_test_suite():
+    # tests/conftest.py turns the NaN fill on, so an element a kernel forgets to write cannot pass a test;
+    # and with it on, an output buffer really starts as NaN
+    from flashtile import interface
+    assert interface.POISON_OUTPUTS
+    assert torch.isnan(interface._output_like(torch.zeros(3, 4))).all()
+    assert torch.isnan(interface._output((2, 2), "cpu", torch.float32)).all()
