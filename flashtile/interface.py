@@ -320,49 +320,67 @@ _FWD_SCALARS = ("max_seqlen_q", "max_seqlen_k", "dropout_p", "softmax_scale", "w
                 "softcap")
 
 
-_N_FWD_BASE = 6 + len(_FWD_SCALARS) + 3   # q k v alibi cu_q cu_k, the scalars, return_probs, deterministic, mod_tensors
+_N_FWD_BASE = 6 + len(_FWD_SCALARS) + 2   # q k v alibi cu_q cu_k, the scalars, return_probs, deterministic
 _N_SPARSE = 8
+# the op's optional trailing arguments: attn_bias, attn_mask, the 8 sparse lists, sparse_block_size, mod_key
+_TRAILING_DEFAULTS = (None, None) + (None,) * _N_SPARSE + (0, 0)
 
 
-def _setup_context(ctx, inputs, output):
-    (q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, *scalars, _return_probs, deterministic,
-     mod_tensors) = inputs[:_N_FWD_BASE]
-    # the optional trailing inputs (defaults filled in): attn_bias, attn_mask, 8 sparse lists, sparse_block_size,
-    # mod_key (flashtile.flex's registered mods; mod_tensors are their captured tensors)
-    trailing = inputs[_N_FWD_BASE:]
-    attn_bias, attn_mask, *sparse, ctx.sparse_block_size, ctx.mod_key = trailing
-    # the backward returns one gradient per argument the op was called with, and the dispatcher drops trailing
-    # arguments equal to their defaults (all of them None or 0) before autograd sees the call
-    ctx.n_inputs = _N_FWD_BASE + max((i + 1 for i, x in enumerate(trailing) if x is not None and x is not False
-                                      and not (isinstance(x, int) and x == 0)), default=0)
-    mod_tensors = list(mod_tensors)
-    ctx.n_mod_tensors = len(mod_tensors)
-    # which of score_mod's captured tensors want a gradient (bit i: tensor i)
-    ctx.mod_grad_bits = sum(1 << i for i, t in enumerate(_score_tensors(ctx.mod_key, mod_tensors)) if t.requires_grad)
-    out, lse, rng_state, _ = output
-    ctx.save_for_backward(q, k, v, out, lse, rng_state, alibi_slopes, cu_seqlens_q, cu_seqlens_k, attn_bias,
-                          attn_mask, *sparse, *mod_tensors)
-    ctx.scalars = (*scalars, deterministic)
+class _FlashAttnFn(torch.autograd.Function):
+    """Autograd of flashtile::fwd (the backward is flashtile::bwd).
 
+    Inputs: the op's first _N_FWD_BASE arguments, then n_mod and the n_mod captured tensors of a score_mod /
+    mask_mod (flattened: autograd sees tensors inside a list as constants), then any of the op's trailing
+    arguments. Not torch.library.register_autograd: its wrapper re-reads the op's 28-argument schema once per
+    argument on every call (torch._library.utils.fill_defaults), ~300 us of host time per training forward,
+    more than the GPU time of a 2k-token attention call. torch.compile traces this Function like the op's
+    registered autograd (tests/test_compile.py)."""
 
-def _backward(ctx, dout, _dlse, _drng, _dprobs):
-    (q, k, v, out, lse, rng_state, alibi_slopes, cu_seqlens_q, cu_seqlens_k, attn_bias, attn_mask,
-     *rest) = ctx.saved_tensors
-    sparse, mod_tensors = rest[:_N_SPARSE], rest[_N_SPARSE:]
-    bias_grad = attn_bias is not None and ctx.needs_input_grad[_N_FWD_BASE]
-    grads = _bwd_op(dout, q, k, v, out, lse, rng_state, alibi_slopes, cu_seqlens_q, cu_seqlens_k, *ctx.scalars,
-                    list(mod_tensors), attn_bias, attn_mask, *sparse, ctx.sparse_block_size, bias_grad, ctx.mod_key,
-                    ctx.mod_grad_bits, _dlse)
-    result = [grads[0], grads[1], grads[2]] + [None] * (ctx.n_inputs - 3)
-    if bias_grad:
-        result[_N_FWD_BASE] = grads[3]
-    # mod_tensors (input _N_FWD_BASE - 1): a list with one gradient (or None) per tensor in it
-    extra = iter(grads[3 + bias_grad:])
-    result[_N_FWD_BASE - 1] = [next(extra) if ctx.mod_grad_bits >> i & 1 else None for i in range(ctx.n_mod_tensors)]
-    return tuple(result)
+    @staticmethod
+    def forward(ctx, *inputs):
+        # (the ctx-taking form: with a separate setup_context, Function.apply binds arguments through
+        # inspect.signature on every call)
+        n_mod = inputs[_N_FWD_BASE]
+        mods = list(inputs[_N_FWD_BASE + 1:_N_FWD_BASE + 1 + n_mod])
+        output = torch.ops.flashtile.fwd(*inputs[:_N_FWD_BASE], mods, *inputs[_N_FWD_BASE + 1 + n_mod:])
+        _FlashAttnFn._save(ctx, inputs, output)
+        return output
 
+    @staticmethod
+    def _save(ctx, inputs, output):
+        (q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, *scalars, _return_probs,
+         deterministic) = inputs[:_N_FWD_BASE]
+        n_mod = inputs[_N_FWD_BASE]
+        mod_tensors = list(inputs[_N_FWD_BASE + 1:_N_FWD_BASE + 1 + n_mod])
+        ctx.extra_at = _N_FWD_BASE + 1 + n_mod
+        extra = tuple(inputs[ctx.extra_at:])
+        attn_bias, attn_mask, *sparse, ctx.sparse_block_size, ctx.mod_key = extra + _TRAILING_DEFAULTS[len(extra):]
+        ctx.n_inputs = len(inputs)
+        ctx.n_mod_tensors = n_mod
+        # which of score_mod's captured tensors want a gradient (bit i: tensor i)
+        ctx.mod_grad_bits = sum(1 << i for i, t in enumerate(_score_tensors(ctx.mod_key, mod_tensors))
+                                if t.requires_grad)
+        out, lse, rng_state, _ = output
+        ctx.save_for_backward(q, k, v, out, lse, rng_state, alibi_slopes, cu_seqlens_q, cu_seqlens_k, attn_bias,
+                              attn_mask, *sparse, *mod_tensors)
+        ctx.scalars = (*scalars, deterministic)
 
-torch.library.register_autograd("flashtile::fwd", _backward, setup_context=_setup_context)
+    @staticmethod
+    def backward(ctx, dout, dlse, _drng, _dprobs):
+        (q, k, v, out, lse, rng_state, alibi_slopes, cu_seqlens_q, cu_seqlens_k, attn_bias, attn_mask,
+         *rest) = ctx.saved_tensors
+        sparse, mod_tensors = rest[:_N_SPARSE], rest[_N_SPARSE:]
+        bias_grad = attn_bias is not None and ctx.needs_input_grad[ctx.extra_at]
+        grads = _bwd_op(dout, q, k, v, out, lse, rng_state, alibi_slopes, cu_seqlens_q, cu_seqlens_k, *ctx.scalars,
+                        list(mod_tensors), attn_bias, attn_mask, *sparse, ctx.sparse_block_size, bias_grad,
+                        ctx.mod_key, ctx.mod_grad_bits, dlse)
+        result = [grads[0], grads[1], grads[2]] + [None] * (ctx.n_inputs - 3)
+        if bias_grad:
+            result[ctx.extra_at] = grads[3]
+        extra = iter(grads[3 + bias_grad:])
+        for i in range(ctx.n_mod_tensors):
+            result[_N_FWD_BASE + 1 + i] = next(extra) if ctx.mod_grad_bits >> i & 1 else None
+        return tuple(result)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -394,10 +412,13 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
             from . import flex
             mod_key, mod_tensors = flex.register(score_mod, mask_mod)
             extra = (*extra, mod_key)
-    out, lse, _, probs = torch.ops.flashtile.fwd(
-        q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
-        a.dropout_p, a.softmax_scale, a.window_left, a.window_right, a.softcap, bool(return_attn_probs),
-        bool(deterministic), mod_tensors, *extra)
+    base = (q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), a.dropout_p,
+            a.softmax_scale, a.window_left, a.window_right, a.softcap, bool(return_attn_probs), bool(deterministic))
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                       for t in (q, k, v, *mod_tensors, *extra)):
+        out, lse, _, probs = _FlashAttnFn.apply(*base, len(mod_tensors), *mod_tensors, *extra)
+    else:   # inference: the op alone (no autograd Function to set up)
+        out, lse, _, probs = torch.ops.flashtile.fwd(*base, mod_tensors, *extra)
     if return_attn_probs:
         return out, lse, probs
     if return_lse:
