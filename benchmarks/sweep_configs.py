@@ -7,6 +7,7 @@ FLOPs per ANCHORS.md: fwd 4*b*h*n^2*d (halved when causal), bwd 2.5x fwd.
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 
@@ -37,6 +38,7 @@ def main():
     ap.add_argument("--heads", default="64,128,256")
     ap.add_argument("--modes", default="fwd,bwd")
     args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
     hds = [int(x) for x in args.heads.split(",")]
     rows = []
     dev = torch.cuda.get_device_name()

@@ -143,11 +143,13 @@ def fwd_config(head_dim: int, dtype: torch.dtype, causal: bool, seqlen: int = 0)
     bd = _block_d(head_dim)
     if dtype == torch.float32:  # 4-byte tiles: half the rows
         return Config(64, 64 if bd <= 64 else 32, 4, 2)
+    # re-swept after V moved next to K in the tile step (b2 n8192, H200; results/h200-2026-11-21b/sweep_fwd.log):
+    # causal d64 (64, 64, 4, 3) 433 vs 418 TFLOP/s, d256 (64, 64, 4, 3) 527 / 507 vs 526 / 481 for (128, 64, 8, 2)
     if bd <= 64:
-        return Config(128, 64, 4, 3)
+        return Config(64, 64, 4, 3) if causal else Config(128, 64, 4, 3)
     if bd <= 128:
         return Config(128, 128, 8, 3)
-    return Config(128, 64, 8, 2)
+    return Config(64, 64, 4, 3)
 
 
 def bwd_config(head_dim: int, dtype: torch.dtype, causal: bool = False, seqlen: int = 0) -> Config:
