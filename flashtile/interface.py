@@ -344,6 +344,8 @@ class _FlashAttnFn(torch.autograd.Function):
         mods = list(inputs[_N_FWD_BASE + 1:_N_FWD_BASE + 1 + n_mod])
         output = torch.ops.flashtile.fwd(*inputs[:_N_FWD_BASE], mods, *inputs[_N_FWD_BASE + 1 + n_mod:])
         _FlashAttnFn._save(ctx, inputs, output)
+        # an output the loss does not use sends None, not a zero tensor: no LSE gradient -> no D - dlse launch
+        ctx.set_materialize_grads(False)
         return output
 
     @staticmethod
@@ -370,6 +372,8 @@ class _FlashAttnFn(torch.autograd.Function):
         (q, k, v, out, lse, rng_state, alibi_slopes, cu_seqlens_q, cu_seqlens_k, attn_bias, attn_mask,
          *rest) = ctx.saved_tensors
         sparse, mod_tensors = rest[:_N_SPARSE], rest[_N_SPARSE:]
+        if dout is None:   # only the LSE output reaches the loss
+            dout = torch.zeros_like(out)
         bias_grad = attn_bias is not None and ctx.needs_input_grad[ctx.extra_at]
         grads = _bwd_op(dout, q, k, v, out, lse, rng_state, alibi_slopes, cu_seqlens_q, cu_seqlens_k, *ctx.scalars,
                         list(mod_tensors), attn_bias, attn_mask, *sparse, ctx.sparse_block_size, bias_grad,

@@ -139,3 +139,21 @@ def test_gradient_through_the_lse_output(seed, path):
     # the lse gradient is really used: without the lse term the gradients differ
     plain = torch.autograd.grad((r_out * do.double()).sum(), ref)
     assert (plain[0] - ref_grads[0]).abs().max() > 1e-2
+
+
+def test_gradient_of_an_lse_only_loss(seed):
+    """A loss that uses only softmax_lse: the output's gradient arrives as None (not a zero tensor) and the
+    backward stands a zero dO in for it; dv is then exactly 0 (out does not reach the loss)."""
+    b, s, h, hk, d = 2, 33, 4, 2, 32
+    q = torch.randn(b, s, h, d, requires_grad=True)
+    k = torch.randn(b, s, hk, d, requires_grad=True)
+    v = torch.randn(b, s, hk, d, requires_grad=True)
+    w = torch.randn(b, h, s)
+    _, lse, _ = flashtile.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    dq, dk, dv = torch.autograd.grad((lse * w).sum(), (q, k, v))
+    ref = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    _, r_lse, _ = attention_ref(*ref, causal=True)
+    rq, rk = torch.autograd.grad((r_lse * w.double()).sum(), ref[:2])
+    for g, r in ((dq, rq), (dk, rk)):
+        assert (g.double() - r).abs().max() < 1e-4 * max(1.0, r.abs().max().item())
+    assert torch.equal(dv, torch.zeros_like(dv))
