@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .mods import (bias_mask_log2, dropout_keep, key_range, load_lse2, load_tile, present, query_range,
-                   score_mod_grad, scores_log2, seq_bounds, user_mods_log2, visible)
+                   score_mod_grad, scores_log2, seq_bounds, sparse_tile_start, user_mods_log2, visible)
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -239,20 +239,14 @@ def attn_bwd_dkdv_kernel(
             # FA1 Alg. 5 transposed: only the query blocks the block mask lists for this key block
             sp = b64 * stride_sp_b + tl.cast(h, tl.int64) * stride_sp_h + (start_n // SPARSE_BLOCK) * stride_sp_n
             n_partial = tl.load(Q_NUM + sp)
-            # one flat loop over (listed block, tile inside it), so Triton pipelines across blocks; tiles
-            # past the sequence end (a ragged last block) are fully masked
             for t in range(0, n_partial * (SPARSE_BLOCK // BLOCK_M)):
-                start_m = (tl.load(Q_IDX + sp * sparse_blocks + t // (SPARSE_BLOCK // BLOCK_M)) * SPARSE_BLOCK
-                           + (t % (SPARSE_BLOCK // BLOCK_M)) * BLOCK_M)
+                start_m = sparse_tile_start(Q_IDX, sp, t, sparse_blocks, SPARSE_BLOCK, BLOCK_M)
                 dk, dv = _dkdv_tile(dk, dv, start_m, row, True, HAS_MASK, MASK_MOD, EVEN_D, HAS_LEFT, HAS_RIGHT,
                                     SOFTCAP, ALIBI, DROPOUT, DOT_PREC, ATOMIC_DQ, USE_TMA, BLOCK_D, HAS_BIAS, HAS_DBIAS,
                                     DBIAS_ATOMIC, SCORE_MOD, SCORE_GRAD, SCORE_CAPTURED_GRAD, COMPUTE_DK, COMPUTE_DV)
             n_full = tl.load(FULL_Q_NUM + sp)
-            # one flat loop over (listed block, tile inside it), so Triton pipelines across blocks; tiles
-            # past the sequence end (a ragged last block) are fully masked
             for t in range(0, n_full * (SPARSE_BLOCK // BLOCK_M)):
-                start_m = (tl.load(FULL_Q_IDX + sp * sparse_blocks + t // (SPARSE_BLOCK // BLOCK_M)) * SPARSE_BLOCK
-                           + (t % (SPARSE_BLOCK // BLOCK_M)) * BLOCK_M)
+                start_m = sparse_tile_start(FULL_Q_IDX, sp, t, sparse_blocks, SPARSE_BLOCK, BLOCK_M)
                 dk, dv = _dkdv_tile(dk, dv, start_m, row, SPARSE_FULL_MASKED, False, None, EVEN_D, HAS_LEFT, HAS_RIGHT,
                                     SOFTCAP, ALIBI, DROPOUT, DOT_PREC, ATOMIC_DQ, USE_TMA, BLOCK_D, HAS_BIAS, HAS_DBIAS,
                                     DBIAS_ATOMIC, SCORE_MOD, SCORE_GRAD, SCORE_CAPTURED_GRAD, COMPUTE_DK, COMPUTE_DV)
@@ -396,19 +390,13 @@ def attn_bwd_dq_kernel(
         # FA1 Alg. 5: only the key blocks the block mask lists for this query block
         sp = b64 * stride_sp_b + tl.cast(h, tl.int64) * stride_sp_h + (start_m // SPARSE_BLOCK) * stride_sp_m
         n_partial = tl.load(KV_NUM + sp)
-        # one flat loop over (listed block, tile inside it), so Triton pipelines across blocks; tiles
-        # past the sequence end (a ragged last block) are fully masked
         for t in range(0, n_partial * (SPARSE_BLOCK // BLOCK_N)):
-            start_n = (tl.load(KV_IDX + sp * sparse_blocks + t // (SPARSE_BLOCK // BLOCK_N)) * SPARSE_BLOCK
-                       + (t % (SPARSE_BLOCK // BLOCK_N)) * BLOCK_N)
+            start_n = sparse_tile_start(KV_IDX, sp, t, sparse_blocks, SPARSE_BLOCK, BLOCK_N)
             dq = _dq_tile(dq, start_n, row, True, HAS_MASK, MASK_MOD, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                           ALIBI, DROPOUT, DOT_PREC, USE_TMA, BLOCK_D, HAS_BIAS, SCORE_MOD, SCORE_GRAD)
         n_full = tl.load(FULL_KV_NUM + sp)
-        # one flat loop over (listed block, tile inside it), so Triton pipelines across blocks; tiles
-        # past the sequence end (a ragged last block) are fully masked
         for t in range(0, n_full * (SPARSE_BLOCK // BLOCK_N)):
-            start_n = (tl.load(FULL_KV_IDX + sp * sparse_blocks + t // (SPARSE_BLOCK // BLOCK_N)) * SPARSE_BLOCK
-                       + (t % (SPARSE_BLOCK // BLOCK_N)) * BLOCK_N)
+            start_n = sparse_tile_start(FULL_KV_IDX, sp, t, sparse_blocks, SPARSE_BLOCK, BLOCK_N)
             dq = _dq_tile(dq, start_n, row, SPARSE_FULL_MASKED, False, None, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                           ALIBI, DROPOUT, DOT_PREC, USE_TMA, BLOCK_D, HAS_BIAS, SCORE_MOD, SCORE_GRAD)
     else:

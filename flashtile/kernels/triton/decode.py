@@ -48,7 +48,7 @@ import triton.language as tl
 
 from . import combine as _combine
 from .launch import AttnParams, _block_d, _dot_precision, interpreting
-from .mods import key_range, load_rows, online_softmax_step, scores_log2, seq_bounds, visible
+from .mods import key_range, load_rows, online_softmax_step, present, scores_log2, seq_bounds, visible
 
 try:  # host-side TMA descriptors (triton >= 3.4; the interpreter emulates them)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -110,18 +110,19 @@ def _load_kv(desc, HEAD, rows, row, head_col, valid, offs_d, head_dim,
 
 
 @triton.jit
-def _decode_tile(acc, l_i, m_i, q, K_head, V_head, desc_k, desc_v, BT_ROW, cb, head_col, start_n, offs_n, offs_d,
-                 qi, leftpad, seqlen_q, seqlen_k, stride_kp, stride_kn, stride_vp, stride_vn, page_size, head_dim,
-                 score_scale, softcap_log2, slope2, window_left, window_right,
-                 MASKED: tl.constexpr, EVEN_D: tl.constexpr, PAGED: tl.constexpr, PAGE_TILES: tl.constexpr,
-                 USE_TMA: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-                 ALIBI: tl.constexpr, DOT_PREC: tl.constexpr):
-    """One step j of the inner loop (FA2 Alg. 1 lines 7-10) for the key block starting at start_n."""
+def _decode_tile(acc, l_i, m_i, start_n, row, MASKED: tl.constexpr, EVEN_D: tl.constexpr, PAGED: tl.constexpr,
+                 PAGE_TILES: tl.constexpr, USE_TMA: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                 SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DOT_PREC: tl.constexpr):
+    """One step j of the inner loop (FA2 Alg. 1 lines 7-10) for the key block starting at start_n. row: what
+    every step of the program reads, as decode_kernel packs it."""
+    (q, K_head, V_head, desc_k, desc_v, BT_ROW, cb, head_col, offs_n, offs_d, qi, leftpad, seqlen_q, seqlen_k,
+     stride_kp, stride_kn, stride_vp, stride_vn, page_size, head_dim, score_scale, softcap_log2, slope2,
+     window_left, window_right) = row
     cols = start_n + offs_n                      # key index within the sequence (after left padding)
     valid = cols < seqlen_k
-    row, k_rows, v_rows = _tile_rows(BT_ROW, cb, leftpad + start_n, offs_n, valid, page_size, stride_kp, stride_kn,
-                                     stride_vp, stride_vn, MASKED, PAGED, PAGE_TILES)
-    k = _load_kv(desc_k, K_head, k_rows, row, head_col, valid, offs_d, head_dim, MASKED, EVEN_D, USE_TMA)
+    tile_row, k_rows, v_rows = _tile_rows(BT_ROW, cb, leftpad + start_n, offs_n, valid, page_size, stride_kp,
+                                          stride_kn, stride_vp, stride_vn, MASKED, PAGED, PAGE_TILES)
+    k = _load_kv(desc_k, K_head, k_rows, tile_row, head_col, valid, offs_d, head_dim, MASKED, EVEN_D, USE_TMA)
     # Alg. 1 line 8: S = Q K_j^T, scaled / soft-capped / ALiBi-biased, in log2 units
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
     s, _ = scores_log2(qk, qi[:, None], cols[None, :], seqlen_q, seqlen_k, score_scale, softcap_log2, slope2,
@@ -131,7 +132,7 @@ def _decode_tile(acc, l_i, m_i, q, K_head, V_head, desc_k, desc_v, BT_ROW, cb, h
                              HAS_LEFT, HAS_RIGHT), s, float("-inf"))
     # Alg. 1 line 9: running max m_i, P~ = exp2(S - m_i), running sum l_i
     m_i, p, alpha, l_i = online_softmax_step(m_i, l_i, s, MASKED)
-    v = _load_kv(desc_v, V_head, v_rows, row, head_col, valid, offs_d, head_dim, MASKED, EVEN_D, USE_TMA)
+    v = _load_kv(desc_v, V_head, v_rows, tile_row, head_col, valid, offs_d, head_dim, MASKED, EVEN_D, USE_TMA)
     # Alg. 1 line 10: O~ = diag(alpha) O~ + P~ V_j
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
@@ -139,31 +140,19 @@ def _decode_tile(acc, l_i, m_i, q, K_head, V_head, desc_k, desc_v, BT_ROW, cb, h
 
 
 @triton.jit
-def _attend_split(acc, l_i, m_i, q, K_head, V_head, desc_k, desc_v, BT_ROW, cb, head_col, s_lo, f_lo, f_hi, s_hi,
-                  offs_n, offs_d, qi, leftpad, seqlen_q, seqlen_k, stride_kp, stride_kn, stride_vp, stride_vn,
-                  page_size, head_dim, score_scale, softcap_log2, slope2, window_left, window_right,
-                  BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, PAGED: tl.constexpr, PAGE_TILES: tl.constexpr,
-                  USE_TMA: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-                  ALIBI: tl.constexpr, DOT_PREC: tl.constexpr):
+def _attend_split(acc, l_i, m_i, row, s_lo, f_lo, f_hi, s_hi, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
+                  PAGED: tl.constexpr, PAGE_TILES: tl.constexpr, USE_TMA: tl.constexpr, HAS_LEFT: tl.constexpr,
+                  HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DOT_PREC: tl.constexpr):
     """Alg. 1 line 6: the split's key blocks, [s_lo, f_lo) masked | [f_lo, f_hi) unmasked | [f_hi, s_hi) masked."""
     for start_n in range(s_lo, f_lo, BLOCK_N):
-        acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, K_head, V_head, desc_k, desc_v, BT_ROW, cb, head_col, start_n,
-                                     offs_n, offs_d, qi, leftpad, seqlen_q, seqlen_k, stride_kp, stride_kn, stride_vp,
-                                     stride_vn, page_size, head_dim, score_scale, softcap_log2, slope2, window_left,
-                                     window_right, True, EVEN_D, PAGED, PAGE_TILES, USE_TMA, HAS_LEFT, HAS_RIGHT,
-                                     SOFTCAP, ALIBI, DOT_PREC)
+        acc, l_i, m_i = _decode_tile(acc, l_i, m_i, start_n, row, True, EVEN_D, PAGED, PAGE_TILES, USE_TMA,
+                                     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DOT_PREC)
     for start_n in range(f_lo, f_hi, BLOCK_N):
-        acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, K_head, V_head, desc_k, desc_v, BT_ROW, cb, head_col, start_n,
-                                     offs_n, offs_d, qi, leftpad, seqlen_q, seqlen_k, stride_kp, stride_kn, stride_vp,
-                                     stride_vn, page_size, head_dim, score_scale, softcap_log2, slope2, window_left,
-                                     window_right, False, EVEN_D, PAGED, PAGE_TILES, USE_TMA, HAS_LEFT, HAS_RIGHT,
-                                     SOFTCAP, ALIBI, DOT_PREC)
+        acc, l_i, m_i = _decode_tile(acc, l_i, m_i, start_n, row, False, EVEN_D, PAGED, PAGE_TILES, USE_TMA,
+                                     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DOT_PREC)
     for start_n in range(f_hi, s_hi, BLOCK_N):
-        acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, K_head, V_head, desc_k, desc_v, BT_ROW, cb, head_col, start_n,
-                                     offs_n, offs_d, qi, leftpad, seqlen_q, seqlen_k, stride_kp, stride_kn, stride_vp,
-                                     stride_vn, page_size, head_dim, score_scale, softcap_log2, slope2, window_left,
-                                     window_right, True, EVEN_D, PAGED, PAGE_TILES, USE_TMA, HAS_LEFT, HAS_RIGHT,
-                                     SOFTCAP, ALIBI, DOT_PREC)
+        acc, l_i, m_i = _decode_tile(acc, l_i, m_i, start_n, row, True, EVEN_D, PAGED, PAGE_TILES, USE_TMA,
+                                     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DOT_PREC)
     return acc, l_i, m_i
 
 
@@ -253,27 +242,21 @@ def decode_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # what every tile step reads (one tuple: each call names only the key range and the tile's flags)
+    row = (q, K_head, V_head, present(desc_k), present(desc_v), BT_ROW, cb, head_col, offs_n, offs_d, qi, leftpad,
+           seqlen_q, seqlen_k, stride_kp, stride_kn, stride_vp, stride_vn, page_size, head_dim, score_scale,
+           softcap_log2, slope2, window_left, window_right)
     if PAGE_TILES and HAS_LEFTPAD:
         # a tile starts at cache position leftpad + (multiple of BLOCK_N): in one page iff leftpad is aligned
         if leftpad % BLOCK_N == 0:
-            acc, l_i, m_i = _attend_split(acc, l_i, m_i, q, K_head, V_head, desc_k, desc_v, BT_ROW, cb, head_col,
-                                          s_lo, f_lo, f_hi, s_hi, offs_n, offs_d, qi, leftpad, seqlen_q, seqlen_k,
-                                          stride_kp, stride_kn, stride_vp, stride_vn, page_size, head_dim,
-                                          score_scale, softcap_log2, slope2, window_left, window_right, BLOCK_N,
-                                          EVEN_D, PAGED, True, USE_TMA, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DOT_PREC)
+            acc, l_i, m_i = _attend_split(acc, l_i, m_i, row, s_lo, f_lo, f_hi, s_hi, BLOCK_N, EVEN_D, PAGED, True,
+                                          USE_TMA, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DOT_PREC)
         else:
-            acc, l_i, m_i = _attend_split(acc, l_i, m_i, q, K_head, V_head, desc_k, desc_v, BT_ROW, cb, head_col,
-                                          s_lo, f_lo, f_hi, s_hi, offs_n, offs_d, qi, leftpad, seqlen_q, seqlen_k,
-                                          stride_kp, stride_kn, stride_vp, stride_vn, page_size, head_dim,
-                                          score_scale, softcap_log2, slope2, window_left, window_right, BLOCK_N,
-                                          EVEN_D, PAGED, False, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DOT_PREC)
+            acc, l_i, m_i = _attend_split(acc, l_i, m_i, row, s_lo, f_lo, f_hi, s_hi, BLOCK_N, EVEN_D, PAGED, False,
+                                          False, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DOT_PREC)
     else:
-        acc, l_i, m_i = _attend_split(acc, l_i, m_i, q, K_head, V_head, desc_k, desc_v, BT_ROW, cb, head_col,
-                                      s_lo, f_lo, f_hi, s_hi, offs_n, offs_d, qi, leftpad, seqlen_q, seqlen_k,
-                                      stride_kp, stride_kn, stride_vp, stride_vn, page_size, head_dim,
-                                      score_scale, softcap_log2, slope2, window_left, window_right, BLOCK_N,
-                                      EVEN_D, PAGED, PAGE_TILES, USE_TMA, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
-                                      DOT_PREC)
+        acc, l_i, m_i = _attend_split(acc, l_i, m_i, row, s_lo, f_lo, f_hi, s_hi, BLOCK_N, EVEN_D, PAGED, PAGE_TILES,
+                                      USE_TMA, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DOT_PREC)
 
     # Alg. 1 lines 12-13: O = O~ / l, lse2 = m + log2 l; a row that saw no key: O = 0, lse = -inf
     empty = l_i == 0.0

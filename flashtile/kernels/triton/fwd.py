@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from .mods import (bias_mask_log2, dropout_keep, key_range, load_lse2, load_tile, online_softmax_step, present,
+                   sparse_tile_start,
                    scores_log2, seq_bounds, user_mods_log2, visible)
 
 
@@ -152,20 +153,14 @@ def attn_fwd_kernel(
         # never touched. Partial blocks apply the element mask (the mask tensor or mask_mod), full blocks skip it.
         sp = b64 * stride_sp_b + tl.cast(h, tl.int64) * stride_sp_h + (start_m // SPARSE_BLOCK) * stride_sp_m
         n_partial = tl.load(KV_NUM + sp)
-        # one flat loop over (listed block, tile inside it), so Triton pipelines across blocks; tiles
-        # past the sequence end (a ragged last block) are fully masked
         for t in range(0, n_partial * (SPARSE_BLOCK // BLOCK_N)):
-            start_n = (tl.load(KV_IDX + sp * sparse_blocks + t // (SPARSE_BLOCK // BLOCK_N)) * SPARSE_BLOCK
-                       + (t % (SPARSE_BLOCK // BLOCK_N)) * BLOCK_N)
+            start_n = sparse_tile_start(KV_IDX, sp, t, sparse_blocks, SPARSE_BLOCK, BLOCK_N)
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, start_n, row, True, HAS_MASK, MASK_MOD, EVEN_D, HAS_LEFT,
                                       HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, USE_TMA, BLOCK_N, BLOCK_D, HAS_BIAS,
                                       SCORE_MOD, FOLD_SCALE)
         n_full = tl.load(FULL_KV_NUM + sp)
-        # one flat loop over (listed block, tile inside it), so Triton pipelines across blocks; tiles
-        # past the sequence end (a ragged last block) are fully masked
         for t in range(0, n_full * (SPARSE_BLOCK // BLOCK_N)):
-            start_n = (tl.load(FULL_KV_IDX + sp * sparse_blocks + t // (SPARSE_BLOCK // BLOCK_N)) * SPARSE_BLOCK
-                       + (t % (SPARSE_BLOCK // BLOCK_N)) * BLOCK_N)
+            start_n = sparse_tile_start(FULL_KV_IDX, sp, t, sparse_blocks, SPARSE_BLOCK, BLOCK_N)
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, start_n, row, SPARSE_FULL_MASKED, False, None, EVEN_D, HAS_LEFT,
                                       HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, USE_TMA, BLOCK_N, BLOCK_D, HAS_BIAS,
                                       SCORE_MOD, FOLD_SCALE)

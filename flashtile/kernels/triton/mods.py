@@ -228,6 +228,16 @@ def score_mod_grad(ds, s_in, b, h, i, j, score_aux, GRAD_FN: tl.constexpr):
 
 
 @triton.jit
+def sparse_tile_start(IDX, sp, t, sparse_blocks, SPARSE_BLOCK: tl.constexpr, TILE: tl.constexpr):
+    """Start (a row or key index) of tile t in the flat loop over a block mask's listed blocks: listed block
+    t // (SPARSE_BLOCK / TILE) of row sp of IDX (sparse_blocks entries per row), tile t % (SPARSE_BLOCK / TILE)
+    inside it. One flat loop over (block, tile) lets Triton pipeline across blocks; tiles past the sequence
+    end (a ragged last block) are fully masked by the caller."""
+    per: tl.constexpr = SPARSE_BLOCK // TILE
+    return tl.load(IDX + sp * sparse_blocks + t // per) * SPARSE_BLOCK + (t % per) * TILE
+
+
+@triton.jit
 def present(x):
     """x, or 0 in place of None: the tile steps get their per-program values as one tuple, and Triton 3.6
     cannot build a tuple holding None (an absent TMA descriptor, bias, mask or mod). Every such value is read
