@@ -26,7 +26,6 @@ DIR/bench_density.md and DIR/bench_density.png (time vs density, if matplotlib i
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -42,6 +41,7 @@ if not HAS_CUDA:   # CPU smoke run: kernels through the interpreter (set before 
 import triton  # noqa: E402
 
 from flashtile import flash_attn_func  # noqa: E402
+from flashtile.bench.report import write_script_results  # noqa: E402
 from flashtile.blocksparse import blocksparse_attn_func, create_block_mask  # noqa: E402
 
 
@@ -155,13 +155,9 @@ def main():
     print()
     print(md)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        meta = dict(device=device_name, torch=torch.__version__, triton=triton.__version__, command=" ".join(sys.argv),
-                    batch=batch, heads=heads, headdim=d, dtype=str(dtype), block_size=bs, small=small, seed=args.seed)
-        with open(os.path.join(args.out, "bench_density.json"), "w") as f:
-            json.dump(dict(meta=meta, rows=rows, dense=dense_rows, fits=fits), f, indent=1)
-        with open(os.path.join(args.out, "bench_density.md"), "w") as f:
-            f.write(md + "\n")
+        meta = dict(device=device_name, batch=batch, heads=heads, headdim=d, dtype=str(dtype), block_size=bs,
+                    small=small, seed=args.seed)
+        write_script_results(args.out, "bench_density", md, meta, rows=rows, dense=dense_rows, fits=fits)
         png = plot(rows, fits, seqlens, os.path.join(args.out, "bench_density.png"), device_name)
         print(f"\nwrote {args.out}/bench_density.json, bench_density.md" + (", bench_density.png" if png else ""))
 

@@ -34,7 +34,6 @@ Prints Markdown tables last; --out DIR writes DIR/bench_flex.json and DIR/bench_
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -51,6 +50,7 @@ if not HAS_CUDA:   # CPU smoke run: kernels through the interpreter (set before 
 import triton  # noqa: E402
 
 from flashtile import flash_attn_func, flash_attn_varlen_func  # noqa: E402
+from flashtile.bench.report import write_script_results  # noqa: E402
 from flashtile.blocksparse import create_block_mask as ft_create_block_mask  # noqa: E402
 from flashtile.flex import document_mask, flex_attention, prefix_lm_mask, sliding_window_mask  # noqa: E402
 
@@ -326,13 +326,10 @@ def main():
     print()
     print(md)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        meta = dict(device=device_name, torch=torch.__version__, triton=triton.__version__, command=" ".join(sys.argv),
-                    batch=batch, heads=heads, headdim=d, dtype=str(dtype), block_size=block, small=small)
-        with open(os.path.join(args.out, "bench_flex.json"), "w") as f:
-            json.dump(dict(meta=meta, rows=rows, checks=checks, block_mask_construction=construction), f, indent=1)
-        with open(os.path.join(args.out, "bench_flex.md"), "w") as f:
-            f.write(md + "\n")
+        meta = dict(device=device_name, batch=batch, heads=heads, headdim=d, dtype=str(dtype), block_size=block,
+                    small=small)
+        write_script_results(args.out, "bench_flex", md, meta, rows=rows, checks=checks,
+                             block_mask_construction=construction)
         print(f"\nwrote {os.path.join(args.out, 'bench_flex.json')} and bench_flex.md")
 
 

@@ -124,6 +124,18 @@ def late_rows_mask(b, h, q_idx, kv_idx, aux):             # query rows 0..39 see
 # ----------------------------------------------------------------------------------------------------------
 # References
 
+def random_tile_mask(b, h, sq, sk, bs, device=DEVICE):
+    """A torch mask_fn for create_block_mask whose bs x bs tiles are, per (batch, head), at random empty, full or
+    element-wise random: all three tile kinds of FA1 Alg. 5 in one mask."""
+    kind = torch.randint(0, 3, (b, h, -(-sq // bs), -(-sk // bs)), device=device)   # 0 empty, 1 full, 2 mixed
+    noise = torch.rand(b, h, sq, sk, device=device) > 0.5
+
+    def mask_fn(bi, hi, qi, ki):
+        t = kind[bi, hi, qi // bs, ki // bs]
+        return (t == 1) | ((t == 2) & noise[bi, hi, qi, ki])
+    return mask_fn
+
+
 def inputs(b, sq, sk, h, hk, d, dtype, device=DEVICE):
     q = torch.randn(b, sq, h, d, dtype=dtype, device=device, requires_grad=True)
     k = torch.randn(b, sk, hk, d, dtype=dtype, device=device, requires_grad=True)

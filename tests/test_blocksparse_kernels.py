@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from attn_utils import DEVICE, assert_within_rule
+from flex_utils import random_tile_mask
 from flashtile import flash_attn_func
 from flashtile.blocksparse import BlockMask, blocksparse_attn_func, create_block_mask
 from flashtile.reference.dense import attention_ref
@@ -65,15 +66,7 @@ def test_causal_via_mask_fn_equals_causal_flag(seed):
 def test_random_block_pattern_per_head_gqa_with_causal_flag(seed):
     """Per-(batch, head) random tile pattern (empty / full / element-wise random), GQA, plus causal=True."""
     b, h, sq, sk, bs = 2, 4, 80, 112, 16
-    nq, nk = -(-sq // bs), -(-sk // bs)
-    kind = torch.randint(0, 3, (b, h, nq, nk), device=DEVICE)       # 0 empty, 1 full, 2 element-wise
-    noise = torch.rand(b, h, sq, sk, device=DEVICE) > 0.5
-
-    def mask_fn(bi, hi, qi, ki):
-        t = kind[bi, hi, qi // bs, ki // bs]
-        return (t == 1) | ((t == 2) & noise[bi, hi, qi, ki])
-
-    bm = create_block_mask(mask_fn, b, h, sq, sk, BLOCK_SIZE=bs, device=DEVICE)
+    bm = create_block_mask(random_tile_mask(b, h, sq, sk, bs), b, h, sq, sk, BLOCK_SIZE=bs, device=DEVICE)
     q, k, v, dout = _inputs(b, sq, sk, h, 2, 32, fp16)
     _check(q, k, v, dout, bm, fp16, "[random blocks, causal]", causal=True)
 

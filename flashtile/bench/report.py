@@ -131,6 +131,18 @@ def _finite(x):
     return x
 
 
+def write_script_results(out_dir, stem: str, md: str, meta: dict, **payload) -> None:
+    """What a benchmarks/ script leaves in its --out folder: <stem>.json = {meta: torch/triton versions and the
+    command line plus the script's own fields, **payload} and <stem>.md (its tables)."""
+    import triton
+    os.makedirs(out_dir, exist_ok=True)
+    meta = dict(torch=torch.__version__, triton=triton.__version__, command=" ".join(sys.argv), **meta)
+    with open(os.path.join(out_dir, f"{stem}.json"), "w") as f:
+        json.dump(dict(meta=meta, **payload), f, indent=1)
+    with open(os.path.join(out_dir, f"{stem}.md"), "w") as f:
+        f.write(md + "\n")
+
+
 def write_json(result: dict, path: str | Path) -> Path:
     path = Path(path)
     doc = {"schema": "flashtile.bench/1", **result}

@@ -16,12 +16,13 @@ if not torch.cuda.is_available():
 import flashtile  # noqa: E402
 from flashtile.blocksparse import blocksparse_attn_func, create_block_mask  # noqa: E402
 from flashtile.flex import (MaskMod, ScoreMod, alibi_score, causal_mask, document_mask,  # noqa: E402
-                            flex_attention, prefix_lm_mask, relative_position_bias, sliding_window_mask,
+                            prefix_lm_mask, relative_position_bias, sliding_window_mask,
                             softcap_score)
 from flashtile.reference.dense import attention_ref  # noqa: E402
-from flex_utils import (check_all, inputs, keep_period_mask, reference_grads, run_and_check,  # noqa: E402
-                        sig_key_bias, sig_key_bias_dcaptured, sig_key_bias_grad, t_alibi, t_causal, t_document,
-                        t_keep_period, t_prefix_lm, t_relpos, t_sig_key_bias, t_sliding, t_softcap, tile_classes)
+from flex_utils import (check_all, inputs, keep_period_mask, random_tile_mask, reference_grads,  # noqa: E402
+                        run_and_check, sig_key_bias, sig_key_bias_dcaptured, sig_key_bias_grad, t_alibi, t_causal,
+                        t_document, t_keep_period, t_prefix_lm, t_relpos, t_sig_key_bias, t_sliding, t_softcap,
+                        tile_classes)
 
 fp16, bf16, fp32 = torch.float16, torch.bfloat16, torch.float32
 DEV = "cuda"
@@ -165,15 +166,7 @@ def test_blocksparse_document_gpu(seed):
 
 def test_blocksparse_random_tiles_per_head_causal_gpu(seed):
     b, s, h, hk, d, bs = 2, 2048, 4, 2, 64, 128
-    n = s // bs
-    kind = torch.randint(0, 3, (b, h, n, n), device=DEV)          # 0 empty, 1 full, 2 element-wise
-    noise = torch.rand(b, h, s, s, device=DEV) > 0.5
-
-    def mask_fn(bi, hi, qi, ki):
-        t = kind[bi, hi, qi // bs, ki // bs]
-        return (t == 1) | ((t == 2) & noise[bi, hi, qi, ki])
-
-    bm = create_block_mask(mask_fn, b, h, s, s, BLOCK_SIZE=bs, device=DEV)
+    bm = create_block_mask(random_tile_mask(b, h, s, s, bs, DEV), b, h, s, s, BLOCK_SIZE=bs, device=DEV)
     q, k, v, dout = inputs(b, s, s, h, hk, d, fp16, DEV)
 
     def ours():
