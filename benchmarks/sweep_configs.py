@@ -32,17 +32,71 @@ def bench(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+def candidates(mode, d, args):
+    """The configs tried for one (mode, head dim): tuning's candidate list, plus atomic-dQ variants and --extra-bwd."""
+    if mode == "fwd":
+        return list(FWD[d])
+    extra = [eval(e, {"Config": launch.Config}) for e in args.extra_bwd.split(";") if e.strip()]
+    base = extra if args.extra_only else list(BWD[d]) + extra
+    if args.bwd_atomic == "none":
+        return base
+    # atomic dQ has no dQ pass: its own tiles (dq=...) do not apply
+    atomic = list(dict.fromkeys(dataclasses.replace(c, atomic_dq=True, dq=None)
+                                for c in (BWD[d][:2] if args.bwd_atomic == "first2" else base)))
+    return atomic if args.bwd_atomic == "only" else base + atomic
+
+
+def _compile_one(task):
+    """Worker: run one config on a small problem with the sweep's specialisations (same batch, heads, head dim;
+    seqlen 1024), so Triton's disk cache holds the kernels when the main process times them."""
+    (b, h, _, d), causal, mode, config = task
+    try:
+        q, k, v = (torch.randn(b, 1024, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        launch.CONFIG_OVERRIDE[mode] = config
+        o = flashtile.flash_attn_func(q, k, v, causal=causal)
+        if mode == "bwd":
+            o.backward(torch.randn_like(o))
+        torch.cuda.synchronize()
+        return None
+    except Exception as e:  # noqa: BLE001 - reported; the timing loop skips it
+        return f"{type(e).__name__}: {str(e)[:160]}"
+
+
+def precompile(args, hds, causals):
+    import multiprocessing as mp
+    t0 = time.time()
+    tasks = [(shape, causal, mode, c) for shape in SHAPES if shape[3] in hds for causal in causals
+             for mode in args.modes.split(",") for c in candidates(mode, shape[3], args)]
+    with mp.get_context("spawn").Pool(args.jobs) as pool:
+        errs = pool.map(_compile_one, tasks, chunksize=1)
+    failed = {(c, mode, causal): e for (_, causal, mode, c), e in zip(tasks, errs) if e}
+    print(f"# precompiled {len(tasks)} variants with {args.jobs} workers in {time.time() - t0:.0f} s, "
+          f"{len(failed)} failed", flush=True)
+    return failed
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--heads", default="64,128,256")
     ap.add_argument("--modes", default="fwd,bwd")
+    ap.add_argument("--causal", default="0,1", help="0 full, 1 causal, or both")
+    ap.add_argument("--bwd-atomic", choices=("first2", "all", "only", "none"), default="first2",
+                    help="backward tiles also tried with atomic dQ: the first two of tuning.BWD, all of them, only "
+                         "the atomic variants, or none")
+    ap.add_argument("--extra-only", action="store_true", help="backward: only the --extra-bwd configs")
+    ap.add_argument("--extra-bwd", default="", help="more backward configs, ';'-separated Python expressions "
+                    "of launch.Config, e.g. 'Config(64, 128, 8, 2, dq=(128, 64, 8, 3))'")
+    ap.add_argument("--jobs", type=int, default=0, help="compile every variant first in this many processes")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     hds = [int(x) for x in args.heads.split(",")]
     rows = []
     dev = torch.cuda.get_device_name()
     print(dev, torch.__version__, triton.__version__, flush=True)
+    causals = [bool(int(c)) for c in args.causal.split(",")]
+    failed = precompile(args, hds, causals) if args.jobs else {}
     for (b, h, n, d) in SHAPES:
         if d not in hds:
             continue
@@ -50,7 +104,7 @@ def main():
         do = torch.randn_like(q)
         qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
         dot = do.transpose(1, 2)
-        for causal in (False, True):
+        for causal in causals:
             ref = None
             for mode in args.modes.split(","):
                 # peers
@@ -70,16 +124,16 @@ def main():
                         print(f"{b},{h},{n},{d} causal={causal:d} {mode} {name:12s} {ms:8.3f} ms {tf:7.1f} TF", flush=True)
                     except Exception as e:  # noqa: BLE001
                         print(f"{name} failed: {e!r}"[:200], flush=True)
-                cfgs = [(c, False) for c in (FWD if mode == "fwd" else BWD)[d]]
-                if mode == "bwd":  # the same tiles with dQ by atomics
-                    cfgs += [(dataclasses.replace(c, atomic_dq=True), False) for c in BWD[d][:2]]
-                for config, det in cfgs:
+                for config in candidates(mode, d, args):
                     cfg = (dataclasses.astuple(config)[:4] + (("atomic_dq",) if config.atomic_dq else ())
                            + (("split_dkdv",) if config.split_dkdv else ())
                            + ((("dq",) + tuple(config.dq)) if config.dq else ()))  # as printed/saved
                     launch.CONFIG_OVERRIDE.clear()
                     launch.CONFIG_OVERRIDE[mode] = config
                     det = False
+                    if (config, mode, causal) in failed:
+                        print(f"ft{cfg} failed to compile: {failed[(config, mode, causal)]}"[:300], flush=True)
+                        continue
                     try:
                         t0 = time.time()
                         o = flashtile.flash_attn_func(q, k, v, causal=causal, deterministic=det)

@@ -1,7 +1,8 @@
 """FlashAttention-2 backward (seed 000, FA2 Algorithm 2) in Triton.
 
-Three launches, no atomics, so gradients are bitwise reproducible (the one exception: the gradient of an
-attn_bias that broadcasts over some dimension, summed over it with fp32 atomics in the dK/dV kernel):
+Three launches, no atomics, so gradients are bitwise reproducible (exceptions: the gradient of an attn_bias
+that broadcasts over some dimension, summed over it with fp32 atomics in the dK/dV kernel; and a config with
+atomic_dq, which adds dQ inside the dK/dV kernel instead of step 3 unless deterministic=True):
   1. preprocess:  D_i = rowsum(dO_i o O_i)                                    (Alg. 2 line 4)
   2. dK/dV:       one program per key block K_j, V_j of one K/V head; it loops over the query blocks that
                   see it (and, for GQA, over every query head of its group), recomputing P from L and
@@ -49,7 +50,8 @@ def attn_bwd_preprocess_kernel(O, DO, Delta, CU_SEQLENS_Q,
 def _dkdv_tile(dk, dv, start_m, row, MASKED: tl.constexpr, HAS_MASK: tl.constexpr, MASK_MOD: tl.constexpr,
                EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-               USE_TMA: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DBIAS: tl.constexpr,
+               DQ_TMA: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr,
+               HAS_DBIAS: tl.constexpr,
                DBIAS_ATOMIC: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr,
                SCORE_CAPTURED_GRAD: tl.constexpr, COMPUTE_DK: tl.constexpr, COMPUTE_DV: tl.constexpr):
     """Alg. 2 lines 8-20 for one query block Q_i against the program's K_j, V_j, in transposed form
@@ -58,7 +60,7 @@ def _dkdv_tile(dk, dv, start_m, row, MASKED: tl.constexpr, HAS_MASK: tl.constexp
     row: what every step reads for the current query head (packed by attn_bwd_dkdv_kernel).
     COMPUTE_DK / COMPUTE_DV: a launch may do only one of the two (two launches then split the work: each
     keeps one BLOCK_N x d accumulator instead of two, for large head dims; S is recomputed by both)."""
-    (k, v, desc_q, desc_do, q_head, do_head, dq_head, lse_blk, delta_blk, q_row0, b, h, offs_m_rel, offs_n, offs_d,
+    (k, v, desc_q, desc_do, desc_dq, q_head, do_head, dq_head, lse_blk, delta_blk, q_row0, b, h, offs_m_rel, offs_n, offs_d,
      seqlen_q, seqlen_k, stride_qm, stride_dom, stride_dqm, head_dim, sm_scale, score_scale, softcap_log2,
      alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base, rng_stride_m, dropout_p, bias_bh,
      stride_bias_m, stride_bias_n, mask_bh, stride_mask_m, stride_mask_n, dbias_bh, stride_dbias_m, stride_dbias_n,
@@ -105,18 +107,19 @@ def _dkdv_tile(dk, dv, start_m, row, MASKED: tl.constexpr, HAS_MASK: tl.constexp
         dv = tl.dot(pdt.to(do.dtype), do, dv, input_precision=DOT_PREC)
     if COMPUTE_DK:
         dk = _dk_step(dk, pt, dpt, qt, k, delta, st_in, t, keep, b, h, i, j, offs_m, offs_m_rel, offs_d, dq_blk,
-                      stride_dqm, seqlen_q, seqlen_k, head_dim, sm_scale, dropout_p, dbias_bh, stride_dbias_m,
+                      desc_dq, q_row, stride_dqm, seqlen_q, seqlen_k, head_dim, sm_scale, dropout_p, dbias_bh, stride_dbias_m,
                       stride_dbias_n, score_aux, score_aux_grad, MASKED, EVEN_D, SOFTCAP, DROPOUT, DOT_PREC,
-                      ATOMIC_DQ, HAS_DBIAS, DBIAS_ATOMIC, SCORE_MOD, SCORE_GRAD, SCORE_CAPTURED_GRAD)
+                      ATOMIC_DQ, DQ_TMA, BLOCK_D, HAS_DBIAS, DBIAS_ATOMIC, SCORE_MOD, SCORE_GRAD, SCORE_CAPTURED_GRAD)
     return dk, dv
 
 
 @triton.jit
 def _dk_step(dk, pt, dpt, qt, k, delta, st_in, t, keep, b, h, i, j, offs_m, offs_m_rel, offs_d, dq_blk,
-             stride_dqm, seqlen_q, seqlen_k, head_dim, sm_scale, dropout_p, dbias_bh, stride_dbias_m,
+             desc_dq, q_row, stride_dqm, seqlen_q, seqlen_k, head_dim, sm_scale, dropout_p, dbias_bh, stride_dbias_m,
              stride_dbias_n, score_aux, score_aux_grad, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
              SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-             HAS_DBIAS: tl.constexpr, DBIAS_ATOMIC: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr,
+             DQ_TMA: tl.constexpr, BLOCK_D: tl.constexpr, HAS_DBIAS: tl.constexpr, DBIAS_ATOMIC: tl.constexpr,
+             SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr,
              SCORE_CAPTURED_GRAD: tl.constexpr):
     """Alg. 2 lines 13-16 of one tile (transposed), given dP^T: dS^T, dK_j += dS^T Q_i (and the atomic dQ_i,
     dBias and score_mod-captured gradients, which all need dS)."""
@@ -148,7 +151,12 @@ def _dk_step(dk, pt, dpt, qt, k, delta, st_in, t, keep, b, h, i, j, offs_m, offs
         # Alg. 2 line 15: dQ_i += tau dS_ij K_j, read-modify-write in HBM (FA2's atomic variant)
         dq = tl.dot(tl.trans(dst).to(k.dtype), k, input_precision=DOT_PREC) * sm_scale
         dq_ptrs = dq_blk + offs_m_rel[:, None] * stride_dqm + offs_d[None, :]
-        if MASKED or not EVEN_D:
+        if DQ_TMA:
+            # FA3's dQ write: one asynchronous bulk reduce-add of the tile (cp.reduce.async.bulk.tensor), done by
+            # the L2 instead of BLOCK_M * BLOCK_D scalar atomics. Rows past the sequence end hold exact zeros
+            # (P = 0 there), so a tile reaching into the next sequence's rows adds nothing to them.
+            desc_dq.atomic_add([q_row, h * BLOCK_D], dq)
+        elif MASKED or not EVEN_D:
             tl.atomic_add(dq_ptrs, dq, mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim),
                           sem="relaxed")
         else:
@@ -158,7 +166,7 @@ def _dk_step(dk, pt, dpt, qt, k, delta, st_in, t, keep, b, h, i, j, offs_m, offs
 
 @triton.jit
 def attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, Delta, DK, DV, DQ_ACC, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI_SLOPES, desc_q, desc_do,
+    Q, K, V, DO, LSE, Delta, DK, DV, DQ_ACC, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI_SLOPES, desc_q, desc_do, desc_dq,
     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
     stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
     stride_dqb, stride_dqm, stride_dqh, stride_lse_b, stride_lse_h, stride_alibi_b,
@@ -172,7 +180,7 @@ def attn_bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-    USE_TMA: tl.constexpr, HAS_BIAS: tl.constexpr = False, HAS_MASK: tl.constexpr = False,
+    USE_TMA: tl.constexpr, DQ_TMA: tl.constexpr = False, HAS_BIAS: tl.constexpr = False, HAS_MASK: tl.constexpr = False,
     HAS_DBIAS: tl.constexpr = False, DBIAS_ATOMIC: tl.constexpr = False, BLOCK_SPARSE: tl.constexpr = False,
     SPARSE_BLOCK: tl.constexpr = 128, SPARSE_FULL_MASKED: tl.constexpr = True, score_aux=None, mask_aux=None, score_aux_grad=None,
     SCORE_MOD: tl.constexpr = None, SCORE_GRAD: tl.constexpr = None, SCORE_CAPTURED_GRAD: tl.constexpr = None,
@@ -229,7 +237,7 @@ def attn_bwd_dkdv_kernel(
         if HAS_DBIAS:
             dbias_bh = DBIAS + b64 * stride_dbias_b + tl.cast(h, tl.int64) * stride_dbias_h
         # what every tile step reads for query head h (one tuple: each call site names only the tile and its masks)
-        row = (k, v, present(desc_q), present(desc_do), q_head, do_head, dq_head, lse_head, delta_head, q_row0, b,
+        row = (k, v, present(desc_q), present(desc_do), present(desc_dq), q_head, do_head, dq_head, lse_head, delta_head, q_row0, b,
                h, offs_m_rel, offs_n, offs_d, seqlen_q, seqlen_k, stride_qm, stride_dom, stride_dqm, head_dim,
                sm_scale, score_scale, softcap_log2, alibi_slope_log2, window_left, window_right, seed, rng_offset,
                rng_base, rng_stride_m, dropout_p, present(bias_bh), stride_bias_m, stride_bias_n, present(mask_bh),
@@ -242,27 +250,32 @@ def attn_bwd_dkdv_kernel(
             for t in range(0, n_partial * (SPARSE_BLOCK // BLOCK_M)):
                 start_m = sparse_tile_start(Q_IDX, sp, t, sparse_blocks, SPARSE_BLOCK, BLOCK_M)
                 dk, dv = _dkdv_tile(dk, dv, start_m, row, True, HAS_MASK, MASK_MOD, EVEN_D, HAS_LEFT, HAS_RIGHT,
-                                    SOFTCAP, ALIBI, DROPOUT, DOT_PREC, ATOMIC_DQ, USE_TMA, BLOCK_D, HAS_BIAS, HAS_DBIAS,
+                                    SOFTCAP, ALIBI, DROPOUT, DOT_PREC, ATOMIC_DQ, DQ_TMA, USE_TMA, BLOCK_D, HAS_BIAS,
+                                    HAS_DBIAS,
                                     DBIAS_ATOMIC, SCORE_MOD, SCORE_GRAD, SCORE_CAPTURED_GRAD, COMPUTE_DK, COMPUTE_DV)
             n_full = tl.load(FULL_Q_NUM + sp)
             for t in range(0, n_full * (SPARSE_BLOCK // BLOCK_M)):
                 start_m = sparse_tile_start(FULL_Q_IDX, sp, t, sparse_blocks, SPARSE_BLOCK, BLOCK_M)
                 dk, dv = _dkdv_tile(dk, dv, start_m, row, SPARSE_FULL_MASKED, False, None, EVEN_D, HAS_LEFT, HAS_RIGHT,
-                                    SOFTCAP, ALIBI, DROPOUT, DOT_PREC, ATOMIC_DQ, USE_TMA, BLOCK_D, HAS_BIAS, HAS_DBIAS,
+                                    SOFTCAP, ALIBI, DROPOUT, DOT_PREC, ATOMIC_DQ, DQ_TMA, USE_TMA, BLOCK_D, HAS_BIAS,
+                                    HAS_DBIAS,
                                     DBIAS_ATOMIC, SCORE_MOD, SCORE_GRAD, SCORE_CAPTURED_GRAD, COMPUTE_DK, COMPUTE_DV)
         else:
             # Alg. 2 line 8: for i = 1..Tr (only the query blocks that can see this key block)
             for start_m in range(lo, full_lo, BLOCK_M):
                 dk, dv = _dkdv_tile(dk, dv, start_m, row, True, HAS_MASK, MASK_MOD, EVEN_D, HAS_LEFT, HAS_RIGHT,
-                                    SOFTCAP, ALIBI, DROPOUT, DOT_PREC, ATOMIC_DQ, USE_TMA, BLOCK_D, HAS_BIAS, HAS_DBIAS,
+                                    SOFTCAP, ALIBI, DROPOUT, DOT_PREC, ATOMIC_DQ, DQ_TMA, USE_TMA, BLOCK_D, HAS_BIAS,
+                                    HAS_DBIAS,
                                     DBIAS_ATOMIC, SCORE_MOD, SCORE_GRAD, SCORE_CAPTURED_GRAD, COMPUTE_DK, COMPUTE_DV)
             for start_m in range(full_lo, full_hi, BLOCK_M):
                 dk, dv = _dkdv_tile(dk, dv, start_m, row, False, HAS_MASK, MASK_MOD, EVEN_D, HAS_LEFT, HAS_RIGHT,
-                                    SOFTCAP, ALIBI, DROPOUT, DOT_PREC, ATOMIC_DQ, USE_TMA, BLOCK_D, HAS_BIAS, HAS_DBIAS,
+                                    SOFTCAP, ALIBI, DROPOUT, DOT_PREC, ATOMIC_DQ, DQ_TMA, USE_TMA, BLOCK_D, HAS_BIAS,
+                                    HAS_DBIAS,
                                     DBIAS_ATOMIC, SCORE_MOD, SCORE_GRAD, SCORE_CAPTURED_GRAD, COMPUTE_DK, COMPUTE_DV)
             for start_m in range(full_hi, hi, BLOCK_M):
                 dk, dv = _dkdv_tile(dk, dv, start_m, row, True, HAS_MASK, MASK_MOD, EVEN_D, HAS_LEFT, HAS_RIGHT,
-                                    SOFTCAP, ALIBI, DROPOUT, DOT_PREC, ATOMIC_DQ, USE_TMA, BLOCK_D, HAS_BIAS, HAS_DBIAS,
+                                    SOFTCAP, ALIBI, DROPOUT, DOT_PREC, ATOMIC_DQ, DQ_TMA, USE_TMA, BLOCK_D, HAS_BIAS,
+                                    HAS_DBIAS,
                                     DBIAS_ATOMIC, SCORE_MOD, SCORE_GRAD, SCORE_CAPTURED_GRAD, COMPUTE_DK, COMPUTE_DV)
     # Alg. 2 line 21: write dK_j (with the softmax scale tau of dK = tau dS^T Q), dV_j
     if COMPUTE_DK:

@@ -153,18 +153,25 @@ def fwd_config(head_dim: int, dtype: torch.dtype, causal: bool, seqlen: int = 0)
 
 
 def bwd_config(head_dim: int, dtype: torch.dtype, causal: bool = False, seqlen: int = 0) -> Config:
-    """BLOCK_N: key rows a dK/dV program owns; BLOCK_M: query rows per inner step (swapped for the dQ pass).
-    The two-pass backward (no atomics) measured faster than atomic dQ at every head dim on the H200 once the
-    streamed tiles came through TMA (d128: 373 vs 294 TFLOP/s), so it is the default: gradients are then
-    bitwise reproducible whatever `deterministic` says. seqlen > 0: a winner cached by tuning.py comes first."""
+    """BLOCK_N: key rows a dK/dV program owns; BLOCK_M: query rows per inner step (swapped for the dQ pass unless
+    Config.dq gives the dQ pass its own tiles). Picked by `benchmarks/sweep_configs.py` (H200, b2 n8192 bf16):
+    the two-pass backward (no atomics: bitwise reproducible) wins everywhere except d64 causal, where dQ added
+    by TMA bulk reduce-adds inside the dK/dV kernel (5 products per tile instead of 7) is 1.16x faster; that one
+    is the only non-reproducible default, and `deterministic=True` turns it into the two-pass backward.
+    seqlen > 0: a winner cached by tuning.py comes first."""
     chosen = _pinned_or_tuned("bwd", Config(16, 32, 4, 1), head_dim, dtype, causal, seqlen)
     if chosen is not None:
         return chosen
     bd = _block_d(head_dim)
     if dtype == torch.float32:
         return Config(32, 64 if bd <= 64 else 32, 4, 1)
+    # 64 x 64 dK/dV tiles of 4 warps with the dQ pass on 128 x 64 tiles of 8 warps, 3 stages: d128 full / causal
+    # 426 / 348 TFLOP/s (64 x 128 tiles of 8 warps for both passes: 374 / 323), d64 full 359 (322); d64 causal
+    # 336 with atomic dQ (two-pass: 291)
+    if bd <= 64:
+        return Config(64, 64, 4, 3, atomic_dq=causal, dq=(128, 64, 8, 3))
     if bd <= 128:
-        return Config(64, 128, 8, 2)
+        return Config(64, 64, 4, 2, dq=(128, 64, 8, 3))
     # d256: dV and dK by two launches (one 256-wide accumulator each) measured 265 / 231 TFLOP/s (full / causal)
     # against 176 / 179 for the best single launch (benchmarks/sweep_configs.py --heads 256 --modes bwd, H200);
     # causal gains 4% more (242) from a dQ pass of 64 x 64 tiles, 4 warps
@@ -435,13 +442,16 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
                                                              (v, dq_keys))]
     use_tma = all(d is not None for d in descs)
     desc_q, desc_do, desc_k, desc_v = descs if use_tma else (None,) * 4
+    # atomic dQ through TMA: each tile's dQ_i added by one bulk reduce (the interpreter has no such op: there, and
+    # where the tiles cannot come through TMA, scalar fp32 atomics)
+    desc_dq = kv_descriptor(dq_acc, cfg.BLOCK_M, block_d) if atomic and use_tma and not interpreting() else None
     # split_dkdv: a dV-only launch, then a dK-only one that also does everything else that needs dS (atomic
     # dQ, dBias, score_mod's captured gradients); otherwise one launch does both
     passes = [dict(COMPUTE_DK=False), dict(COMPUTE_DV=False)] if cfg.split_dkdv else [{}]
     for only in passes:
         with_ds = only.get("COMPUTE_DK", True)
         _launch(_bwd.attn_bwd_dkdv_kernel, (triton.cdiv(max_sk, cfg.BLOCK_N), batch * nheads_k),
-            q, k, v, dout, lse, delta, dk, dv, dq_acc, cu_seqlens_q, cu_seqlens_k, alibi, desc_q, desc_do,
+            q, k, v, dout, lse, delta, dk, dv, dq_acc, cu_seqlens_q, cu_seqlens_k, alibi, desc_q, desc_do, desc_dq,
             *_rows(q), *_rows(k), *_rows(v), *_rows(dout), *_rows(dk), *_rows(dv), *_rows(dq_acc), *common,
             nheads_k, nheads // nheads_k, max_sq, max_sk, head_dim,
             params.softmax_scale, score_scale, softcap_log2, params.window_left, params.window_right,
@@ -449,6 +459,7 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
             *bias_args, *mask_args, *_pair_args(dbias, batch, nheads, max_sq, max_sk),
             *_sparse_args(sparse, batch, nheads, True),
             BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, EVEN_D=even_d, ATOMIC_DQ=atomic and with_ds, USE_TMA=use_tma,
+            DQ_TMA=desc_dq is not None and with_ds,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags, **mod_flags,
             **(dbias_flags if with_ds else {}), **_user_mod_kwargs(mods, "dkdv" if with_ds else "dq"), **only)
     if atomic:

@@ -45,10 +45,11 @@ FWD: Dict[int, List[Config]] = {
           Config(128, 32, 8, 2), Config(64, 64, 4, 3)],
 }
 BWD: Dict[int, List[Config]] = {
-    64: [Config(64, 128, 8, 2), Config(32, 128, 8, 2), Config(64, 64, 4, 2), Config(32, 64, 4, 3),
-         Config(64, 128, 8, 3), Config(128, 128, 8, 2)],
-    128: [Config(64, 128, 8, 2), Config(32, 128, 8, 2), Config(64, 64, 4, 2), Config(32, 64, 4, 3),
-          Config(64, 128, 8, 1), Config(32, 128, 4, 2)],
+    64: [Config(64, 64, 4, 3, dq=(128, 64, 8, 3)), Config(64, 64, 4, 3, atomic_dq=True, dq=(128, 64, 8, 3)),
+         Config(64, 64, 4, 2, dq=(128, 64, 8, 3)), Config(64, 128, 8, 2), Config(32, 64, 4, 3),
+         Config(64, 128, 8, 3), Config(128, 128, 8, 2, atomic_dq=True)],
+    128: [Config(64, 64, 4, 2, dq=(128, 64, 8, 3)), Config(64, 64, 4, 2), Config(64, 128, 8, 2, dq=(128, 64, 8, 3)),
+          Config(64, 128, 8, 2), Config(32, 64, 4, 3), Config(64, 128, 8, 1, atomic_dq=True)],
     256: [Config(64, 32, 4, 1), Config(32, 32, 4, 2), Config(64, 32, 8, 2), Config(64, 64, 8, 1),
           Config(32, 64, 8, 1), Config(128, 32, 8, 1),
           # dV and dK by two launches (one BLOCK_N x 256 accumulator each): larger key tiles fit
