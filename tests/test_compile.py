@@ -119,3 +119,35 @@ def test_compiled_dynamic_shapes(seed):
         torch.testing.assert_close(out_c, out_e, rtol=1e-5, atol=1e-5)
         for a, b_ in zip(g_c, g_e):
             torch.testing.assert_close(a, b_, rtol=1e-5, atol=1e-5)
+
+
+def test_dispatch_modes_see_the_ops_and_eager_calls_skip_them(seed):
+    """Eager calls run the kernels without the custom ops' dispatch (host time); a TorchDispatchMode still sees
+    flashtile::fwd and flashtile::bwd as single ops, with the same results."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from flashtile import interface
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = (torch.randn(1, 40, 2, 32, requires_grad=True) for _ in range(3))
+    do = torch.randn(1, 40, 2, 32)
+    assert interface._eager(q)
+    out = flashtile.flash_attn_func(q, k, v, causal=True)
+    eager = torch.autograd.grad(out, (q, k, v), do)
+    rec = Recorder()
+    with rec:
+        assert not interface._eager(q)
+        out_m = flashtile.flash_attn_func(q, k, v, causal=True)
+        moded = torch.autograd.grad(out_m, (q, k, v), do)
+    assert any("flashtile.fwd" in op for op in rec.ops) and any("flashtile.bwd" in op for op in rec.ops)
+    assert torch.equal(out, out_m)
+    for a, b in zip(eager, moded):
+        assert torch.equal(a, b)

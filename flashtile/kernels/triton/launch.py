@@ -87,7 +87,8 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 def _block_d(head_dim: int) -> int:
-    return max(16, triton.next_power_of_2(head_dim))
+    """The next power of two >= head_dim, at least 16 (plain int arithmetic: called on every launch)."""
+    return max(16, 1 << (int(head_dim) - 1).bit_length())
 
 
 @dataclass(frozen=True)

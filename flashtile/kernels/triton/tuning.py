@@ -27,7 +27,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence
 import torch
 import triton
 
-from .launch import Config, interpreting
+from .launch import Config, _block_d, interpreting
 
 CACHE_VERSION = 1
 SEQLEN_MIN, SEQLEN_MAX = 1024, 16384
@@ -68,7 +68,7 @@ BWD: Dict[int, List[Config]] = {
 # ---------------------------------------------------------------------------------------------------- the key
 def block_d(head_dim: int) -> int:
     """The head-dim bucket: the kernels' BLOCK_D (next power of two, at least 16)."""
-    return max(16, triton.next_power_of_2(int(head_dim)))
+    return _block_d(head_dim)
 
 
 def seqlen_bucket(seqlen: int) -> int:
@@ -117,6 +117,12 @@ def cache_dir() -> str:
 
 
 def cache_path(fingerprint: str) -> str:
+    return _cache_path(fingerprint, os.environ.get("FLASHTILE_CACHE_DIR"))
+
+
+@functools.lru_cache(maxsize=64)
+def _cache_path(fingerprint: str, env_dir: Optional[str]) -> str:
+    # memoised: every kernel launch looks its key up (the regex and expanduser cost ~10 us of host time a call)
     safe = re.sub(r"[^A-Za-z0-9._-]+", "_", fingerprint).strip("_") or "unknown"
     return os.path.join(cache_dir(), f"tune-{safe}.json")
 
@@ -214,7 +220,10 @@ def lookup(pass_: str, head_dim: int, dtype, causal: bool, seqlen: int) -> Optio
     fp = device_fingerprint()
     if fp is None:
         return None
-    entry = _entries(fp).get(str(make_key(pass_, head_dim, dtype, causal, seqlen)))
+    entries = _entries(fp)
+    if not entries:
+        return None
+    entry = entries.get(str(make_key(pass_, head_dim, dtype, causal, seqlen)))
     return Config(**entry["config"]) if entry and entry["config"] is not None else None
 
 
