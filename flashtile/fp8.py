@@ -24,10 +24,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import triton
 
 from .kernels.triton import fp8 as _k
-from .kernels.triton.launch import TensorDescriptor, interpreting, kv_descriptor
+from .kernels.triton.launch import TensorDescriptor, cdiv, interpreting, kv_descriptor, next_pow2
 from .reference.fp8_emulation import hadamard_signs
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -123,7 +122,7 @@ def _check_incoherent(d):
 
 
 def _block_d(d):
-    return max(32, triton.next_power_of_2(d))
+    return max(32, next_pow2(d))
 
 
 # How the quantizer applies H: None = on the tensor cores (fwht_rows_mma) wherever tl.dot can take the input
@@ -150,10 +149,10 @@ def _quant_one(x, block, per_tensor, signs, transpose):
     b, n, h, d = x.shape
     bd = _block_d(d)
     incoherent = signs is not None
-    nblk = max(1, triton.cdiv(n, block))
+    nblk = max(1, cdiv(n, block))
     scale = torch.empty(b, h, nblk, device=x.device, dtype=torch.float32)
     if transpose:
-        n_pad = triton.cdiv(n, 16) * 16
+        n_pad = cdiv(n, 16) * 16
         y = torch.empty(b, h, d, n_pad, device=x.device, dtype=FP8_DTYPE)
         if n_pad > n:
             y[..., n:].view(torch.uint8).zero_()
@@ -282,7 +281,7 @@ def attention_fp8(t: FP8Tensors, *, softmax_scale: float, causal: bool = False, 
         v_str = (v8.stride(0), 1, v8.stride(1), v8.stride(2))   # (batch, key, head, d) strides of V^T
     else:
         v_str = (v8.stride(0), v8.stride(1), v8.stride(2), 1)
-    grid = (triton.cdiv(sq, cfg.BLOCK_M), b * h)
+    grid = (cdiv(sq, cfg.BLOCK_M), b * h)
     _k.attn_fwd_fp8_kernel[grid](
         q8, k8, v8, out, lse, qs[0], ks[0], vs[0], desc_k if tma else None, desc_v if tma else None,
         q8.stride(0), q8.stride(1), q8.stride(2), k8.stride(0), k8.stride(1), k8.stride(2),
@@ -363,7 +362,7 @@ def flash_attn_fp8_func(q, k, v, softmax_scale=None, causal=False, block_quant=T
             qv = (*views[0], h // hk)   # q_descale is per (batch, head_k): query head h reads h // group
             vv = v.permute(0, 2, 3, 1) if transpose_v else v
             if transpose_v:
-                n_pad = triton.cdiv(v.shape[1], 16) * 16
+                n_pad = cdiv(v.shape[1], 16) * 16
                 vt = torch.zeros(b, hk, d, n_pad, device=v.device, dtype=torch.uint8)
                 vt[..., :v.shape[1]].copy_(vv.view(torch.uint8))
                 vv = vt.view(FP8_DTYPE)

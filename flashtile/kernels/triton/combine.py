@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import next_pow2
 from .mods import online_softmax_step
 
 
@@ -68,9 +69,9 @@ def combine_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tens
     else:
         ob, om, oh = 0, out.stride(0), out.stride(1)
         lb, lh = 0, lse.stride(0)
-    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_d = max(16, next_pow2(head_dim))
     # all splits in one step up to 32 (64 KB of fp32 partials per program at d256), else steps of 32
-    chunk = min(max(2, triton.next_power_of_2(num_splits)), 32)
+    chunk = min(max(2, next_pow2(num_splits)), 32)
     combine_kernel[(rows, nheads)](
         o_part, lse_part, out, lse,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),

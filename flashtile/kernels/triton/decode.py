@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from . import combine as _combine
-from .launch import AttnParams, _block_d, _dot_precision, interpreting
+from .launch import AttnParams, _block_d, _dot_precision, cdiv, interpreting, next_pow2
 from .mods import key_range, load_rows, online_softmax_step, present, scores_log2, seq_bounds, visible
 
 try:  # host-side TMA descriptors (triton >= 3.4; the interpreter emulates them)
@@ -57,9 +57,10 @@ except ImportError:  # pragma: no cover - older triton
 
 
 @triton.jit
-def _tile_rows(BT_ROW, cb, pos0, offs_n, valid, page_size, stride_kp, stride_kn, stride_vp, stride_vn,
+def _tile_rows(BT_ROW, cb, page, pos0, offs_n, valid, page_size, stride_kp, stride_kn, stride_vp, stride_vn,
                MASKED: tl.constexpr, PAGED: tl.constexpr, PAGE_TILES: tl.constexpr):
-    """Where the key tile at cache positions pos0 + offs_n lives: (row, k_rows, v_rows).
+    """Where the key tile at cache positions pos0 + offs_n lives: (row, k_rows, v_rows). page: the tile's
+    block-table entry, loaded one tile ahead by the caller (PAGE_TILES only).
 
     k_rows / v_rows (BLOCK_N,) int64: element offsets of each row from K_head / V_head (pointer loads).
     row: the tile's first row in the 2-D (dim0 * page_size, nheads_k * d) view the TMA descriptors cover
@@ -68,7 +69,6 @@ def _tile_rows(BT_ROW, cb, pos0, offs_n, valid, page_size, stride_kp, stride_kn,
     if PAGED:
         if PAGE_TILES:
             # the whole tile lies in one page: one block-table entry, BLOCK_N consecutive slots
-            page = tl.load(BT_ROW + pos0 // page_size)
             slot0 = pos0 % page_size
             row = page * page_size + slot0
             base = page.to(tl.int64) * stride_kp
@@ -110,17 +110,23 @@ def _load_kv(desc, HEAD, rows, row, head_col, valid, offs_d, head_dim,
 
 
 @triton.jit
-def _decode_tile(acc, l_i, m_i, start_n, row, MASKED: tl.constexpr, EVEN_D: tl.constexpr, PAGED: tl.constexpr,
-                 PAGE_TILES: tl.constexpr, USE_TMA: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                 SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DOT_PREC: tl.constexpr):
+def _decode_tile(acc, l_i, m_i, page, start_n, row, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
+                 PAGED: tl.constexpr, PAGE_TILES: tl.constexpr, USE_TMA: tl.constexpr, HAS_LEFT: tl.constexpr,
+                 HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DOT_PREC: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
     """One step j of the inner loop (FA2 Alg. 1 lines 7-10) for the key block starting at start_n. row: what
-    every step of the program reads, as decode_kernel packs it."""
+    every step of the program reads, as decode_kernel packs it. page: this tile's block-table entry (paged
+    one-page-per-tile); the next tile's is requested here and returned, so that its latency overlaps this
+    tile's work instead of stalling the next tile's copy."""
     (q, K_head, V_head, desc_k, desc_v, BT_ROW, cb, head_col, offs_n, offs_d, qi, leftpad, seqlen_q, seqlen_k,
      stride_kp, stride_kn, stride_vp, stride_vn, page_size, head_dim, score_scale, softcap_log2, slope2,
-     window_left, window_right) = row
+     window_left, window_right, last_page) = row
     cols = start_n + offs_n                      # key index within the sequence (after left padding)
     valid = cols < seqlen_k
-    tile_row, k_rows, v_rows = _tile_rows(BT_ROW, cb, leftpad + start_n, offs_n, valid, page_size, stride_kp,
+    next_page = page
+    if PAGED and PAGE_TILES:
+        next_page = tl.load(BT_ROW + tl.minimum((leftpad + start_n + BLOCK_N) // page_size, last_page))
+    tile_row, k_rows, v_rows = _tile_rows(BT_ROW, cb, page, leftpad + start_n, offs_n, valid, page_size, stride_kp,
                                           stride_kn, stride_vp, stride_vn, MASKED, PAGED, PAGE_TILES)
     k = _load_kv(desc_k, K_head, k_rows, tile_row, head_col, valid, offs_d, head_dim, MASKED, EVEN_D, USE_TMA)
     # Alg. 1 line 8: S = Q K_j^T, scaled / soft-capped / ALiBi-biased, in log2 units
@@ -136,23 +142,29 @@ def _decode_tile(acc, l_i, m_i, start_n, row, MASKED: tl.constexpr, EVEN_D: tl.c
     # Alg. 1 line 10: O~ = diag(alpha) O~ + P~ V_j
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
-    return acc, l_i, m_i
+    return acc, l_i, m_i, next_page
 
 
 @triton.jit
 def _attend_split(acc, l_i, m_i, row, s_lo, f_lo, f_hi, s_hi, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
                   PAGED: tl.constexpr, PAGE_TILES: tl.constexpr, USE_TMA: tl.constexpr, HAS_LEFT: tl.constexpr,
                   HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Alg. 1 line 6: the split's key blocks, [s_lo, f_lo) masked | [f_lo, f_hi) unmasked | [f_hi, s_hi) masked."""
+    """Alg. 1 line 6: the split's key blocks, [s_lo, f_lo) masked | [f_lo, f_hi) unmasked | [f_hi, s_hi) masked.
+    The three ranges are consecutive, so the block-table entry each step prefetches is the next step's."""
+    page = 0
+    if PAGED and PAGE_TILES:
+        (_, _, _, _, _, BT_ROW, _, _, _, _, _, leftpad, _, _, _, _, _, _, page_size, _, _, _, _, _, _,
+         last_page) = row
+        page = tl.load(BT_ROW + tl.minimum((leftpad + s_lo) // page_size, last_page))
     for start_n in range(s_lo, f_lo, BLOCK_N):
-        acc, l_i, m_i = _decode_tile(acc, l_i, m_i, start_n, row, True, EVEN_D, PAGED, PAGE_TILES, USE_TMA,
-                                     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DOT_PREC)
+        acc, l_i, m_i, page = _decode_tile(acc, l_i, m_i, page, start_n, row, True, EVEN_D, PAGED, PAGE_TILES,
+                                           USE_TMA, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DOT_PREC, BLOCK_N)
     for start_n in range(f_lo, f_hi, BLOCK_N):
-        acc, l_i, m_i = _decode_tile(acc, l_i, m_i, start_n, row, False, EVEN_D, PAGED, PAGE_TILES, USE_TMA,
-                                     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DOT_PREC)
+        acc, l_i, m_i, page = _decode_tile(acc, l_i, m_i, page, start_n, row, False, EVEN_D, PAGED, PAGE_TILES,
+                                           USE_TMA, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DOT_PREC, BLOCK_N)
     for start_n in range(f_hi, s_hi, BLOCK_N):
-        acc, l_i, m_i = _decode_tile(acc, l_i, m_i, start_n, row, True, EVEN_D, PAGED, PAGE_TILES, USE_TMA,
-                                     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DOT_PREC)
+        acc, l_i, m_i, page = _decode_tile(acc, l_i, m_i, page, start_n, row, True, EVEN_D, PAGED, PAGE_TILES,
+                                           USE_TMA, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DOT_PREC, BLOCK_N)
     return acc, l_i, m_i
 
 
@@ -201,6 +213,8 @@ def decode_kernel(
     K_head = K + kv_off
     V_head = V + vv_off
     BT_ROW = BLOCK_TABLE + tl.cast(b, tl.int64) * stride_bt_b
+    # the block-table entry of the last visible key: prefetches one tile ahead never read past it
+    last_page = tl.maximum(leftpad + seqlen_k - 1, 0) // page_size
     head_col = hk * BLOCK_D   # column of this K/V head in the TMA descriptors' 2-D view (BLOCK_D == head_dim)
 
     # GQA packing: tile row r is query qi = r // group of head h = hk * group + r % group
@@ -245,7 +259,7 @@ def decode_kernel(
     # what every tile step reads (one tuple: each call names only the key range and the tile's flags)
     row = (q, K_head, V_head, present(desc_k), present(desc_v), BT_ROW, cb, head_col, offs_n, offs_d, qi, leftpad,
            seqlen_q, seqlen_k, stride_kp, stride_kn, stride_vp, stride_vn, page_size, head_dim, score_scale,
-           softcap_log2, slope2, window_left, window_right)
+           softcap_log2, slope2, window_left, window_right, last_page)
     if PAGE_TILES and HAS_LEFTPAD:
         # a tile starts at cache position leftpad + (multiple of BLOCK_N): in one page iff leftpad is aligned
         if leftpad % BLOCK_N == 0:
@@ -311,7 +325,7 @@ MIN_BLOCKS_PER_SPLIT = 4      # never fewer key blocks per split than this
 
 
 def _block_m(rows: int) -> int:
-    return min(64, max(16, triton.next_power_of_2(rows)))
+    return min(64, max(16, next_pow2(rows)))
 
 
 def default_decode_config(rows: int, head_dim: int, dtype: torch.dtype, few_tiles: bool = False) -> DecodeConfig:
@@ -382,12 +396,18 @@ def num_splits_heuristic(tiles: int, max_seqlen_k: int, block_n: int, device: to
     """
     if sms is None:
         sms = multiprocessors(device)
-    n_blocks = triton.cdiv(max(max_seqlen_k, 1), block_n)
+    return _num_splits(tiles, max_seqlen_k, block_n, sms)
+
+
+@functools.lru_cache(maxsize=4096)
+def _num_splits(tiles: int, max_seqlen_k: int, block_n: int, sms: int) -> int:
+    """num_splits_heuristic's rule, memoised: up to MAX_SPLITS candidates are tried, on every decode call."""
+    n_blocks = cdiv(max(max_seqlen_k, 1), block_n)
     limit = max(1, min(MAX_SPLITS, n_blocks // MIN_BLOCKS_PER_SPLIT))
     need = WAVE_SLACK * TARGET_WAVES * sms
     if tiles <= 0 or tiles >= need or limit == 1:
         return 1
-    cands = [s for s in range(2, limit + 1) if triton.cdiv(n_blocks, triton.cdiv(n_blocks, s)) == s]
+    cands = [s for s in range(2, limit + 1) if cdiv(n_blocks, cdiv(n_blocks, s)) == s]
     if not cands:
         return 1
     reach = [s for s in cands if tiles * s >= need]
@@ -422,19 +442,19 @@ def plan_decode(seqlen_q: int, nheads: int, nheads_k: int, head_dim: int, dtype:
     """The config, split count (num_splits <= 0: CONFIG_OVERRIDE["num_splits"] or num_splits_heuristic) and
     paged path flash_decode uses. page_size 0: contiguous cache."""
     group = nheads // nheads_k
-    tiles = triton.cdiv(max(seqlen_q * group, 1), _block_m(seqlen_q * group)) * batch * nheads_k
+    tiles = cdiv(max(seqlen_q * group, 1), _block_m(seqlen_q * group)) * batch * nheads_k
     cfg = decode_config(seqlen_q * group, head_dim, dtype, few_tiles=8 * tiles <= multiprocessors(device))
     if (page_size and "BLOCK_N" not in CONFIG_OVERRIDE and "decode" not in CONFIG_OVERRIDE
             and not page_tiles_ok(page_size, cfg.BLOCK_N) and page_size >= 16 and page_size & (page_size - 1) == 0):
         # small power-of-two pages: shrink the key tile to one page so each tile stays inside a page (one
         # block-table read, contiguous rows) rather than gathering rows one by one
         cfg = dataclasses.replace(cfg, BLOCK_N=min(cfg.BLOCK_N, page_size))
-    m_blocks = triton.cdiv(max(seqlen_q * group, 1), cfg.BLOCK_M)
+    m_blocks = cdiv(max(seqlen_q * group, 1), cfg.BLOCK_M)
     if num_splits <= 0:
         num_splits = int(CONFIG_OVERRIDE.get("num_splits", 0))
     if num_splits <= 0:
         num_splits = num_splits_heuristic(m_blocks * batch * nheads_k, max_seqlen_k, cfg.BLOCK_N, device)
-    num_splits = max(1, min(int(num_splits), MAX_SPLITS, triton.cdiv(max(max_seqlen_k, 1), cfg.BLOCK_N)))
+    num_splits = max(1, min(int(num_splits), MAX_SPLITS, cdiv(max(max_seqlen_k, 1), cfg.BLOCK_N)))
     return DecodePlan(cfg, m_blocks, num_splits, page_tiles_ok(page_size, cfg.BLOCK_N))
 
 

@@ -86,9 +86,20 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) of host ints. Host code uses these two helpers, not triton.cdiv / triton.next_power_of_2,
+    which newer Triton wraps as constexpr functions at a few microseconds per call: grid sizes and the decode
+    split heuristic call them on every launch."""
+    return -(-int(a) // int(b))
+
+
+def next_pow2(x: int) -> int:
+    """The smallest power of two >= x (1 for x <= 1), of a host int."""
+    return 1 << max(int(x) - 1, 0).bit_length()
+
+
 def _block_d(head_dim: int) -> int:
-    """The next power of two >= head_dim, at least 16 (plain int arithmetic: called on every launch)."""
-    return max(16, 1 << (int(head_dim) - 1).bit_length())
+    return max(16, next_pow2(head_dim))
 
 
 @dataclass(frozen=True)
@@ -335,7 +346,7 @@ def flash_fwd(q, k, v, out, lse, params: AttnParams, alibi: Optional[torch.Tenso
             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, bias=bias, mask=mask, mods=mods),
             default=fwd_config(head_dim, q.dtype, causal))
     cfg = _sparse_config(fwd_config(head_dim, q.dtype, causal, seqlen=seqlen), sparse)
-    grid = (triton.cdiv(max_sq, cfg.BLOCK_M), batch * nheads)
+    grid = (cdiv(max_sq, cfg.BLOCK_M), batch * nheads)
     block_d = _block_d(head_dim)
     desc_k = kv_descriptor(k, cfg.BLOCK_N, block_d)
     desc_v = kv_descriptor(v, cfg.BLOCK_N, block_d)
@@ -366,7 +377,7 @@ def attn_probs(q, k, lse, params: AttnParams, alibi=None, cu_seqlens_q=None, cu_
     p = torch.zeros(batch, nheads, max_sq, max_sk, device=q.device, dtype=torch.float32)
     if p.numel() == 0:
         return p
-    grid = (triton.cdiv(max_sq, 32), batch * nheads)
+    grid = (cdiv(max_sq, 32), batch * nheads)
     _fwd.attn_probs_kernel[grid](
         q, k, lse, p, cu_seqlens_q, cu_seqlens_k, alibi,
         *_rows(q), *_rows(k), p.stride(0), p.stride(1), p.stride(2), *_lse_strides(lse), alibi_sb,
@@ -413,7 +424,7 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
             default=bwd_config(head_dim, q.dtype, causal))
     delta = torch.empty_like(lse)
     pre_m = 64 if not interpreting() else 32
-    _bwd.attn_bwd_preprocess_kernel[(triton.cdiv(max_sq, pre_m), batch * nheads)](
+    _bwd.attn_bwd_preprocess_kernel[(cdiv(max_sq, pre_m), batch * nheads)](
         out, dout, delta, cu_seqlens_q, *_rows(out), *_rows(dout), *_lse_strides(lse),
         nheads, max_sq, head_dim, BLOCK_M=pre_m, BLOCK_D=flags["BLOCK_D"], IS_VARLEN=flags["IS_VARLEN"])
     if dlse is not None:
@@ -451,7 +462,7 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
     passes = [dict(COMPUTE_DK=False), dict(COMPUTE_DV=False)] if cfg.split_dkdv else [{}]
     for only in passes:
         with_ds = only.get("COMPUTE_DK", True)
-        _launch(_bwd.attn_bwd_dkdv_kernel, (triton.cdiv(max_sk, cfg.BLOCK_N), batch * nheads_k),
+        _launch(_bwd.attn_bwd_dkdv_kernel, (cdiv(max_sk, cfg.BLOCK_N), batch * nheads_k),
             q, k, v, dout, lse, delta, dk, dv, dq_acc, cu_seqlens_q, cu_seqlens_k, alibi, desc_q, desc_do, desc_dq,
             *_rows(q), *_rows(k), *_rows(v), *_rows(dout), *_rows(dk), *_rows(dv), *_rows(dq_acc), *common,
             nheads_k, nheads // nheads_k, max_sq, max_sk, head_dim,
@@ -467,7 +478,7 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
         dq.copy_(dq_acc)
         return
     # dQ pass: query blocks of dq_rows stream key blocks of dq_keys (by default BLOCK_N and BLOCK_M: the roles swap)
-    _launch(_bwd.attn_bwd_dq_kernel, (triton.cdiv(max_sq, dq_rows), batch * nheads),
+    _launch(_bwd.attn_bwd_dq_kernel, (cdiv(max_sq, dq_rows), batch * nheads),
         q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, alibi, desc_k, desc_v,
         *_rows(q), *_rows(k), *_rows(v), *_rows(dout), *_rows(dq), *common,
         nheads, nheads // nheads_k, max_sq, max_sk, head_dim,

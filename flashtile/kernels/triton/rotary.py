@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import cdiv, next_pow2
+
 
 @triton.jit
 def _rotate_heads(SRC, DST, src_rows, dst_rows, h_ok, COS, SIN, pos, stride_cos, stride_sin, head_dim, rotary_half,
@@ -115,9 +117,9 @@ def append_kv_kernel(K_NEW, V_NEW, K_CACHE, V_CACHE, COS, SIN, CACHE_SEQLENS, LE
 
 
 def _blocks(nheads: int, head_dim: int, rotary_half: int):
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    block_h = max(1, min(triton.next_power_of_2(nheads), 8192 // block_d))
-    return block_h, block_d, max(16, triton.next_power_of_2(max(rotary_half, 1)))
+    block_d = max(16, next_pow2(head_dim))
+    block_h = max(1, min(next_pow2(nheads), 8192 // block_d))
+    return block_h, block_d, max(16, next_pow2(max(rotary_half, 1)))
 
 
 def rotary_q(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos0: torch.Tensor, per_row: bool,
@@ -130,7 +132,7 @@ def rotary_q(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos0: torch.
         return out
     rotary_half = cos.shape[1]
     block_h, block_d, block_r = _blocks(nheads, head_dim, rotary_half)
-    rotary_q_kernel[(batch * seqlen, triton.cdiv(nheads, block_h))](
+    rotary_q_kernel[(batch * seqlen, cdiv(nheads, block_h))](
         q, out, cos, sin, pos0, q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
         cos.stride(0), sin.stride(0), seqlen, nheads, head_dim, rotary_half,
         PER_ROW=per_row, INTERLEAVED=interleaved, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_R=block_r, num_warps=4)
@@ -151,7 +153,7 @@ def append_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     paged = block_table is not None
     block_h, block_d, block_r = _blocks(nheads_k, head_dim, rotary_half)
     dummy = cache_seqlens
-    append_kv_kernel[(batch * seqlen_new, triton.cdiv(nheads_k, block_h))](
+    append_kv_kernel[(batch * seqlen_new, cdiv(nheads_k, block_h))](
         k, v, k_cache, v_cache, cos if rotary else k, sin if rotary else k, cache_seqlens,
         leftpad if leftpad is not None else dummy, cache_batch_idx if cache_batch_idx is not None else dummy,
         block_table if paged else dummy,

@@ -27,7 +27,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence
 import torch
 import triton
 
-from .launch import Config, _block_d, interpreting
+from .launch import Config, _block_d, interpreting, next_pow2
 
 CACHE_VERSION = 1
 SEQLEN_MIN, SEQLEN_MAX = 1024, 16384
@@ -73,7 +73,7 @@ def block_d(head_dim: int) -> int:
 
 def seqlen_bucket(seqlen: int) -> int:
     """Next power of two of seqlen, clamped to [1024, 16384]."""
-    return min(SEQLEN_MAX, max(SEQLEN_MIN, triton.next_power_of_2(max(1, int(seqlen)))))
+    return min(SEQLEN_MAX, max(SEQLEN_MIN, next_pow2(max(1, int(seqlen)))))
 
 
 def dtype_name(dtype) -> str:
