@@ -150,17 +150,18 @@ def _dk_step(dk, pt, dpt, qt, k, delta, st_in, t, keep, b, h, i, j, offs_m, offs
     if ATOMIC_DQ:
         # Alg. 2 line 15: dQ_i += tau dS_ij K_j, read-modify-write in HBM (FA2's atomic variant)
         dq = tl.dot(tl.trans(dst).to(k.dtype), k, input_precision=DOT_PREC) * sm_scale
-        dq_ptrs = dq_blk + offs_m_rel[:, None] * stride_dqm + offs_d[None, :]
         if DQ_TMA:
             # FA3's dQ write: one asynchronous bulk reduce-add of the tile (cp.reduce.async.bulk.tensor), done by
             # the L2 instead of BLOCK_M * BLOCK_D scalar atomics. Rows past the sequence end hold exact zeros
             # (P = 0 there), so a tile reaching into the next sequence's rows adds nothing to them.
             desc_dq.atomic_add([q_row, h * BLOCK_D], dq)
-        elif MASKED or not EVEN_D:
-            tl.atomic_add(dq_ptrs, dq, mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim),
-                          sem="relaxed")
         else:
-            tl.atomic_add(dq_ptrs, dq, sem="relaxed")
+            dq_ptrs = dq_blk + offs_m_rel[:, None] * stride_dqm + offs_d[None, :]
+            if MASKED or not EVEN_D:
+                tl.atomic_add(dq_ptrs, dq, mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim),
+                              sem="relaxed")
+            else:
+                tl.atomic_add(dq_ptrs, dq, sem="relaxed")
     return dk
 
 

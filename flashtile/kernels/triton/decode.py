@@ -47,13 +47,20 @@ import triton
 import triton.language as tl
 
 from . import combine as _combine
-from .launch import AttnParams, _block_d, _dot_precision, cdiv, interpreting, next_pow2
+from .launch import AttnParams, _block_d, _dot_precision, _rows, cdiv, interpreting, next_pow2
 from .mods import key_range, load_rows, online_softmax_step, present, scores_log2, seq_bounds, visible
 
 try:  # host-side TMA descriptors (triton >= 3.4; the interpreter emulates them)
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - older triton
     TensorDescriptor = None
+
+
+@triton.jit
+def _page_entry(BT_ROW, pos, page_size, last_page):
+    """Block-table entry of the page holding cache position pos (clamped to the last visible key's page, so a
+    read one tile ahead never leaves the row)."""
+    return tl.load(BT_ROW + tl.minimum(pos // page_size, last_page))
 
 
 @triton.jit
@@ -125,7 +132,7 @@ def _decode_tile(acc, l_i, m_i, page, start_n, row, MASKED: tl.constexpr, EVEN_D
     valid = cols < seqlen_k
     next_page = page
     if PAGED and PAGE_TILES:
-        next_page = tl.load(BT_ROW + tl.minimum((leftpad + start_n + BLOCK_N) // page_size, last_page))
+        next_page = _page_entry(BT_ROW, leftpad + start_n + BLOCK_N, page_size, last_page)
     tile_row, k_rows, v_rows = _tile_rows(BT_ROW, cb, page, leftpad + start_n, offs_n, valid, page_size, stride_kp,
                                           stride_kn, stride_vp, stride_vn, MASKED, PAGED, PAGE_TILES)
     k = _load_kv(desc_k, K_head, k_rows, tile_row, head_col, valid, offs_d, head_dim, MASKED, EVEN_D, USE_TMA)
@@ -146,16 +153,12 @@ def _decode_tile(acc, l_i, m_i, page, start_n, row, MASKED: tl.constexpr, EVEN_D
 
 
 @triton.jit
-def _attend_split(acc, l_i, m_i, row, s_lo, f_lo, f_hi, s_hi, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
+def _attend_split(acc, l_i, m_i, page, row, s_lo, f_lo, f_hi, s_hi, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
                   PAGED: tl.constexpr, PAGE_TILES: tl.constexpr, USE_TMA: tl.constexpr, HAS_LEFT: tl.constexpr,
                   HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DOT_PREC: tl.constexpr):
     """Alg. 1 line 6: the split's key blocks, [s_lo, f_lo) masked | [f_lo, f_hi) unmasked | [f_hi, s_hi) masked.
-    The three ranges are consecutive, so the block-table entry each step prefetches is the next step's."""
-    page = 0
-    if PAGED and PAGE_TILES:
-        (_, _, _, _, _, BT_ROW, _, _, _, _, _, leftpad, _, _, _, _, _, _, page_size, _, _, _, _, _, _,
-         last_page) = row
-        page = tl.load(BT_ROW + tl.minimum((leftpad + s_lo) // page_size, last_page))
+    The three ranges are consecutive, so the block-table entry each step prefetches is the next step's; page:
+    the first tile's entry (paged one-page-per-tile)."""
     for start_n in range(s_lo, f_lo, BLOCK_N):
         acc, l_i, m_i, page = _decode_tile(acc, l_i, m_i, page, start_n, row, True, EVEN_D, PAGED, PAGE_TILES,
                                            USE_TMA, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DOT_PREC, BLOCK_N)
@@ -260,17 +263,20 @@ def decode_kernel(
     row = (q, K_head, V_head, present(desc_k), present(desc_v), BT_ROW, cb, head_col, offs_n, offs_d, qi, leftpad,
            seqlen_q, seqlen_k, stride_kp, stride_kn, stride_vp, stride_vn, page_size, head_dim, score_scale,
            softcap_log2, slope2, window_left, window_right, last_page)
+    page = 0
+    if PAGED and PAGE_TILES:
+        page = _page_entry(BT_ROW, leftpad + s_lo, page_size, last_page)
     if PAGE_TILES and HAS_LEFTPAD:
         # a tile starts at cache position leftpad + (multiple of BLOCK_N): in one page iff leftpad is aligned
         if leftpad % BLOCK_N == 0:
-            acc, l_i, m_i = _attend_split(acc, l_i, m_i, row, s_lo, f_lo, f_hi, s_hi, BLOCK_N, EVEN_D, PAGED, True,
-                                          USE_TMA, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DOT_PREC)
+            acc, l_i, m_i = _attend_split(acc, l_i, m_i, page, row, s_lo, f_lo, f_hi, s_hi, BLOCK_N, EVEN_D, PAGED,
+                                          True, USE_TMA, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DOT_PREC)
         else:
-            acc, l_i, m_i = _attend_split(acc, l_i, m_i, row, s_lo, f_lo, f_hi, s_hi, BLOCK_N, EVEN_D, PAGED, False,
-                                          False, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DOT_PREC)
+            acc, l_i, m_i = _attend_split(acc, l_i, m_i, page, row, s_lo, f_lo, f_hi, s_hi, BLOCK_N, EVEN_D, PAGED,
+                                          False, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DOT_PREC)
     else:
-        acc, l_i, m_i = _attend_split(acc, l_i, m_i, row, s_lo, f_lo, f_hi, s_hi, BLOCK_N, EVEN_D, PAGED, PAGE_TILES,
-                                      USE_TMA, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DOT_PREC)
+        acc, l_i, m_i = _attend_split(acc, l_i, m_i, page, row, s_lo, f_lo, f_hi, s_hi, BLOCK_N, EVEN_D, PAGED,
+                                      PAGE_TILES, USE_TMA, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DOT_PREC)
 
     # Alg. 1 lines 12-13: O = O~ / l, lse2 = m + log2 l; a row that saw no key: O = 0, lse = -inf
     empty = l_i == 0.0
@@ -486,13 +492,6 @@ def _cache_descriptor(t: torch.Tensor, block_n: int, block_d: int):
     return TensorDescriptor(view, [rows, nheads_k * head_dim], [row_stride, 1], [block_n, block_d])
 
 
-def _rows3(t: torch.Tensor):
-    """(stride_batch, stride_row, stride_head) of a dense 4-D or a packed 3-D tensor."""
-    if t.dim() == 4:
-        return t.stride(0), t.stride(1), t.stride(2)
-    return 0, t.stride(0), t.stride(1)
-
-
 def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                  lse: torch.Tensor, seqlens_k: Optional[torch.Tensor], params: AttnParams, *,
                  cu_seqlens_q: Optional[torch.Tensor] = None, max_seqlen_q: Optional[int] = None,
@@ -555,9 +554,9 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         cache_batch_idx if cache_batch_idx is not None else dummy_i32,
         leftpad if leftpad is not None else dummy_i32,
         block_table if paged else dummy_i32, alibi,
-        *_rows3(q), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        *_rows(q), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        *_rows3(out), lse_sb, lse_sh,
+        *_rows(out), lse_sb, lse_sh,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
         block_table.stride(0) if paged else 0,
         0 if alibi is None or alibi.dim() == 1 else alibi.stride(0),
