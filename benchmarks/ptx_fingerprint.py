@@ -6,7 +6,7 @@ Runs a few flashtile calls on CPU tensors (dense forward/backward at d64/128/256
 forward/backward; decode contiguous, paged, paged with left padding and softcap, batch 1 and 8) with every
 kernel launch intercepted, compiles each launch for sm_90 (the GPU configs and TMA descriptors, as on an H100 /
 H200) and prints a hash of its PTX without line information. Equal hashes on two trees: the change did not alter
-the generated code. Patches flashtile's device checks and Triton's launcher in this process only."""
+the generated code. PTX_DUMP=<dir> also writes each hashed PTX there (to diff where hashes differ). Patches flashtile's device checks and Triton's launcher in this process only."""
 import hashlib, os, warnings
 warnings.filterwarnings("ignore")
 os.environ["TRITON_INTERPRET"] = "0"
@@ -66,6 +66,10 @@ def compile_all(tag):
             ptx = ptx.split(".section\t.debug")[0].split(".section .debug")[0]
             lines = [l for l in ptx.splitlines() if not l.strip().startswith((".loc", ".file", "//", "$L__"))]
             h = hashlib.sha1("\n".join(lines).encode()).hexdigest()[:12]
+            if os.environ.get("PTX_DUMP"):  # the hashed text, one file per launch, to diff two trees' kernels
+                os.makedirs(os.environ["PTX_DUMP"], exist_ok=True)
+                name = f"{tag} {kern.fn.__name__} {len(out)}".replace(" ", "_").replace("=", "")
+                open(os.path.join(os.environ["PTX_DUMP"], name + ".ptx"), "w").write("\n".join(lines))
         except Exception as e:
             h = f"ERR {type(e).__name__}: {str(e).splitlines()[0][:120]}"
         out.append(f"{tag} {kern.fn.__name__} {opts} {h}")

@@ -20,7 +20,12 @@ import flashtile
 from flashtile.kernels.triton import launch
 from flashtile.kernels.triton.tuning import BWD, FWD  # the candidate lists (also autotuning's): launch.Config each
 
-SHAPES = [(2, 16, 8192, 128), (2, 32, 8192, 64), (2, 8, 8192, 256)]
+HEAD_DIMS = (128, 64, 256)
+
+
+def shapes(seqlen: int):
+    """The FA3 grid's (batch, heads, seqlen, head dim) at one seqlen: 16k tokens, hidden 2048."""
+    return [(16384 // seqlen, 2048 // d, seqlen, d) for d in HEAD_DIMS]
 
 
 def flops(b, h, n, d, causal, mode):
@@ -66,7 +71,7 @@ def _compile_one(task):
 def precompile(args, hds, causals):
     import multiprocessing as mp
     t0 = time.time()
-    tasks = [(shape, causal, mode, c) for shape in SHAPES if shape[3] in hds for causal in causals
+    tasks = [(shape, causal, mode, c) for shape in shapes(args.seqlen) if shape[3] in hds for causal in causals
              for mode in args.modes.split(",") for c in candidates(mode, shape[3], args)]
     with mp.get_context("spawn").Pool(args.jobs) as pool:
         errs = pool.map(_compile_one, tasks, chunksize=1)
@@ -89,6 +94,7 @@ def main():
     ap.add_argument("--extra-bwd", default="", help="more backward configs, ';'-separated Python expressions "
                     "of launch.Config, e.g. 'Config(64, 128, 8, 2, dq=(128, 64, 8, 3))'")
     ap.add_argument("--jobs", type=int, default=0, help="compile every variant first in this many processes")
+    ap.add_argument("--seqlen", type=int, default=8192, help="sequence length (batch = 16384 // seqlen)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     hds = [int(x) for x in args.heads.split(",")]
@@ -97,7 +103,7 @@ def main():
     print(dev, torch.__version__, triton.__version__, flush=True)
     causals = [bool(int(c)) for c in args.causal.split(",")]
     failed = precompile(args, hds, causals) if args.jobs else {}
-    for (b, h, n, d) in SHAPES:
+    for (b, h, n, d) in shapes(args.seqlen):
         if d not in hds:
             continue
         q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
