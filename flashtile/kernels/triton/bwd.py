@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .mods import (bias_mask_log2, dropout_keep, key_range, load_lse2, load_tile, present, query_range,
-                   score_mod_grad, scores_log2, seq_bounds, sparse_tile_start, user_mods_log2, visible)
+                   score_mod_grad, scores_log2, seq_bounds, sparse_tile_start, tile_order, user_mods_log2, visible)
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -165,7 +165,7 @@ def _dk_step(dk, pt, dpt, qt, k, delta, st_in, t, keep, b, h, i, j, offs_m, offs
     return dk
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["head_group"])
 def attn_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, Delta, DK, DV, DQ_ACC, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI_SLOPES, desc_q, desc_do, desc_dq,
     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
@@ -186,9 +186,10 @@ def attn_bwd_dkdv_kernel(
     SPARSE_BLOCK: tl.constexpr = 128, SPARSE_FULL_MASKED: tl.constexpr = True, score_aux=None, mask_aux=None, score_aux_grad=None,
     SCORE_MOD: tl.constexpr = None, SCORE_GRAD: tl.constexpr = None, SCORE_CAPTURED_GRAD: tl.constexpr = None,
     MASK_MOD: tl.constexpr = None, COMPUTE_DK: tl.constexpr = True, COMPUTE_DV: tl.constexpr = True,
+    GROUPED: tl.constexpr = False, head_group=1,
 ):
-    pid_n = tl.program_id(0)
-    bhk = tl.program_id(1)
+    # causal: the first key blocks are seen by the most queries: the grid's order already runs them first
+    pid_n, bhk = tile_order(head_group, GROUPED, False)
     b = bhk // nheads_k
     hk = bhk % nheads_k
     q_start, seqlen_q = seq_bounds(b, CU_SEQLENS_Q, seqlen_q_static, IS_VARLEN)
@@ -335,7 +336,7 @@ def _dq_tile(dq, start_n, row, MASKED: tl.constexpr, HAS_MASK: tl.constexpr, MAS
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["head_group"])
 def attn_bwd_dq_kernel(
     Q, K, V, DO, LSE, Delta, DQ, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI_SLOPES, desc_k, desc_v,
     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
@@ -352,10 +353,10 @@ def attn_bwd_dq_kernel(
     ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr,
     HAS_BIAS: tl.constexpr = False, HAS_MASK: tl.constexpr = False, BLOCK_SPARSE: tl.constexpr = False,
     SPARSE_BLOCK: tl.constexpr = 128, SPARSE_FULL_MASKED: tl.constexpr = True, score_aux=None, mask_aux=None, SCORE_MOD: tl.constexpr = None,
-    SCORE_GRAD: tl.constexpr = None, MASK_MOD: tl.constexpr = None,
+    SCORE_GRAD: tl.constexpr = None, MASK_MOD: tl.constexpr = None, REVERSE: tl.constexpr = False,
+    GROUPED: tl.constexpr = False, head_group=1,
 ):
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
+    pid_m, bh = tile_order(head_group, GROUPED, REVERSE)
     b = bh // nheads
     h = bh % nheads
     hk = h // group_size

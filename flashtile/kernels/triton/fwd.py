@@ -12,8 +12,7 @@ import triton
 import triton.language as tl
 
 from .mods import (bias_mask_log2, dropout_keep, key_range, load_lse2, load_tile, online_softmax_step, present,
-                   sparse_tile_start,
-                   scores_log2, seq_bounds, user_mods_log2, visible)
+                   scores_log2, seq_bounds, sparse_tile_start, tile_order, user_mods_log2, visible)
 
 
 @triton.jit
@@ -76,7 +75,7 @@ def _fwd_tile(acc, l_i, m_i, start_n, row, MASKED: tl.constexpr, HAS_MASK: tl.co
     return acc, l_i, m_new
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["head_group"])
 def attn_fwd_kernel(
     Q, K, V, O, LSE, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI_SLOPES, desc_k, desc_v,
     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
@@ -93,14 +92,12 @@ def attn_fwd_kernel(
     ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr,
     HAS_BIAS: tl.constexpr = False, HAS_MASK: tl.constexpr = False, BLOCK_SPARSE: tl.constexpr = False,
     SPARSE_BLOCK: tl.constexpr = 128, SPARSE_FULL_MASKED: tl.constexpr = True, score_aux=None, mask_aux=None, SCORE_MOD: tl.constexpr = None,
-    MASK_MOD: tl.constexpr = None, FOLD_SCALE: tl.constexpr = False,
+    MASK_MOD: tl.constexpr = None, FOLD_SCALE: tl.constexpr = False, GROUPED: tl.constexpr = False,
+    head_group=1,
 ):
-    pid_m = tl.program_id(0)
-    if HAS_RIGHT:
-        # causal/banded: the last query blocks see the most keys; launch them first so the short ones
-        # fill the tail of the schedule instead of the long ones
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    bh = tl.program_id(1)
+    # causal/banded: the last query blocks see the most keys; launch them first so the short ones
+    # fill the tail of the schedule instead of the long ones
+    pid_m, bh = tile_order(head_group, GROUPED, HAS_RIGHT)
     b = bh // nheads
     h = bh % nheads
     hk = h // group_size  # GQA: query head h reads K/V head h // (nheads / nheads_k)

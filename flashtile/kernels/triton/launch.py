@@ -255,6 +255,35 @@ class UserMods:
         return kw
 
 
+# Launch order under a causal mask (mods.tile_order), per head-dim bucket: heads are grouped so that a group holds
+# about this many programs of each kernel (0: the grid's own order, one head's blocks in a row), and whether the dQ
+# pass runs its query blocks last-first. The long programs of a group's heads then start before its short ones and
+# the short ones fill the tail, while a group stays small enough to share its heads' tiles in L2. Picked by
+# benchmarks/sweep_schedule.py (H200, bf16, FA3 grid, causal; BENCHMARKS.md section 1): d256 backward 183 -> 203
+# TFLOP/s at 2k, 237 -> 252 at 8k, unchanged at 16k (groups of 256 programs lost there: 263 -> 249); d64 / d128
+# within run-to-run noise of the grid order (d128 backward 290 -> 295 at 2k, 358 -> 362 at 8k in the benchmark).
+CAUSAL_SCHEDULE = {
+    128: dict(fwd=256, dkdv=256, dq=256, dq_reverse=True),
+    256: dict(fwd=0, dkdv=128, dq=128, dq_reverse=False),
+}
+SCHEDULE_OVERRIDE: dict = {}   # sweeps pin fields of the schedule here (keys as CAUSAL_SCHEDULE's entries)
+
+
+def _schedule(head_dim: int) -> dict:
+    entry = CAUSAL_SCHEDULE[128 if _block_d(head_dim) <= 128 else 256]
+    return {**entry, **SCHEDULE_OVERRIDE} if SCHEDULE_OVERRIDE else entry
+
+
+def _order_args(params: AttnParams, head_dim: int, kernel: str, n_blocks: int, n_bh: int) -> dict:
+    """mods.tile_order's arguments for a grid (n_blocks, n_bh): heads per launch-order group (programs differ in
+    length only under a causal mask without a left window), and the switch that compiles the grouping in."""
+    programs = _schedule(head_dim)[kernel]
+    group = 1
+    if params.window_right == 0 and params.window_left < 0 and programs > 0:
+        group = max(1, min(n_bh, programs // max(n_blocks, 1)))
+    return dict(head_group=group, GROUPED=group > 1)
+
+
 def _launch(kernel, grid, *args, num_stages: int, **kwargs):
     """kernel[grid](*args, ...), retried with fewer pipeline stages when the tiles do not fit in shared memory:
     the tuned configs leave little room, and an attn_bias / attn_mask tile or a user mod's loads can push one
@@ -361,7 +390,7 @@ def flash_fwd(q, k, v, out, lse, params: AttnParams, alibi: Optional[torch.Tenso
         *_pair_args(bias, batch, nheads, max_sq, max_sk), *_pair_args(mask, batch, nheads, max_sq, max_sk),
         *_sparse_args(sparse, batch, nheads, False),
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, EVEN_D=block_d == head_dim, USE_TMA=use_tma,
-        FOLD_SCALE=score_scale > 0,
+        FOLD_SCALE=score_scale > 0, **_order_args(params, head_dim, "fwd", *grid),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_flags(params, alibi, cu_seqlens_q, head_dim, q.dtype),
         **_mod_flags(bias, mask, sparse, params, max_sq, max_sk), **_user_mod_kwargs(mods, "fwd"))
 
@@ -460,9 +489,11 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
     # split_dkdv: a dV-only launch, then a dK-only one that also does everything else that needs dS (atomic
     # dQ, dBias, score_mod's captured gradients); otherwise one launch does both
     passes = [dict(COMPUTE_DK=False), dict(COMPUTE_DV=False)] if cfg.split_dkdv else [{}]
+    dkdv_grid = (cdiv(max_sk, cfg.BLOCK_N), batch * nheads_k)
+    dq_grid = (cdiv(max_sq, dq_rows), batch * nheads)
     for only in passes:
         with_ds = only.get("COMPUTE_DK", True)
-        _launch(_bwd.attn_bwd_dkdv_kernel, (cdiv(max_sk, cfg.BLOCK_N), batch * nheads_k),
+        _launch(_bwd.attn_bwd_dkdv_kernel, dkdv_grid,
             q, k, v, dout, lse, delta, dk, dv, dq_acc, cu_seqlens_q, cu_seqlens_k, alibi, desc_q, desc_do, desc_dq,
             *_rows(q), *_rows(k), *_rows(v), *_rows(dout), *_rows(dk), *_rows(dv), *_rows(dq_acc), *common,
             nheads_k, nheads // nheads_k, max_sq, max_sk, head_dim,
@@ -472,13 +503,14 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
             *_sparse_args(sparse, batch, nheads, True),
             BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, EVEN_D=even_d, ATOMIC_DQ=atomic and with_ds, USE_TMA=use_tma,
             DQ_TMA=desc_dq is not None and with_ds,
+            **_order_args(params, head_dim, "dkdv", *dkdv_grid),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags, **mod_flags,
             **(dbias_flags if with_ds else {}), **_user_mod_kwargs(mods, "dkdv" if with_ds else "dq"), **only)
     if atomic:
         dq.copy_(dq_acc)
         return
     # dQ pass: query blocks of dq_rows stream key blocks of dq_keys (by default BLOCK_N and BLOCK_M: the roles swap)
-    _launch(_bwd.attn_bwd_dq_kernel, (cdiv(max_sq, dq_rows), batch * nheads),
+    _launch(_bwd.attn_bwd_dq_kernel, dq_grid,
         q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, alibi, desc_k, desc_v,
         *_rows(q), *_rows(k), *_rows(v), *_rows(dout), *_rows(dq), *common,
         nheads, nheads // nheads_k, max_sq, max_sk, head_dim,
@@ -486,4 +518,6 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
         params.dropout_p, params.seed, params.rng_offset, *rng,
         *bias_args, *mask_args, *_sparse_args(sparse, batch, nheads, False),
         BLOCK_M=dq_rows, BLOCK_N=dq_keys, EVEN_D=even_d, USE_TMA=use_tma,
+        **_order_args(params, head_dim, "dq", *dq_grid),
+        REVERSE=_schedule(head_dim)["dq_reverse"] and params.window_right >= 0,
         num_warps=dq_warps, num_stages=dq_stages, **flags, **mod_flags, **_user_mod_kwargs(mods, "dq"))

@@ -238,6 +238,32 @@ def sparse_tile_start(IDX, sp, t, sparse_blocks, SPARSE_BLOCK: tl.constexpr, TIL
 
 
 @triton.jit
+def tile_order(head_group, GROUPED: tl.constexpr, REVERSE: tl.constexpr):
+    """(block, batch * head index) of this program over a grid (blocks, batch * heads), in launch order.
+    GROUPED: heads in groups of head_group; within a group block by block (every head's block 0, then block 1,
+    ...), so under a causal mask the long programs of all the group's heads start before any short one and the
+    short ones fill the schedule's tail. Not GROUPED: the grid's own order (one head's blocks in a row, sharing
+    its tiles in L2; compiled without the grouping's index arithmetic, with which the d64 full backward measured
+    10-14% slower on an H200).
+    REVERSE: blocks in descending order (causal forward and dQ: the last query blocks see the most keys)."""
+    n_blocks = tl.num_programs(0)
+    if GROUPED:
+        pid = tl.program_id(0) + tl.program_id(1) * n_blocks
+        span = head_group * n_blocks
+        g0 = (pid // span) * head_group
+        size = tl.minimum(head_group, tl.num_programs(1) - g0)
+        r = pid % span
+        blk = r // size
+        bh = g0 + r % size
+    else:
+        blk = tl.program_id(0)
+        bh = tl.program_id(1)
+    if REVERSE:
+        blk = n_blocks - 1 - blk
+    return blk, bh
+
+
+@triton.jit
 def present(x):
     """x, or 0 in place of None: the tile steps get their per-program values as one tuple, and Triton 3.6
     cannot build a tuple holding None (an absent TMA descriptor, bias, mask or mod). Every such value is read
