@@ -276,12 +276,16 @@ def _schedule(head_dim: int) -> dict:
 
 def _order_args(params: AttnParams, head_dim: int, kernel: str, n_blocks: int, n_bh: int) -> dict:
     """mods.tile_order's arguments for a grid (n_blocks, n_bh): heads per launch-order group (programs differ in
-    length only under a causal mask without a left window), and the switch that compiles the grouping in."""
-    programs = _schedule(head_dim)[kernel]
+    length only under a causal mask without a left window), the switch that compiles the grouping in, and for the
+    dQ pass whether its query blocks go last-first (the forward reverses under any right window by itself)."""
+    schedule = _schedule(head_dim)
     group = 1
-    if params.window_right == 0 and params.window_left < 0 and programs > 0:
-        group = max(1, min(n_bh, programs // max(n_blocks, 1)))
-    return dict(head_group=group, GROUPED=group > 1)
+    if params.window_right == 0 and params.window_left < 0 and schedule[kernel] > 0:
+        group = max(1, min(n_bh, schedule[kernel] // max(n_blocks, 1)))
+    args = dict(head_group=group, GROUPED=group > 1)
+    if kernel == "dq":
+        args["REVERSE"] = schedule["dq_reverse"] and params.window_right >= 0
+    return args
 
 
 def _launch(kernel, grid, *args, num_stages: int, **kwargs):
@@ -490,7 +494,7 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
     # dQ, dBias, score_mod's captured gradients); otherwise one launch does both
     passes = [dict(COMPUTE_DK=False), dict(COMPUTE_DV=False)] if cfg.split_dkdv else [{}]
     dkdv_grid = (cdiv(max_sk, cfg.BLOCK_N), batch * nheads_k)
-    dq_grid = (cdiv(max_sq, dq_rows), batch * nheads)
+    dkdv_order = _order_args(params, head_dim, "dkdv", *dkdv_grid)
     for only in passes:
         with_ds = only.get("COMPUTE_DK", True)
         _launch(_bwd.attn_bwd_dkdv_kernel, dkdv_grid,
@@ -503,13 +507,14 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
             *_sparse_args(sparse, batch, nheads, True),
             BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, EVEN_D=even_d, ATOMIC_DQ=atomic and with_ds, USE_TMA=use_tma,
             DQ_TMA=desc_dq is not None and with_ds,
-            **_order_args(params, head_dim, "dkdv", *dkdv_grid),
+            **dkdv_order,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags, **mod_flags,
             **(dbias_flags if with_ds else {}), **_user_mod_kwargs(mods, "dkdv" if with_ds else "dq"), **only)
     if atomic:
         dq.copy_(dq_acc)
         return
     # dQ pass: query blocks of dq_rows stream key blocks of dq_keys (by default BLOCK_N and BLOCK_M: the roles swap)
+    dq_grid = (cdiv(max_sq, dq_rows), batch * nheads)
     _launch(_bwd.attn_bwd_dq_kernel, dq_grid,
         q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, alibi, desc_k, desc_v,
         *_rows(q), *_rows(k), *_rows(v), *_rows(dout), *_rows(dq), *common,
@@ -519,5 +524,4 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
         *bias_args, *mask_args, *_sparse_args(sparse, batch, nheads, False),
         BLOCK_M=dq_rows, BLOCK_N=dq_keys, EVEN_D=even_d, USE_TMA=use_tma,
         **_order_args(params, head_dim, "dq", *dq_grid),
-        REVERSE=_schedule(head_dim)["dq_reverse"] and params.window_right >= 0,
         num_warps=dq_warps, num_stages=dq_stages, **flags, **mod_flags, **_user_mod_kwargs(mods, "dq"))
