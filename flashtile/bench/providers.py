@@ -111,7 +111,8 @@ def _first(out):
 # flashtile
 # --------------------------------------------------------------------------------------------------------
 @register_provider("flashtile", layout="bshd", devices=("cuda", "cpu"),
-                   description="flashtile.flash_attn_func (Triton; on CPU through the Triton interpreter)")
+                   description="flashtile.flash_attn_func (Triton; on Hopper the FA3 Gluon forward where it applies; "
+                               "on CPU through the Triton interpreter)")
 def _flashtile(device, dtype):
     import flashtile
 
@@ -119,6 +120,18 @@ def _flashtile(device, dtype):
     if fn is None:
         raise ProviderUnavailable("flashtile.flash_attn_func is not defined in this checkout")
     return lambda q, k, v, causal: fn(q, k, v, causal=causal)
+
+
+@register_provider("flashtile-triton", layout="bshd", devices=("cuda", "cpu"),
+                   description="flashtile.flash_attn_func with the FA3 Gluon forward turned off: Triton kernels only")
+def _flashtile_triton(device, dtype):
+    import flashtile
+    from flashtile.kernels.gluon import fa3
+
+    def attn(q, k, v, causal):
+        with fa3.disabled():
+            return flashtile.flash_attn_func(q, k, v, causal=causal)
+    return attn
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 import triton
 
+from ..gluon import fa3 as _fa3
 from . import bwd as _bwd
 from . import fwd as _fwd
 from .mods import LOG2E
@@ -368,6 +369,9 @@ def flash_fwd(q, k, v, out, lse, params: AttnParams, alibi: Optional[torch.Tenso
         # nothing to attend to (or nobody asking): rows that see no key are 0 with lse = -inf
         out.zero_()
         lse.fill_(float("-inf"))
+        return
+    if _fa3.supports(q, k, v, params, alibi, cu_seqlens_q, bias, mask, sparse, mods):
+        _fa3.fwd(q, k, v, out, lse, params)   # Hopper: FlashAttention-3's warp-specialized kernel (Gluon)
         return
     from . import tuning  # imported here: tuning imports this module
     causal, seqlen = params.window_right == 0, max(max_sq, max_sk)

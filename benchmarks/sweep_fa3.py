@@ -1,0 +1,127 @@
+"""FlashAttention-3 (Gluon, Hopper) forward variants beside flashtile's Triton forward and cuDNN, in one run.
+
+Usage (Hopper GPU machine, repo root):
+    PYTHONPATH=. python benchmarks/sweep_fa3.py --out DIR [--heads 64,128,256] [--seqlens 2048,8192] [--rounds 2]
+        [--variants "d:num_wg,Bc,stages,pingpong;..."]
+
+A variant sets flashtile.kernels.gluon.fa3.CONFIGS[d] and fa3.PINGPONG[d] (0: the consumer warpgroups issue
+their GEMMs without taking turns, full and causal alike). Default variants: the shipped config of each head dim plus its no-ping-pong twin
+and the neighbouring tile shapes. Each variant is first checked against float64 (b2 s768, GQA 2:1, bf16, full
+and causal). Shapes: the FA3 grid (16k tokens, hidden 2048), bf16. Timing: triton.testing.do_bench medians of the
+kernel launch (fa3.fwd on preallocated outputs) and of flash_attn_func with FLASHTILE_GLUON=0 (the Triton kernel)
+and cuDNN SDPA; rounds alternate the providers; the best round is reported. Writes DIR/sweep_fa3.json.
+"""
+import argparse
+import json
+import os
+
+import torch
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import flashtile
+from flashtile.kernels.gluon import fa3
+from flashtile.kernels.triton.launch import AttnParams
+
+DEFAULT_VARIANTS = ("64:2,128,3,1;64:2,128,2,1;64:2,128,3,0;"
+                    "128:2,128,2,1;128:2,128,2,0;128:2,128,3,1;128:2,64,4,1;"
+                    "256:2,64,2,1;256:2,64,2,0;256:2,32,4,1")
+
+
+def parse_variants(text):
+    out = {}
+    for item in filter(None, (t.strip() for t in text.split(";"))):
+        d, vals = item.split(":")
+        num_wg, block_n, stages, pingpong = (int(x) for x in vals.split(","))
+        out.setdefault(int(d), []).append((num_wg, block_n, stages, bool(pingpong)))
+    return out
+
+
+def use(d, variant):
+    fa3.CONFIGS[d] = variant[:3]
+    fa3.PINGPONG[d] = (variant[3], variant[3])
+
+
+def run_fa3(q, k, v, causal, out=None, lse=None):
+    b, s, h, d = q.shape
+    out = torch.full_like(q, float("nan")) if out is None else out
+    lse = torch.full((b, h, s), float("nan"), device=q.device) if lse is None else lse
+    fa3.fwd(q, k, v, out, lse, AttnParams(softmax_scale=d ** -0.5, window_right=0 if causal else -1))
+    return out, lse
+
+
+def reference(q, k, v, causal):
+    qd, kd, vd = (t.double().transpose(1, 2) for t in (q, k, v))
+    g = qd.shape[1] // kd.shape[1]
+    kd, vd = kd.repeat_interleave(g, 1), vd.repeat_interleave(g, 1)
+    s = qd @ kd.transpose(-1, -2) / q.shape[-1] ** 0.5
+    if causal:
+        n = s.shape[-1]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return (s.softmax(-1) @ vd).transpose(1, 2), torch.logsumexp(s, -1)
+
+
+def check(d, variant):
+    for causal in (False, True):
+        q = torch.randn(2, 768, 4, d, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(2, 768, 2, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        use(d, variant)
+        out, lse = run_fa3(q, k, v, causal)
+        o_ref, l_ref = reference(q, k, v, causal)
+        err, l_err = (out.double() - o_ref).abs().max().item(), (lse.double() - l_ref).abs().max().item()
+        if not (err < 2e-2 and l_err < 1e-3):
+            raise SystemExit(f"d{d} {variant} causal={causal}: max error {err:.3g}, LSE {l_err:.3g}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--heads", default="64,128,256")
+    ap.add_argument("--seqlens", default="2048,8192")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--variants", default=DEFAULT_VARIANTS)
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    variants = parse_variants(args.variants)
+    print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
+    rows = []
+    for d in (int(x) for x in args.heads.split(",")):
+        shipped, shipped_pp = fa3.CONFIGS.get(d), fa3.PINGPONG.get(d)
+        for variant in variants[d]:
+            check(d, variant)
+        for s in (int(x) for x in args.seqlens.split(",")):
+            for causal in (False, True):
+                b, h = 16384 // s, 2048 // d
+                q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+                out, lse = torch.empty_like(q), torch.empty(b, h, s, device="cuda")
+                flops = 4 * b * h * s * s * d / (2 if causal else 1)
+                res = {}
+                for _ in range(args.rounds):
+                    for variant in variants[d]:
+                        use(d, variant)
+                        ms = triton.testing.do_bench(lambda: run_fa3(q, k, v, causal, out, lse), warmup=25, rep=150)
+                        res.setdefault("fa3 wg%d Bc%d st%d pp%d" % variant, []).append(flops / ms / 1e9)
+                    os.environ["FLASHTILE_GLUON"] = "0"
+                    ms = triton.testing.do_bench(lambda: flashtile.flash_attn_func(q, k, v, causal=causal),
+                                                 warmup=25, rep=150)
+                    os.environ.pop("FLASHTILE_GLUON")
+                    res.setdefault("triton", []).append(flops / ms / 1e9)
+                    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+                    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                        ms = triton.testing.do_bench(lambda: torch.nn.functional.scaled_dot_product_attention(
+                            qt, kt, vt, is_causal=causal), warmup=25, rep=150)
+                    res.setdefault("cudnn", []).append(flops / ms / 1e9)
+                print(f"d{d} s{s} causal={int(causal)} | " + " | ".join(f"{n} {max(t):.1f}" for n, t in res.items()),
+                      flush=True)
+                rows.append(dict(head_dim=d, seqlen=s, causal=causal, tflops=res))
+        for table, value in ((fa3.CONFIGS, shipped), (fa3.PINGPONG, shipped_pp)):
+            if value is None:
+                table.pop(d, None)
+            else:
+                table[d] = value
+    with open(os.path.join(args.out, "sweep_fa3.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,226 @@
+"""FlashAttention-3's forward (seed 001: Algorithm 1 with §3.1's warp specialization and ping-pong schedule and
+§3.2's intra-warpgroup pipelining) for Hopper, written in Gluon, Triton's lower-level Python DSL: explicit
+layouts, TMA, mbarriers, asynchronous warpgroup MMA (wgmma) and warp specialization, none of which Triton's
+`tl.dot` kernels can schedule by hand on Hopper.
+
+One program computes one (Br x d) output tile O_i of one (batch, head), Br = 2 x 64 rows:
+- a producer warp (`_load_partition`) issues the TMA loads: Q_i once, then K_j and V_j into a ring of STAGES
+  shared-memory buffers. Each buffer has a "ready" mbarrier (TMA transaction bytes) and an "empty" one, which
+  the consumers arrive on once their wgmmas have read it: K_j's as soon as S_j is computed, V_j's after P~_j V_j,
+  so the next keys load while this block's values are still in use;
+- two consumer warpgroups (`_consumer_partition`; the first is the default partition), 64 rows each, run the
+  online softmax. Turn j issues S_j = Q K_j^T and O += P~_{j-1} V_{j-1} as two asynchronous wgmmas, waits for
+  S_j only and computes its softmax while the tensor cores work on P~_{j-1} V_{j-1} (intra-warpgroup
+  overlap); the warpgroups take turns issuing (mbarriers `turns`), so one's GEMMs run while the other
+  computes exponentials (ping-pong).
+
+Imported only on a CUDA device of compute capability 9.x (flashtile.kernels.gluon.fa3 decides).
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+
+LN2 = gl.constexpr(0.6931471805599453)
+# TMA copies: Triton 3.6 (the GPU image's) names them async_copy_global_to_shared / async_copy_shared_to_global;
+# later releases async_load / async_store and drop the old store name
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+
+
+@gluon.jit
+def _load_partition(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
+                    q_row, q_col, kv_row, kv_col, n_blocks, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    STAGES: gl.constexpr, NUM_WG: gl.constexpr):
+    """Producer: the consumers' Q rows, then K_j / V_j for j < n_blocks into buffer j % STAGES once every
+    consumer warpgroup released it."""
+    mbarrier.expect(q_bar, NUM_WG * q_desc.block_type.nbytes)
+    for wg in gl.static_range(NUM_WG):
+        tma_load(q_desc, [q_row + wg * BLOCK_M, q_col], q_bar, q_bufs.index(wg))
+    for j in range(n_blocks):
+        s = j % STAGES
+        # mbarriers start with phase 1 complete, so the first STAGES waits pass at once. K_j's buffer frees as
+        # soon as S_{j-STAGES} is computed, V_j's only once P~ V of that block is: separate barriers let K run ahead
+        phase = ((j // STAGES) & 1) ^ 1
+        row = kv_row + j * BLOCK_N
+        mbarrier.wait(k_empty.index(s), phase)
+        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+        tma_load(k_desc, [row, kv_col], k_ready.index(s), k_bufs.index(s))
+        mbarrier.wait(v_empty.index(s), phase)
+        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+        tma_load(v_desc, [row, kv_col], v_ready.index(s), v_bufs.index(s))
+
+
+@gluon.jit
+def _online_softmax(s, m_i, l_i, qk_scale, j, n_unmasked, q_start,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """Algorithm 1 lines 9-10 for one S block, in base 2 (qk_scale = softmax_scale * log2 e):
+    m_new = max(m_i, rowmax(S) * scale); P~ = exp2(S * scale - m_new); l_new = exp2(m_i - m_new) l_i + rowsum(P~).
+    Blocks j >= n_unmasked cross the causal diagonal: columns after a row's own index get -inf first."""
+    if j >= n_unmasked:
+        rows = q_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+        cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        s = gl.where(gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1), s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+    l_new = l_i * alpha + gl.sum(p, 1)
+    return p, m_new, l_new, alpha
+
+
+@gluon.jit
+def _turn(bars, wg: gl.constexpr, t, NUM_WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """Wait until consumer warpgroup `wg` may issue its t-th group of wgmmas (FA3's "ping-pong" schedule,
+    §3.1): turns go round the warpgroups, so one's GEMMs run on the tensor cores while the others compute
+    their softmax. Warpgroup 0's first wait passes at once (an mbarrier starts with phase 1 complete)."""
+    if NUM_WG > 1 and PINGPONG:
+        mbarrier.wait(bars.index(wg), (t & 1) ^ (1 if wg == 0 else 0))
+
+
+@gluon.jit
+def _pass_turn(bars, wg: gl.constexpr, NUM_WG: gl.constexpr, PINGPONG: gl.constexpr):
+    if NUM_WG > 1 and PINGPONG:
+        mbarrier.arrive(bars.index((wg + 1) % NUM_WG), count=1)
+
+
+@gluon.jit
+def _consumer_partition(wg: gl.constexpr, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, turns, o_desc,
+                        lse_ptr, q_row, q_col, q_start, n_blocks, n_unmasked, qk_scale,
+                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+                        STAGES: gl.constexpr, NUM_WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """Consumer warpgroup `wg`: rows [wg * BLOCK_M, (wg + 1) * BLOCK_M) of the program's Q tile, through the whole
+    key loop (Algorithm 1 lines 6-12), then its part of the epilogue (lines 12-13)."""
+    dtype: gl.constexpr = q_bufs.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    q_smem = q_bufs.index(wg)
+    q_start = q_start + wg * BLOCK_M
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
+    s_init = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+
+    mbarrier.wait(q_bar, 0)
+    # turn 0: S_0 = Q K_0^T (nothing to overlap it with yet)
+    mbarrier.wait(k_ready.index(0), 0)
+    _turn(turns, wg, 0, NUM_WG, PINGPONG)
+    s_tok = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), s_init, use_acc=False, is_async=True)
+    _pass_turn(turns, wg, NUM_WG, PINGPONG)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
+    mbarrier.arrive(k_empty.index(0), count=1)
+    p, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, qk_scale, 0, n_unmasked, q_start, BLOCK_M, BLOCK_N, s_layout)
+    p = gl.convert_layout(p.to(dtype), p_layout)
+    for j in range(1, n_blocks):
+        cur = j % STAGES
+        prev = (j - 1) % STAGES
+        # turn j: issue S_j = Q K_j^T, then O += P~_{j-1} V_{j-1}; both run on the tensor cores meanwhile
+        mbarrier.wait(k_ready.index(cur), (j // STAGES) & 1)
+        mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+        _turn(turns, wg, j, NUM_WG, PINGPONG)
+        s_tok = warpgroup_mma(q_smem, k_bufs.index(cur).permute((1, 0)), s_init, use_acc=False, is_async=True)
+        o_tok = warpgroup_mma(p, v_bufs.index(prev), acc, is_async=True)
+        _pass_turn(turns, wg, NUM_WG, PINGPONG)
+        # wgmma groups retire in order: <= 1 outstanding means S_j is done (P~_{j-1} V_{j-1} may still run)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
+        mbarrier.arrive(k_empty.index(cur), count=1)   # K_j read: the producer may refill its buffer
+        p_next, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, qk_scale, j, n_unmasked, q_start,
+                                                  BLOCK_M, BLOCK_N, s_layout)
+        acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p))
+        mbarrier.arrive(v_empty.index(prev), count=1)   # V_{j-1} read
+        # Algorithm 1 line 12's rescale, O = diag(exp2(m_old - m_new)) O, before P~_j V_j is added
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+        p = gl.convert_layout(p_next.to(dtype), p_layout)
+    last = (n_blocks - 1) % STAGES
+    mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
+    _turn(turns, wg, n_blocks, NUM_WG, PINGPONG)
+    o_tok = warpgroup_mma(p, v_bufs.index(last), acc, is_async=True)
+    _pass_turn(turns, wg, NUM_WG, PINGPONG)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, ))
+    mbarrier.arrive(v_empty.index(last), count=1)
+
+    # epilogue (Algorithm 1 lines 12-13): O_i = diag(l_i)^-1 acc, L_i = m_i + log(l_i); every row saw >= 1 key
+    o = acc / gl.expand_dims(gl.convert_layout(l_i, o_rows), 1)
+    q_smem.store(o.to(dtype))   # this warpgroup's Q buffer is free: its S wgmmas have retired
+    fence_async_shared()
+    tma_store(o_desc, [q_row + wg * BLOCK_M, q_col], q_smem)
+    rows = q_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    gl.store(lse_ptr + rows, (m_i + gl.log2(l_i)) * LN2)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def fa3_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k,
+                   nheads, group, qk_scale, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, NUM_WG: gl.constexpr, PINGPONG: gl.constexpr,
+                   num_warps: gl.constexpr):
+    """Grid (seqlen_q / (NUM_WG * BLOCK_M), batch * nheads); BLOCK_M = 64 rows per consumer warpgroup
+    (num_warps = 4: the first consumer is the default partition). q/k/v/o descriptors are over the 2-D views
+    (batch * seqlen, nheads * HEAD_D) with blocks (BLOCK_M or BLOCK_N, HEAD_D); seqlen_q % (NUM_WG * BLOCK_M) == 0
+    and seqlen_k % BLOCK_N == 0 (the host checks), causal only with seqlen_q == seqlen_k.
+    lse: (batch, nheads, seqlen_q) fp32, natural log."""
+    dtype: gl.constexpr = q_desc.dtype
+    TILE_M: gl.constexpr = NUM_WG * BLOCK_M
+    pid_m = gl.program_id(0)
+    bh = gl.program_id(1)
+    if CAUSAL:   # longest rows (most key blocks) first, the short ones fill the tail
+        pid_m = gl.num_programs(0) - 1 - pid_m
+    b = bh // nheads
+    h = bh % nheads
+    q_start = pid_m * TILE_M
+    q_row = b * seqlen_q + q_start
+    q_col = h * HEAD_D
+    kv_row = b * seqlen_k
+    kv_col = (h // group) * HEAD_D
+    if CAUSAL:
+        n_blocks = gl.cdiv(q_start + TILE_M, BLOCK_N)
+        n_unmasked = q_start // BLOCK_N
+    else:
+        n_blocks = seqlen_k // BLOCK_N
+        n_unmasked = n_blocks
+    lse_ptr = lse_ptr + b * stride_lse_b + h * stride_lse_h
+
+    q_bufs = gl.allocate_shared_memory(dtype, [NUM_WG, BLOCK_M, HEAD_D], q_desc.layout)
+    k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turns = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=NUM_WG)   # every consumer warpgroup releases the buffer
+        mbarrier.init(v_empty.index(i), count=NUM_WG)
+    for i in gl.static_range(NUM_WG):
+        mbarrier.init(turns.index(i), count=1)
+
+    # partitions: consumer warpgroup 0 (the default partition, num_warps = 4), consumer warpgroup 1, the producer
+    # warp; each worker gets its own copy of the (scalar / shared-memory) arguments. Registers (fa3.MAXNREG):
+    # 240 per consumer thread, 24 for the producer
+    gl.static_assert(NUM_WG == 2)
+    gl.warp_specialize([
+        (_consumer_partition, (0, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, turns, o_desc,
+                               lse_ptr, q_row, q_col, q_start, n_blocks, n_unmasked, qk_scale, BLOCK_M,
+                               BLOCK_N, HEAD_D, STAGES, NUM_WG, PINGPONG)),
+        (_consumer_partition, (1, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, turns, o_desc,
+                               lse_ptr, q_row, q_col, q_start, n_blocks, n_unmasked, qk_scale, BLOCK_M,
+                               BLOCK_N, HEAD_D, STAGES, NUM_WG, PINGPONG)),
+        (_load_partition, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty,
+                           v_empty, q_row, q_col, kv_row, kv_col, n_blocks, BLOCK_M, BLOCK_N, STAGES, NUM_WG)),
+    ], [4, 1], [240, 24])
+
+    mbarrier.invalidate(q_bar)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(k_ready.index(i))
+        mbarrier.invalidate(v_ready.index(i))
+        mbarrier.invalidate(k_empty.index(i))
+        mbarrier.invalidate(v_empty.index(i))
+    for i in gl.static_range(NUM_WG):
+        mbarrier.invalidate(turns.index(i))
