@@ -1,5 +1,7 @@
 """Compiles the Gluon FA3 forward (flashtile/kernels/gluon/_fa3_fwd.py) for sm_90 on a machine without a GPU and
-prints one line per variant: `ok d<head_dim> causal=<0|1> <dtype> shared=<bytes> wgmma=<count>`.
+prints one line per variant: `ok d<head_dim> causal=<0|1> <dtype> shared=<bytes> wgmma=<count> arrives=<count>
+unsynced=<count>`. `unsynced` counts the plain mbarrier arrivals (one thread of a consumer warpgroup) not
+preceded by a bar.sync of the warpgroup's 128 threads, on which the kernel's barrier counts rely (_pass_turn).
 Run by tests/test_fa3_gluon.py in a subprocess, with TRITON_INTERPRET=0 (the interpreter does not run Gluon)."""
 import os
 import sys
@@ -49,5 +51,10 @@ if __name__ == "__main__":
         d, causal, dt = spec.split(",")
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dt]
         ck = compile_variant(int(d), causal == "1", dtype)
+        ptx = ck.asm["ptx"].splitlines()
+        arrives = [i for i, line in enumerate(ptx) if "mbarrier.arrive" in line and "expect_tx" not in line]
+        unsynced = [i for i in arrives if not any("bar.sync" in ptx[j] and ", 128;" in ptx[j]
+                                                  for j in range(max(0, i - 6), i))]
         print(f"ok d{d} causal={causal} {dt} shared={ck.metadata.shared} "
-              f"wgmma={ck.asm['ptx'].count('wgmma.mma_async')}", flush=True)
+              f"wgmma={ck.asm['ptx'].count('wgmma.mma_async')} arrives={len(arrives)} unsynced={len(unsynced)}",
+              flush=True)

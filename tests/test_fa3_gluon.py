@@ -41,6 +41,8 @@ def test_eligible_problems(kw, params):
     (dict(), AttnParams(softmax_scale=0.1, window_left=256, window_right=0)),
     (dict(), AttnParams(softmax_scale=0.1, softcap=20.0)),
     (dict(), AttnParams(softmax_scale=0.1, dropout_p=0.1)),
+    (dict(), AttnParams(softmax_scale=0.0)),             # the kernel scales the row max: scale must be > 0
+    (dict(), AttnParams(softmax_scale=-0.1, window_right=0)),
 ])
 def test_ineligible_problems(kw, params):
     assert not fa3.eligible(*_qkv(**kw), params)
@@ -52,6 +54,9 @@ def test_ineligible_features_and_layouts():
     assert not fa3.eligible(q, k, v, FULL, mask=torch.ones(1, 1, 1024, 1024, dtype=torch.bool))
     assert not fa3.eligible(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, FULL)   # strided q
     assert not fa3.eligible(q[0], k[0], v[0], FULL)                                        # packed (varlen) layout
+    buf = torch.empty(q.numel() + 1, dtype=q.dtype)
+    q_odd = buf[1:].view(q.shape)                     # contiguous, but not 16-byte aligned: TMA cannot read it
+    assert q_odd.is_contiguous() and not fa3.eligible(q_odd, k, v, FULL)
 
 
 def test_cpu_tensors_and_switch_off(monkeypatch):
@@ -62,7 +67,8 @@ def test_cpu_tensors_and_switch_off(monkeypatch):
 
 
 def test_kernel_compiles_for_sm90():
-    """Every variant the dispatcher can launch compiles to sm_90 PTX with wgmma, within 227 KiB of shared memory."""
+    """Every variant the dispatcher can launch compiles to sm_90 PTX with wgmma, within 227 KiB of shared memory,
+    and every consumer's mbarrier arrival follows a bar.sync of its warpgroup (the barrier counts rely on it)."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     specs = [f"{d},{c},{dt}" for d in sorted(fa3.CONFIGS) for c in (0, 1) for dt in ("bf16",)] + ["128,0,fp16"]
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT))
@@ -74,6 +80,7 @@ def test_kernel_compiles_for_sm90():
     for ln in lines:
         fields = dict(f.split("=") for f in ln.split()[2:] if "=" in f)
         assert int(fields["wgmma"]) > 0 and 0 < int(fields["shared"]) <= 227 * 1024, ln
+        assert int(fields["arrives"]) > 0 and int(fields["unsynced"]) == 0, ln
 
 
 def test_disabled_context_nests():

@@ -11,8 +11,10 @@ One program computes one (Br x d) output tile O_i of one (batch, head), Br = 2 x
 - two consumer warpgroups (`_consumer_partition`; the first is the default partition), 64 rows each, run the
   online softmax. Turn j issues S_j = Q K_j^T and O += P~_{j-1} V_{j-1} as two asynchronous wgmmas, waits for
   S_j only and computes its softmax while the tensor cores work on P~_{j-1} V_{j-1} (intra-warpgroup
-  overlap); the warpgroups take turns issuing (mbarriers `turns`), so one's GEMMs run while the other
-  computes exponentials (ping-pong).
+  overlap). With PINGPONG (fa3.PINGPONG: today the d128 full forward) the warpgroups take turns issuing
+  (mbarriers `turns`), so one's GEMMs run while the other computes exponentials (ping-pong).
+
+Algorithm line numbers below are FlashAttention-2's Algorithm 1 (seed 000's forward), as in triton/fwd.py.
 
 Imported only on a CUDA device of compute capability 9.x (flashtile.kernels.gluon.fa3 decides).
 """
@@ -54,9 +56,12 @@ def _load_partition(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_rea
 @gluon.jit
 def _online_softmax(s, m_i, l_i, qk_scale, j, n_unmasked, q_start,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
-    """Algorithm 1 lines 9-10 for one S block, in base 2 (qk_scale = softmax_scale * log2 e):
-    m_new = max(m_i, rowmax(S) * scale); P~ = exp2(S * scale - m_new); l_new = exp2(m_i - m_new) l_i + rowsum(P~).
-    Blocks j >= n_unmasked cross the causal diagonal: columns after a row's own index get -inf first."""
+    """Algorithm 1 lines 9-10 for one S block, in base 2 (qk_scale = softmax_scale * log2 e > 0, which lets the
+    row max be taken before scaling): m_new = max(m_i, rowmax(S) * scale); P~ = exp2(S * scale - m_new);
+    l_new = exp2(m_i - m_new) l_i + rowsum(P~). Blocks j >= n_unmasked (the program's) reach the causal diagonal:
+    columns after a row's own index get -inf first. At d256 (Bc 64 < Br 128) the last block is entirely masked
+    for warpgroup 0's rows; block 0 always has a visible column for every row, so m_i is finite by then and
+    such a block only adds P~ = 0 with alpha = 1 (no NaN)."""
     if j >= n_unmasked:
         rows = q_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
         cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -70,15 +75,20 @@ def _online_softmax(s, m_i, l_i, qk_scale, j, n_unmasked, q_start,
 
 @gluon.jit
 def _turn(bars, wg: gl.constexpr, t, NUM_WG: gl.constexpr, PINGPONG: gl.constexpr):
-    """Wait until consumer warpgroup `wg` may issue its t-th group of wgmmas (FA3's "ping-pong" schedule,
-    §3.1): turns go round the warpgroups, so one's GEMMs run on the tensor cores while the others compute
-    their softmax. Warpgroup 0's first wait passes at once (an mbarrier starts with phase 1 complete)."""
+    """With PINGPONG, wait until consumer warpgroup `wg` may issue its t-th group of wgmmas (FA3's "ping-pong"
+    schedule, §3.1): turns go round the warpgroups, so one's GEMMs run on the tensor cores while the others
+    compute their softmax. Warpgroup 0's first wait passes at once (an mbarrier starts with phase 1 complete).
+    Both warpgroups run n_blocks + 1 turns (n_blocks is the program's, not the warpgroup's)."""
     if NUM_WG > 1 and PINGPONG:
         mbarrier.wait(bars.index(wg), (t & 1) ^ (1 if wg == 0 else 0))
 
 
 @gluon.jit
 def _pass_turn(bars, wg: gl.constexpr, NUM_WG: gl.constexpr, PINGPONG: gl.constexpr):
+    # One thread of the warpgroup arrives (count 1), after a bar.sync of its 128 threads that Triton inserts
+    # before every mbarrier.arrive of a multi-warp partition: all four warps have passed this turn's wait, so no
+    # warp can see the turn barrier a phase ahead. tests/fa3_compile_check.py checks the PTX for that bar.sync;
+    # the consumers' k_empty / v_empty arrivals (count NUM_WG) rely on it as well.
     if NUM_WG > 1 and PINGPONG:
         mbarrier.arrive(bars.index((wg + 1) % NUM_WG), count=1)
 
@@ -89,7 +99,7 @@ def _consumer_partition(wg: gl.constexpr, q_bufs, k_bufs, v_bufs, q_bar, k_ready
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                         STAGES: gl.constexpr, NUM_WG: gl.constexpr, PINGPONG: gl.constexpr):
     """Consumer warpgroup `wg`: rows [wg * BLOCK_M, (wg + 1) * BLOCK_M) of the program's Q tile, through the whole
-    key loop (Algorithm 1 lines 6-12), then its part of the epilogue (lines 12-13)."""
+    key loop (Algorithm 1 lines 6-11), then its part of the epilogue (lines 12-15)."""
     dtype: gl.constexpr = q_bufs.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -131,7 +141,7 @@ def _consumer_partition(wg: gl.constexpr, q_bufs, k_bufs, v_bufs, q_bar, k_ready
                                                   BLOCK_M, BLOCK_N, s_layout)
         acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p))
         mbarrier.arrive(v_empty.index(prev), count=1)   # V_{j-1} read
-        # Algorithm 1 line 12's rescale, O = diag(exp2(m_old - m_new)) O, before P~_j V_j is added
+        # Algorithm 1 line 10's rescale, O = diag(exp2(m_old - m_new)) O, before P~_j V_j is added
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
         p = gl.convert_layout(p_next.to(dtype), p_layout)
     last = (n_blocks - 1) % STAGES
@@ -142,7 +152,7 @@ def _consumer_partition(wg: gl.constexpr, q_bufs, k_bufs, v_bufs, q_bar, k_ready
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, ))
     mbarrier.arrive(v_empty.index(last), count=1)
 
-    # epilogue (Algorithm 1 lines 12-13): O_i = diag(l_i)^-1 acc, L_i = m_i + log(l_i); every row saw >= 1 key
+    # epilogue (Algorithm 1 lines 12-15): O_i = diag(l_i)^-1 acc, L_i = m_i + log(l_i); every row saw >= 1 key
     o = acc / gl.expand_dims(gl.convert_layout(l_i, o_rows), 1)
     q_smem.store(o.to(dtype))   # this warpgroup's Q buffer is free: its S wgmmas have retired
     fence_async_shared()
@@ -202,8 +212,8 @@ def fa3_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b, stride
         mbarrier.init(turns.index(i), count=1)
 
     # partitions: consumer warpgroup 0 (the default partition, num_warps = 4), consumer warpgroup 1, the producer
-    # warp; each worker gets its own copy of the (scalar / shared-memory) arguments. Registers (fa3.MAXNREG):
-    # 240 per consumer thread, 24 for the producer
+    # warp; each worker gets its own copy of the (scalar / shared-memory) arguments. Registers: 240 per consumer
+    # thread, 24 for the producer (setmaxnreg within the kernel's limit, fa3.MAXNREG)
     gl.static_assert(NUM_WG == 2)
     gl.warp_specialize([
         (_consumer_partition, (0, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, turns, o_desc,

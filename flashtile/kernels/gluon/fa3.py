@@ -1,8 +1,9 @@
 """When and how the dense forward runs FlashAttention-3's Hopper kernel (_fa3_fwd.py, Gluon) instead of the
 portable Triton kernel: a CUDA device of compute capability 9.x with Gluon importable, fp16/bf16, the
-(batch, seqlen, nheads, headdim) layout contiguous, headdim 128 or 256, no feature but causal / GQA
-(no window, softcap, ALiBi, dropout, bias, mask or block sparsity), seqlen_q a multiple of Br and seqlen_k
-of Bc (CONFIGS), causal with seqlen_q == seqlen_k. FLASHTILE_GLUON=0 turns it off."""
+(batch, seqlen, nheads, headdim) layout contiguous with 16-byte aligned bases, headdim 128 or 256, a positive
+softmax scale, no feature but causal / GQA (no window, softcap, ALiBi, dropout, bias, mask or block sparsity),
+seqlen_q a multiple of Br and seqlen_k of Bc (CONFIGS), causal with seqlen_q == seqlen_k. FLASHTILE_GLUON=0
+turns it off."""
 from __future__ import annotations
 
 import contextlib
@@ -14,16 +15,17 @@ import torch
 from ..triton.mods import LOG2E
 
 WG_ROWS = 64   # query rows per consumer warpgroup (one wgmma M); two consumer warpgroups: Br = 128
-# head_dim -> (consumer warpgroups, Bc, pipeline stages). Bc and the stages fill the 227 KiB of shared memory with
-# Q_i + STAGES x (K_j, V_j) while S and O stay in registers. Measured on an H200 (benchmarks/sweep_fa3.py); at
-# head dim 64 the Triton kernel is as fast (BENCHMARKS.md), so it keeps that head dim.
+# head_dim -> (consumer warpgroups, Bc, pipeline stages), chosen by measurement on an H200 (benchmarks/sweep_fa3.py,
+# BENCHMARKS.md): Q_i + STAGES x (K_j, V_j) must fit the 227 KiB of shared memory (d128: 160 KiB; a third stage
+# fits but measured no faster; d256: 192 KiB) and S, P~, O the consumers' 240 registers per thread. At head dim
+# 64 the Triton kernel is as fast, so it keeps that head dim.
 CONFIGS = {128: (2, 128, 2), 256: (2, 64, 2)}
 # head_dim -> whether the consumer warpgroups take turns issuing their GEMMs (FA3's ping-pong), (full, causal).
 # Measured: turns win at d128 full attention (+1-2%); under a causal mask, and at d256, free scheduling by the
 # warp scheduler is as fast or 2-3% faster (BENCHMARKS.md, the fa3 sweep)
 PINGPONG = {128: (True, False), 256: (False, False)}
-# warps of all partitions (4 + 4 + 1), rounded up to warpgroups (12), x 32 threads x maxnreg = the 64K registers of
-# an SM: 240 per consumer thread, 24 for the producer's
+# the kernel's register limit per thread: 12 warps (4 + 4 + 1 rounded up to warpgroups) x 32 x 168 = the 64K
+# registers of an SM; inside the partitions setmaxnreg moves them to 240 per consumer thread and 24 for the producer
 MAXNREG = 168
 
 
@@ -75,9 +77,11 @@ def eligible(q, k, v, params, alibi=None, cu_seqlens_q=None, bias=None, mask=Non
         return False
     if params.dropout_p > 0 or params.softcap > 0 or params.window_left >= 0 or params.window_right > 0:
         return False
-    head_dim, sq, sk = q.shape[-1], q.shape[1], k.shape[1]
-    if head_dim not in CONFIGS or not all(t.is_contiguous() for t in (q, k, v)):
+    if not params.softmax_scale > 0:   # the kernel takes max(S) * scale for max(S * scale), and masks with -inf
         return False
+    head_dim, sq, sk = q.shape[-1], q.shape[1], k.shape[1]
+    if head_dim not in CONFIGS or not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v)):
+        return False   # TMA needs 16-byte aligned bases (the row strides are: head_dim x nheads x 2 bytes)
     block_m, block_n = block_shape(head_dim)
     causal = params.window_right == 0
     return not (sq % block_m or sk % block_n or sq == 0 or (causal and sq != sk))
