@@ -11,7 +11,6 @@ and causal). Shapes: the FA3 grid (16k tokens, hidden 2048), bf16. Timing: trito
 kernel launch (fa3.fwd on preallocated outputs) and of flash_attn_func with FLASHTILE_GLUON=0 (the Triton kernel)
 and cuDNN SDPA; rounds alternate the providers; the best round is reported. Writes DIR/sweep_fa3.json.
 """
-import argparse
 import json
 import os
 
@@ -20,8 +19,10 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashtile
+from _sweep_args import sweep_args
 from flashtile.kernels.gluon import fa3
 from flashtile.kernels.triton.launch import AttnParams
+from flashtile.reference.dense import attention_ref
 
 DEFAULT_VARIANTS = ("64:2,128,3,1;64:2,128,2,1;64:2,128,3,0;"
                     "128:2,128,2,1;128:2,128,2,0;128:2,128,3,1;128:2,64,4,1;"
@@ -50,40 +51,21 @@ def run_fa3(q, k, v, causal, out=None, lse=None):
     return out, lse
 
 
-def reference(q, k, v, causal):
-    qd, kd, vd = (t.double().transpose(1, 2) for t in (q, k, v))
-    g = qd.shape[1] // kd.shape[1]
-    kd, vd = kd.repeat_interleave(g, 1), vd.repeat_interleave(g, 1)
-    s = qd @ kd.transpose(-1, -2) / q.shape[-1] ** 0.5
-    if causal:
-        n = s.shape[-1]
-        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    return (s.softmax(-1) @ vd).transpose(1, 2), torch.logsumexp(s, -1)
-
-
 def check(d, variant):
     for causal in (False, True):
         q = torch.randn(2, 768, 4, d, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(2, 768, 2, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         use(d, variant)
         out, lse = run_fa3(q, k, v, causal)
-        o_ref, l_ref = reference(q, k, v, causal)
+        o_ref, l_ref, _ = attention_ref(q, k, v, causal=causal)   # float64
         err, l_err = (out.double() - o_ref).abs().max().item(), (lse.double() - l_ref).abs().max().item()
         if not (err < 2e-2 and l_err < 1e-3):
             raise SystemExit(f"d{d} {variant} causal={causal}: max error {err:.3g}, LSE {l_err:.3g}")
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--heads", default="64,128,256")
-    ap.add_argument("--seqlens", default="2048,8192")
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--variants", default=DEFAULT_VARIANTS)
-    args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
+    args = sweep_args(seqlens="2048,8192", variants=DEFAULT_VARIANTS)
     variants = parse_variants(args.variants)
-    print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
     rows = []
     for d in (int(x) for x in args.heads.split(",")):
         shipped, shipped_pp = fa3.CONFIGS.get(d), fa3.PINGPONG.get(d)

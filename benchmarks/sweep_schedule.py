@@ -13,7 +13,6 @@ Timing: triton.testing.do_bench medians; the forward under torch.no_grad, the ba
 the graph retained. Rounds alternate the variants so that drift hits all of them. Writes DIR/sweep_schedule.json
 and prints per point the mean over rounds (forward / backward TFLOP/s).
 """
-import argparse
 import json
 import os
 import sys
@@ -23,6 +22,7 @@ import triton
 
 import flashtile
 from flashtile.kernels.triton import launch
+from _sweep_args import sweep_args
 
 DEFAULT_VARIANTS = "grid:0,0,0,0;p256r:256,256,256,1;p256:256,256,256,0;p128:128,128,128,0;dkdv128:0,128,0,0"
 
@@ -37,17 +37,9 @@ def parse_variants(text):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=".")
-    ap.add_argument("--heads", default="64,128,256")
-    ap.add_argument("--seqlens", default="2048,8192,16384")
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--variants", default=DEFAULT_VARIANTS)
-    args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
+    args = sweep_args(seqlens="2048,8192,16384", variants=DEFAULT_VARIANTS)
     variants = parse_variants(args.variants)
     points = [(d, n) for d in map(int, args.heads.split(",")) for n in map(int, args.seqlens.split(","))]
-    print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
     rows = []
     for rnd in range(args.rounds):
         for d, n in points:

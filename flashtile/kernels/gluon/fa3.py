@@ -53,6 +53,10 @@ def disabled():
         _off -= 1
 
 
+def _device_index(t: torch.Tensor) -> int:
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()
+
+
 @functools.lru_cache(maxsize=None)
 def _kernels(device_index: int):
     """The Gluon module, or None where it cannot run on this device (not Hopper, or no Gluon)."""
@@ -92,7 +96,7 @@ def supports(q, k, v, params, *args, **kwargs) -> bool:
     and not turned off by FLASHTILE_GLUON=0."""
     if not (enabled() and q.is_cuda and eligible(q, k, v, params, *args, **kwargs)):
         return False
-    return _kernels(q.device.index if q.device.index is not None else torch.cuda.current_device()) is not None
+    return _kernels(_device_index(q)) is not None
 
 
 @functools.lru_cache(maxsize=None)
@@ -111,8 +115,7 @@ def _gluon_language():
 def fwd(q, k, v, out, lse, params) -> None:
     """out = attention(q, k, v), lse = its row log-sum-exp (natural log), by the Gluon FA3 kernel. Call only
     where supports() said yes; out and lse contiguous."""
-    kern, TensorDescriptor = _kernels(q.device.index if q.device.index is not None
-                                          else torch.cuda.current_device())
+    kern, TensorDescriptor = _kernels(_device_index(q))
     batch, sq, nheads, head_dim = q.shape
     sk, nheads_k = k.shape[1], k.shape[2]
     num_wg, block_n, stages = CONFIGS[head_dim]
