@@ -9,6 +9,7 @@ time than a small attention call takes on the GPU).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch.utils import _python_dispatch
 
+from .kernels.gluon import fa3
 from .kernels.triton import launch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -390,6 +392,7 @@ class _FlashAttnFn(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse, rng_state, alibi_slopes, cu_seqlens_q, cu_seqlens_k, attn_bias,
                               attn_mask, *sparse, *mod_tensors)
         ctx.scalars = (*scalars, deterministic)
+        ctx.gluon = fa3.enabled()   # a forward inside fa3.disabled() gets its backward from the Triton kernels too
 
     @staticmethod
     def backward(ctx, dout, dlse, _drng, _dprobs):
@@ -399,9 +402,10 @@ class _FlashAttnFn(torch.autograd.Function):
         if dout is None:   # only the LSE output reaches the loss
             dout = torch.zeros_like(out)
         bias_grad = attn_bias is not None and ctx.needs_input_grad[ctx.extra_at]
-        grads = _bwd_call(dout, q, k, v, out, lse, rng_state, alibi_slopes, cu_seqlens_q, cu_seqlens_k, *ctx.scalars,
-                         list(mod_tensors), attn_bias, attn_mask, *sparse, ctx.sparse_block_size, bias_grad,
-                         ctx.mod_key, ctx.mod_grad_bits, dlse)
+        with contextlib.nullcontext() if ctx.gluon else fa3.disabled():
+            grads = _bwd_call(dout, q, k, v, out, lse, rng_state, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                              *ctx.scalars, list(mod_tensors), attn_bias, attn_mask, *sparse, ctx.sparse_block_size,
+                              bias_grad, ctx.mod_key, ctx.mod_grad_bits, dlse)
         result = [grads[0], grads[1], grads[2]] + [None] * (ctx.n_inputs - 3)
         if bias_grad:
             result[ctx.extra_at] = grads[3]

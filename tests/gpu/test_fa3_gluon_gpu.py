@@ -1,6 +1,6 @@
-"""FlashAttention-3's Hopper forward (flashtile/kernels/gluon, Gluon) on an H100/H200: every case it takes is
-checked against float64 (output, LSE, and the gradients of the Triton backward that runs from its LSE); the
-cases it must not take fall back to the Triton kernel. Skipped without a CUDA device of compute capability 9.x.
+"""FlashAttention-3's Hopper forward and backward (flashtile/kernels/gluon, Gluon) on an H100/H200: every case
+they take is checked against float64 (output, LSE, and the gradients, from the Gluon backward at the head dims it
+has, else the Triton one); the cases they must not take fall back to the Triton kernels. Skipped without a CUDA device of compute capability 9.x.
 """
 import pytest
 import torch
@@ -28,8 +28,8 @@ FA3_CASES = [
     Case(1, 4096, 4096, 8, 8, 256, bf16, causal=True),
 ]
 
-TRITON_CASES = [   # shapes or features the FA3 kernel does not take
-    Case(2, 1024, 1024, 8, 8, 64, bf16, causal=True),              # head dim 64: the Triton kernel is faster
+TRITON_CASES = [   # shapes or features the FA3 kernels do not take
+    Case(1, 1088, 1088, 4, 4, 64, bf16),                           # d64: Triton forward; s_q % 128 != 0: Triton backward
     Case(1, 1000, 1000, 4, 4, 128, bf16, causal=True),             # seqlen not a multiple of Br
     Case(1, 1024, 2048, 4, 4, 128, bf16, causal=True),             # causal with s_q != s_k
     Case(1, 1024, 1024, 4, 4, 128, fp16, window=(256, 0)),
@@ -54,29 +54,104 @@ def _params(c: Case):
 
 
 def _run(c: Case, monkeypatch):
-    """flash_attn_func forward + backward, counting the forwards the FA3 kernel ran."""
-    calls = []
-    real = fa3.fwd
-    monkeypatch.setattr(fa3, "fwd", lambda *a: calls.append(1) or real(*a))
+    """flash_attn_func forward + backward, counting the forwards and backwards the FA3 kernels ran."""
+    calls = {"fwd": 0, "bwd": 0}
+    for name in calls:
+        real = getattr(fa3, name)
+        monkeypatch.setattr(fa3, name, lambda *a, _n=name, _f=real: calls.__setitem__(_n, calls[_n] + 1) or _f(*a))
     q, k, v, dout, alibi = case_inputs(c, "cuda")
     out, lse, s_dmask = flashtile.flash_attn_func(q, k, v, **flash_kwargs(c, alibi, return_attn_probs=True))
     grads = torch.autograd.grad(out, (q, k, v), dout)
     keep = keep_mask_from_s_dmask(s_dmask) if c.dropout_p > 0 else None
-    return (q, k, v, dout, alibi), out, lse, grads, keep, len(calls)
+    return (q, k, v, dout, alibi), out, lse, grads, keep, calls
+
+
+def _bwd_takes(c: Case) -> bool:
+    if c.d not in fa3.BWD_CONFIGS:
+        return False
+    block_m, block_n, _ = fa3.BWD_CONFIGS[c.d]
+    return c.sq % block_m == 0 and c.sk % block_n == 0
 
 
 @pytest.mark.parametrize("c", FA3_CASES, ids=lambda c: c.id)
 def test_fa3_forward_matches_reference_gpu(c: Case, seed, monkeypatch):
-    (q, k, v, dout, alibi), out, lse, grads, _, n_fa3 = _run(c, monkeypatch)
-    assert n_fa3 == 1, f"the FA3 kernel did not take [{c.id}]"
+    (q, k, v, dout, alibi), out, lse, grads, _, calls = _run(c, monkeypatch)
+    assert calls["fwd"] == 1, f"the FA3 forward did not take [{c.id}]"
+    assert calls["bwd"] == int(_bwd_takes(c)), f"FA3 backward calls {calls['bwd']} [{c.id}]"
     check_against_reference(c, q, k, v, dout, alibi, out, lse, None, grads)
 
 
 @pytest.mark.parametrize("c", TRITON_CASES, ids=lambda c: c.id)
 def test_other_cases_run_triton_gpu(c: Case, seed, monkeypatch):
-    (q, k, v, dout, alibi), out, lse, grads, keep, n_fa3 = _run(c, monkeypatch)
-    assert n_fa3 == 0, f"the FA3 kernel took a case it does not support [{c.id}]"
+    (q, k, v, dout, alibi), out, lse, grads, keep, calls = _run(c, monkeypatch)
+    assert calls == {"fwd": 0, "bwd": 0}, f"an FA3 kernel took a case it does not support [{c.id}]: {calls}"
     check_against_reference(c, q, k, v, dout, alibi, out, lse, None, grads, dropout_mask=keep)
+
+
+BWD_ONLY_CASES = [   # the Gluon backward without the forward: d128 tiles the forward's Br 128 does not divide; d64
+    Case(2, 704, 640, 4, 2, 128, bf16),
+    Case(1, 1088, 1152, 2, 1, 128, fp16),
+    Case(2, 1024, 1024, 8, 8, 64, bf16, causal=True),
+    Case(2, 640, 1152, 4, 2, 64, fp16),                            # GQA, s_q < s_k
+    Case(1, 2048, 2048, 8, 1, 64, bf16, causal=True),              # MQA
+    Case(2, 1536, 256, 4, 4, 64, bf16),                            # s_q > s_k
+]
+
+
+@pytest.mark.parametrize("c", BWD_ONLY_CASES, ids=lambda c: c.id)
+def test_fa3_backward_alone_matches_reference_gpu(c: Case, seed, monkeypatch):
+    (q, k, v, dout, alibi), out, lse, grads, _, calls = _run(c, monkeypatch)
+    assert calls == {"fwd": 0, "bwd": 1}, calls
+    check_against_reference(c, q, k, v, dout, alibi, out, lse, None, grads)
+
+
+def test_fa3_backward_deterministic_runs_triton_gpu(seed, monkeypatch):
+    """deterministic=True asks for no atomics: the Gluon backward (TMA reduce-add of dQ) must not run."""
+    c = Case(1, 1024, 1024, 4, 4, 128, bf16, causal=True)
+    calls = []
+    monkeypatch.setattr(fa3, "bwd", lambda *a: calls.append(1))
+    q, k, v, dout, _ = case_inputs(c, "cuda")
+    out = flashtile.flash_attn_func(q, k, v, causal=True, deterministic=True)
+    g1 = torch.autograd.grad(out, (q, k, v), dout)
+    g2 = torch.autograd.grad(flashtile.flash_attn_func(q, k, v, causal=True, deterministic=True), (q, k, v), dout)
+    assert not calls and all(torch.equal(a, b) for a, b in zip(g1, g2))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", sorted(fa3.BWD_CONFIGS))
+def test_fa3_backward_agrees_with_triton_gpu(d, causal, seed, monkeypatch):
+    """Both backwards from the same forward: gradients equal within bf16 rounding."""
+    q, k, v, dout = (torch.randn(2, 2048, 2048 // d, d, device="cuda", dtype=bf16, requires_grad=True)
+                     for _ in range(4))
+    out = flashtile.flash_attn_func(q, k, v, causal=causal)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    monkeypatch.setenv("FLASHTILE_GLUON", "0")
+    out = flashtile.flash_attn_func(q, k, v, causal=causal)
+    grads_t = torch.autograd.grad(out, (q, k, v), dout)
+    for name, g, gt in zip(("dq", "dk", "dv"), grads, grads_t):
+        scale = gt.float().abs().max().item()
+        assert (g.float() - gt.float()).abs().max().item() < 2e-2 * scale, name
+
+
+def test_fa3_backward_writes_every_element_gpu(seed):
+    """dk, dv start as NaN (poisoned) and come back finite: every key block of every head written (GQA 2:1)."""
+    _check_bwd_writes_every_element(Case(2, 1152, 1280, 6, 3, 128, bf16))
+
+
+def test_fa3_backward_d64_writes_every_element_gpu(seed):
+    _check_bwd_writes_every_element(Case(2, 1152, 1280, 6, 3, 64, fp16, causal=False))
+
+
+def _check_bwd_writes_every_element(c: Case):
+    q, k, v = (torch.randn(c.b, s, n, c.d, device="cuda", dtype=c.dtype) for s, n in ((c.sq, c.h), (c.sk, c.hk),
+                                                                                     (c.sk, c.hk)))
+    dout = torch.randn_like(q)
+    out, lse = torch.empty_like(q), torch.empty(c.b, c.h, c.sq, device="cuda")
+    launch.flash_fwd(q, k, v, out, lse, _params(c))
+    dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
+    assert fa3.supports(q, k, v, _params(c), backward=True)
+    launch.flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, _params(c))
+    assert all(torch.isfinite(g).all() for g in (dq, dk, dv))
 
 
 @pytest.mark.parametrize("causal", [False, True])

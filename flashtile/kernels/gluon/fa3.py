@@ -1,9 +1,11 @@
-"""When and how the dense forward runs FlashAttention-3's Hopper kernel (_fa3_fwd.py, Gluon) instead of the
+"""When and how the dense forward and backward run FlashAttention-3's Hopper kernel (_fa3_fwd.py, Gluon) instead of the
 portable Triton kernel: a CUDA device of compute capability 9.x with Gluon importable, fp16/bf16, the
 (batch, seqlen, nheads, headdim) layout contiguous with 16-byte aligned bases, headdim 128 or 256, a positive
 softmax scale, no feature but causal / GQA (no window, softcap, ALiBi, dropout, bias, mask or block sparsity),
-seqlen_q a multiple of Br and seqlen_k of Bc (CONFIGS), causal with seqlen_q == seqlen_k. FLASHTILE_GLUON=0
-turns it off."""
+seqlen_q a multiple of Br and seqlen_k of Bc (CONFIGS), causal with seqlen_q == seqlen_k. The backward
+(_fa3_bwd.py) takes the same problems at the head dims of BWD_CONFIGS (seqlen_q a multiple of its Br, seqlen_k of
+its Bc) unless deterministic gradients are asked for (it adds dQ with TMA reduce-add). FLASHTILE_GLUON=0 turns
+both off."""
 from __future__ import annotations
 
 import contextlib
@@ -29,6 +31,11 @@ PINGPONG = {128: (True, False), 256: (False, False)}
 MAXNREG = 168
 
 
+# head_dim -> (Br, Bc, stages) of the backward: a program owns Bc = 2 x 64 keys (one half per consumer
+# warpgroup, dK / dV in registers) and streams Br query rows per step through `stages` (Q_i, dO_i) buffers
+BWD_CONFIGS = {64: (128, 128, 2), 128: (64, 128, 2)}
+
+
 def block_shape(head_dim: int):
     """(Br, Bc) of the kernel at this head dim."""
     num_wg, block_n, _ = CONFIGS[head_dim]
@@ -44,7 +51,8 @@ def enabled() -> bool:
 
 @contextlib.contextmanager
 def disabled():
-    """Within this block every forward runs the Triton kernel (the benchmark's `flashtile-triton` provider)."""
+    """Within this block every forward and backward runs the Triton kernels (the benchmark's `flashtile-triton`
+    provider); flash_attn_func records it at the forward, so the backward of a forward run here does too."""
     global _off
     _off += 1
     try:
@@ -63,16 +71,17 @@ def _kernels(device_index: int):
     if torch.cuda.get_device_capability(device_index)[0] != 9:
         return None
     try:
-        from . import _fa3_fwd
+        from . import _fa3_bwd, _fa3_fwd
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     except ImportError:
         return None
-    return _fa3_fwd, TensorDescriptor
+    return _fa3_fwd, _fa3_bwd, TensorDescriptor
 
 
 def eligible(q, k, v, params, alibi=None, cu_seqlens_q=None, bias=None, mask=None, sparse=None,
-             mods=None) -> bool:
-    """Whether the FA3 kernel computes this problem (dtype, layout, shapes, features), whatever the device."""
+             mods=None, backward=False) -> bool:
+    """Whether the FA3 kernel (forward, or backward) computes this problem (dtype, layout, shapes, features),
+    whatever the device."""
     if not (q.dim() == 4 and q.dtype in (torch.float16, torch.bfloat16)):
         return False
     if cu_seqlens_q is not None or alibi is not None or bias is not None or mask is not None:
@@ -84,16 +93,18 @@ def eligible(q, k, v, params, alibi=None, cu_seqlens_q=None, bias=None, mask=Non
     if not params.softmax_scale > 0:   # the kernel takes max(S) * scale for max(S * scale), and masks with -inf
         return False
     head_dim, sq, sk = q.shape[-1], q.shape[1], k.shape[1]
-    if head_dim not in CONFIGS or not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v)):
+    if head_dim not in (BWD_CONFIGS if backward else CONFIGS):
+        return False
+    if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v)):
         return False   # TMA needs 16-byte aligned bases (the row strides are: head_dim x nheads x 2 bytes)
-    block_m, block_n = block_shape(head_dim)
+    block_m, block_n = BWD_CONFIGS[head_dim][:2] if backward else block_shape(head_dim)
     causal = params.window_right == 0
     return not (sq % block_m or sk % block_n or sq == 0 or (causal and sq != sk))
 
 
 def supports(q, k, v, params, *args, **kwargs) -> bool:
-    """Whether fwd() computes this forward (else the Triton kernel does): eligible, on a Hopper GPU with Gluon,
-    and not turned off by FLASHTILE_GLUON=0."""
+    """Whether fwd() computes this forward (backward=True: bwd() this backward; else the Triton kernels do):
+    eligible, on a Hopper GPU with Gluon, and not turned off by FLASHTILE_GLUON=0."""
     if not (enabled() and q.is_cuda and eligible(q, k, v, params, *args, **kwargs)):
         return False
     return _kernels(_device_index(q)) is not None
@@ -103,8 +114,14 @@ def supports(q, k, v, params, *args, **kwargs) -> bool:
 def _smem_layout(rows: int, head_dim: int, dtype: torch.dtype):
     """The swizzled shared-memory layout of a (rows, head_dim) tile, which TMA writes and wgmma reads."""
     gl = _gluon_language()
-    return gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.bfloat16 if dtype == torch.bfloat16
-                                                else gl.float16)
+    el = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
+    return gl.NVMMASharedLayout.get_default_for([rows, head_dim], el)
+
+
+def _desc(TensorDescriptor, t, rows, cols, dtype):
+    """A TMA descriptor over t viewed as (batch * seqlen, nheads * head_dim), blocks (rows, cols)."""
+    view = t.view(t.shape[0] * t.shape[1], t.shape[2] * t.shape[3])
+    return TensorDescriptor(view, list(view.shape), list(view.stride()), [rows, cols], _smem_layout(rows, cols, dtype))
 
 
 def _gluon_language():
@@ -115,16 +132,14 @@ def _gluon_language():
 def fwd(q, k, v, out, lse, params) -> None:
     """out = attention(q, k, v), lse = its row log-sum-exp (natural log), by the Gluon FA3 kernel. Call only
     where supports() said yes; out and lse contiguous."""
-    kern, TensorDescriptor = _kernels(_device_index(q))
+    kern, _, TensorDescriptor = _kernels(_device_index(q))
     batch, sq, nheads, head_dim = q.shape
     sk, nheads_k = k.shape[1], k.shape[2]
     num_wg, block_n, stages = CONFIGS[head_dim]
     block_m = num_wg * WG_ROWS
 
     def desc(t, rows):
-        view = t.view(t.shape[0] * t.shape[1], t.shape[2] * head_dim)
-        return TensorDescriptor(view, list(view.shape), list(view.stride()), [rows, head_dim],
-                                _smem_layout(rows, head_dim, q.dtype))
+        return _desc(TensorDescriptor, t, rows, head_dim, q.dtype)
 
     causal = params.window_right == 0
     kern.fa3_fwd_kernel[(sq // block_m, batch * nheads)](
@@ -133,3 +148,35 @@ def fwd(q, k, v, out, lse, params) -> None:
         HEAD_D=head_dim, BLOCK_M=WG_ROWS, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, NUM_WG=num_wg,
         PINGPONG=PINGPONG.get(head_dim, (True, True))[causal],
         num_warps=4, maxnreg=MAXNREG)
+
+
+def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params) -> None:
+    """dq, dk, dv of attention(q, k, v) by the Gluon FA3 backward, from the forward's lse (natural log) and
+    delta = rowsum(dout o out) (- dlse), both (batch, nheads, seqlen_q) float32 with equal strides. Call only where
+    supports(..., backward=True) said yes; dout is made contiguous here, dk / dv may be strided."""
+    _, kern, TensorDescriptor = _kernels(_device_index(q))
+    batch, sq, nheads, head_dim = q.shape
+    sk, nheads_k = k.shape[1], k.shape[2]
+    block_m, block_n, stages = BWD_CONFIGS[head_dim]
+    causal = params.window_right == 0
+    dout = dout.contiguous()
+    if dout.data_ptr() % 16:
+        dout = dout.clone()
+    assert lse.stride() == delta.stride() and lse.stride(2) == 1
+    assert dk.stride(-1) == 1 and dv.stride(-1) == 1
+    dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
+    # each consumer warpgroup adds its half of dQ_i: half the rows when Br = 128, else half the columns
+    dq_tile = (WG_ROWS, head_dim) if block_m == 2 * WG_ROWS else (block_m, head_dim // 2)
+
+    def desc(t, rows, cols):
+        return _desc(TensorDescriptor, t, rows, cols, t.dtype)
+
+    kern.fa3_bwd_kernel[(sk // block_n, batch * nheads_k)](
+        desc(k, block_n, head_dim), desc(v, block_n, head_dim), desc(q, block_m, head_dim),
+        desc(dout, block_m, head_dim), desc(dq_acc, *dq_tile),
+        lse, delta, lse.stride(0), lse.stride(1),
+        dk, dv, dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+        sq, sk, nheads_k, nheads // nheads_k, params.softmax_scale, params.softmax_scale * LOG2E,
+        HEAD_D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
+        P_LAYOUT=_smem_layout(block_m, block_n // 2, q.dtype), num_warps=4, maxnreg=MAXNREG)
+    dq.copy_(dq_acc)

@@ -449,7 +449,10 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
         return
     from . import tuning  # imported here: tuning imports this module
     causal, seqlen = params.window_right == 0, max(max_sq, max_sk)
-    if sparse is None and mods is None and tuning.needs_tuning("bwd", head_dim, q.dtype, causal, seqlen, q.device):
+    # Hopper: FlashAttention-3's warp-specialized backward (Gluon), from the same Delta (it adds dQ atomically)
+    gluon_bwd = not deterministic and _fa3.supports(q, k, v, params, alibi, cu_seqlens_q, bias, mask, sparse, mods,
+                                                    backward=True)
+    if not gluon_bwd and sparse is None and mods is None and tuning.needs_tuning("bwd", head_dim, q.dtype, causal, seqlen, q.device):
         # FLASHTILE_AUTOTUNE=1, key not cached: time the candidates on scratch gradients; the launches below use the
         # winner (not with mods: their captured-tensor gradient buffers would be added into)
         dq_, dk_, dv_ = torch.empty_like(dq), torch.empty_like(dk), torch.empty_like(dv)
@@ -468,6 +471,9 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
         # a gradient arriving through the LSE output: d lse_i / d S_ij = P_ij, so dS_ij gains P_ij * dlse_i, i.e.
         # dS = P o (dP - (D - dlse)): folded into D, the kernels are unchanged
         delta.sub_(dlse)
+    if gluon_bwd:
+        _fa3.bwd(dout, q, k, v, lse, delta, dq, dk, dv, params)
+        return
     cfg = _sparse_config(bwd_config(head_dim, q.dtype, causal, seqlen=seqlen), sparse)
     common = (*_lse_strides(lse), alibi_sb)
     bias_args = _pair_args(bias, batch, nheads, max_sq, max_sk)

@@ -1,0 +1,294 @@
+"""FlashAttention-3's backward (seed 001 §3.3 / Algorithm 2 of FlashAttention-2, seed 000, with FA3's warp
+specialization) for Hopper, written in Gluon: TMA loads by a producer warp, asynchronous wgmma, and dQ added to a
+float32 accumulator by TMA reduce-add (one bulk `cp.reduce.async.bulk` per tile instead of scalar atomics).
+
+One program owns one key block (Bc = 2 x 64 rows) of one (batch, kv head) and keeps K_j, V_j in shared memory and
+dK_j, dV_j in registers; it streams the query blocks Q_i, dO_i (Br rows: 64 at d128, 128 at d64; every query head
+of the kv head's group, GQA) through a ring of STAGES shared-memory buffers:
+- the producer warp (`_load_partition`) loads K_j, V_j once, then Q_i and dO_i into buffer t % STAGES once both
+  consumers released it;
+- two consumer warpgroups (`_consumer_partition`; the first is the default partition) own 64 keys each (K_w, V_w)
+  and compute, for every query block (`_step`, Algorithm 2 lines 8-20):
+    S = Q_i K_w^T, dP = dO_i V_w^T                              (two asynchronous wgmmas)
+    P = exp2(S * scale * log2 e - lse_i * log2 e)               (lse from the forward: no max, no sum)
+    dS = P o (dP - D_i),  D_i = rowsum(dO_i o O_i)              (the preprocess kernel's Delta)
+    dV_w += P^T dO_i,  dK_w += dS^T Q_i                          (P and dS through shared memory, read transposed)
+  dS stays in shared memory for dQ_i = scale * dS K_j, which needs both warpgroups' key halves: at the next step
+  (mbarrier `ds_ready` says both are stored, `ds_free` that both products read a buffer), warpgroup w computes
+  its half of dQ_i (columns [w d/2, +d/2) at Br 64, rows [64 w, +64) at Br 128) and adds it to the float32 dQ
+  accumulator with one TMA reduce-add.
+dK_j = scale * dK_w and dV_j are written once, after the loop. Registers: dK_w, dV_w, S and dP are 192 of the
+consumers' 240 per thread at d128, so the loop keeps nothing else of that size (ptxas spills a few scalars).
+
+Imported only on a CUDA device of compute capability 9.x (flashtile.kernels.gluon.fa3 decides).
+"""
+from triton._C.libtriton import ir
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+
+from ._fa3_fwd import tma_load
+
+LOG2E = gl.constexpr(1.4426950408889634)
+
+
+@builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """Global[coord:] += shared tile src, by the TMA unit (`cp.reduce.async.bulk.tensor ... .add`). Triton 3.9
+    names it tma.async_atomic_add; Triton 3.6 (the GPU image's) has the builder operation but no Gluon wrapper."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+tma_reduce_add = getattr(tma, "async_atomic_add", None) or _tma_reduce_add
+
+
+@gluon.jit
+def _query_block(t, n_i, i_start, hk, group):
+    """Iteration t of a program -> (query head, query block index): the group's heads one after another, each
+    from block i_start (the first one the key block is visible to) to the last."""
+    return hk * group + t // n_i, i_start + t % n_i
+
+
+@gluon.jit
+def _load_partition(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, qdo_ready, qdo_empty,
+                    kv_row, kv_col, q_row0, n_iters, n_i, i_start, hk, group,
+                    BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+    """Producer: K_j and V_j once, then (Q_i, dO_i) of iteration t into buffer t % STAGES once both consumer
+    warpgroups released it."""
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma_load(k_desc, [kv_row, kv_col], kv_bar, k_smem)
+    tma_load(v_desc, [kv_row, kv_col], kv_bar, v_smem)
+    for t in range(n_iters):
+        s = t % STAGES
+        h, i = _query_block(t, n_i, i_start, hk, group)
+        row = q_row0 + i * BLOCK_M
+        # mbarriers start with phase 1 complete: the first STAGES waits pass at once
+        mbarrier.wait(qdo_empty.index(s), ((t // STAGES) & 1) ^ 1)
+        mbarrier.expect(qdo_ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma_load(q_desc, [row, h * HEAD_D], qdo_ready.index(s), q_bufs.index(s))
+        tma_load(do_desc, [row, h * HEAD_D], qdo_ready.index(s), do_bufs.index(s))
+
+
+@gluon.jit
+def _dq_product(ds_bufs, ds_ready, k_smem, dq_init, t, wg: gl.constexpr, WG_N: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Algorithm 2 line 18 for iteration t, warpgroup wg's part of dQ_i = dS K_j = dS_0 K_0 + dS_1 K_1 (both key
+    halves), once both warpgroups stored their dS_t (mbarrier ds_ready of its buffer): rows [wg * 64, +64) when
+    Br = 128 (dq_init is 64 x d), else columns [wg * d/2, +d/2) (dq_init is Br x d/2). Issued asynchronously:
+    returns the wgmma token."""
+    DQ_M: gl.constexpr = dq_init.shape[0]
+    DQ_N: gl.constexpr = dq_init.shape[1]
+    buf = t % 2
+    mbarrier.wait(ds_ready.index(buf), (t // 2) & 1)
+    a0 = ds_bufs.index(2 * buf)
+    a1 = ds_bufs.index(2 * buf + 1)
+    b0 = k_smem.slice(0, WG_N, dim=0)
+    b1 = k_smem.slice(WG_N, WG_N, dim=0)
+    if DQ_M < BLOCK_M:
+        a0 = a0.slice(wg * DQ_M, DQ_M, dim=0)
+        a1 = a1.slice(wg * DQ_M, DQ_M, dim=0)
+    else:
+        b0 = b0.slice(wg * DQ_N, DQ_N, dim=1)
+        b1 = b1.slice(wg * DQ_N, DQ_N, dim=1)
+    tok = warpgroup_mma(a0, b0, dq_init, use_acc=False, is_async=True)
+    return warpgroup_mma(a1, b1, tok, is_async=True)
+
+
+@gluon.jit
+def _dq_reduce_add(dq_desc, dq_smem, dq, row, col):
+    """dQ_acc[row:, col:] += dq by one TMA reduce-add through this warpgroup's staging buffer."""
+    tma.store_wait(pendings=0)   # the previous reduce-add has read the buffer
+    dq_smem.store(dq)
+    fence_async_shared()
+    tma_reduce_add(dq_desc, [row, col], dq_smem)
+
+
+@gluon.jit
+def _step(t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs, p_smem, ds_bufs, dq_smem, qdo_ready,
+          qdo_empty, ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr, lse_off, kv_start, q_row0, sm_scale, qk_scale,
+          wg: gl.constexpr, s_layout: gl.constexpr, dq_init, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+          HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    """Iteration t of consumer warpgroup wg: query block i of head h against the warpgroup's 64 keys (Algorithm 2
+    lines 8-20), lse_off: (batch, head)'s offset into lse / delta. Returns dK_w, dV_w and where this step's dQ tile
+    goes: it is computed at the next step (or after the loop)."""
+    dtype: gl.constexpr = q_bufs.dtype
+    WG_N: gl.constexpr = k_w.shape[0]
+    # this warpgroup's dQ tile: rows [wg * 64, +64) when Br = 128, else columns [wg * d/2, +d/2)
+    DQ_M: gl.constexpr = dq_init.shape[0]
+    DQ_N: gl.constexpr = dq_init.shape[1]
+    DQ_ROW: gl.constexpr = wg * DQ_M if DQ_M < BLOCK_M else 0
+    DQ_COL: gl.constexpr = 0 if DQ_M < BLOCK_M else wg * DQ_N
+    s = t % STAGES
+    q_start = i * BLOCK_M
+    q_idx = q_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    lse2 = gl.load(lse_ptr + lse_off + q_idx) * LOG2E
+    delta = gl.load(delta_ptr + lse_off + q_idx)
+    q_s = q_bufs.index(s)
+    do_s = do_bufs.index(s)
+    mbarrier.wait(qdo_ready.index(s), (t // STAGES) & 1)
+    # lines 11 and 16 for this warpgroup's keys: S = Q_i K_w^T and dP = dO_i V_w^T
+    s_init = gl.zeros([BLOCK_M, WG_N], gl.float32, s_layout)
+    s_tok = warpgroup_mma(q_s, k_w.permute((1, 0)), s_init, use_acc=False, is_async=True)
+    dp_tok = warpgroup_mma(do_s, v_w.permute((1, 0)), s_init, use_acc=False, is_async=True)
+    sc = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
+    # line 13: P = exp(S * scale - L_i) (base 2); under the causal mask, key > query -> 0
+    p = gl.exp2(sc * qk_scale - gl.expand_dims(lse2, 1))
+    if CAUSAL:
+        if q_start < kv_start + BLOCK_N:   # a block that reaches the diagonal
+            # key kv_start + wg * WG_N + c is visible to query r iff c <= r - kv_start - wg * WG_N
+            last = q_idx - (kv_start + wg * WG_N)
+            cols = gl.arange(0, WG_N, layout=gl.SliceLayout(0, s_layout))
+            p = gl.where(gl.expand_dims(cols, 0) <= gl.expand_dims(last, 1), p, 0.0)
+    # P through shared memory: dV's A operand is P^T (keys x queries), a transposed read of the tile
+    p_smem.store(p.to(dtype))
+    dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
+    # line 17: dS = P o (dP - D_i)
+    ds = (p * (dp - gl.expand_dims(delta, 1))).to(dtype)
+    # dS into this iteration's buffer pair (one per warpgroup's key half), once both warpgroups' dQ products of
+    # iteration t - 2 have read it
+    buf = t % 2
+    mbarrier.wait(ds_free.index(buf), ((t // 2) & 1) ^ 1)
+    ds_bufs.index(2 * buf + wg).store(ds)
+    fence_async_shared()
+    # line 14: dV_j += P^T dO_i; line 19: dK_j += dS^T Q_i
+    dv_tok = warpgroup_mma(p_smem.permute((1, 0)), do_s, dv, is_async=True)
+    dk_tok = warpgroup_mma(ds_bufs.index(2 * buf + wg).permute((1, 0)), q_s, dk, is_async=True)
+    mbarrier.arrive(ds_ready.index(buf), count=1)
+    if t > 0:
+        # line 18 one step late, so the warpgroups need not meet at every step (measured faster than meeting:
+        # BENCHMARKS.md): dQ_{t-1} needs the other warpgroup's dS_{t-1}, which it stored half a step ago at the latest
+        dq_tok = _dq_product(ds_bufs, ds_ready, k_smem, dq_init, t - 1, wg, WG_N, BLOCK_M)
+        dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, dq_tok))
+        mbarrier.arrive(ds_free.index((t - 1) % 2), count=1)
+        _dq_reduce_add(dq_desc, dq_smem, dq * sm_scale, dq_row, dq_col)
+    else:
+        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok))
+    mbarrier.arrive(qdo_empty.index(s), count=1)   # Q_i, dO_i read by every product: the buffer may refill
+    return dk, dv, q_row0 + q_start + DQ_ROW, h * HEAD_D + DQ_COL
+
+
+@gluon.jit
+def _consumer_partition(wg: gl.constexpr, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar,
+                        qdo_ready, qdo_empty, ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr, stride_lse_b,
+                        stride_lse_h, dk_ptr, dv_ptr, stride_dk_row, stride_dv_row, b, kv_start, q_row0,
+                        n_iters, n_i, i_start, hk, group, sm_scale, qk_scale,
+                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                        CAUSAL: gl.constexpr):
+    """Consumer warpgroup `wg`: key rows [wg * 64, wg * 64 + 64) of the program's block through every query block
+    (per query head of the group), then its rows of dK_j, dV_j (Algorithm 2 line 22)."""
+    dtype: gl.constexpr = q_bufs.dtype
+    WG_N: gl.constexpr = BLOCK_N // 2          # key rows of this warpgroup
+    DQ_M: gl.constexpr = dq_desc.block_type.shape[0]   # this warpgroup's dQ tile (_dq_product)
+    DQ_N: gl.constexpr = dq_desc.block_type.shape[1]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, WG_N, 16])
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HEAD_D, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, DQ_N, 16])
+    k_w = k_smem.slice(wg * WG_N, WG_N, dim=0)
+    v_w = v_smem.slice(wg * WG_N, WG_N, dim=0)
+    p_smem = p_bufs.index(wg)
+    dq_smem = dq_bufs.index(wg)
+    dk = gl.zeros([WG_N, HEAD_D], gl.float32, kv_layout)
+    dv = gl.zeros([WG_N, HEAD_D], gl.float32, kv_layout)
+    dq_init = gl.zeros([DQ_M, DQ_N], gl.float32, dq_layout)
+
+    dq_row = q_row0   # where the previous step's dQ tile goes
+    dq_col = 0
+    mbarrier.wait(kv_bar, 0)
+    for t in range(n_iters):
+        h, i = _query_block(t, n_i, i_start, hk, group)
+        dk, dv, dq_row, dq_col = _step(
+            t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs, p_smem, ds_bufs, dq_smem,
+            qdo_ready, qdo_empty, ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr, b * stride_lse_b + h * stride_lse_h,
+            kv_start, q_row0, sm_scale, qk_scale, wg, s_layout, dq_init, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL)
+    # the last query block's dQ
+    dq_tok = _dq_product(ds_bufs, ds_ready, k_smem, dq_init, n_iters - 1, wg, WG_N, BLOCK_M)
+    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, ))
+    _dq_reduce_add(dq_desc, dq_smem, dq * sm_scale, dq_row, dq_col)
+    tma.store_wait(pendings=0)
+
+    # line 22: write dK_j (scaled: S = scale Q K^T) and dV_j
+    rows = kv_start + wg * WG_N + gl.arange(0, WG_N, layout=gl.SliceLayout(1, kv_layout))
+    cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, kv_layout))
+    gl.store(dk_ptr + gl.expand_dims(rows * stride_dk_row, 1) + gl.expand_dims(cols, 0), (dk * sm_scale).to(dtype))
+    gl.store(dv_ptr + gl.expand_dims(rows * stride_dv_row, 1) + gl.expand_dims(cols, 0), dv.to(dtype))
+
+
+@gluon.jit
+def fa3_bwd_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr, stride_lse_b, stride_lse_h,
+                   dk_ptr, dv_ptr, stride_dk_b, stride_dk_row, stride_dk_h, stride_dv_b, stride_dv_row, stride_dv_h,
+                   seqlen_q, seqlen_k, nheads_k, group, sm_scale, qk_scale,
+                   HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                   CAUSAL: gl.constexpr, P_LAYOUT: gl.constexpr, num_warps: gl.constexpr):
+    """Grid (seqlen_k / BLOCK_N, batch * nheads_k); BLOCK_N = 2 x 64 key rows (one 64-row half per consumer
+    warpgroup, num_warps = 4), BLOCK_M query rows per step. k/v descriptors: 2-D views (batch * seqlen_k,
+    nheads_k * HEAD_D), blocks (BLOCK_N, HEAD_D); q/dO: (batch * seqlen_q, nheads * HEAD_D), blocks
+    (BLOCK_M, HEAD_D); dq_desc: the float32 accumulator (zero-filled) in q's layout, blocks (64, HEAD_D) when BLOCK_M = 128 (each
+    warpgroup adds half the rows of dQ_i), else (BLOCK_M, HEAD_D / 2) (half the columns).
+    lse, delta: (batch, nheads, seqlen_q) fp32 with the same strides. P_LAYOUT: the shared layout of a
+    (BLOCK_M, BLOCK_N / 2) tile of q's dtype (a warpgroup's P or dS). seqlen_q % BLOCK_M == 0 and
+    seqlen_k % BLOCK_N == 0 (the host checks); causal only with seqlen_q == seqlen_k."""
+    dtype: gl.constexpr = q_desc.dtype
+    # one head's key blocks after another: they share the head's Q_i, dO_i in L2 (every head's first block, then
+    # every head's second... measured 10-30% slower)
+    pid_n = gl.program_id(0)
+    bh = gl.program_id(1)
+    b = bh // nheads_k
+    hk = bh % nheads_k
+    kv_start = pid_n * BLOCK_N
+    kv_row = b * seqlen_k + kv_start
+    q_row0 = b * seqlen_q
+    n_qblocks = seqlen_q // BLOCK_M
+    i_start = 0
+    if CAUSAL:   # query blocks entirely above the diagonal see none of this block's keys
+        i_start = kv_start // BLOCK_M
+    n_i = n_qblocks - i_start
+    n_iters = n_i * group
+    dk_ptr = dk_ptr + b * stride_dk_b + hk * stride_dk_h
+    dv_ptr = dv_ptr + b * stride_dv_b + hk * stride_dv_h
+
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], v_desc.layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], do_desc.layout)
+    p_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N // 2], P_LAYOUT)
+    ds_bufs = gl.allocate_shared_memory(dtype, [4, BLOCK_M, BLOCK_N // 2], P_LAYOUT)   # [2 x buffer + half]
+    dq_bufs = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    qdo_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    qdo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(2):   # per dS buffer pair; both consumer warpgroups arrive
+        mbarrier.init(ds_ready.index(i), count=2)
+        mbarrier.init(ds_free.index(i), count=2)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(qdo_ready.index(i), count=1)
+        mbarrier.init(qdo_empty.index(i), count=2)
+
+    gl.warp_specialize([
+        (_consumer_partition, (0, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, qdo_ready,
+                               qdo_empty, ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr, stride_lse_b, stride_lse_h, dk_ptr,
+                               dv_ptr, stride_dk_row, stride_dv_row, b, kv_start, q_row0, n_iters, n_i, i_start,
+                               hk, group, sm_scale, qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL)),
+        (_consumer_partition, (1, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, qdo_ready,
+                               qdo_empty, ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr, stride_lse_b, stride_lse_h, dk_ptr,
+                               dv_ptr, stride_dk_row, stride_dv_row, b, kv_start, q_row0, n_iters, n_i, i_start,
+                               hk, group, sm_scale, qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL)),
+        (_load_partition, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, qdo_ready,
+                           qdo_empty, kv_row, hk * HEAD_D, q_row0, n_iters, n_i, i_start, hk, group, BLOCK_M,
+                           HEAD_D, STAGES)),
+    ], [4, 1], [240, 24])
+
+    mbarrier.invalidate(kv_bar)
+    for i in gl.static_range(2):
+        mbarrier.invalidate(ds_ready.index(i))
+        mbarrier.invalidate(ds_free.index(i))
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(qdo_ready.index(i))
+        mbarrier.invalidate(qdo_empty.index(i))
