@@ -1,6 +1,7 @@
-"""Compiles the Gluon FA3 forward (flashtile/kernels/gluon/_fa3_fwd.py) for sm_90 on a machine without a GPU and
-prints one line per variant: `ok d<head_dim> causal=<0|1> <dtype> shared=<bytes> wgmma=<count> arrives=<count>
-unsynced=<count>`. `unsynced` counts the plain mbarrier arrivals (one thread of a consumer warpgroup) not
+"""Compiles the Gluon FA3 kernels (flashtile/kernels/gluon/_fa3_fwd.py, _fa3_bwd.py) for sm_90 on a machine without
+a GPU. Arguments `fwd|bwd,<head_dim>,<causal 0|1>,<bf16|fp16>`; prints one line per variant: `ok <kind>
+d<head_dim> causal=<0|1> <dtype> shared=<bytes> wgmma=<count> reduce=<count> arrives=<count> unsynced=<count>`
+(reduce: TMA reduce-add instructions, the backward's dQ). `unsynced` counts the plain mbarrier arrivals (one thread of a consumer warpgroup) not
 preceded by a bar.sync of the warpgroup's 128 threads, on which the kernel's barrier counts rely (_pass_turn).
 Run by tests/test_fa3_gluon.py in a subprocess, with TRITON_INTERPRET=0 (the interpreter does not run Gluon)."""
 import os
@@ -14,31 +15,16 @@ from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
 from triton.runtime.jit import mangle_type  # noqa: E402
 
-from flashtile.kernels.gluon import _fa3_fwd, fa3  # noqa: E402
+from flashtile.kernels.gluon import _fa3_bwd, _fa3_fwd, fa3  # noqa: E402
 
 
-def compile_variant(head_dim: int, causal: bool, dtype: torch.dtype):
-    num_wg, block_n, stages = fa3.CONFIGS[head_dim]
-    b, s, h = 2, 1024, 4
-    t = torch.randn(b * s, h * head_dim, dtype=dtype)
-
-    def desc(rows):
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), [rows, head_dim],
-                                fa3._smem_layout(rows, head_dim, dtype))
-
-    lse = torch.empty(b, h, s)
-    runtime = dict(q_desc=desc(fa3.WG_ROWS), k_desc=desc(block_n), v_desc=desc(block_n), o_desc=desc(fa3.WG_ROWS),
-                   lse_ptr=lse, stride_lse_b=lse.stride(0), stride_lse_h=lse.stride(1), seqlen_q=s, seqlen_k=s,
-                   nheads=h, group=1)
-    consts = dict(HEAD_D=head_dim, BLOCK_M=fa3.WG_ROWS, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
-                  NUM_WG=num_wg, PINGPONG=fa3.PINGPONG[head_dim][causal], num_warps=4)
-    kernel = _fa3_fwd.fa3_fwd_kernel
+def _compile(kernel, runtime: dict, consts: dict):
     signature, constexprs = {}, {}
     for i, p in enumerate(kernel.params):
         if p.name in consts:
             signature[p.name] = "constexpr"
             constexprs[(i,)] = consts[p.name]
-        elif p.name == "qk_scale":
+        elif isinstance(runtime[p.name], float):
             signature[p.name] = "fp32"
         else:
             signature[p.name] = mangle_type(runtime[p.name])
@@ -46,15 +32,53 @@ def compile_variant(head_dim: int, causal: bool, dtype: torch.dtype):
                           options=dict(num_warps=4, maxnreg=fa3.MAXNREG))
 
 
+def _desc(t, rows, cols):
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [rows, cols], fa3._smem_layout(rows, cols, t.dtype))
+
+
+def compile_fwd(head_dim: int, causal: bool, dtype: torch.dtype):
+    num_wg, block_n, stages = fa3.CONFIGS[head_dim]
+    b, s, h = 2, 1024, 4
+    t = torch.randn(b * s, h * head_dim, dtype=dtype)
+    lse = torch.empty(b, h, s)
+    runtime = dict(q_desc=_desc(t, fa3.WG_ROWS, head_dim), k_desc=_desc(t, block_n, head_dim),
+                   v_desc=_desc(t, block_n, head_dim), o_desc=_desc(t, fa3.WG_ROWS, head_dim),
+                   lse_ptr=lse, stride_lse_b=lse.stride(0), stride_lse_h=lse.stride(1), seqlen_q=s, seqlen_k=s,
+                   nheads=h, group=1, qk_scale=0.1)
+    consts = dict(HEAD_D=head_dim, BLOCK_M=fa3.WG_ROWS, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
+                  NUM_WG=num_wg, PINGPONG=fa3.PINGPONG[head_dim][causal], num_warps=4)
+    return _compile(_fa3_fwd.fa3_fwd_kernel, runtime, consts)
+
+
+def compile_bwd(head_dim: int, causal: bool, dtype: torch.dtype):
+    """The backward as fa3.bwd launches it (tiles from fa3.BWD_CONFIGS, dQ tile as fa3.bwd chooses it)."""
+    block_m, block_n, stages = fa3.BWD_CONFIGS[head_dim]
+    b, s, h = 2, 1024, 4
+    t = torch.randn(b * s, h * head_dim, dtype=dtype)
+    dq = torch.zeros(b * s, h * head_dim)
+    lse = torch.empty(b, h, s)
+    dq_tile = fa3.bwd_dq_tile(block_m, head_dim)
+    runtime = dict(k_desc=_desc(t, block_n, head_dim), v_desc=_desc(t, block_n, head_dim),
+                   q_desc=_desc(t, block_m, head_dim), do_desc=_desc(t, block_m, head_dim),
+                   dq_desc=_desc(dq, *dq_tile), lse_ptr=lse, delta_ptr=lse, stride_lse_b=lse.stride(0),
+                   stride_lse_h=lse.stride(1), dk_ptr=t, dv_ptr=t, stride_dk_b=s * h * head_dim,
+                   stride_dk_row=h * head_dim, stride_dk_h=head_dim, stride_dv_b=s * h * head_dim,
+                   stride_dv_row=h * head_dim, stride_dv_h=head_dim, seqlen_q=s, seqlen_k=s, nheads_k=h, group=1,
+                   sm_scale=0.1, qk_scale=0.1)
+    consts = dict(HEAD_D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
+                  P_LAYOUT=fa3._smem_layout(block_m, block_n // 2, dtype), num_warps=4)
+    return _compile(_fa3_bwd.fa3_bwd_kernel, runtime, consts)
+
+
 if __name__ == "__main__":
     for spec in sys.argv[1:]:
-        d, causal, dt = spec.split(",")
+        kind, d, causal, dt = spec.split(",")
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dt]
-        ck = compile_variant(int(d), causal == "1", dtype)
+        ck = {"fwd": compile_fwd, "bwd": compile_bwd}[kind](int(d), causal == "1", dtype)
         ptx = ck.asm["ptx"].splitlines()
         arrives = [i for i, line in enumerate(ptx) if "mbarrier.arrive" in line and "expect_tx" not in line]
         unsynced = [i for i in arrives if not any("bar.sync" in ptx[j] and ", 128;" in ptx[j]
                                                   for j in range(max(0, i - 6), i))]
-        print(f"ok d{d} causal={causal} {dt} shared={ck.metadata.shared} "
-              f"wgmma={ck.asm['ptx'].count('wgmma.mma_async')} arrives={len(arrives)} unsynced={len(unsynced)}",
-              flush=True)
+        print(f"ok {kind} d{d} causal={causal} {dt} shared={ck.metadata.shared} "
+              f"wgmma={ck.asm['ptx'].count('wgmma.mma_async')} reduce={ck.asm['ptx'].count('cp.reduce.async.bulk')} "
+              f"arrives={len(arrives)} unsynced={len(unsynced)}", flush=True)

@@ -1,6 +1,6 @@
-"""FlashAttention-3's Hopper forward (flashtile/kernels/gluon) without a GPU: which problems it takes, and that the
-kernel compiles for sm_90 with the installed Triton. Its numerics are checked on a Hopper GPU
-(tests/gpu/test_fa3_gluon_gpu.py)."""
+"""FlashAttention-3's Hopper forward and backward (flashtile/kernels/gluon) without a GPU: which problems they take,
+how launch.flash_bwd dispatches to the backward, and that the kernels compile for sm_90 with the installed Triton.
+Their numerics are checked on a Hopper GPU (tests/gpu/test_fa3_gluon_gpu.py)."""
 import os
 import subprocess
 import sys
@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import flashtile
 from flashtile.kernels.gluon import fa3
+from flashtile.kernels.triton import launch
 from flashtile.kernels.triton.launch import AttnParams
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,6 +50,63 @@ def test_ineligible_problems(kw, params):
     assert not fa3.eligible(*_qkv(**kw), params)
 
 
+@pytest.mark.parametrize("kw,params", [
+    (dict(), FULL), (dict(), CAUSAL), (dict(d=64), CAUSAL), (dict(d=64, hk=1), FULL),
+    (dict(sq=704, sk=640), FULL),                        # d128: Br 64, Bc 128 (the forward's Br 128 does not divide)
+    (dict(sq=512, sk=1536, d=64), FULL), (dict(dtype=torch.float16, hk=2), CAUSAL),
+])
+def test_backward_eligible_problems(kw, params):
+    assert fa3.eligible(*_qkv(**kw), params, backward=True)
+
+
+@pytest.mark.parametrize("kw,params", [
+    (dict(d=256), FULL),                                 # dK, dV of 64 keys x 256 do not fit the registers
+    (dict(d=64, sq=1088, sk=1088), FULL),                # d64: Br = 128
+    (dict(sq=1000, sk=1024), FULL), (dict(sk=1088), FULL),
+    (dict(sq=1024, sk=2048), CAUSAL),
+    (dict(), AttnParams(softmax_scale=0.1, softcap=20.0)),
+    (dict(dtype=torch.float32), FULL),
+])
+def test_backward_ineligible_problems(kw, params):
+    assert not fa3.eligible(*_qkv(**kw), params, backward=True)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_flash_bwd_dispatch(deterministic, monkeypatch):
+    """Where fa3 supports a backward, launch.flash_bwd hands it (with Delta from the preprocess kernel) to fa3.bwd,
+    except for deterministic gradients (fa3.bwd adds dQ atomically): then the Triton kernels compute them."""
+    calls = []
+    monkeypatch.setattr(fa3, "supports", lambda *a, backward=False, **kw: backward)
+    monkeypatch.setattr(fa3, "bwd", lambda *a: calls.append(a))
+    q, k, v = (torch.randn(1, 64, 2, 32, requires_grad=False) for _ in range(3))
+    dout = torch.randn_like(q)
+    params = AttnParams(softmax_scale=32 ** -0.5)
+    out, lse = torch.empty_like(q), torch.empty(1, 2, 64)
+    launch.flash_fwd(q, k, v, out, lse, params)
+    dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
+    launch.flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params, deterministic=deterministic)
+    if deterministic:
+        assert not calls and all(torch.isfinite(g).all() for g in (dq, dk, dv))
+    else:
+        assert len(calls) == 1
+        delta = calls[0][5]
+        torch.testing.assert_close(delta, (dout.float() * out.float()).sum(-1).transpose(1, 2))
+
+
+def test_disabled_forward_gets_triton_backward(monkeypatch):
+    """flash_attn_func records fa3.disabled() at the forward: its backward, run later outside the block, is off too."""
+    seen = []
+    real = launch.flash_bwd
+    monkeypatch.setattr(launch, "flash_bwd", lambda *a, **kw: seen.append(fa3.enabled()) or real(*a, **kw))
+    q, k, v = (torch.randn(1, 32, 2, 32, requires_grad=True) for _ in range(3))
+    with fa3.disabled():
+        out_off = flashtile.flash_attn_func(q, k, v)
+    out_on = flashtile.flash_attn_func(q, k, v)
+    out_off.sum().backward()
+    out_on.sum().backward()
+    assert seen == [False, True]
+
+
 def test_ineligible_features_and_layouts():
     q, k, v = _qkv()
     assert not fa3.eligible(q, k, v, FULL, alibi=torch.ones(4))
@@ -66,21 +125,24 @@ def test_cpu_tensors_and_switch_off(monkeypatch):
     assert not fa3.enabled()
 
 
-def test_kernel_compiles_for_sm90():
-    """Every variant the dispatcher can launch compiles to sm_90 PTX with wgmma, within 227 KiB of shared memory,
-    and every consumer's mbarrier arrival follows a bar.sync of its warpgroup (the barrier counts rely on it)."""
+def test_kernels_compile_for_sm90():
+    """Every variant the dispatcher can launch compiles to sm_90 PTX with wgmma (the backward with TMA reduce-add
+    for dQ), within 227 KiB of shared memory, and every consumer's mbarrier arrival follows a bar.sync of its
+    warpgroup (the barrier counts rely on it)."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
-    specs = [f"{d},{c},{dt}" for d in sorted(fa3.CONFIGS) for c in (0, 1) for dt in ("bf16",)] + ["128,0,fp16"]
+    specs = [f"fwd,{d},{c},bf16" for d in sorted(fa3.CONFIGS) for c in (0, 1)] + ["fwd,128,0,fp16"]
+    specs += [f"bwd,{d},{c},bf16" for d in sorted(fa3.BWD_CONFIGS) for c in (0, 1)] + ["bwd,64,1,fp16"]
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT))
     res = subprocess.run([sys.executable, str(ROOT / "tests" / "fa3_compile_check.py"), *specs], env=env,
-                         capture_output=True, text=True, timeout=600)
+                         capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("ok ")]
     assert len(lines) == len(specs), res.stdout
     for ln in lines:
-        fields = dict(f.split("=") for f in ln.split()[2:] if "=" in f)
+        fields = dict(f.split("=") for f in ln.split()[3:] if "=" in f)
         assert int(fields["wgmma"]) > 0 and 0 < int(fields["shared"]) <= 227 * 1024, ln
         assert int(fields["arrives"]) > 0 and int(fields["unsynced"]) == 0, ln
+        assert (int(fields["reduce"]) > 0) == (ln.split()[1] == "bwd"), ln
 
 
 def test_disabled_context_nests():

@@ -150,6 +150,12 @@ def fwd(q, k, v, out, lse, params) -> None:
         num_warps=4, maxnreg=MAXNREG)
 
 
+def bwd_dq_tile(block_m: int, head_dim: int):
+    """The dQ tile a consumer warpgroup of the backward adds: half the rows of dQ_i when Br = 128, else half the
+    columns."""
+    return (WG_ROWS, head_dim) if block_m == 2 * WG_ROWS else (block_m, head_dim // 2)
+
+
 def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params) -> None:
     """dq, dk, dv of attention(q, k, v) by the Gluon FA3 backward, from the forward's lse (natural log) and
     delta = rowsum(dout o out) (- dlse), both (batch, nheads, seqlen_q) float32 with equal strides. Call only where
@@ -165,8 +171,7 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params) -> None:
     assert lse.stride() == delta.stride() and lse.stride(2) == 1
     assert dk.stride(-1) == 1 and dv.stride(-1) == 1
     dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
-    # each consumer warpgroup adds its half of dQ_i: half the rows when Br = 128, else half the columns
-    dq_tile = (WG_ROWS, head_dim) if block_m == 2 * WG_ROWS else (block_m, head_dim // 2)
+    dq_tile = bwd_dq_tile(block_m, head_dim)
 
     def desc(t, rows, cols):
         return _desc(TensorDescriptor, t, rows, cols, t.dtype)
