@@ -123,7 +123,8 @@ def _flashtile(device, dtype):
 
 
 @register_provider("flashtile-triton", layout="bshd", devices=("cuda", "cpu"),
-                   description="flashtile.flash_attn_func with the FA3 Gluon kernels turned off (forward and backward): Triton kernels only")
+                   description="flashtile.flash_attn_func with the Gluon FA3 kernels (forward and backward) "
+                               "turned off: Triton kernels only")
 def _flashtile_triton(device, dtype):
     import flashtile
     from flashtile.kernels.gluon import fa3

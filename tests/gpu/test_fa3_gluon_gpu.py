@@ -1,6 +1,7 @@
 """FlashAttention-3's Hopper forward and backward (flashtile/kernels/gluon, Gluon) on an H100/H200: every case
-they take is checked against float64 (output, LSE, and the gradients, from the Gluon backward at the head dims it
-has, else the Triton one); the cases they must not take fall back to the Triton kernels. Skipped without a CUDA device of compute capability 9.x.
+they take is checked against float64 (output, LSE, and the gradients, from the Gluon backward at the head dims
+it has, else the Triton one); the cases they must not take fall back to the Triton kernels. Skipped without a
+CUDA device of compute capability 9.x.
 """
 import pytest
 import torch
@@ -29,7 +30,7 @@ FA3_CASES = [
 ]
 
 TRITON_CASES = [   # shapes or features the FA3 kernels do not take
-    Case(1, 1088, 1088, 4, 4, 64, bf16),                           # d64: Triton forward; s_q % 128 != 0: Triton backward
+    Case(1, 1088, 1088, 4, 4, 64, bf16),                           # d64, s_q % 128 != 0: Triton forward and backward
     Case(1, 1000, 1000, 4, 4, 128, bf16, causal=True),             # seqlen not a multiple of Br
     Case(1, 1024, 2048, 4, 4, 128, bf16, causal=True),             # causal with s_q != s_k
     Case(1, 1024, 1024, 4, 4, 128, fp16, window=(256, 0)),

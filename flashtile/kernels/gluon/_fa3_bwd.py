@@ -29,9 +29,10 @@ from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
+from ..triton.mods import LOG2E as _LOG2E
 from ._fa3_fwd import tma_load
 
-LOG2E = gl.constexpr(1.4426950408889634)
+LOG2E = gl.constexpr(_LOG2E)
 
 
 @builtin
@@ -227,8 +228,9 @@ def fa3_bwd_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr,
     """Grid (seqlen_k / BLOCK_N, batch * nheads_k); BLOCK_N = 2 x 64 key rows (one 64-row half per consumer
     warpgroup, num_warps = 4), BLOCK_M query rows per step. k/v descriptors: 2-D views (batch * seqlen_k,
     nheads_k * HEAD_D), blocks (BLOCK_N, HEAD_D); q/dO: (batch * seqlen_q, nheads * HEAD_D), blocks
-    (BLOCK_M, HEAD_D); dq_desc: the float32 accumulator (zero-filled) in q's layout, blocks (64, HEAD_D) when BLOCK_M = 128 (each
-    warpgroup adds half the rows of dQ_i), else (BLOCK_M, HEAD_D / 2) (half the columns).
+    (BLOCK_M, HEAD_D); dq_desc: the float32 accumulator (zero-filled) in q's layout, blocks fa3.bwd_dq_tile:
+    (64, HEAD_D) when BLOCK_M = 128 (each warpgroup adds half the rows of dQ_i), else (BLOCK_M, HEAD_D / 2) (half
+    the columns).
     lse, delta: (batch, nheads, seqlen_q) fp32 with the same strides. P_LAYOUT: the shared layout of a
     (BLOCK_M, BLOCK_N / 2) tile of q's dtype (a warpgroup's P or dS). seqlen_q % BLOCK_M == 0 and
     seqlen_k % BLOCK_N == 0 (the host checks); causal only with seqlen_q == seqlen_k."""
@@ -273,12 +275,14 @@ def fa3_bwd_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr,
 
     gl.warp_specialize([
         (_consumer_partition, (0, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, qdo_ready,
-                               qdo_empty, ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr, stride_lse_b, stride_lse_h, dk_ptr,
-                               dv_ptr, stride_dk_row, stride_dv_row, b, kv_start, q_row0, n_iters, n_i, i_start,
+                               qdo_empty, ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr, stride_lse_b,
+                               stride_lse_h, dk_ptr, dv_ptr, stride_dk_row, stride_dv_row, b, kv_start, q_row0,
+                               n_iters, n_i, i_start,
                                hk, group, sm_scale, qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL)),
         (_consumer_partition, (1, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, qdo_ready,
-                               qdo_empty, ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr, stride_lse_b, stride_lse_h, dk_ptr,
-                               dv_ptr, stride_dk_row, stride_dv_row, b, kv_start, q_row0, n_iters, n_i, i_start,
+                               qdo_empty, ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr, stride_lse_b,
+                               stride_lse_h, dk_ptr, dv_ptr, stride_dk_row, stride_dv_row, b, kv_start, q_row0,
+                               n_iters, n_i, i_start,
                                hk, group, sm_scale, qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL)),
         (_load_partition, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, qdo_ready,
                            qdo_empty, kv_row, hk * HEAD_D, q_row0, n_iters, n_i, i_start, hk, group, BLOCK_M,

@@ -452,7 +452,8 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
     # Hopper: FlashAttention-3's warp-specialized backward (Gluon), from the same Delta (it adds dQ atomically)
     gluon_bwd = not deterministic and _fa3.supports(q, k, v, params, alibi, cu_seqlens_q, bias, mask, sparse, mods,
                                                     backward=True)
-    if not gluon_bwd and sparse is None and mods is None and tuning.needs_tuning("bwd", head_dim, q.dtype, causal, seqlen, q.device):
+    if (not gluon_bwd and sparse is None and mods is None
+            and tuning.needs_tuning("bwd", head_dim, q.dtype, causal, seqlen, q.device)):
         # FLASHTILE_AUTOTUNE=1, key not cached: time the candidates on scratch gradients; the launches below use the
         # winner (not with mods: their captured-tensor gradient buffers would be added into)
         dq_, dk_, dv_ = torch.empty_like(dq), torch.empty_like(dk), torch.empty_like(dv)
