@@ -45,7 +45,7 @@ import flashtile  # noqa: E402
 import flashtile.fp8  # noqa: E402
 from flashtile import flash_attn_func  # noqa: E402
 from flashtile.bench.measure import attention_flops  # noqa: E402
-from flashtile.fp8 import attention_fp8, flash_attn_fp8_func, fp8_config, quantize_fp8  # noqa: E402
+from flashtile.fp8 import attention_fp8, flash_attn_fp8_func, fp8_config, kernel_config, quantize_fp8  # noqa: E402
 from flashtile.reference import fp8_emulation as E  # noqa: E402
 from flashtile.reference.dense import attention_ref  # noqa: E402
 
@@ -211,11 +211,17 @@ def speed(dev, headdims, seqlens, warmup, rep, log):
                          "bf16_flashtile_ms": lambda: flash_attn_func(q, k, v, causal=causal)}
                 if dev.type == "cuda":
                     provs["bf16_cudnn_ms"] = cudnn_fn(q, k, v, causal)
-                for tv, tag in ((True, "vt"), (False, "vnat")):
+                tcfg = fp8_config(d, causal)   # the Triton kernel, also where the Gluon one runs by default
+                row["fp8_kernel_vt"] = "gluon" if kernel_config(q, k, causal).gluon else "triton"
+                for tv, tag, cfg in ((True, "vt", None), (False, "vnat", None), (True, "vt_triton", tcfg)):
                     try:
-                        t = quantize_fp8(q, k, v, causal=causal, transpose_v=tv)
-                        provs[f"fp8_attn_{tag}_ms"] = (lambda t=t: attention_fp8(t, softmax_scale=scale, causal=causal))
-                        provs[f"quant_{tag}_ms"] = (lambda tv=tv: quantize_fp8(q, k, v, causal=causal, transpose_v=tv))
+                        blocks = dict(block_m=cfg.BLOCK_M, block_n=cfg.BLOCK_N, v_key_perm=False) if cfg else {}
+                        t = quantize_fp8(q, k, v, causal=causal, transpose_v=tv, **blocks)
+                        provs[f"fp8_attn_{tag}_ms"] = (lambda t=t, cfg=cfg: attention_fp8(
+                            t, softmax_scale=scale, causal=causal, config=cfg))
+                        if cfg is None:
+                            provs[f"quant_{tag}_ms"] = (lambda tv=tv: quantize_fp8(q, k, v, causal=causal,
+                                                                                    transpose_v=tv))
                     except Exception as e:  # noqa: BLE001
                         row[f"fp8_{tag}_error"] = _err(e)
                 for key, fn in provs.items():
@@ -241,12 +247,14 @@ def speed(dev, headdims, seqlens, warmup, rep, log):
     g = lambda r, key: f"{r[key]:.3f}" if key in r else "err"          # noqa: E731
     x = lambda r, key: f"{r[key]:.2f}x" if key in r else "-"           # noqa: E731
     log("\n### FP8 forward, TFLOP/s (FA3 grid: 16k tokens, hidden 2048)\n")
-    log("| d | seqlen | causal | fp8 attn V^T | fp8 attn V as is | fp8 total (quant+attn, V^T) | fp8 total V as is "
+    log("| d | seqlen | causal | kernel | fp8 attn V^T | fp8 attn Triton V^T | fp8 attn V as is (Triton) "
+        "| fp8 total (quant+attn, V^T) | fp8 total V as is "
         "| flashtile bf16 | cuDNN bf16 | fp8 attn / flashtile | fp8 attn / cuDNN | fp8 total / flashtile "
         "| fp8 total / cuDNN | quant ms V^T / V as is |")
-    log("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    log("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        log(f"| {r['headdim']} | {r['seqlen']} | {r['causal']} | {f(r, 'fp8_attn_vt_tflops')} | "
+        log(f"| {r['headdim']} | {r['seqlen']} | {r['causal']} | {r.get('fp8_kernel_vt', '?')} | "
+            f"{f(r, 'fp8_attn_vt_tflops')} | {f(r, 'fp8_attn_vt_triton_tflops')} | "
             f"{f(r, 'fp8_attn_vnat_tflops')} | {f(r, 'fp8_total_tflops')} | {f(r, 'fp8_total_vnat_tflops')} | "
             f"{f(r, 'bf16_flashtile_tflops')} | {f(r, 'bf16_cudnn_tflops')} | "
             f"{x(r, 'speedup_fp8_attn_vs_flashtile_bf16')} | {x(r, 'speedup_fp8_attn_vs_cudnn_bf16')} | "

@@ -6,7 +6,8 @@ tensor-core GEMMs with fp32 accumulation. Forward only.
 
 Layout (batch, seqlen, nheads, headdim) as flash_attn_func; GQA (nheads % nheads_k == 0); causal masks
 are bottom-right aligned. The algorithm and its float32 emulation: flashtile/reference/fp8_emulation.py;
-the kernels: flashtile/kernels/triton/fp8.py.
+the kernels: flashtile/kernels/triton/fp8.py (quantizer, portable attention kernel) and, on Hopper, FlashAttention-3's
+warp-specialized kernel in Gluon (flashtile/kernels/gluon/_fa3_fwd.py with FP8=True; kernel_config says which runs).
 
 Modes (bf16/fp16 inputs), the four rows of FA3's Table 3:
     block_quant=False, incoherent=False   per-tensor FP8 baseline (one scale for each of Q, K, V)
@@ -25,6 +26,8 @@ from typing import Optional
 
 import torch
 
+from .interface import _output
+from .kernels.gluon import fa3 as _fa3
 from .kernels.triton import fp8 as _k
 from .kernels.triton.launch import TensorDescriptor, cdiv, interpreting, kv_descriptor, next_pow2
 from .reference.fp8_emulation import hadamard_signs
@@ -39,6 +42,7 @@ class FP8Config:
     BLOCK_N: int      # Bc: key rows per step = rows per K / V scale block
     num_warps: int
     num_stages: int
+    gluon: bool = False   # the Gluon FA3 kernel (Hopper) instead of the Triton one
 
 
 # Benchmarks pin a config here ({"fwd": FP8Config}); empty in normal use.
@@ -61,6 +65,17 @@ def fp8_config(head_dim: int, causal: bool = False) -> FP8Config:
     return FP8Config(128, 128, 8, 3)
 
 
+def kernel_config(q, k, causal: bool = False, out_dtype=torch.bfloat16, transpose_v: bool = True) -> FP8Config:
+    """The kernel (and its tiles, which are the quantization blocks) that runs FP8 attention of q against k: the
+    Gluon FA3 kernel where fa3.supports_fp8 (Hopper; V transposed; shapes its tiles divide), else the Triton
+    kernel's fp8_config. A config pinned in CONFIG_OVERRIDE wins."""
+    d = q.shape[-1]
+    if "fwd" not in CONFIG_OVERRIDE and transpose_v and _fa3.supports_fp8(q, k, causal, out_dtype):
+        block_m, block_n = _fa3.fp8_block_shape(d)
+        return FP8Config(block_m, block_n, 4, _fa3.FP8_CONFIGS[d][1], gluon=True)
+    return fp8_config(d, causal)
+
+
 @dataclass
 class FP8Tensors:
     """Quantized attention inputs: x ~= x8 * descale (after the incoherent rotation of q and k, if any).
@@ -69,7 +84,9 @@ class FP8Tensors:
     v: (batch, seqlen_k, nheads_k, d) e4m3, or, with v_transposed, V^T (batch, nheads_k, d, seqlen_pad)
     with seqlen_pad = seqlen_k rounded up to 16 and zeros past seqlen_k (16-byte aligned rows for TMA).
     q_scale: (batch, nheads, ceil(seqlen_q / block_m)) float32; k_scale, v_scale: (batch, nheads_k,
-    ceil(seqlen_k / block_n)). Per-tensor modes hold the same value in every block."""
+    ceil(seqlen_k / block_n)). Per-tensor modes hold the same value in every block.
+    v_key_perm: V^T's keys are stored in the order the Gluon kernel reads them (within each 32 keys, key
+    16h + 8i + 2q + e at 16h + 4q + 2i + e; see gluon/_fa3_fwd._p_operand); only that kernel takes it."""
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
@@ -80,6 +97,7 @@ class FP8Tensors:
     block_n: int
     v_transposed: bool
     incoherent: bool
+    v_key_perm: bool = False
 
 
 def _fail(arg, value, expected, exc=ValueError):
@@ -144,8 +162,17 @@ def _signs(d: int, seed: int, device: torch.device) -> torch.Tensor:
     return hadamard_signs(d, seed, device=device)
 
 
-def _quant_one(x, block, per_tensor, signs, transpose):
-    """One tensor -> (e4m3 tensor, descale (batch, nheads, nblocks) float32)."""
+def gluon_key_order(vt: torch.Tensor) -> torch.Tensor:
+    """V^T (..., seqlen_k), seqlen_k % 32 == 0 -> its keys in the Gluon kernel's order (FP8Tensors.v_key_perm):
+    within each 32 keys, key 16h + 8i + 2q + e moves to 16h + 4q + 2i + e. The quantizer writes the same order
+    (kernels/triton/fp8.key_perm)."""
+    n = vt.shape[-1]
+    return vt.reshape(*vt.shape[:-1], n // 32, 2, 2, 4, 2).transpose(-3, -2).reshape(vt.shape)
+
+
+def _quant_one(x, block, per_tensor, signs, transpose, key_perm=False):
+    """One tensor -> (e4m3 tensor, descale (batch, nheads, nblocks) float32). key_perm: V^T in the Gluon
+    kernel's key order (FP8Tensors.v_key_perm; needs transpose and seqlen % 32 == 0)."""
     b, n, h, d = x.shape
     bd = _block_d(d)
     incoherent = signs is not None
@@ -173,8 +200,9 @@ def _quant_one(x, block, per_tensor, signs, transpose):
     sig = signs if incoherent else scale
     common = (x.stride(0), x.stride(1), x.stride(2), *ystr, scale.stride(0), scale.stride(1),
               h, n, d, 1.0 / math.sqrt(d))
+    assert not key_perm or (transpose and n % 32 == 0 and block % 32 == 0)
     meta = dict(BLOCK=block, BLOCK_D=bd, INCOHERENT=incoherent, FWHT_MMA=_fwht_mma(x.dtype),
-                SOFT_ROUND=interpreting(), num_warps=warps)
+                SOFT_ROUND=interpreting(), KEY_PERM=key_perm, num_warps=warps)
     amax = scale
     if per_tensor:  # pass 1: block amaxes (after the rotation) -> the tensor's amax
         _k.quant_fp8_kernel[grid](x, y, scale, sig, scale, *common, PER_TENSOR=False, WRITE_Y=False, **meta)
@@ -185,13 +213,15 @@ def _quant_one(x, block, per_tensor, signs, transpose):
 
 def quantize_fp8(q, k, v, *, block_quant: bool = True, incoherent: bool = True, hadamard_seed: int = 0,
                  transpose_v: bool = True, causal: bool = False, block_m: Optional[int] = None,
-                 block_n: Optional[int] = None) -> FP8Tensors:
+                 block_n: Optional[int] = None, v_key_perm: Optional[bool] = None) -> FP8Tensors:
     """The fused quantization kernel over q, k, v (bf16/fp16, (batch, seqlen, nheads, headdim)).
 
     incoherent: q and k rotated by M = diag(signs) H / sqrt(d) (signs seeded by hadamard_seed; the same M
     for both, so QK^T is unchanged) with a fast Walsh-Hadamard transform inside the kernel. block_quant:
     one scale per block_m x d block of q and block_n x d block of k, v (default: the attention kernel's
-    tiles, fp8_config); else one per tensor. transpose_v: write V^T (K-major for the P V GEMM)."""
+    tiles, kernel_config); else one per tensor. transpose_v: write V^T (K-major for the P V GEMM).
+    v_key_perm: V^T in the Gluon kernel's key order (FP8Tensors); default: where kernel_config picks that kernel
+    and the blocks are its tiles."""
     _check_qkv(q, k, v)
     if q.dtype not in _FLOAT_IN:
         _fail("q.dtype", q.dtype, "torch.float16 or torch.bfloat16 to quantize", TypeError)
@@ -203,9 +233,13 @@ def quantize_fp8(q, k, v, *, block_quant: bool = True, incoherent: bool = True, 
     d = q.shape[-1]
     if incoherent:
         _check_incoherent(d)
-    cfg = fp8_config(d, causal)
+    cfg = kernel_config(q, k, causal, q.dtype, transpose_v)
     block_m = block_m or cfg.BLOCK_M
     block_n = block_n or cfg.BLOCK_N
+    if v_key_perm is None:
+        v_key_perm = cfg.gluon and (block_m, block_n) == (cfg.BLOCK_M, cfg.BLOCK_N)
+    if v_key_perm and not (transpose_v and k.shape[1] % 32 == 0 and block_n % 32 == 0):
+        _fail("v_key_perm", v_key_perm, "False unless transpose_v, seqlen_k % 32 == 0 and block_n % 32 == 0")
     for name, val in (("block_m", block_m), ("block_n", block_n)):
         if val < 16 or val & (val - 1):
             _fail(name, val, "a power of two >= 16")
@@ -213,8 +247,8 @@ def quantize_fp8(q, k, v, *, block_quant: bool = True, incoherent: bool = True, 
     per_tensor = not block_quant
     q8, qs = _quant_one(q, block_m, per_tensor, signs, False)
     k8, ks = _quant_one(k, block_n, per_tensor, signs, False)
-    v8, vs = _quant_one(v, block_n, per_tensor, None, transpose_v)
-    return FP8Tensors(q8, k8, v8, qs, ks, vs, block_m, block_n, transpose_v, incoherent)
+    v8, vs = _quant_one(v, block_n, per_tensor, None, transpose_v, v_key_perm)
+    return FP8Tensors(q8, k8, v8, qs, ks, vs, block_m, block_n, transpose_v, incoherent, v_key_perm)
 
 
 def _scale_view(t: torch.Tensor, name: str, batch: int, nheads_k: int):
@@ -243,18 +277,34 @@ def attention_fp8(t: FP8Tensors, *, softmax_scale: float, causal: bool = False, 
     b, sq, h, d = q8.shape
     hk = k8.shape[2]
     sk = k8.shape[1] if seqlen_k is None else seqlen_k
-    out = torch.empty(b, sq, h, d, device=q8.device, dtype=out_dtype)
-    lse = torch.empty(b, h, sq, device=q8.device, dtype=torch.float32)
+    out = _output((b, sq, h, d), q8.device, out_dtype)   # NaN under FLASHTILE_POISON=1 (the tests)
+    lse = _output((b, h, sq), q8.device, torch.float32)
     if sq == 0:
         return out, lse
     if sk == 0:
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
-    cfg = config or fp8_config(d, causal)
+    cfg = config or kernel_config(q8, k8, causal, out_dtype, t.v_transposed)
+    if config is None and cfg.gluon and ((t.block_m, t.block_n) != (cfg.BLOCK_M, cfg.BLOCK_N) or soft_cast
+                                         or use_tma is False or not t.v_key_perm):
+        cfg = fp8_config(d, causal)   # quantized for other tiles, or options only the Triton kernel has
     if t.block_m != cfg.BLOCK_M or t.block_n != cfg.BLOCK_N:
         raise ValueError(f"attention_fp8: quantization blocks (block_m={t.block_m}, block_n={t.block_n}) must "
                          f"match the kernel tiles (BLOCK_M={cfg.BLOCK_M}, BLOCK_N={cfg.BLOCK_N})")
+    if cfg.gluon:
+        if not (t.v_transposed and t.v_key_perm and _fa3.supports_fp8(q8, k8, causal, out_dtype)
+                and all(x.is_contiguous() and x.data_ptr() % 16 == 0 for x in (q8, k8, v8))):
+            raise ValueError("attention_fp8: config.gluon needs V^T in its key order (v_key_perm), q, k, V^T "
+                             "contiguous and 16-byte aligned, and a problem fa3.supports_fp8 takes")
+        scales = [t.q_scale, t.k_scale, t.v_scale] if descales is None else \
+            [_block_descales(x, b, heads, rows, blk) for x, heads, rows, blk in
+             zip(descales, (h, hk, hk), (sq, sk, sk), (cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_N))]
+        _fa3.fwd_fp8(q8, k8, v8, *scales, out, lse, softmax_scale, bool(causal))
+        return out, lse
+    if t.v_key_perm:
+        raise ValueError("attention_fp8: V^T was quantized in the Gluon kernel's key order (v_key_perm=True); the "
+                         "Triton kernel needs quantize_fp8(..., v_key_perm=False)")
     bd = _block_d(d)
     if descales is None:
         qs = (t.q_scale, t.q_scale.stride(0), t.q_scale.stride(1), t.q_scale.stride(2), 1)
@@ -292,6 +342,21 @@ def attention_fp8(t: FP8Tensors, *, softmax_scale: float, causal: bool = False, 
         V_TRANSPOSED=t.v_transposed, USE_TMA=tma, SOFT_CAST=bool(soft_cast),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out, lse
+
+
+def _block_descales(view, batch: int, heads: int, seqlen: int, block: int) -> torch.Tensor:
+    """A descale as attention_fp8 takes it ((tensor, stride_b, stride_h, stride_blk[, group]); q's reads head h at
+    h // group) -> one value per (batch, head, block), contiguous, as the Gluon kernel reads it."""
+    t, sb, sh, sm, *group = view
+    group = group[0] if group else 1
+    full = t.as_strided((batch, heads // group, cdiv(seqlen, block)), (sb, sh, sm))
+    return full.repeat_interleave(group, dim=1) if group > 1 else full.contiguous()
+
+
+def _tma_ready(x: torch.Tensor) -> torch.Tensor:
+    """x contiguous with a 16-byte aligned base (what TMA descriptors need)."""
+    x = x.contiguous()
+    return x if x.data_ptr() % 16 == 0 else x.clone()
 
 
 def _k_log2e():
@@ -352,7 +417,7 @@ def flash_attn_fp8_func(q, k, v, softmax_scale=None, causal=False, block_quant=T
         _fail("out_dtype", out_dtype, "torch.bfloat16, torch.float16 or torch.float32", TypeError)
     b, sq, h, _ = q.shape
     hk = k.shape[2]
-    cfg = fp8_config(d, causal)
+    cfg = kernel_config(q, k, causal, out_dtype, transpose_v)
 
     def run():
         if fp8_in:
@@ -360,18 +425,23 @@ def flash_attn_fp8_func(q, k, v, softmax_scale=None, causal=False, block_quant=T
             views = [_scale_view(x if x is not None else ones, name, b, hk)
                      for x, name in zip(descales, ("q_descale", "k_descale", "v_descale"))]
             qv = (*views[0], h // hk)   # q_descale is per (batch, head_k): query head h reads h // group
-            vv = v.permute(0, 2, 3, 1) if transpose_v else v
+            vv = v
             if transpose_v:
-                n_pad = cdiv(v.shape[1], 16) * 16
-                vt = torch.zeros(b, hk, d, n_pad, device=v.device, dtype=torch.uint8)
-                vt[..., :v.shape[1]].copy_(vv.view(torch.uint8))
+                sk = v.shape[1]
+                vt_bytes = v.permute(0, 2, 3, 1).view(torch.uint8)
+                if cfg.gluon:   # sk % Bc == 0
+                    vt_bytes = gluon_key_order(vt_bytes)
+                vt = torch.zeros(b, hk, d, cdiv(sk, 16) * 16, device=v.device, dtype=torch.uint8)
+                vt[..., :sk].copy_(vt_bytes)
                 vv = vt.view(FP8_DTYPE)
-            t = FP8Tensors(q.contiguous(), k.contiguous(), vv if transpose_v else v.contiguous(),
-                           views[0][0], views[1][0], views[2][0], cfg.BLOCK_M, cfg.BLOCK_N, transpose_v, False)
+            t = FP8Tensors(_tma_ready(q), _tma_ready(k), vv if transpose_v else v.contiguous(),
+                           views[0][0], views[1][0], views[2][0], cfg.BLOCK_M, cfg.BLOCK_N, transpose_v, False,
+                           cfg.gluon)
             return attention_fp8(t, softmax_scale=float(softmax_scale), causal=causal, out_dtype=out_dtype,
                                  descales=(qv, views[1], views[2]), config=cfg)
         t = quantize_fp8(q, k, v, block_quant=block_quant, incoherent=incoherent, hadamard_seed=hadamard_seed,
-                         transpose_v=transpose_v, causal=causal)
+                         transpose_v=transpose_v, causal=causal, block_m=cfg.BLOCK_M, block_n=cfg.BLOCK_N,
+                         v_key_perm=cfg.gluon)
         return attention_fp8(t, softmax_scale=float(softmax_scale), causal=causal, out_dtype=out_dtype, config=cfg)
 
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):

@@ -1,7 +1,9 @@
 """Compiles the Gluon FA3 kernels (flashtile/kernels/gluon/_fa3_fwd.py, _fa3_bwd.py) for sm_90 on a machine
-without a GPU. Arguments `fwd|bwd,<head_dim>,<causal 0|1>,<bf16|fp16>`; prints one line per variant: `ok <kind>
-d<head_dim> causal=<0|1> <dtype> shared=<bytes> wgmma=<count> reduce=<count> arrives=<count> unsynced=<count>`
-(reduce: TMA reduce-add instructions, the backward's dQ). `unsynced` counts the plain mbarrier arrivals (one
+without a GPU. Arguments `fwd|bwd|fp8,<head_dim>,<causal 0|1>,<bf16|fp16>` (fp8: e4m3 inputs, that output dtype); prints one
+line per variant: `ok <kind> d<head_dim> causal=<0|1> <dtype> shared=<bytes> wgmma=<count> reduce=<count>
+arrives=<count> unsynced=<count> e4m3_mma=<count> shfl_idx=<count>` (reduce: TMA reduce-add instructions, the
+backward's dQ; e4m3_mma: FP8 wgmmas; shfl_idx: indexed warp shuffles, which a P operand needing data exchange
+would bring). `unsynced` counts the plain mbarrier arrivals (one
 thread of a consumer warpgroup) not preceded by a bar.sync of the warpgroup's 128 threads, on which the
 kernels' barrier counts rely (_fa3_fwd._pass_turn, the backward's ds_ready / ds_free / qdo_empty).
 Run by tests/test_fa3_gluon.py in a subprocess, with TRITON_INTERPRET=0 (the interpreter does not run Gluon)."""
@@ -19,7 +21,7 @@ from triton.runtime.jit import mangle_type  # noqa: E402
 from flashtile.kernels.gluon import _fa3_bwd, _fa3_fwd, fa3  # noqa: E402
 
 
-def _compile(kernel, runtime: dict, consts: dict):
+def _compile(kernel, runtime: dict, consts: dict, maxnreg: int = fa3.MAXNREG):
     signature, constexprs = {}, {}
     for i, p in enumerate(kernel.params):
         if p.name in consts:
@@ -30,7 +32,7 @@ def _compile(kernel, runtime: dict, consts: dict):
         else:
             signature[p.name] = mangle_type(runtime[p.name])
     return triton.compile(GluonASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=4, maxnreg=fa3.MAXNREG))
+                          options=dict(num_warps=4, maxnreg=maxnreg))
 
 
 def _desc(t, rows, cols):
@@ -44,11 +46,31 @@ def compile_fwd(head_dim: int, causal: bool, dtype: torch.dtype):
     lse = torch.empty(b, h, s)
     runtime = dict(q_desc=_desc(t, fa3.WG_ROWS, head_dim), k_desc=_desc(t, block_n, head_dim),
                    v_desc=_desc(t, block_n, head_dim), o_desc=_desc(t, fa3.WG_ROWS, head_dim),
-                   lse_ptr=lse, stride_lse_b=lse.stride(0), stride_lse_h=lse.stride(1), seqlen_q=s, seqlen_k=s,
-                   nheads=h, group=1, qk_scale=0.1)
+                   lse_ptr=lse, stride_lse_b=lse.stride(0), stride_lse_h=lse.stride(1), q_scale_ptr=lse,
+                   k_scale_ptr=lse, v_scale_ptr=lse, seqlen_q=s, seqlen_k=s, nheads=h, group=1, qk_scale=0.1)
     consts = dict(HEAD_D=head_dim, BLOCK_M=fa3.WG_ROWS, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
-                  NUM_WG=num_wg, PINGPONG=fa3.PINGPONG[head_dim][causal], num_warps=4)
+                  NUM_WG=num_wg, PINGPONG=fa3.PINGPONG[head_dim][causal], FP8=False, CONSUMER_REGS=240,
+                  num_warps=4)
     return _compile(_fa3_fwd.fa3_fwd_kernel, runtime, consts)
+
+
+def compile_fp8(head_dim: int, causal: bool, out_dtype: torch.dtype):
+    """The FP8 forward as fa3.fwd_fp8 launches it: e4m3 Q, K and V^T, a 16-bit output, per-block descales."""
+    block_m, block_n = fa3.fp8_block_shape(head_dim)
+    b, s, h = 2, 1024, 4
+    x8 = torch.randn(b * s, h * head_dim).to(torch.float8_e4m3fn)
+    vt = torch.randn(b * h * head_dim, s).to(torch.float8_e4m3fn)
+    out = torch.empty(b * s, h * head_dim, dtype=out_dtype)
+    lse = torch.empty(b, h, s)
+    runtime = dict(q_desc=_desc(x8, fa3.WG_ROWS, head_dim), k_desc=_desc(x8, block_n, head_dim),
+                   v_desc=_desc(vt, head_dim, block_n), o_desc=_desc(out, fa3.WG_ROWS, head_dim), lse_ptr=lse,
+                   stride_lse_b=lse.stride(0), stride_lse_h=lse.stride(1), q_scale_ptr=lse, k_scale_ptr=lse,
+                   v_scale_ptr=lse, seqlen_q=s, seqlen_k=s, nheads=h, group=1, qk_scale=0.1)
+    launch = fa3._regs(head_dim, True)
+    consts = dict(HEAD_D=head_dim, BLOCK_M=fa3.WG_ROWS, BLOCK_N=block_n, STAGES=fa3.FP8_CONFIGS[head_dim][1],
+                  CAUSAL=causal, NUM_WG=2, PINGPONG=fa3.FP8_PINGPONG[head_dim][causal], FP8=True,
+                  CONSUMER_REGS=launch["CONSUMER_REGS"], num_warps=4)
+    return _compile(_fa3_fwd.fa3_fwd_kernel, runtime, consts, launch["maxnreg"])
 
 
 def compile_bwd(head_dim: int, causal: bool, dtype: torch.dtype):
@@ -75,11 +97,12 @@ if __name__ == "__main__":
     for spec in sys.argv[1:]:
         kind, d, causal, dt = spec.split(",")
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dt]
-        ck = {"fwd": compile_fwd, "bwd": compile_bwd}[kind](int(d), causal == "1", dtype)
+        ck = {"fwd": compile_fwd, "bwd": compile_bwd, "fp8": compile_fp8}[kind](int(d), causal == "1", dtype)
         ptx = ck.asm["ptx"].splitlines()
         arrives = [i for i, line in enumerate(ptx) if "mbarrier.arrive" in line and "expect_tx" not in line]
         unsynced = [i for i in arrives if not any("bar.sync" in ptx[j] and ", 128;" in ptx[j]
                                                   for j in range(max(0, i - 6), i))]
         print(f"ok {kind} d{d} causal={causal} {dt} shared={ck.metadata.shared} "
               f"wgmma={ck.asm['ptx'].count('wgmma.mma_async')} reduce={ck.asm['ptx'].count('cp.reduce.async.bulk')} "
-              f"arrives={len(arrives)} unsynced={len(unsynced)}", flush=True)
+              f"arrives={len(arrives)} unsynced={len(unsynced)} e4m3_mma={ck.asm['ptx'].count('.f32.e4m3.e4m3')} "
+              f"shfl_idx={ck.asm['ptx'].count('shfl.sync.idx')}", flush=True)

@@ -127,11 +127,12 @@ def test_cpu_tensors_and_switch_off(monkeypatch):
 
 def test_kernels_compile_for_sm90():
     """Every variant the dispatcher can launch compiles to sm_90 PTX with wgmma (the backward with TMA reduce-add
-    for dQ), within 227 KiB of shared memory, and every consumer's mbarrier arrival follows a bar.sync of its
-    warpgroup (the barrier counts rely on it)."""
+    for dQ, the FP8 forward with e4m3 wgmmas), within 227 KiB of shared memory, and every consumer's mbarrier
+    arrival follows a bar.sync of its warpgroup (the barrier counts rely on it)."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     specs = [f"fwd,{d},{c},bf16" for d in sorted(fa3.CONFIGS) for c in (0, 1)] + ["fwd,128,0,fp16"]
     specs += [f"bwd,{d},{c},bf16" for d in sorted(fa3.BWD_CONFIGS) for c in (0, 1)] + ["bwd,64,1,fp16"]
+    specs += [f"fp8,{d},{c},bf16" for d in sorted(fa3.FP8_CONFIGS) for c in (0, 1)] + ["fp8,128,0,fp16"]
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT))
     res = subprocess.run([sys.executable, str(ROOT / "tests" / "fa3_compile_check.py"), *specs], env=env,
                          capture_output=True, text=True, timeout=900)
@@ -143,6 +144,10 @@ def test_kernels_compile_for_sm90():
         assert int(fields["wgmma"]) > 0 and 0 < int(fields["shared"]) <= 227 * 1024, ln
         assert int(fields["arrives"]) > 0 and int(fields["unsynced"]) == 0, ln
         assert (int(fields["reduce"]) > 0) == (ln.split()[1] == "bwd"), ln
+        # FP8: e4m3 wgmmas for both GEMMs, and P~ handed to the P V wgmma without exchanging bytes between threads
+        # (that exchange took 32 indexed shuffles per P~ tile, 64+ per kernel; a few remain for warp indices)
+        assert (int(fields["e4m3_mma"]) > 0) == (ln.split()[1] == "fp8"), ln
+        assert int(fields["shfl_idx"]) < 16, ln
 
 
 def test_disabled_context_nests():

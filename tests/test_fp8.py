@@ -235,3 +235,55 @@ def test_kernel_accuracy_ordering_small(seed):
             sq_err[(bq, inc)] += (out.double() - ref).pow(2).mean().item()
     r = {key: (val / 4) ** 0.5 for key, val in sq_err.items()}
     assert r[(True, True)] < r[(False, False)], r
+
+
+def test_quantizer_writes_v_in_the_gluon_key_order(seed):
+    """quantize_fp8(v_key_perm=True) (the Gluon kernel's V^T, kernels/triton/fp8.key_perm) stores the same bytes
+    as the torch permutation the pre-quantized path applies (fp8.gluon_key_order), a permutation of the keys
+    within each 32: the P V product is unchanged when P's columns move the same way."""
+    q, k, v = _qkv(2, 64, 96, 2, 2, 32)
+    plain = quantize_fp8(q, k, v, v_key_perm=False, block_m=32, block_n=32)
+    perm = quantize_fp8(q, k, v, v_key_perm=True, block_m=32, block_n=32)
+    assert perm.v_key_perm and not plain.v_key_perm
+    assert torch.equal(fp8_mod.gluon_key_order(plain.v.view(torch.uint8)), perm.v.view(torch.uint8))
+    assert torch.equal(plain.v_scale, perm.v_scale)
+    idx = fp8_mod.gluon_key_order(torch.arange(96))
+    assert sorted(idx.tolist()) == list(range(96)) and idx[:8].tolist() == [0, 1, 8, 9, 2, 3, 10, 11]
+    with pytest.raises(ValueError, match="Gluon kernel's key order"):
+        attention_fp8(perm, softmax_scale=0.2, config=FP8Config(32, 32, 4, 1))
+    with pytest.raises(ValueError, match="v_key_perm"):
+        quantize_fp8(q, k, v, v_key_perm=True, transpose_v=False)
+
+
+@pytest.mark.parametrize("prequantized", [False, True])
+def test_gluon_dispatch_gets_its_blocks_key_order_and_descales(prequantized, seed, monkeypatch):
+    """Where fa3.supports_fp8 says yes (a Hopper GPU; faked here), flash_attn_fp8_func quantizes with the Gluon
+    kernel's tiles, V^T in its key order, and hands it one descale per (batch, head, block): pre-quantized
+    inputs' per-(batch, nheads_k) descales expanded, q's through h // group. The kernel itself runs in
+    tests/gpu/test_fp8_gluon_gpu.py."""
+    b, s, h, hk, d = 1, 256, 4, 2, 128
+    seen = {}
+
+    def fake_kernel(q8, k8, vt8, qs, ks, vs, out, lse, scale, causal):
+        seen.update(q8=q8, k8=k8, vt8=vt8, qs=qs, ks=ks, vs=vs)
+        out.zero_()
+        lse.zero_()
+    monkeypatch.setattr(fp8_mod._fa3, "supports_fp8", lambda *a: True)
+    monkeypatch.setattr(fp8_mod._fa3, "fwd_fp8", fake_kernel)
+    block_m, block_n = fp8_mod._fa3.fp8_block_shape(d)
+    q, k, v = _qkv(b, s, s, h, hk, d)
+    if prequantized:
+        dq, dk, dv = (torch.rand(b, hk) + 0.5 for _ in range(3))
+        q8, k8, v8 = (x.to(torch.float8_e4m3fn) for x in (q, k, v))
+        flash_attn_fp8_func(q8, k8, v8, q_descale=dq, k_descale=dk, v_descale=dv)
+        vt_plain = v8.permute(0, 2, 3, 1).contiguous().view(torch.uint8)
+        assert torch.equal(seen["qs"], dq.repeat_interleave(h // hk, dim=1)[..., None].expand(b, h, s // block_m))
+        assert torch.equal(seen["ks"], dk[..., None].expand(b, hk, s // block_n))
+        assert torch.equal(seen["vs"], dv[..., None].expand(b, hk, s // block_n))
+    else:
+        flash_attn_fp8_func(q, k, v, incoherent=False)
+        vt_plain = quantize_fp8(q, k, v, incoherent=False, v_key_perm=False, block_m=block_m,
+                                block_n=block_n).v.view(torch.uint8)
+        assert seen["qs"].shape == (b, h, s // block_m) and seen["ks"].shape == (b, hk, s // block_n)
+    assert all(seen[x].is_contiguous() for x in ("q8", "k8", "vt8", "qs", "ks", "vs"))
+    assert torch.equal(seen["vt8"].view(torch.uint8), fp8_mod.gluon_key_order(vt_plain))

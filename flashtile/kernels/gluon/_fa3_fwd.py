@@ -23,7 +23,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
+from ..triton import fp8 as _fp8
+
 LN2 = gl.constexpr(0.6931471805599453)
+LOG2_E4M3_MAX = gl.constexpr(_fp8.LOG2_E4M3_MAX)   # log2(448), e4m3's largest finite value
 # TMA copies: Triton 3.6 (the GPU image's) names them async_copy_global_to_shared / async_copy_shared_to_global;
 # later releases async_load / async_store and drop the old store name
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -32,10 +35,10 @@ tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 @gluon.jit
 def _load_partition(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
-                    q_row, q_col, kv_row, kv_col, n_blocks, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    STAGES: gl.constexpr, NUM_WG: gl.constexpr):
+                    q_row, q_col, kv_row, kv_col, vt_row, n_blocks, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    STAGES: gl.constexpr, NUM_WG: gl.constexpr, FP8: gl.constexpr):
     """Producer: the consumers' Q rows, then K_j / V_j for j < n_blocks into buffer j % STAGES once every
-    consumer warpgroup released it."""
+    consumer warpgroup released it. FP8: V_j comes from V^T, a (HEAD_D, BLOCK_N) block at row vt_row."""
     mbarrier.expect(q_bar, NUM_WG * q_desc.block_type.nbytes)
     for wg in gl.static_range(NUM_WG):
         tma_load(q_desc, [q_row + wg * BLOCK_M, q_col], q_bar, q_bufs.index(wg))
@@ -50,25 +53,33 @@ def _load_partition(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_rea
         tma_load(k_desc, [row, kv_col], k_ready.index(s), k_bufs.index(s))
         mbarrier.wait(v_empty.index(s), phase)
         mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-        tma_load(v_desc, [row, kv_col], v_ready.index(s), v_bufs.index(s))
+        if FP8:
+            tma_load(v_desc, [vt_row, j * BLOCK_N], v_ready.index(s), v_bufs.index(s))
+        else:
+            tma_load(v_desc, [row, kv_col], v_ready.index(s), v_bufs.index(s))
 
 
 @gluon.jit
 def _online_softmax(s, m_i, l_i, qk_scale, j, n_unmasked, q_start,
-                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr, FP8: gl.constexpr):
     """Algorithm 1 lines 9-10 for one S block, in base 2 (qk_scale = softmax_scale * log2 e > 0, which lets the
     row max be taken before scaling): m_new = max(m_i, rowmax(S) * scale); P~ = exp2(S * scale - m_new);
     l_new = exp2(m_i - m_new) l_i + rowsum(P~). Blocks j >= n_unmasked (the program's) reach the causal diagonal:
     columns after a row's own index get -inf first. At d256 (Bc 64 < Br 128) the last block is entirely masked
     for warpgroup 0's rows; block 0 always has a visible column for every row, so m_i is finite by then and
-    such a block only adds P~ = 0 with alpha = 1 (no NaN)."""
+    such a block only adds P~ = 0 with alpha = 1 (no NaN).
+    FP8: P~ = exp2(S * scale - m_new + log2 448) fills e4m3's range [0, 448] for the P V product; l carries the
+    same factor, so it cancels in O = acc / l (the LSE subtracts it)."""
     if j >= n_unmasked:
         rows = q_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
         cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         s = gl.where(gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1), s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     alpha = gl.exp2(m_i - m_new)
-    p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+    if FP8:
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new - LOG2_E4M3_MAX, 1))
+    else:
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
     l_new = l_i * alpha + gl.sum(p, 1)
     return p, m_new, l_new, alpha
 
@@ -94,18 +105,25 @@ def _pass_turn(bars, wg: gl.constexpr, NUM_WG: gl.constexpr, PINGPONG: gl.conste
 
 
 @gluon.jit
-def _consumer_partition(wg: gl.constexpr, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, turns, o_desc,
-                        lse_ptr, q_row, q_col, q_start, n_blocks, n_unmasked, qk_scale,
-                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-                        STAGES: gl.constexpr, NUM_WG: gl.constexpr, PINGPONG: gl.constexpr):
+def _consumer_partition(wg: gl.constexpr, q_bufs, k_bufs, v_bufs, o_bufs, q_bar, k_ready, v_ready, k_empty,
+                        v_empty, turns, o_desc, lse_ptr, k_scale_ptr, v_scale_ptr, q_row, q_col, q_start,
+                        n_blocks, n_unmasked, qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        HEAD_D: gl.constexpr, STAGES: gl.constexpr, NUM_WG: gl.constexpr, PINGPONG: gl.constexpr,
+                        FP8: gl.constexpr):
     """Consumer warpgroup `wg`: rows [wg * BLOCK_M, (wg + 1) * BLOCK_M) of the program's Q tile, through the whole
-    key loop (Algorithm 1 lines 6-11), then its part of the epilogue (lines 12-15)."""
+    key loop (Algorithm 1 lines 6-11), then its part of the epilogue (lines 12-15).
+    FP8 (FA3 §3.3): Q, K, V^T are e4m3 with one descale per block; qk_scale already holds Q_i's, K_j's joins it
+    per block (k_scale_ptr[j]), and V_j's (v_scale_ptr[j]) rides on the row rescale: acc is kept in units of
+    the last V block's descale, so block quantization costs a scalar per block."""
     dtype: gl.constexpr = q_bufs.dtype
+    INSTR_K: gl.constexpr = 256 // dtype.primitive_bitwidth   # a wgmma's reduction depth: 32 bytes of K
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
+                                                       instr_shape=[16, BLOCK_N, INSTR_K])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_D, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+                                                       instr_shape=[16, HEAD_D, INSTR_K])
+    # P~ as the register A operand of the P V wgmma: 32 bits of consecutive keys per register (2 x 16, 4 x 8 bit)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout,
+                                                 k_width=32 // dtype.primitive_bitwidth)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     q_smem = q_bufs.index(wg)
     q_start = q_start + wg * BLOCK_M
@@ -113,6 +131,12 @@ def _consumer_partition(wg: gl.constexpr, q_bufs, k_bufs, v_bufs, q_bar, k_ready
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
     acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
     s_init = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    scale_j = qk_scale
+    if FP8:   # block 0's descales, and block 1's loaded a turn ahead of their use (latency hidden by a whole turn)
+        scale_j = qk_scale * gl.load(k_scale_ptr)
+        dv_prev = gl.load(v_scale_ptr)
+        ks_next = gl.load(k_scale_ptr + gl.minimum(1, n_blocks - 1))
+        dv_next = gl.load(v_scale_ptr + gl.minimum(1, n_blocks - 1))
 
     mbarrier.wait(q_bar, 0)
     # turn 0: S_0 = Q K_0^T (nothing to overlap it with yet)
@@ -122,56 +146,127 @@ def _consumer_partition(wg: gl.constexpr, q_bufs, k_bufs, v_bufs, q_bar, k_ready
     _pass_turn(turns, wg, NUM_WG, PINGPONG)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
     mbarrier.arrive(k_empty.index(0), count=1)
-    p, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, qk_scale, 0, n_unmasked, q_start, BLOCK_M, BLOCK_N, s_layout)
-    p = gl.convert_layout(p.to(dtype), p_layout)
+    p, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, scale_j, 0, n_unmasked, q_start, BLOCK_M, BLOCK_N, s_layout,
+                                         FP8)
+    p = _p_operand(p, dtype, p_layout, BLOCK_M, BLOCK_N, FP8)
     for j in range(1, n_blocks):
         cur = j % STAGES
         prev = (j - 1) % STAGES
+        if FP8:   # block j's descales (loaded last turn); block j + 1's
+            scale_j = qk_scale * ks_next
+            dv_j = dv_next
+            ks_next = gl.load(k_scale_ptr + gl.minimum(j + 1, n_blocks - 1))
+            dv_next = gl.load(v_scale_ptr + gl.minimum(j + 1, n_blocks - 1))
         # turn j: issue S_j = Q K_j^T, then O += P~_{j-1} V_{j-1}; both run on the tensor cores meanwhile
         mbarrier.wait(k_ready.index(cur), (j // STAGES) & 1)
         mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
         _turn(turns, wg, j, NUM_WG, PINGPONG)
         s_tok = warpgroup_mma(q_smem, k_bufs.index(cur).permute((1, 0)), s_init, use_acc=False, is_async=True)
-        o_tok = warpgroup_mma(p, v_bufs.index(prev), acc, is_async=True)
+        o_tok = warpgroup_mma(_p_cast(p, FP8), _v_operand(v_bufs, prev, FP8), acc, is_async=True)
         _pass_turn(turns, wg, NUM_WG, PINGPONG)
         # wgmma groups retire in order: <= 1 outstanding means S_j is done (P~_{j-1} V_{j-1} may still run)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
         mbarrier.arrive(k_empty.index(cur), count=1)   # K_j read: the producer may refill its buffer
-        p_next, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, qk_scale, j, n_unmasked, q_start,
-                                                  BLOCK_M, BLOCK_N, s_layout)
-        acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p))
+        p_next, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, scale_j, j, n_unmasked, q_start,
+                                                  BLOCK_M, BLOCK_N, s_layout, FP8)
+        if FP8:   # (the wait cannot carry 8-bit registers; the e4m3 P~ is a temporary of this turn)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, ))
+        else:
+            acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p))
         mbarrier.arrive(v_empty.index(prev), count=1)   # V_{j-1} read
-        # Algorithm 1 line 10's rescale, O = diag(exp2(m_old - m_new)) O, before P~_j V_j is added
+        # Algorithm 1 line 10's rescale, O = diag(exp2(m_old - m_new)) O, before P~_j V_j is added (FP8: and from
+        # units of V_{j-1}'s descale to V_j's)
+        if FP8:
+            alpha = alpha * (dv_prev / dv_j)
+            dv_prev = dv_j
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
-        p = gl.convert_layout(p_next.to(dtype), p_layout)
+        p = _p_operand(p_next, dtype, p_layout, BLOCK_M, BLOCK_N, FP8)
     last = (n_blocks - 1) % STAGES
     mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
     _turn(turns, wg, n_blocks, NUM_WG, PINGPONG)
-    o_tok = warpgroup_mma(p, v_bufs.index(last), acc, is_async=True)
+    o_tok = warpgroup_mma(_p_cast(p, FP8), _v_operand(v_bufs, last, FP8), acc, is_async=True)
     _pass_turn(turns, wg, NUM_WG, PINGPONG)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, ))
     mbarrier.arrive(v_empty.index(last), count=1)
 
-    # epilogue (Algorithm 1 lines 12-15): O_i = diag(l_i)^-1 acc, L_i = m_i + log(l_i); every row saw >= 1 key
-    o = acc / gl.expand_dims(gl.convert_layout(l_i, o_rows), 1)
-    q_smem.store(o.to(dtype))   # this warpgroup's Q buffer is free: its S wgmmas have retired
+    # epilogue (Algorithm 1 lines 12-15): O_i = diag(l_i)^-1 acc, L_i = m_i + log(l_i); every row saw >= 1 key.
+    # The output goes through this warpgroup's Q buffer (free: its S wgmmas have retired), FP8: its own buffer
+    if FP8:
+        o = acc * gl.expand_dims(gl.convert_layout(dv_prev / l_i, o_rows), 1)
+        o_smem = o_bufs.index(wg)
+    else:
+        o = acc / gl.expand_dims(gl.convert_layout(l_i, o_rows), 1)
+        o_smem = q_smem
+    o_smem.store(o.to(o_desc.dtype))
     fence_async_shared()
-    tma_store(o_desc, [q_row + wg * BLOCK_M, q_col], q_smem)
+    tma_store(o_desc, [q_row + wg * BLOCK_M, q_col], o_smem)
     rows = q_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-    gl.store(lse_ptr + rows, (m_i + gl.log2(l_i)) * LN2)
+    if FP8:   # l_i carries P~'s factor 448
+        gl.store(lse_ptr + rows, (m_i + gl.log2(l_i) - LOG2_E4M3_MAX) * LN2)
+    else:
+        gl.store(lse_ptr + rows, (m_i + gl.log2(l_i)) * LN2)
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
-def fa3_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k,
-                   nheads, group, qk_scale, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, NUM_WG: gl.constexpr, PINGPONG: gl.constexpr,
+def _p_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               FP8: gl.constexpr):
+    """P~ (fp32, in the S accumulator's layout) in the P V wgmma's register A-operand layout: 16-bit, cast and
+    converted (register-local). FP8: in each 32 keys the accumulator holds keys {2q, 2q+1, 2q+8, 2q+9} (+16) in
+    thread q of a quad where the e4m3 A operand wants {4q, ..., 4q+3} (+16); instead of exchanging bytes across
+    the quad (shuffles), the keys are renumbered: key 16h + 8i + 2q + e becomes 16h + 4q + 2i + e (the reshape /
+    permute below, which moves no data), and the quantizer stored V^T's keys in that order (KEY_PERM), so P V is
+    unchanged. FP8: it stays fp32 until _p_cast, next to its wgmma."""
+    if FP8:
+        p = gl.reshape(p, [BLOCK_M, BLOCK_N // 32, 2, 2, 4, 2])
+        p = gl.permute(p, [0, 1, 2, 4, 3, 5])
+        p = gl.reshape(p, [BLOCK_M, BLOCK_N])
+        return gl.convert_layout(p, p_layout, assert_trivial=True)
+    else:
+        return gl.convert_layout(p.to(dtype), p_layout)
+
+
+@gluon.jit
+def _p_cast(p, CAST: gl.constexpr):
+    """CAST: P~ -> e4m3 (round to nearest even, saturating, as the quantizer and the Triton kernel), four
+    consecutive keys (one A-operand register) per two cvt; else P~ as it is. Cast next to the wgmma that reads
+    it: carried across the loop as e4m3, P~'s bytes were split and repacked (about 3 more instructions per
+    element), which cost 5-16% (H200, BENCHMARKS.md §5) although it saves registers (at d256 a few spill)."""
+    if CAST:
+        return gl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi;\n"
+            "cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n"
+            "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\n"
+            "mov.b32 $0, {lo, hi}; }",
+            "=r,r,r,r,r", [p], dtype=gl.float8e4nv, is_pure=True, pack=4)
+    else:
+        return p
+
+
+@gluon.jit
+def _v_operand(v_bufs, i, FP8: gl.constexpr):
+    """V_j as the B operand (keys x HEAD_D) of P V. FP8 wgmma takes only K-major operands: V^T's buffer
+    (HEAD_D x keys, keys contiguous), transposed as a view."""
+    if FP8:
+        return v_bufs.index(i).permute((1, 0))
+    else:
+        return v_bufs.index(i)
+
+
+@gluon.jit
+def fa3_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b, stride_lse_h, q_scale_ptr, k_scale_ptr,
+                   v_scale_ptr, seqlen_q, seqlen_k, nheads, group, qk_scale, HEAD_D: gl.constexpr,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                   NUM_WG: gl.constexpr, PINGPONG: gl.constexpr, FP8: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                    num_warps: gl.constexpr):
     """Grid (seqlen_q / (NUM_WG * BLOCK_M), batch * nheads); BLOCK_M = 64 rows per consumer warpgroup
     (num_warps = 4: the first consumer is the default partition). q/k/v/o descriptors are over the 2-D views
     (batch * seqlen, nheads * HEAD_D) with blocks (BLOCK_M or BLOCK_N, HEAD_D); seqlen_q % (NUM_WG * BLOCK_M) == 0
     and seqlen_k % BLOCK_N == 0 (the host checks), causal only with seqlen_q == seqlen_k.
-    lse: (batch, nheads, seqlen_q) fp32, natural log."""
+    lse: (batch, nheads, seqlen_q) fp32, natural log.
+    FP8: q, k e4m3 as above, v_desc over V^T viewed (batch * nheads_k * HEAD_D, seqlen_k) with blocks
+    (HEAD_D, BLOCK_N); o_desc over the bf16 / fp16 output; descales q_scale (batch, nheads, seqlen_q / Br),
+    k_scale, v_scale (batch, nheads_k, seqlen_k / BLOCK_N), contiguous float32 (unused otherwise)."""
     dtype: gl.constexpr = q_desc.dtype
     TILE_M: gl.constexpr = NUM_WG * BLOCK_M
     pid_m = gl.program_id(0)
@@ -192,10 +287,21 @@ def fa3_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b, stride
         n_blocks = seqlen_k // BLOCK_N
         n_unmasked = n_blocks
     lse_ptr = lse_ptr + b * stride_lse_b + h * stride_lse_h
+    bhk = b * (nheads // group) + h // group
+    vt_row = bhk * HEAD_D
+    if FP8:   # Q_i's descale joins the softmax scale; K_j's and V_j's are read per block
+        qk_scale = qk_scale * gl.load(q_scale_ptr + bh * gl.num_programs(0) + pid_m)
+        k_scale_ptr = k_scale_ptr + bhk * (seqlen_k // BLOCK_N)
+        v_scale_ptr = v_scale_ptr + bhk * (seqlen_k // BLOCK_N)
 
     q_bufs = gl.allocate_shared_memory(dtype, [NUM_WG, BLOCK_M, HEAD_D], q_desc.layout)
     k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
+    if FP8:
+        v_bufs = gl.allocate_shared_memory(dtype, [STAGES, HEAD_D, BLOCK_N], v_desc.layout)
+        o_bufs = gl.allocate_shared_memory(o_desc.dtype, [NUM_WG, BLOCK_M, HEAD_D], o_desc.layout)
+    else:
+        v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
+        o_bufs = q_bufs
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -212,19 +318,20 @@ def fa3_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b, stride
         mbarrier.init(turns.index(i), count=1)
 
     # partitions: consumer warpgroup 0 (the default partition, num_warps = 4), consumer warpgroup 1, the producer
-    # warp; each worker gets its own copy of the (scalar / shared-memory) arguments. Registers: 240 per consumer
-    # thread, 24 for the producer (setmaxnreg within the kernel's limit, fa3.MAXNREG)
+    # warp; each worker gets its own copy of the (scalar / shared-memory) arguments. Registers: CONSUMER_REGS per
+    # consumer thread, 24 for the producer (setmaxnreg within the kernel's limit, fa3.REGS)
     gl.static_assert(NUM_WG == 2)
     gl.warp_specialize([
-        (_consumer_partition, (0, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, turns, o_desc,
-                               lse_ptr, q_row, q_col, q_start, n_blocks, n_unmasked, qk_scale, BLOCK_M,
-                               BLOCK_N, HEAD_D, STAGES, NUM_WG, PINGPONG)),
-        (_consumer_partition, (1, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, turns, o_desc,
-                               lse_ptr, q_row, q_col, q_start, n_blocks, n_unmasked, qk_scale, BLOCK_M,
-                               BLOCK_N, HEAD_D, STAGES, NUM_WG, PINGPONG)),
+        (_consumer_partition, (0, q_bufs, k_bufs, v_bufs, o_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, turns,
+                               o_desc, lse_ptr, k_scale_ptr, v_scale_ptr, q_row, q_col, q_start, n_blocks,
+                               n_unmasked, qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES, NUM_WG, PINGPONG, FP8)),
+        (_consumer_partition, (1, q_bufs, k_bufs, v_bufs, o_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, turns,
+                               o_desc, lse_ptr, k_scale_ptr, v_scale_ptr, q_row, q_col, q_start, n_blocks,
+                               n_unmasked, qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES, NUM_WG, PINGPONG, FP8)),
         (_load_partition, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty,
-                           v_empty, q_row, q_col, kv_row, kv_col, n_blocks, BLOCK_M, BLOCK_N, STAGES, NUM_WG)),
-    ], [4, 1], [240, 24])
+                           v_empty, q_row, q_col, kv_row, kv_col, vt_row, n_blocks, BLOCK_M, BLOCK_N, STAGES,
+                           NUM_WG, FP8)),
+    ], [4, 1], [CONSUMER_REGS, 24])
 
     mbarrier.invalidate(q_bar)
     for i in gl.static_range(STAGES):

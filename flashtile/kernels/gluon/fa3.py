@@ -29,7 +29,24 @@ PINGPONG = {128: (True, False), 256: (False, False)}
 # the kernel's register limit per thread: 12 warps (4 + 4 + 1 rounded up to warpgroups) x 32 x 168 = the 64K
 # registers of an SM; inside the partitions setmaxnreg moves them to 240 per consumer thread and 24 for the producer
 MAXNREG = 168
+# (kernel limit, consumer registers) of the forward: one program per SM (168, 240), or two (80, 104: 12 warps x 32
+# x 80 = 30720 registers each; 256 x 104 + 128 x 24 fit in that), whose warps hide each other's softmax latency
+ONE_PER_SM, TWO_PER_SM = (MAXNREG, 240), (80, 104)
+# (head_dim, fp8) -> the forward's registers where not ONE_PER_SM
+FWD_REGS: dict = {}
 
+
+# head_dim -> (Bc, stages) of the FP8 forward (FA3 §3.3; Br = 2 x 64 as above, one Q descale per program): Q_i,
+# STAGES x (K_j, V_j^T) e4m3 and a bf16 / fp16 output tile per consumer warpgroup within 227 KiB (d256: 224 KiB)
+# Chosen on an H200 (benchmarks/sweep_fp8_gluon.py, BENCHMARKS.md §5, b*n = 16k, n = 8k, TFLOP/s full / causal):
+# d128 Bc 128 (812-817 / 750; 3 stages 797-805 / 739; Triton's FP8 kernel 744-751 / 674-676), d256 Bc 128
+# (1160-1236 / 969-1036; Triton 934-956 / 866-880). Not d64: the best Gluon tile there (Bc 256: 525 / 491; two
+# programs per SM with Bc 64: 518-521 / 488-491) trails the Triton FP8 kernel in full attention (541-543) and at
+# short causal sequences (bench_fp8: 2k 323 vs 385), so d64 keeps the Triton kernel
+FP8_CONFIGS = {128: (128, 2), 256: (128, 2)}
+# head_dim -> ping-pong (full, causal) of the FP8 forward: within run-to-run noise (d256 full 1210-1236 with, 1160-
+# 1208 without; causal 976-1001 with, 969-1036 without)
+FP8_PINGPONG = {128: (False, False), 256: (True, False)}
 
 # head_dim -> (Br, Bc, stages) of the backward: a program owns Bc = 2 x 64 keys (one half per consumer
 # warpgroup, dK / dV in registers) and streams Br query rows per step through `stages` (Q_i, dO_i) buffers
@@ -114,7 +131,8 @@ def supports(q, k, v, params, *args, **kwargs) -> bool:
 def _smem_layout(rows: int, head_dim: int, dtype: torch.dtype):
     """The swizzled shared-memory layout of a (rows, head_dim) tile, which TMA writes and wgmma reads."""
     gl = _gluon_language()
-    el = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
+    el = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32,
+          torch.float8_e4m3fn: gl.float8e4nv}[dtype]
     return gl.NVMMASharedLayout.get_default_for([rows, head_dim], el)
 
 
@@ -144,10 +162,61 @@ def fwd(q, k, v, out, lse, params) -> None:
     causal = params.window_right == 0
     kern.fa3_fwd_kernel[(sq // block_m, batch * nheads)](
         desc(q, WG_ROWS), desc(k, block_n), desc(v, block_n), desc(out, WG_ROWS), lse,
-        lse.stride(0), lse.stride(1), sq, sk, nheads, nheads // nheads_k, params.softmax_scale * LOG2E,
+        lse.stride(0), lse.stride(1), lse, lse, lse, sq, sk, nheads, nheads // nheads_k, params.softmax_scale * LOG2E,
         HEAD_D=head_dim, BLOCK_M=WG_ROWS, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, NUM_WG=num_wg,
-        PINGPONG=PINGPONG.get(head_dim, (True, True))[causal],
-        num_warps=4, maxnreg=MAXNREG)
+        PINGPONG=PINGPONG.get(head_dim, (True, True))[causal], FP8=False,
+        **_regs(head_dim, False))
+
+
+def _regs(head_dim: int, fp8: bool) -> dict:
+    """The forward's launch options for its register split (FWD_REGS)."""
+    maxnreg, consumer = FWD_REGS.get((head_dim, fp8), ONE_PER_SM)
+    return dict(CONSUMER_REGS=consumer, num_warps=4, maxnreg=maxnreg)
+
+
+def fp8_block_shape(head_dim: int):
+    """(Br, Bc) of the FP8 kernel at this head dim: the quantization blocks of Q and of K, V."""
+    return 2 * WG_ROWS, FP8_CONFIGS[head_dim][0]
+
+
+def supports_fp8(q, k, causal: bool, out_dtype: torch.dtype) -> bool:
+    """Whether fwd_fp8() computes the FP8 forward of q (batch, seqlen_q, nheads, d) against k (batch, seqlen_k,
+    nheads_k, d) (any dtype: only shapes and the device count), with V given transposed: a Hopper GPU with Gluon,
+    not turned off, head dim in FP8_CONFIGS, seqlen_q a multiple of Br and seqlen_k of Bc, causal with
+    seqlen_q == seqlen_k, a bf16 / fp16 output."""
+    head_dim, sq, sk = q.shape[-1], q.shape[1], k.shape[1]
+    if not (enabled() and q.is_cuda and head_dim in FP8_CONFIGS and out_dtype in (torch.float16, torch.bfloat16)):
+        return False
+    block_m, block_n = fp8_block_shape(head_dim)
+    if sq == 0 or sq % block_m or sk % block_n or (causal and sq != sk):
+        return False
+    return _kernels(_device_index(q)) is not None
+
+
+def fwd_fp8(q8, k8, vt8, q_scale, k_scale, v_scale, out, lse, softmax_scale: float, causal: bool) -> None:
+    """out = attention of e4m3 q8 (batch, seqlen_q, nheads, d), k8 (batch, seqlen_k, nheads_k, d) and V^T vt8
+    (batch, nheads_k, d, seqlen_k), all contiguous, with x = x8 * descale per block: q_scale (batch, nheads,
+    seqlen_q / Br), k_scale and v_scale (batch, nheads_k, seqlen_k / Bc), contiguous float32 (fp8_block_shape);
+    lse (batch, nheads, seqlen_q) natural log. Call only where supports_fp8() said yes."""
+    kern, _, TensorDescriptor = _kernels(_device_index(q8))
+    batch, sq, nheads, head_dim = q8.shape
+    sk, nheads_k = k8.shape[1], k8.shape[2]
+    block_n, stages = FP8_CONFIGS[head_dim]
+    for name, t in (("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale)):
+        assert t.is_contiguous() and t.dtype == torch.float32, name
+    assert vt8.shape == (batch, nheads_k, head_dim, sk) and vt8.is_contiguous()
+    vt_view = vt8.view(batch * nheads_k * head_dim, sk)
+    v_desc = TensorDescriptor(vt_view, list(vt_view.shape), list(vt_view.stride()), [head_dim, block_n],
+                              _smem_layout(head_dim, block_n, vt8.dtype))
+
+    def desc(t, rows):
+        return _desc(TensorDescriptor, t, rows, head_dim, t.dtype)
+
+    kern.fa3_fwd_kernel[(sq // (2 * WG_ROWS), batch * nheads)](
+        desc(q8, WG_ROWS), desc(k8, block_n), v_desc, desc(out, WG_ROWS), lse, lse.stride(0), lse.stride(1),
+        q_scale, k_scale, v_scale, sq, sk, nheads, nheads // nheads_k, softmax_scale * LOG2E,
+        HEAD_D=head_dim, BLOCK_M=WG_ROWS, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, NUM_WG=2,
+        PINGPONG=FP8_PINGPONG[head_dim][causal], FP8=True, **_regs(head_dim, True))
 
 
 def bwd_dq_tile(block_m: int, head_dim: int):

@@ -101,6 +101,13 @@ def fwht_rows_mma(x, signs, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
+def key_perm(c):
+    """The key order of V^T that makes the Gluon FP8 kernel's P operand need no data exchange
+    (gluon/_fa3_fwd._p_operand): bits (h, i, q1, q0, e) of c mod 32 -> (h, q1, q0, i, e)."""
+    return (c & ~14) | ((c & 6) << 1) | ((c & 8) >> 2)
+
+
+@triton.jit
 def quant_fp8_kernel(
     X, Y, SCALE, SIGNS, AMAX_IN,
     stride_xb, stride_xn, stride_xh, stride_yb, stride_yn, stride_yh, stride_yd,
@@ -108,13 +115,15 @@ def quant_fp8_kernel(
     nheads, seqlen, head_dim, inv_sqrt_d,
     BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, INCOHERENT: tl.constexpr,
     PER_TENSOR: tl.constexpr, WRITE_Y: tl.constexpr, FWHT_MMA: tl.constexpr = False, SOFT_ROUND: tl.constexpr = True,
+    KEY_PERM: tl.constexpr = False,
 ):
     """Y = e4m3(T(X) * 448 / amax), SCALE[b, h, blk] = amax / 448, T the optional incoherent transform.
 
     Block mode (PER_TENSOR=False): amax over this (BLOCK, d) tile. PER_TENSOR: amax is read from AMAX_IN
     (a 1-element tensor, the tensor-wide amax found by a first launch with WRITE_Y=False, which only
     stores the block amaxes into SCALE). Y's strides are free, so V can be written transposed
-    (stride_yn = 1, stride_yd = seqlen_pad)."""
+    (stride_yn = 1, stride_yd = seqlen_pad). KEY_PERM (V^T for the Gluon kernel, seqlen % 32 == 0): within each
+    32 rows, row 16h + 8i + 2q + e is stored at 16h + 4q + 2i + e (key_perm)."""
     pid_n = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // nheads
@@ -145,7 +154,8 @@ def quant_fp8_kernel(
         inv = tl.math.div_rn(amax * 0.0 + 448.0, amax)
         y = to_e4m3(x * inv, SOFT_ROUND)
         y_blk = Y + b64 * stride_yb + tl.cast(h, tl.int64) * stride_yh + n0 * stride_yn
-        tl.store(y_blk + offs_r[:, None] * stride_yn + offs_d[None, :] * stride_yd, y, mask=mask)
+        rows = key_perm(offs_r) if KEY_PERM else offs_r
+        tl.store(y_blk + rows[:, None] * stride_yn + offs_d[None, :] * stride_yd, y, mask=mask)
         tl.store(SCALE + b * stride_sb + h * stride_sh + pid_n, tl.math.div_rn(amax, amax * 0.0 + 448.0))
     else:
         tl.store(SCALE + b * stride_sb + h * stride_sh + pid_n, amax)
