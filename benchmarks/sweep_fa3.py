@@ -19,7 +19,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashtile
-from _sweep_args import sweep_args
+from _sweep_args import grid_points, parse_int_variants, restore, sweep_args
 from flashtile.kernels.gluon import fa3
 from flashtile.kernels.triton.launch import AttnParams
 from flashtile.reference.dense import attention_ref
@@ -29,18 +29,9 @@ DEFAULT_VARIANTS = ("64:2,128,3,1;64:2,128,2,1;64:2,128,3,0;"
                     "256:2,64,2,1;256:2,64,2,0;256:2,32,4,1")
 
 
-def parse_variants(text):
-    out = {}
-    for item in filter(None, (t.strip() for t in text.split(";"))):
-        d, vals = item.split(":")
-        num_wg, block_n, stages, pingpong = (int(x) for x in vals.split(","))
-        out.setdefault(int(d), []).append((num_wg, block_n, stages, bool(pingpong)))
-    return out
-
-
 def use(d, variant):
     fa3.CONFIGS[d] = variant[:3]
-    fa3.PINGPONG[d] = (variant[3], variant[3])
+    fa3.PINGPONG[d] = (bool(variant[3]), bool(variant[3]))
 
 
 def run_fa3(q, k, v, causal, out=None, lse=None):
@@ -65,42 +56,33 @@ def check(d, variant):
 
 def main():
     args = sweep_args(seqlens="2048,8192", variants=DEFAULT_VARIANTS)
-    variants = parse_variants(args.variants)
+    variants = parse_int_variants(args.variants)   # (num_wg, Bc, stages, pingpong)
     rows = []
     for d in (int(x) for x in args.heads.split(",")):
         shipped, shipped_pp = fa3.CONFIGS.get(d), fa3.PINGPONG.get(d)
         for variant in variants[d]:
             check(d, variant)
-        for s in (int(x) for x in args.seqlens.split(",")):
-            for causal in (False, True):
-                b, h = 16384 // s, 2048 // d
-                q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-                out, lse = torch.empty_like(q), torch.empty(b, h, s, device="cuda")
-                flops = 4 * b * h * s * s * d / (2 if causal else 1)
-                res = {}
-                for _ in range(args.rounds):
-                    for variant in variants[d]:
-                        use(d, variant)
-                        ms = triton.testing.do_bench(lambda: run_fa3(q, k, v, causal, out, lse), warmup=25, rep=150)
-                        res.setdefault("fa3 wg%d Bc%d st%d pp%d" % variant, []).append(flops / ms / 1e9)
-                    os.environ["FLASHTILE_GLUON"] = "0"
-                    ms = triton.testing.do_bench(lambda: flashtile.flash_attn_func(q, k, v, causal=causal),
-                                                 warmup=25, rep=150)
-                    os.environ.pop("FLASHTILE_GLUON")
-                    res.setdefault("triton", []).append(flops / ms / 1e9)
-                    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-                    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                        ms = triton.testing.do_bench(lambda: torch.nn.functional.scaled_dot_product_attention(
-                            qt, kt, vt, is_causal=causal), warmup=25, rep=150)
-                    res.setdefault("cudnn", []).append(flops / ms / 1e9)
-                print(f"d{d} s{s} causal={int(causal)} | " + " | ".join(f"{n} {max(t):.1f}" for n, t in res.items()),
-                      flush=True)
-                rows.append(dict(head_dim=d, seqlen=s, causal=causal, tflops=res))
-        for table, value in ((fa3.CONFIGS, shipped), (fa3.PINGPONG, shipped_pp)):
-            if value is None:
-                table.pop(d, None)
-            else:
-                table[d] = value
+        for s, causal, q, k, v, out, lse, flops in grid_points(d, (int(x) for x in args.seqlens.split(","))):
+            res = {}
+            for _ in range(args.rounds):
+                for variant in variants[d]:
+                    use(d, variant)
+                    ms = triton.testing.do_bench(lambda: run_fa3(q, k, v, causal, out, lse), warmup=25, rep=150)
+                    res.setdefault("fa3 wg%d Bc%d st%d pp%d" % variant, []).append(flops / ms / 1e9)
+                os.environ["FLASHTILE_GLUON"] = "0"
+                ms = triton.testing.do_bench(lambda: flashtile.flash_attn_func(q, k, v, causal=causal),
+                                             warmup=25, rep=150)
+                os.environ.pop("FLASHTILE_GLUON")
+                res.setdefault("triton", []).append(flops / ms / 1e9)
+                qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    ms = triton.testing.do_bench(lambda: torch.nn.functional.scaled_dot_product_attention(
+                        qt, kt, vt, is_causal=causal), warmup=25, rep=150)
+                res.setdefault("cudnn", []).append(flops / ms / 1e9)
+            print(f"d{d} s{s} causal={int(causal)} | " + " | ".join(f"{n} {max(t):.1f}" for n, t in res.items()),
+                  flush=True)
+            rows.append(dict(head_dim=d, seqlen=s, causal=causal, tflops=res))
+        restore(((fa3.CONFIGS, d, shipped), (fa3.PINGPONG, d, shipped_pp)))
     with open(os.path.join(args.out, "sweep_fa3.json"), "w") as f:
         json.dump(rows, f, indent=1)
 

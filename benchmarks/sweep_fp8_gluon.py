@@ -14,11 +14,10 @@ reported. Writes DIR/sweep_fp8_gluon.json.
 import json
 import os
 
-import torch
 import triton
 
 import flashtile
-from _sweep_args import sweep_args
+from _sweep_args import grid_points, parse_int_variants, restore, sweep_args
 from flashtile.fp8 import FP8Config, attention_fp8, fp8_config, quantize_fp8
 from flashtile.kernels.gluon import fa3
 
@@ -27,71 +26,53 @@ DEFAULT_VARIANTS = ("64:256,2,0,1;64:128,2,0,1;64:64,2,0,2;64:256,2,1,1;"
                     "256:128,2,1,1;256:128,2,0,1;256:64,2,0,1")
 
 
-def parse_variants(text):
-    out = {}
-    for item in filter(None, (t.strip() for t in text.split(";"))):
-        d, vals = item.split(":")
-        block_n, stages, pingpong, per_sm = (int(x) for x in vals.split(","))
-        out.setdefault(int(d), []).append((block_n, stages, bool(pingpong), per_sm))
-    return out
-
-
 def use(d, variant):
     block_n, stages, pingpong, per_sm = variant
     fa3.FP8_CONFIGS[d] = (block_n, stages)
-    fa3.FP8_PINGPONG[d] = (pingpong, pingpong)
+    fa3.FP8_PINGPONG[d] = (bool(pingpong), bool(pingpong))
     fa3.FWD_REGS[(d, True)] = fa3.TWO_PER_SM if per_sm == 2 else fa3.ONE_PER_SM
 
 
 def main():
     args = sweep_args(seqlens="8192", variants=DEFAULT_VARIANTS)
-    variants = parse_variants(args.variants)
+    variants = parse_int_variants(args.variants)   # (Bc, stages, pingpong, programs per SM)
     rows = []
     for d in (int(x) for x in args.heads.split(",")):
         shipped = fa3.FP8_CONFIGS.get(d), fa3.FP8_PINGPONG.get(d), fa3.FWD_REGS.get((d, True))
-        for s in (int(x) for x in args.seqlens.split(",")):
-            for causal in (False, True):
-                b, h = 16384 // s, 2048 // d
-                q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-                out, lse = torch.empty_like(q), torch.empty(b, h, s, device="cuda")
-                flops = 4 * b * h * s * s * d / (2 if causal else 1)
-                scale = d ** -0.5
-                tcfg = fp8_config(d, causal)
-                t_tri = quantize_fp8(q, k, v, causal=causal, block_m=tcfg.BLOCK_M, block_n=tcfg.BLOCK_N,
-                                     v_key_perm=False)
-                inputs = {}
-                for variant in variants[d]:   # quantized for the variant's tiles, checked once
-                    t = quantize_fp8(q, k, v, causal=causal, block_m=128, block_n=variant[0], v_key_perm=True)
-                    same = quantize_fp8(q, k, v, causal=causal, block_m=128, block_n=variant[0], v_key_perm=False)
+        for s, causal, q, k, v, out, lse, flops in grid_points(d, (int(x) for x in args.seqlens.split(","))):
+            scale = d ** -0.5
+            tcfg = fp8_config(d, causal)
+            t_tri = quantize_fp8(q, k, v, causal=causal, block_m=tcfg.BLOCK_M, block_n=tcfg.BLOCK_N,
+                                 v_key_perm=False)
+            inputs = {}
+            for variant in variants[d]:   # quantized for the variant's tiles, checked once
+                t = quantize_fp8(q, k, v, causal=causal, block_m=128, block_n=variant[0], v_key_perm=True)
+                same = quantize_fp8(q, k, v, causal=causal, block_m=128, block_n=variant[0], v_key_perm=False)
+                use(d, variant)
+                fa3.fwd_fp8(t.q, t.k, t.v, t.q_scale, t.k_scale, t.v_scale, out, lse, scale, causal)
+                ref, _ = attention_fp8(same, softmax_scale=scale, causal=causal,
+                                       config=FP8Config(128, variant[0], 8, 2))
+                err = (out.float() - ref.float()).abs().max().item()
+                if not err < 5e-2:
+                    raise SystemExit(f"d{d} {variant} causal={causal}: max difference {err:.3g}")
+                inputs[variant] = t
+            res = {}
+            for _ in range(args.rounds):
+                for variant, t in inputs.items():
                     use(d, variant)
-                    fa3.fwd_fp8(t.q, t.k, t.v, t.q_scale, t.k_scale, t.v_scale, out, lse, scale, causal)
-                    ref, _ = attention_fp8(same, softmax_scale=scale, causal=causal,
-                                           config=FP8Config(128, variant[0], 8, 2))
-                    err = (out.float() - ref.float()).abs().max().item()
-                    if not err < 5e-2:
-                        raise SystemExit(f"d{d} {variant} causal={causal}: max difference {err:.3g}")
-                    inputs[variant] = t
-                res = {}
-                for _ in range(args.rounds):
-                    for variant, t in inputs.items():
-                        use(d, variant)
-                        ms = triton.testing.do_bench(lambda: fa3.fwd_fp8(
-                            t.q, t.k, t.v, t.q_scale, t.k_scale, t.v_scale, out, lse, scale, causal), rep=100)
-                        res.setdefault("gluon Bc%d st%d pp%d per_sm%d" % variant, []).append(flops / ms / 1e9)
-                    ms = triton.testing.do_bench(lambda: attention_fp8(t_tri, softmax_scale=scale, causal=causal,
-                                                                       config=tcfg), rep=100)
-                    res.setdefault("triton fp8", []).append(flops / ms / 1e9)
-                    ms = triton.testing.do_bench(lambda: flashtile.flash_attn_func(q, k, v, causal=causal), rep=100)
-                    res.setdefault("flashtile bf16", []).append(flops / ms / 1e9)
-                print(f"d{d} s{s} causal={int(causal)} | " + " | ".join(f"{n} {max(t):.0f}" for n, t in res.items()),
-                      flush=True)
-                rows.append(dict(head_dim=d, seqlen=s, causal=causal, tflops=res))
-        for table, key, value in ((fa3.FP8_CONFIGS, d, shipped[0]), (fa3.FP8_PINGPONG, d, shipped[1]),
-                                  (fa3.FWD_REGS, (d, True), shipped[2])):
-            if value is None:
-                table.pop(key, None)
-            else:
-                table[key] = value
+                    ms = triton.testing.do_bench(lambda: fa3.fwd_fp8(
+                        t.q, t.k, t.v, t.q_scale, t.k_scale, t.v_scale, out, lse, scale, causal), rep=100)
+                    res.setdefault("gluon Bc%d st%d pp%d per_sm%d" % variant, []).append(flops / ms / 1e9)
+                ms = triton.testing.do_bench(lambda: attention_fp8(t_tri, softmax_scale=scale, causal=causal,
+                                                                   config=tcfg), rep=100)
+                res.setdefault("triton fp8", []).append(flops / ms / 1e9)
+                ms = triton.testing.do_bench(lambda: flashtile.flash_attn_func(q, k, v, causal=causal), rep=100)
+                res.setdefault("flashtile bf16", []).append(flops / ms / 1e9)
+            print(f"d{d} s{s} causal={int(causal)} | " + " | ".join(f"{n} {max(t):.0f}" for n, t in res.items()),
+                  flush=True)
+            rows.append(dict(head_dim=d, seqlen=s, causal=causal, tflops=res))
+        restore(((fa3.FP8_CONFIGS, d, shipped[0]), (fa3.FP8_PINGPONG, d, shipped[1]),
+                 (fa3.FWD_REGS, (d, True), shipped[2])))
     with open(os.path.join(args.out, "sweep_fp8_gluon.json"), "w") as f:
         json.dump(rows, f, indent=1)
 

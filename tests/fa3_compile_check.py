@@ -1,11 +1,11 @@
 """Compiles the Gluon FA3 kernels (flashtile/kernels/gluon/_fa3_fwd.py, _fa3_bwd.py) for sm_90 on a machine
-without a GPU. Arguments `fwd|bwd|fp8,<head_dim>,<causal 0|1>,<bf16|fp16>` (fp8: e4m3 inputs, that output dtype); prints one
-line per variant: `ok <kind> d<head_dim> causal=<0|1> <dtype> shared=<bytes> wgmma=<count> reduce=<count>
-arrives=<count> unsynced=<count> e4m3_mma=<count> shfl_idx=<count>` (reduce: TMA reduce-add instructions, the
-backward's dQ; e4m3_mma: FP8 wgmmas; shfl_idx: indexed warp shuffles, which a P operand needing data exchange
-would bring). `unsynced` counts the plain mbarrier arrivals (one
-thread of a consumer warpgroup) not preceded by a bar.sync of the warpgroup's 128 threads, on which the
-kernels' barrier counts rely (_fa3_fwd._pass_turn, the backward's ds_ready / ds_free / qdo_empty).
+without a GPU. Arguments `fwd|bwd|fp8,<head_dim>,<causal 0|1>,<bf16|fp16>` (fp8: e4m3 inputs, that output
+dtype); prints one line per variant: `ok <kind> d<head_dim> causal=<0|1> <dtype> shared=<bytes> wgmma=<count>
+reduce=<count> arrives=<count> unsynced=<count> e4m3_mma=<count> shfl_idx=<count>` (reduce: TMA reduce-add
+instructions, the backward's dQ; e4m3_mma: FP8 wgmmas; shfl_idx: indexed warp shuffles, which a P operand needing
+data exchange would bring). `unsynced` counts the plain mbarrier arrivals (one thread of a consumer warpgroup)
+not preceded by a bar.sync of the warpgroup's 128 threads, on which the kernels' barrier counts rely
+(_fa3_fwd._pass_turn, the backward's ds_ready / ds_free / qdo_empty).
 Run by tests/test_fa3_gluon.py in a subprocess, with TRITON_INTERPRET=0 (the interpreter does not run Gluon)."""
 import os
 import sys
