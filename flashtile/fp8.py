@@ -293,8 +293,9 @@ def attention_fp8(t: FP8Tensors, *, softmax_scale: float, causal: bool = False, 
         raise ValueError(f"attention_fp8: quantization blocks (block_m={t.block_m}, block_n={t.block_n}) must "
                          f"match the kernel tiles (BLOCK_M={cfg.BLOCK_M}, BLOCK_N={cfg.BLOCK_N})")
     if cfg.gluon:
-        if not (t.v_transposed and t.v_key_perm and _fa3.supports_fp8(q8, k8, causal, out_dtype)
-                and all(x.is_contiguous() and x.data_ptr() % 16 == 0 for x in (q8, k8, v8))):
+        # (kernel_config checked supports_fp8 unless the config came from the caller)
+        if not (t.v_transposed and t.v_key_perm and _fa3.tma_aligned(q8, k8, v8)
+                and (config is None or _fa3.supports_fp8(q8, k8, causal, out_dtype))):
             raise ValueError("attention_fp8: config.gluon needs V^T in its key order (v_key_perm), q, k, V^T "
                              "contiguous and 16-byte aligned, and a problem fa3.supports_fp8 takes")
         scales = [t.q_scale, t.k_scale, t.v_scale] if descales is None else \
@@ -351,12 +352,6 @@ def _block_descales(view, batch: int, heads: int, seqlen: int, block: int) -> to
     group = group[0] if group else 1
     full = t.as_strided((batch, heads // group, cdiv(seqlen, block)), (sb, sh, sm))
     return full.repeat_interleave(group, dim=1) if group > 1 else full.contiguous()
-
-
-def _tma_ready(x: torch.Tensor) -> torch.Tensor:
-    """x contiguous with a 16-byte aligned base (what TMA descriptors need)."""
-    x = x.contiguous()
-    return x if x.data_ptr() % 16 == 0 else x.clone()
 
 
 def _k_log2e():
@@ -434,7 +429,7 @@ def flash_attn_fp8_func(q, k, v, softmax_scale=None, causal=False, block_quant=T
                 vt = torch.zeros(b, hk, d, cdiv(sk, 16) * 16, device=v.device, dtype=torch.uint8)
                 vt[..., :sk].copy_(vt_bytes)
                 vv = vt.view(FP8_DTYPE)
-            t = FP8Tensors(_tma_ready(q), _tma_ready(k), vv if transpose_v else v.contiguous(),
+            t = FP8Tensors(_fa3.tma_ready(q), _fa3.tma_ready(k), vv if transpose_v else v.contiguous(),
                            views[0][0], views[1][0], views[2][0], cfg.BLOCK_M, cfg.BLOCK_N, transpose_v, False,
                            cfg.gluon)
             return attention_fp8(t, softmax_scale=float(softmax_scale), causal=causal, out_dtype=out_dtype,

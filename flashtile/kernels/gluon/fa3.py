@@ -112,7 +112,7 @@ def eligible(q, k, v, params, alibi=None, cu_seqlens_q=None, bias=None, mask=Non
     head_dim, sq, sk = q.shape[-1], q.shape[1], k.shape[1]
     if head_dim not in (BWD_CONFIGS if backward else CONFIGS):
         return False
-    if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v)):
+    if not tma_aligned(q, k, v):
         return False   # TMA needs 16-byte aligned bases (the row strides are: head_dim x nheads x 2 bytes)
     block_m, block_n = BWD_CONFIGS[head_dim][:2] if backward else block_shape(head_dim)
     causal = params.window_right == 0
@@ -136,6 +136,17 @@ def _smem_layout(rows: int, head_dim: int, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for([rows, head_dim], el)
 
 
+def tma_aligned(*ts: torch.Tensor) -> bool:
+    """Whether every tensor is contiguous with a 16-byte aligned base (what the kernels' TMA descriptors need)."""
+    return all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in ts)
+
+
+def tma_ready(x: torch.Tensor) -> torch.Tensor:
+    """x, or a copy of it, contiguous with a 16-byte aligned base."""
+    x = x.contiguous()
+    return x if x.data_ptr() % 16 == 0 else x.clone()
+
+
 def _desc(TensorDescriptor, t, rows, cols, dtype):
     """A TMA descriptor over t viewed as (batch * seqlen, nheads * head_dim), blocks (rows, cols)."""
     view = t.view(t.shape[0] * t.shape[1], t.shape[2] * t.shape[3])
@@ -150,22 +161,34 @@ def _gluon_language():
 def fwd(q, k, v, out, lse, params) -> None:
     """out = attention(q, k, v), lse = its row log-sum-exp (natural log), by the Gluon FA3 kernel. Call only
     where supports() said yes; out and lse contiguous."""
+    head_dim = q.shape[-1]
+    num_wg, block_n, stages = CONFIGS[head_dim]
+    causal = params.window_right == 0
+    _launch_fwd(q, k, v, out, lse, (lse, lse, lse), params.softmax_scale, causal, num_wg, block_n, stages,
+                PINGPONG.get(head_dim, (True, True))[causal], fp8=False)
+
+
+def _launch_fwd(q, k, v, out, lse, scales, softmax_scale, causal, num_wg, block_n, stages, pingpong, fp8):
+    """fa3_fwd_kernel over (batch, seqlen, nheads, d) q, k and v (fp8: V^T (batch, nheads_k, d, seqlen_k) and the
+    three descale tensors; else unused pointers)."""
     kern, _, TensorDescriptor = _kernels(_device_index(q))
     batch, sq, nheads, head_dim = q.shape
     sk, nheads_k = k.shape[1], k.shape[2]
-    num_wg, block_n, stages = CONFIGS[head_dim]
-    block_m = num_wg * WG_ROWS
 
     def desc(t, rows):
-        return _desc(TensorDescriptor, t, rows, head_dim, q.dtype)
+        return _desc(TensorDescriptor, t, rows, head_dim, t.dtype)
 
-    causal = params.window_right == 0
-    kern.fa3_fwd_kernel[(sq // block_m, batch * nheads)](
-        desc(q, WG_ROWS), desc(k, block_n), desc(v, block_n), desc(out, WG_ROWS), lse,
-        lse.stride(0), lse.stride(1), lse, lse, lse, sq, sk, nheads, nheads // nheads_k, params.softmax_scale * LOG2E,
+    if fp8:   # V^T viewed (batch * nheads_k * d, seqlen_k), blocks (d, Bc)
+        vt_view = v.view(batch * nheads_k * head_dim, sk)
+        v_desc = TensorDescriptor(vt_view, list(vt_view.shape), list(vt_view.stride()), [head_dim, block_n],
+                                  _smem_layout(head_dim, block_n, v.dtype))
+    else:
+        v_desc = desc(v, block_n)
+    kern.fa3_fwd_kernel[(sq // (num_wg * WG_ROWS), batch * nheads)](
+        desc(q, WG_ROWS), desc(k, block_n), v_desc, desc(out, WG_ROWS), lse, lse.stride(0), lse.stride(1),
+        *scales, sq, sk, nheads, nheads // nheads_k, softmax_scale * LOG2E,
         HEAD_D=head_dim, BLOCK_M=WG_ROWS, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, NUM_WG=num_wg,
-        PINGPONG=PINGPONG.get(head_dim, (True, True))[causal], FP8=False,
-        **_regs(head_dim, False))
+        PINGPONG=pingpong, FP8=fp8, **_regs(head_dim, fp8))
 
 
 def _regs(head_dim: int, fp8: bool) -> dict:
@@ -198,25 +221,13 @@ def fwd_fp8(q8, k8, vt8, q_scale, k_scale, v_scale, out, lse, softmax_scale: flo
     (batch, nheads_k, d, seqlen_k), all contiguous, with x = x8 * descale per block: q_scale (batch, nheads,
     seqlen_q / Br), k_scale and v_scale (batch, nheads_k, seqlen_k / Bc), contiguous float32 (fp8_block_shape);
     lse (batch, nheads, seqlen_q) natural log. Call only where supports_fp8() said yes."""
-    kern, _, TensorDescriptor = _kernels(_device_index(q8))
-    batch, sq, nheads, head_dim = q8.shape
-    sk, nheads_k = k8.shape[1], k8.shape[2]
+    head_dim = q8.shape[-1]
     block_n, stages = FP8_CONFIGS[head_dim]
     for name, t in (("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale)):
         assert t.is_contiguous() and t.dtype == torch.float32, name
-    assert vt8.shape == (batch, nheads_k, head_dim, sk) and vt8.is_contiguous()
-    vt_view = vt8.view(batch * nheads_k * head_dim, sk)
-    v_desc = TensorDescriptor(vt_view, list(vt_view.shape), list(vt_view.stride()), [head_dim, block_n],
-                              _smem_layout(head_dim, block_n, vt8.dtype))
-
-    def desc(t, rows):
-        return _desc(TensorDescriptor, t, rows, head_dim, t.dtype)
-
-    kern.fa3_fwd_kernel[(sq // (2 * WG_ROWS), batch * nheads)](
-        desc(q8, WG_ROWS), desc(k8, block_n), v_desc, desc(out, WG_ROWS), lse, lse.stride(0), lse.stride(1),
-        q_scale, k_scale, v_scale, sq, sk, nheads, nheads // nheads_k, softmax_scale * LOG2E,
-        HEAD_D=head_dim, BLOCK_M=WG_ROWS, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, NUM_WG=2,
-        PINGPONG=FP8_PINGPONG[head_dim][causal], FP8=True, **_regs(head_dim, True))
+    assert vt8.shape == (k8.shape[0], k8.shape[2], head_dim, k8.shape[1]) and vt8.is_contiguous()
+    _launch_fwd(q8, k8, vt8, out, lse, (q_scale, k_scale, v_scale), softmax_scale, causal, 2, block_n, stages,
+                FP8_PINGPONG[head_dim][causal], fp8=True)
 
 
 def bwd_dq_tile(block_m: int, head_dim: int):
@@ -234,9 +245,7 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params) -> None:
     sk, nheads_k = k.shape[1], k.shape[2]
     block_m, block_n, stages = BWD_CONFIGS[head_dim]
     causal = params.window_right == 0
-    dout = dout.contiguous()
-    if dout.data_ptr() % 16:
-        dout = dout.clone()
+    dout = tma_ready(dout)
     assert lse.stride() == delta.stride() and lse.stride(2) == 1
     assert dk.stride(-1) == 1 and dv.stride(-1) == 1
     dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
