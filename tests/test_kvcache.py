@@ -280,6 +280,50 @@ def test_split_counts_agree_within_rounding(seed):
         torch.testing.assert_close(res[n][1], res[1][1], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("num_splits", [3, 7])
+def test_fused_combine_matches_combine_kernel_and_resets_its_tickets(num_splits, seed, monkeypatch):
+    """The splits merged inside the decode launch (the last split of each tile, by ticket) equal combine.py's
+    separate kernel; every ticket counter is back at 0 afterwards, so a second launch is right too. Several
+    row tiles (seqlen_q 5 x group 4 = 20 rows > the interpreter's BLOCK_M 16), two batch elements of different
+    lengths, causal (some splits of the short one see no key)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 5, 8, 32, generator=gen).to(DEVICE)
+    kc = torch.randn(2, 150, 2, 32, generator=gen).to(DEVICE)
+    vc = torch.randn(2, 150, 2, 32, generator=gen).to(DEVICE)
+    seqlens = torch.tensor([150, int(torch.randint(20, 60, (1,), generator=gen))], dtype=torch.int32, device=DEVICE)
+
+    def run():
+        return flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, causal=True, num_splits=num_splits,
+                                       return_softmax_lse=True)
+    monkeypatch.setattr(_decode, "CONFIG_OVERRIDE", {"fused_combine": False})
+    sep = run()
+    monkeypatch.setattr(_decode, "CONFIG_OVERRIDE", {"fused_combine": True})
+    monkeypatch.setattr(_decode, "_TICKETS", {})
+    for _ in range(2):
+        fused = run()
+        torch.testing.assert_close(fused[0], sep[0], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(fused[1], sep[1], rtol=1e-6, atol=1e-6)
+        (tickets,) = _decode._TICKETS.values()
+        assert int(tickets.abs().sum()) == 0
+    ref, ref_lse, _ = attention_ref(q[:1].double(), kc[:1].double(), vc[:1].double(), causal=True)
+    torch.testing.assert_close(fused[0][:1].double(), ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(fused[1][:1].double(), ref_lse.double(), rtol=1e-4, atol=1e-4)
+
+
+def test_fused_combine_up_to_fused_max_splits(seed, monkeypatch):
+    """The split count decides where the splits are merged: in the decode launch up to FUSED_MAX_SPLITS, by
+    combine.py's kernel beyond."""
+    calls = []
+    real = _decode._combine.combine_splits
+    monkeypatch.setattr(_decode._combine, "combine_splits", lambda *a, **k: calls.append(1) or real(*a, **k))
+    q = torch.randn(1, 1, 4, 32, dtype=fp32, device=DEVICE)
+    kc = torch.randn(1, 16 * (_decode.FUSED_MAX_SPLITS + 1), 1, 32, dtype=fp32, device=DEVICE)
+    for n, separate in ((2, 0), (_decode.FUSED_MAX_SPLITS, 0), (_decode.FUSED_MAX_SPLITS + 1, 1)):
+        calls.clear()
+        assert flash_attn_with_kvcache(q, kc, kc, num_splits=n).isfinite().all()
+        assert len(calls) == separate, n
+
+
 def test_num_splits_heuristic_fills_the_gpu():
     """Few (batch x K/V heads) tiles: split until about two programs per multiprocessor, never more splits than
     key blocks allow; many tiles: no split."""

@@ -16,52 +16,78 @@ from .launch import next_pow2
 from .mods import online_softmax_step
 
 
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def merge_splits(lse_rows, o_rows, row_ok, stride_lps, stride_ps, num_splits, head_dim,
+                 RG: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The merge of RG query rows' split partials: lse_rows / o_rows (RG,) point at split 0's lse2 and O row of
+    each row (split s at + s * stride_lps / stride_ps); rows with row_ok False are not read. CHUNK splits per
+    step, all their loads in flight at once (a decode step's latency is what a combine adds, so the splits are
+    not visited one by one); loads bypass L1 (.cg), since the partials may have been written by other programs
+    of the same launch (decode.py's fused combine). Returns O (RG, BLOCK_D) fp32 and the natural-log LSE (RG,);
+    rows no split saw a key for: O = 0, LSE = -inf."""
+    offs_s = tl.arange(0, CHUNK)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_i = tl.full([RG], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([RG], dtype=tl.float32)
+    acc = tl.zeros([RG, BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, num_splits, CHUNK):
+        sp = (s0 + offs_s).to(tl.int64)
+        ok = row_ok[:, None] & (sp < num_splits)[None, :]
+        lse2 = tl.load(lse_rows[:, None] + sp[None, :] * stride_lps, mask=ok, other=float("-inf"),
+                       cache_modifier=".cg")
+        o_s = tl.load(o_rows[:, None, None] + sp[None, :, None] * stride_ps + offs_d[None, None, :],
+                      mask=ok[:, :, None] & (offs_d[None, None, :] < head_dim), other=0.0, cache_modifier=".cg")
+        # FA2 Alg. 1 lines 9-10 with the splits as keys: scores lse2_s, values O_s
+        m_i, p, alpha, l_i = online_softmax_step(m_i, l_i, lse2, True)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * o_s, 1)
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
+    return out, lse
+
+
 @triton.jit(do_not_specialize=["num_splits"])
 def combine_kernel(O_PART, LSE_PART, O, LSE,
                    stride_ps, stride_pm, stride_ph, stride_lps, stride_lpm,
                    stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h,
                    seqlen_rows, head_dim, num_splits,
                    CHUNK: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One program per (packed query row, head); it reads CHUNK splits per step, all their loads in flight at
-    once (a decode step's latency is what a combine adds, so the splits are not visited one by one). Packed
-    row g is query g % seqlen_rows of batch element g // seqlen_rows (dense layout; varlen passes
-    seqlen_rows = total_q and batch strides 0)."""
+    """One program per (packed query row, head). Packed row g is query g % seqlen_rows of batch element
+    g // seqlen_rows (dense layout; varlen passes seqlen_rows = total_q and batch strides 0)."""
     g64 = tl.cast(tl.program_id(0), tl.int64)
     h = tl.program_id(1)
-    offs_s = tl.arange(0, CHUNK)
+    one = tl.zeros([1], dtype=tl.int64)
+    out, lse = merge_splits(LSE_PART + g64 * stride_lpm + h + one,
+                            O_PART + g64 * stride_pm + tl.cast(h, tl.int64) * stride_ph + one, one == 0,
+                            stride_lps, stride_ps, num_splits, head_dim, 1, CHUNK, BLOCK_D)
     offs_d = tl.arange(0, BLOCK_D)
-    lse_row = LSE_PART + g64 * stride_lpm + h
-    o_row = O_PART + g64 * stride_pm + tl.cast(h, tl.int64) * stride_ph
-    m_i = tl.full([1], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([1], dtype=tl.float32)
-    acc = tl.zeros([1, BLOCK_D], dtype=tl.float32)
-    for s0 in range(0, num_splits, CHUNK):
-        sp = s0 + offs_s
-        ok = sp < num_splits
-        lse2 = tl.load(lse_row + sp.to(tl.int64) * stride_lps, mask=ok, other=float("-inf"))
-        o_s = tl.load(o_row + sp.to(tl.int64)[:, None] * stride_ps + offs_d[None, :],
-                      mask=ok[:, None] & (offs_d[None, :] < head_dim), other=0.0)
-        # FA2 Alg. 1 lines 9-10 with the splits as keys: scores lse2_s, values O_s
-        m_i, p, alpha, l_i = online_softmax_step(m_i, l_i, lse2[None, :], True)
-        acc = acc * alpha[:, None] + tl.sum(tl.reshape(p, (CHUNK, 1)) * o_s, 0)[None, :]
-    # rows no split saw a key for: O = 0, LSE = -inf
-    empty = l_i == 0.0
-    l_safe = tl.where(empty, 1.0, l_i)
-    out = acc / l_safe[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
     b = g64 // seqlen_rows
     i = g64 % seqlen_rows
     o_ptr = O + b * stride_ob + i * stride_om + tl.cast(h, tl.int64) * stride_oh
     tl.store(o_ptr + offs_d[None, :], out.to(O.dtype.element_ty), mask=offs_d[None, :] < head_dim)
-    lse_ptr = LSE + b * stride_lse_b + tl.cast(h, tl.int64) * stride_lse_h + i + tl.arange(0, 1)
-    tl.store(lse_ptr, lse)
+    tl.store(LSE + b * stride_lse_b + tl.cast(h, tl.int64) * stride_lse_h + i + one, lse)
+
+
+# fp32 partial values one merge step loads per program: 64 registers per thread at 4 warps
+CHUNK_ELEMS = 8192
+
+
+def combine_chunk(num_splits: int, block_d: int) -> int:
+    """Splits merged per step: all of them where CHUNK_ELEMS allows (up to 64 at d128, 32 at d256: one step
+    for the split counts num_splits_heuristic picks), else that many per step."""
+    return min(max(2, next_pow2(num_splits)), max(2, CHUNK_ELEMS // block_d))
 
 
 def combine_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                   seqlen_rows: int) -> None:
+                   seqlen_rows: int, chunk: int = 0) -> None:
     """o_part (splits, rows, nheads, d) float32, lse_part (splits, rows, nheads) float32 log2 units ->
     out (batch, seqlen_q, nheads, d) or (total_q, nheads, d); lse (batch, nheads, seqlen_q) or (nheads, total_q)
-    natural log. seqlen_rows: seqlen_q (dense) or total_q (packed)."""
+    natural log. seqlen_rows: seqlen_q (dense) or total_q (packed). chunk > 0: splits per merge step (a power of
+    two; else combine_chunk's)."""
     num_splits, rows, nheads, head_dim = o_part.shape
     if out.dim() == 4:
         ob, om, oh = out.stride(0), out.stride(1), out.stride(2)
@@ -70,8 +96,7 @@ def combine_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tens
         ob, om, oh = 0, out.stride(0), out.stride(1)
         lb, lh = 0, lse.stride(0)
     block_d = max(16, next_pow2(head_dim))
-    # all splits in one step up to 32 (64 KB of fp32 partials per program at d256), else steps of 32
-    chunk = min(max(2, next_pow2(num_splits)), 32)
+    chunk = chunk or combine_chunk(num_splits, block_d)
     combine_kernel[(rows, nheads)](
         o_part, lse_part, out, lse,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),

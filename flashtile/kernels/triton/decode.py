@@ -11,7 +11,9 @@ that is 4x less traffic than a per-query-head decode, and decode is bound by exa
 
 Each program runs the FA2 inner loop (Alg. 1 lines 6-10, the update itself is mods.online_softmax_step) over
 its split's keys. With one split it writes the final O and LSE; with several it writes a normalised partial
-O_s and its log2-sum-exp lse2_s, which combine.py merges (the same online-softmax update) into O and LSE. Splits let a
+O_s and its log2-sum-exp lse2_s, which combine.merge_splits merges (the same online-softmax update) into O and LSE:
+in the same launch, by the last split of each tile to finish (FUSED_COMBINE: a ticket counter per tile), up to
+FUSED_MAX_SPLITS splits, or else by combine.py's separate kernel (one program per query row and head). Splits let a
 decode step with few (batch x K/V heads) tiles still fill every multiprocessor (num_splits_heuristic).
 
 Keys are addressed through the cache: key j (0-based, after left padding) of batch element b sits at cache
@@ -173,7 +175,7 @@ def _attend_split(acc, l_i, m_i, page, row, s_lo, f_lo, f_hi, s_hi, BLOCK_N: tl.
 
 @triton.jit(do_not_specialize=["num_splits", "seqlen_k_static"])
 def decode_kernel(
-    Q, K, V, O, LSE, O_PART, LSE_PART, desc_k, desc_v,
+    Q, K, V, O, LSE, O_PART, LSE_PART, SEM, desc_k, desc_v,
     CU_SEQLENS_Q, SEQLENS_K, CACHE_BATCH_IDX, LEFTPAD, BLOCK_TABLE, ALIBI_SLOPES,
     stride_qb, stride_qm, stride_qh, stride_kp, stride_kn, stride_kh, stride_vp, stride_vn, stride_vh,
     stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h,
@@ -185,7 +187,8 @@ def decode_kernel(
     IS_VARLEN_Q: tl.constexpr, PAGED: tl.constexpr, PAGE_TILES: tl.constexpr, USE_TMA: tl.constexpr,
     HAS_SEQLENS: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
+    SPLIT: tl.constexpr, FUSED_COMBINE: tl.constexpr, COMBINE_RG: tl.constexpr, COMBINE_CHUNK: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     bhk = tl.program_id(1)
@@ -283,23 +286,57 @@ def decode_kernel(
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse2 = tl.where(empty, float("-inf"), m_i + tl.math.log2(l_safe))
-    o_mask = row_ok[:, None] & (offs_d[None, :] < head_dim)
     if SPLIT:
         # partial of this split (fp32, log2 units), indexed by the packed query row
-        if IS_VARLEN_Q:
-            row_g = (q_start + qi).to(tl.int64)
-        else:
-            row_g = tl.cast(b, tl.int64) * seqlen_q_static + qi
-        part = tl.cast(split, tl.int64) * stride_ps + row_g * stride_pm + h.to(tl.int64) * stride_ph
-        tl.store(O_PART + part[:, None] + offs_d[None, :], out, mask=o_mask)
-        tl.store(LSE_PART + tl.cast(split, tl.int64) * stride_lps + row_g * stride_lpm + h, lse2, mask=row_ok)
+        row_p = _part_row(b, q_start, qi, seqlen_q_static, IS_VARLEN_Q)
+        part = tl.cast(split, tl.int64) * stride_ps + row_p * stride_pm + h.to(tl.int64) * stride_ph
+        tl.store(O_PART + part[:, None] + offs_d[None, :], out, mask=row_ok[:, None] & (offs_d[None, :] < head_dim))
+        tl.store(LSE_PART + tl.cast(split, tl.int64) * stride_lps + row_p * stride_lpm + h, lse2, mask=row_ok)
+        if FUSED_COMBINE:
+            # Flash-decoding's combine, by whichever split of this tile finishes last (no second kernel): every
+            # split takes a ticket after its partial is stored (the barrier orders all its threads' stores before
+            # the ticket, acq_rel publishes them at GPU scope); the last one merges every split's partial of the
+            # tile's rows and resets the ticket counter for the next launch on this stream
+            tl.debug_barrier()
+            tile = bhk * tl.num_programs(0) + pid_m
+            ticket = tl.atomic_add(SEM + tile, 1, sem="acq_rel", scope="gpu")
+            if ticket == num_splits - 1:
+                rows_end = tl.minimum(start_r + BLOCK_M, seqlen_q * group_size)
+                for r0 in range(start_r, rows_end, COMBINE_RG):
+                    rr = r0 + tl.arange(0, COMBINE_RG)
+                    ok = rr < rows_end
+                    qc = rr // group_size
+                    hc = (hk * group_size + rr % group_size).to(tl.int64)
+                    row_c = _part_row(b, q_start, qc, seqlen_q_static, IS_VARLEN_Q)
+                    out_c, lse_c = _combine.merge_splits(
+                        LSE_PART + row_c * stride_lpm + hc, O_PART + row_c * stride_pm + hc * stride_ph, ok,
+                        stride_lps, stride_ps, num_splits, head_dim, COMBINE_RG, COMBINE_CHUNK, BLOCK_D)
+                    _store_rows(O, LSE, out_c, lse_c, b, q_start + qc, hc, ok, offs_d, head_dim,
+                                stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h)
+                tl.store(SEM + tile, 0)
     else:
-        o_rows = (tl.cast(b, tl.int64) * stride_ob + (q_start + qi).to(tl.int64) * stride_om
-                  + h.to(tl.int64) * stride_oh)
-        tl.store(O + o_rows[:, None] + offs_d[None, :], out.to(O.dtype.element_ty), mask=o_mask)
-        lse_ptrs = (LSE + tl.cast(b, tl.int64) * stride_lse_b + h.to(tl.int64) * stride_lse_h
-                    + (q_start + qi).to(tl.int64))
-        tl.store(lse_ptrs, lse2 * 0.6931471805599453, mask=row_ok)
+        _store_rows(O, LSE, out, lse2 * 0.6931471805599453, b, q_start + qi, h, row_ok, offs_d, head_dim,
+                    stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h)
+
+
+@triton.jit
+def _part_row(b, q_start, qi, seqlen_q_static, IS_VARLEN_Q: tl.constexpr):
+    """The row of the split partials (and their LSE) that query qi of batch element b owns (int64)."""
+    if IS_VARLEN_Q:
+        return (q_start + qi).to(tl.int64)
+    else:
+        return tl.cast(b, tl.int64) * seqlen_q_static + qi
+
+
+@triton.jit
+def _store_rows(O, LSE, out, lse, b, q_rows, h, row_ok, offs_d, head_dim,
+                stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h):
+    """Alg. 1 lines 14-15: rows (query q_rows of head h, batch element b) of O (out, cast) and LSE (natural log)."""
+    o_rows = tl.cast(b, tl.int64) * stride_ob + q_rows.to(tl.int64) * stride_om + h.to(tl.int64) * stride_oh
+    tl.store(O + o_rows[:, None] + offs_d[None, :], out.to(O.dtype.element_ty),
+             mask=row_ok[:, None] & (offs_d[None, :] < head_dim))
+    tl.store(LSE + tl.cast(b, tl.int64) * stride_lse_b + h.to(tl.int64) * stride_lse_h + q_rows.to(tl.int64), lse,
+             mask=row_ok)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -319,11 +356,20 @@ class DecodeConfig:
 #   "BLOCK_M" / "BLOCK_N" / "num_warps" / "num_stages" / "use_tma": replace that field of the default (or of
 #       "decode"), e.g. {"BLOCK_N": 128, "num_warps": 8, "num_stages": 2};
 #   "num_splits": an int used wherever the caller leaves the choice to num_splits_heuristic (num_splits=0);
-#   "page_tiles": False disables the one-page-per-tile paged path (every paged tile then uses the row gather).
+#   "page_tiles": False disables the one-page-per-tile paged path (every paged tile then uses the row gather);
+#   "fused_combine": True / False merges the splits in the decode launch / in combine.py's separate kernel
+#       whatever the split count (default: FUSED_MAX_SPLITS decides);
+#   "combine_chunk": splits per merge step of the separate combine kernel (a power of two).
 CONFIG_OVERRIDE: dict = {}
 _CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(DecodeConfig))
 
 MAX_SPLITS = 128
+# The most splits the fused combine merges. The last split of a tile merges all its rows' partials alone, one
+# step after another, while the separate kernel spreads them over a program per row and head but costs a
+# launch: H200, bf16 d128, nheads 32 / 8, graph replay (BENCHMARKS.md §4, ninth session), batch 8 with 4
+# splits 48.0 fused vs 49.5 us separate at a 4k cache (cuDNN 48.8), 257.4 vs 258.8 at 32k; batch 1 with 32-33
+# splits 51.2 vs 49.7 at 32k and 146.1 vs 140.4 at 128k
+FUSED_MAX_SPLITS = 8
 # num_splits_heuristic's knobs (see its docstring)
 TARGET_WAVES = 2.0            # aim for >= this many programs per multiprocessor ...
 WAVE_SLACK = 0.9              # ... give or take this factor
@@ -464,6 +510,28 @@ def plan_decode(seqlen_q: int, nheads: int, nheads_k: int, head_dim: int, dtype:
     return DecodePlan(cfg, m_blocks, num_splits, page_tiles_ok(page_size, cfg.BLOCK_N))
 
 
+# (device index, stream) -> int32 ticket counters of the fused combine, one per tile, zero between launches (the
+# last split of a tile resets its counter): launches on one stream run in order, so each stream has its own
+_TICKETS: dict = {}
+
+
+def _tickets(device: torch.device, n: int) -> torch.Tensor:
+    """At least n zeroed ticket counters for launches on the current stream of `device`."""
+    key = (device.type, device.index, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    t = _TICKETS.get(key)
+    if t is None or t.numel() < n:
+        t = torch.zeros(max(n, 2 * (t.numel() if t is not None else 0), 1024), dtype=torch.int32, device=device)
+        _TICKETS[key] = t
+    return t
+
+
+def _combine_shape(rows: int, num_splits: int, block_d: int):
+    """(COMBINE_RG, COMBINE_CHUNK) of the fused combine: the separate kernel's splits per step, and as many of the
+    tile's `rows` per step as combine.CHUNK_ELEMS allows."""
+    chunk = _combine.combine_chunk(num_splits, block_d)
+    return max(1, min(next_pow2(max(rows, 1)), _combine.CHUNK_ELEMS // (chunk * block_d))), chunk
+
+
 def _cache_descriptor(t: torch.Tensor, block_n: int, block_d: int):
     """A TMA descriptor over the 2-D view (t.shape[0] * t.shape[1], nheads_k * headdim) of a cache
     (batch_cache, capacity, nheads_k, d) or (num_pages, page_size, nheads_k, d), for tiles of (block_n rows,
@@ -538,6 +606,12 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         if desc_v is None:
             desc_k = None
     use_tma = desc_k is not None
+    # stands in for absent int32 pointers (never dereferenced: their flags are off)
+    dummy_i32 = seqlens_k if has_seqlens else torch.empty(1, device=q.device, dtype=torch.int32)
+    fused = split and CONFIG_OVERRIDE.get("fused_combine", num_splits <= FUSED_MAX_SPLITS)
+    tickets = _tickets(q.device, plan.m_blocks * batch * nheads_k) if fused else dummy_i32
+    # (unused without the fused combine: fixed there, so that split counts share one compiled kernel)
+    combine_rg, combine_chunk = _combine_shape(min(cfg.BLOCK_M, sq * group), num_splits, block_d) if fused else (1, 2)
     if split:
         o_part = torch.empty(num_splits, total_rows, nheads, head_dim, device=q.device, dtype=torch.float32)
         lse_part = torch.empty(num_splits, total_rows, nheads, device=q.device, dtype=torch.float32)
@@ -545,11 +619,9 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         o_part = torch.empty(1, 1, 1, 1, device=q.device, dtype=torch.float32)
         lse_part = torch.empty(1, 1, 1, device=q.device, dtype=torch.float32)
     lse_sb, lse_sh = (lse.stride(0), lse.stride(1)) if lse.dim() == 3 else (0, lse.stride(0))
-    # stands in for absent int32 pointers (never dereferenced: their flags are off)
-    dummy_i32 = seqlens_k if has_seqlens else torch.empty(1, device=q.device, dtype=torch.int32)
     grid = (plan.m_blocks, batch * nheads_k, num_splits)
     decode_kernel[grid](
-        q, k_cache, v_cache, out, lse, o_part, lse_part, desc_k, desc_v,
+        q, k_cache, v_cache, out, lse, o_part, lse_part, tickets, desc_k, desc_v,
         cu_seqlens_q if varlen else dummy_i32, dummy_i32,
         cache_batch_idx if cache_batch_idx is not None else dummy_i32,
         leftpad if leftpad is not None else dummy_i32,
@@ -566,8 +638,10 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         IS_VARLEN_Q=varlen, PAGED=paged, PAGE_TILES=paged and plan.page_tiles, USE_TMA=use_tma,
         HAS_SEQLENS=has_seqlens, HAS_BATCH_IDX=cache_batch_idx is not None,
         HAS_LEFTPAD=leftpad is not None, HAS_LEFT=params.window_left >= 0, HAS_RIGHT=params.window_right >= 0,
-        SOFTCAP=params.softcap > 0, ALIBI=alibi is not None, SPLIT=split, DOT_PREC=_dot_precision(q.dtype),
+        SOFTCAP=params.softcap > 0, ALIBI=alibi is not None, SPLIT=split, FUSED_COMBINE=fused,
+        COMBINE_RG=combine_rg, COMBINE_CHUNK=combine_chunk, DOT_PREC=_dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if split:
-        _combine.combine_splits(o_part, lse_part, out, lse, seqlen_rows=total_rows if varlen else sq)
+    if split and not fused:
+        _combine.combine_splits(o_part, lse_part, out, lse, seqlen_rows=total_rows if varlen else sq,
+                                chunk=int(CONFIG_OVERRIDE.get("combine_chunk", 0)))
     return num_splits
