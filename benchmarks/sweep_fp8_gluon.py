@@ -3,10 +3,7 @@ flashtile's bf16 forward, in one run (where fa3.FP8_CONFIGS comes from).
 
 Usage (Hopper GPU machine, repo root):
     PYTHONPATH=. python benchmarks/sweep_fp8_gluon.py --out DIR [--heads 64,128,256] [--seqlens 8192] [--rounds 2]
-        [--variants "d:Bc,stages,pingpong,programs_per_sm[,poly];..."]
-
-poly (default 0): how many of every 8 exponentials the kernel computes by the polynomial on the FMA units
-(fa3.POLY_EXP2, kernels/exp2.py).
+        [--variants "d:Bc,stages,pingpong,programs_per_sm;..."]
 
 Each variant runs fa3.fwd_fp8 on inputs quantized for its tiles (V^T in the kernel's key order) and is checked
 against the Triton FP8 kernel on the same blocks (max difference < 5e-2: same e4m3 operands, fp32 summation order
@@ -30,24 +27,18 @@ DEFAULT_VARIANTS = ("64:256,2,0,1;64:128,2,0,1;64:64,2,0,2;64:256,2,1,1;"
 
 
 def use(d, variant):
-    block_n, stages, pingpong, per_sm, poly = variant + (0,) * (5 - len(variant))
+    block_n, stages, pingpong, per_sm = variant
     fa3.FP8_CONFIGS[d] = (block_n, stages)
     fa3.FP8_PINGPONG[d] = (bool(pingpong), bool(pingpong))
     fa3.FWD_REGS[(d, True)] = fa3.TWO_PER_SM if per_sm == 2 else fa3.ONE_PER_SM
-    fa3.POLY_EXP2[(d, True)] = poly
-
-
-def name(variant):
-    return "gluon Bc%d st%d pp%d per_sm%d" % variant[:4] + (" poly%d" % variant[4] if len(variant) > 4 else "")
 
 
 def main():
     args = sweep_args(seqlens="8192", variants=DEFAULT_VARIANTS)
-    variants = parse_int_variants(args.variants)   # (Bc, stages, pingpong, programs per SM[, poly])
+    variants = parse_int_variants(args.variants)   # (Bc, stages, pingpong, programs per SM)
     rows = []
     for d in (int(x) for x in args.heads.split(",")):
-        shipped = (fa3.FP8_CONFIGS.get(d), fa3.FP8_PINGPONG.get(d), fa3.FWD_REGS.get((d, True)),
-                   fa3.POLY_EXP2.get((d, True)))
+        shipped = fa3.FP8_CONFIGS.get(d), fa3.FP8_PINGPONG.get(d), fa3.FWD_REGS.get((d, True))
         for s, causal, q, k, v, out, lse, flops in grid_points(d, (int(x) for x in args.seqlens.split(","))):
             scale = d ** -0.5
             tcfg = fp8_config(d, causal)
@@ -71,7 +62,7 @@ def main():
                     use(d, variant)
                     ms = triton.testing.do_bench(lambda: fa3.fwd_fp8(
                         t.q, t.k, t.v, t.q_scale, t.k_scale, t.v_scale, out, lse, scale, causal), rep=100)
-                    res.setdefault(name(variant), []).append(flops / ms / 1e9)
+                    res.setdefault("gluon Bc%d st%d pp%d per_sm%d" % variant, []).append(flops / ms / 1e9)
                 ms = triton.testing.do_bench(lambda: attention_fp8(t_tri, softmax_scale=scale, causal=causal,
                                                                    config=tcfg), rep=100)
                 res.setdefault("triton fp8", []).append(flops / ms / 1e9)
@@ -81,7 +72,7 @@ def main():
                   flush=True)
             rows.append(dict(head_dim=d, seqlen=s, causal=causal, tflops=res))
         restore(((fa3.FP8_CONFIGS, d, shipped[0]), (fa3.FP8_PINGPONG, d, shipped[1]),
-                 (fa3.FWD_REGS, (d, True), shipped[2]), (fa3.POLY_EXP2, (d, True), shipped[3])))
+                 (fa3.FWD_REGS, (d, True), shipped[2])))
     with open(os.path.join(args.out, "sweep_fp8_gluon.json"), "w") as f:
         json.dump(rows, f, indent=1)
 

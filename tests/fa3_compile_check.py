@@ -50,7 +50,7 @@ def compile_fwd(head_dim: int, causal: bool, dtype: torch.dtype):
                    k_scale_ptr=lse, v_scale_ptr=lse, seqlen_q=s, seqlen_k=s, nheads=h, group=1, qk_scale=0.1)
     consts = dict(HEAD_D=head_dim, BLOCK_M=fa3.WG_ROWS, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
                   NUM_WG=num_wg, PINGPONG=fa3.PINGPONG[head_dim][causal], FP8=False, CONSUMER_REGS=240,
-                  POLY_EXP2=fa3.POLY_EXP2.get((head_dim, False), 0), num_warps=4)
+                  num_warps=4)
     return _compile(_fa3_fwd.fa3_fwd_kernel, runtime, consts)
 
 
@@ -69,7 +69,7 @@ def compile_fp8(head_dim: int, causal: bool, out_dtype: torch.dtype):
     launch = fa3._regs(head_dim, True)
     consts = dict(HEAD_D=head_dim, BLOCK_M=fa3.WG_ROWS, BLOCK_N=block_n, STAGES=fa3.FP8_CONFIGS[head_dim][1],
                   CAUSAL=causal, NUM_WG=2, PINGPONG=fa3.FP8_PINGPONG[head_dim][causal], FP8=True,
-                  CONSUMER_REGS=launch["CONSUMER_REGS"], POLY_EXP2=fa3.POLY_EXP2.get((head_dim, True), 0), num_warps=4)
+                  CONSUMER_REGS=launch["CONSUMER_REGS"], num_warps=4)
     return _compile(_fa3_fwd.fa3_fwd_kernel, runtime, consts, launch["maxnreg"])
 
 
@@ -95,10 +95,8 @@ def compile_bwd(head_dim: int, causal: bool, dtype: torch.dtype):
 
 if __name__ == "__main__":
     for spec in sys.argv[1:]:
-        kind, d, causal, dt, *poly = spec.split(",")   # poly: fa3.POLY_EXP2 for this build (exponentials of 8)
+        kind, d, causal, dt = spec.split(",")
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dt]
-        if poly:
-            fa3.POLY_EXP2[(int(d), kind == "fp8")] = int(poly[0])
         ck = {"fwd": compile_fwd, "bwd": compile_bwd, "fp8": compile_fp8}[kind](int(d), causal == "1", dtype)
         ptx = ck.asm["ptx"].splitlines()
         arrives = [i for i, line in enumerate(ptx) if "mbarrier.arrive" in line and "expect_tx" not in line]
@@ -107,6 +105,4 @@ if __name__ == "__main__":
         print(f"ok {kind} d{d} causal={causal} {dt} shared={ck.metadata.shared} "
               f"wgmma={ck.asm['ptx'].count('wgmma.mma_async')} reduce={ck.asm['ptx'].count('cp.reduce.async.bulk')} "
               f"arrives={len(arrives)} unsynced={len(unsynced)} e4m3_mma={ck.asm['ptx'].count('.f32.e4m3.e4m3')} "
-              f"shfl_idx={ck.asm['ptx'].count('shfl.sync.idx')} ex2={ck.asm['ptx'].count('ex2.approx')} "
-              f"poly={ck.asm['ptx'].count('add.rm.ftz.f32')}", flush=True)
-        fa3.POLY_EXP2.clear()
+              f"shfl_idx={ck.asm['ptx'].count('shfl.sync.idx')}", flush=True)

@@ -23,14 +23,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-from .. import exp2 as _exp2
 from ..triton import fp8 as _fp8
 
 LN2 = gl.constexpr(0.6931471805599453)
 LOG2_E4M3_MAX = gl.constexpr(_fp8.LOG2_E4M3_MAX)   # log2(448), e4m3's largest finite value
-# inline PTX of exp2 over 8 values, [n] with n of them by the polynomial (kernels/exp2.py)
-EXP2_ASM = gl.constexpr(tuple(_exp2.ptx(8, n)[0] for n in range(9)))
-EXP2_CONSTRAINTS = gl.constexpr(_exp2.ptx(8, 0)[1])
 # TMA copies: Triton 3.6 (the GPU image's) names them async_copy_global_to_shared / async_copy_shared_to_global;
 # later releases async_load / async_store and drop the old store name
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -64,20 +60,8 @@ def _load_partition(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_rea
 
 
 @gluon.jit
-def _exp2_split(x, POLY_EXP2: gl.constexpr):
-    """exp2(x) elementwise, POLY_EXP2 of every 8 values by a polynomial on the FMA units and the rest on MUFU
-    (kernels/exp2.py: FA4's offload of the exponentials the MUFU units cannot keep up with); 0: gl.exp2."""
-    if POLY_EXP2 == 0:
-        return gl.exp2(x)
-    else:
-        return gl.inline_asm_elementwise(EXP2_ASM[POLY_EXP2], EXP2_CONSTRAINTS, [x], dtype=gl.float32,
-                                         is_pure=True, pack=8)
-
-
-@gluon.jit
 def _online_softmax(s, m_i, l_i, qk_scale, j, n_unmasked, q_start,
-                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr, FP8: gl.constexpr,
-                    POLY_EXP2: gl.constexpr):
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr, FP8: gl.constexpr):
     """Algorithm 1 lines 9-10 for one S block, in base 2 (qk_scale = softmax_scale * log2 e > 0, which lets the
     row max be taken before scaling): m_new = max(m_i, rowmax(S) * scale); P~ = exp2(S * scale - m_new);
     l_new = exp2(m_i - m_new) l_i + rowsum(P~). Blocks j >= n_unmasked (the program's) reach the causal diagonal:
@@ -93,9 +77,9 @@ def _online_softmax(s, m_i, l_i, qk_scale, j, n_unmasked, q_start,
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     alpha = gl.exp2(m_i - m_new)
     if FP8:
-        p = _exp2_split(s * qk_scale - gl.expand_dims(m_new - LOG2_E4M3_MAX, 1), POLY_EXP2)
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new - LOG2_E4M3_MAX, 1))
     else:
-        p = _exp2_split(s * qk_scale - gl.expand_dims(m_new, 1), POLY_EXP2)
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
     l_new = l_i * alpha + gl.sum(p, 1)
     return p, m_new, l_new, alpha
 
@@ -125,7 +109,7 @@ def _consumer_partition(wg: gl.constexpr, q_bufs, k_bufs, v_bufs, o_bufs, q_bar,
                         v_empty, turns, o_desc, lse_ptr, k_scale_ptr, v_scale_ptr, q_row, q_col, q_start,
                         n_blocks, n_unmasked, qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                         HEAD_D: gl.constexpr, STAGES: gl.constexpr, NUM_WG: gl.constexpr, PINGPONG: gl.constexpr,
-                        FP8: gl.constexpr, POLY_EXP2: gl.constexpr):
+                        FP8: gl.constexpr):
     """Consumer warpgroup `wg`: rows [wg * BLOCK_M, (wg + 1) * BLOCK_M) of the program's Q tile, through the whole
     key loop (Algorithm 1 lines 6-11), then its part of the epilogue (lines 12-15).
     FP8 (FA3 §3.3): Q, K, V^T are e4m3 with one descale per block; qk_scale already holds Q_i's, K_j's joins it
@@ -163,7 +147,7 @@ def _consumer_partition(wg: gl.constexpr, q_bufs, k_bufs, v_bufs, o_bufs, q_bar,
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
     mbarrier.arrive(k_empty.index(0), count=1)
     p, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, scale_j, 0, n_unmasked, q_start, BLOCK_M, BLOCK_N, s_layout,
-                                         FP8, POLY_EXP2)
+                                         FP8)
     p = _p_operand(p, dtype, p_layout, BLOCK_M, BLOCK_N, FP8)
     for j in range(1, n_blocks):
         cur = j % STAGES
@@ -184,7 +168,7 @@ def _consumer_partition(wg: gl.constexpr, q_bufs, k_bufs, v_bufs, o_bufs, q_bar,
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
         mbarrier.arrive(k_empty.index(cur), count=1)   # K_j read: the producer may refill its buffer
         p_next, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, scale_j, j, n_unmasked, q_start,
-                                                  BLOCK_M, BLOCK_N, s_layout, FP8, POLY_EXP2)
+                                                  BLOCK_M, BLOCK_N, s_layout, FP8)
         if FP8:   # (the wait cannot carry 8-bit registers; the e4m3 P~ is a temporary of this turn)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, ))
         else:
@@ -274,7 +258,7 @@ def fa3_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b, stride
                    v_scale_ptr, seqlen_q, seqlen_k, nheads, group, qk_scale, HEAD_D: gl.constexpr,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                    NUM_WG: gl.constexpr, PINGPONG: gl.constexpr, FP8: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                   POLY_EXP2: gl.constexpr, num_warps: gl.constexpr):
+                   num_warps: gl.constexpr):
     """Grid (seqlen_q / (NUM_WG * BLOCK_M), batch * nheads); BLOCK_M = 64 rows per consumer warpgroup
     (num_warps = 4: the first consumer is the default partition). q/k/v/o descriptors are over the 2-D views
     (batch * seqlen, nheads * HEAD_D) with blocks (BLOCK_M or BLOCK_N, HEAD_D); seqlen_q % (NUM_WG * BLOCK_M) == 0
@@ -340,12 +324,10 @@ def fa3_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b, stride
     gl.warp_specialize([
         (_consumer_partition, (0, q_bufs, k_bufs, v_bufs, o_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, turns,
                                o_desc, lse_ptr, k_scale_ptr, v_scale_ptr, q_row, q_col, q_start, n_blocks,
-                               n_unmasked, qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES, NUM_WG, PINGPONG, FP8,
-                               POLY_EXP2)),
+                               n_unmasked, qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES, NUM_WG, PINGPONG, FP8)),
         (_consumer_partition, (1, q_bufs, k_bufs, v_bufs, o_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, turns,
                                o_desc, lse_ptr, k_scale_ptr, v_scale_ptr, q_row, q_col, q_start, n_blocks,
-                               n_unmasked, qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES, NUM_WG, PINGPONG, FP8,
-                               POLY_EXP2)),
+                               n_unmasked, qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES, NUM_WG, PINGPONG, FP8)),
         (_load_partition, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty,
                            v_empty, q_row, q_col, kv_row, kv_col, vt_row, n_blocks, BLOCK_M, BLOCK_N, STAGES,
                            NUM_WG, FP8)),

@@ -34,9 +34,6 @@ MAXNREG = 168
 ONE_PER_SM, TWO_PER_SM = (MAXNREG, 240), (80, 104)
 # (head_dim, fp8) -> the forward's registers where not ONE_PER_SM
 FWD_REGS: dict = {}
-# (head_dim, fp8) -> how many of every 8 exponentials of P~ the forward computes by a polynomial on the FMA units
-# instead of MUFU (kernels/exp2.py; 0 where absent)
-POLY_EXP2: dict = {}
 
 
 # head_dim -> (Bc, stages) of the FP8 forward (FA3 §3.3; Br = 2 x 64 as above, one Q descale per program): Q_i,
@@ -191,7 +188,7 @@ def _launch_fwd(q, k, v, out, lse, scales, softmax_scale, causal, num_wg, block_
         desc(q, WG_ROWS), desc(k, block_n), v_desc, desc(out, WG_ROWS), lse, lse.stride(0), lse.stride(1),
         *scales, sq, sk, nheads, nheads // nheads_k, softmax_scale * LOG2E,
         HEAD_D=head_dim, BLOCK_M=WG_ROWS, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, NUM_WG=num_wg,
-        PINGPONG=pingpong, FP8=fp8, POLY_EXP2=POLY_EXP2.get((head_dim, fp8), 0), **_regs(head_dim, fp8))
+        PINGPONG=pingpong, FP8=fp8, **_regs(head_dim, fp8))
 
 
 def _regs(head_dim: int, fp8: bool) -> dict:
