@@ -50,6 +50,18 @@ def merge_splits(lse_rows, o_rows, row_ok, stride_lps, stride_ps, num_splits, he
     return out, lse
 
 
+@triton.jit
+def store_rows(O, LSE, out, lse, b, q_rows, h, row_ok, offs_d, head_dim,
+               stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h):
+    """Alg. 1 lines 14-15: rows (query q_rows of head h, batch element b) of O (out, cast) and LSE (natural log),
+    as the decode kernel (one split, or its fused merge) and the combine kernel write them."""
+    o_rows = tl.cast(b, tl.int64) * stride_ob + q_rows.to(tl.int64) * stride_om + h.to(tl.int64) * stride_oh
+    tl.store(O + o_rows[:, None] + offs_d[None, :], out.to(O.dtype.element_ty),
+             mask=row_ok[:, None] & (offs_d[None, :] < head_dim))
+    tl.store(LSE + tl.cast(b, tl.int64) * stride_lse_b + h.to(tl.int64) * stride_lse_h + q_rows.to(tl.int64), lse,
+             mask=row_ok)
+
+
 @triton.jit(do_not_specialize=["num_splits"])
 def combine_kernel(O_PART, LSE_PART, O, LSE,
                    stride_ps, stride_pm, stride_ph, stride_lps, stride_lpm,
@@ -58,18 +70,13 @@ def combine_kernel(O_PART, LSE_PART, O, LSE,
                    CHUNK: tl.constexpr, BLOCK_D: tl.constexpr):
     """One program per (packed query row, head). Packed row g is query g % seqlen_rows of batch element
     g // seqlen_rows (dense layout; varlen passes seqlen_rows = total_q and batch strides 0)."""
-    g64 = tl.cast(tl.program_id(0), tl.int64)
-    h = tl.program_id(1)
-    one = tl.zeros([1], dtype=tl.int64)
-    out, lse = merge_splits(LSE_PART + g64 * stride_lpm + h + one,
-                            O_PART + g64 * stride_pm + tl.cast(h, tl.int64) * stride_ph + one, one == 0,
+    g = tl.cast(tl.program_id(0), tl.int64) + tl.zeros([1], dtype=tl.int64)   # this program's one row, as (1,)
+    h = tl.program_id(1).to(tl.int64)
+    row_ok = g >= 0
+    out, lse = merge_splits(LSE_PART + g * stride_lpm + h, O_PART + g * stride_pm + h * stride_ph, row_ok,
                             stride_lps, stride_ps, num_splits, head_dim, 1, CHUNK, BLOCK_D)
-    offs_d = tl.arange(0, BLOCK_D)
-    b = g64 // seqlen_rows
-    i = g64 % seqlen_rows
-    o_ptr = O + b * stride_ob + i * stride_om + tl.cast(h, tl.int64) * stride_oh
-    tl.store(o_ptr + offs_d[None, :], out.to(O.dtype.element_ty), mask=offs_d[None, :] < head_dim)
-    tl.store(LSE + b * stride_lse_b + tl.cast(h, tl.int64) * stride_lse_h + i + one, lse)
+    store_rows(O, LSE, out, lse, g // seqlen_rows, g % seqlen_rows, h, row_ok, tl.arange(0, BLOCK_D), head_dim,
+               stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h)
 
 
 # fp32 partial values one merge step loads per program: 64 registers per thread at 4 warps

@@ -311,12 +311,12 @@ def decode_kernel(
                     out_c, lse_c = _combine.merge_splits(
                         LSE_PART + row_c * stride_lpm + hc, O_PART + row_c * stride_pm + hc * stride_ph, ok,
                         stride_lps, stride_ps, num_splits, head_dim, COMBINE_RG, COMBINE_CHUNK, BLOCK_D)
-                    _store_rows(O, LSE, out_c, lse_c, b, q_start + qc, hc, ok, offs_d, head_dim,
-                                stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h)
+                    _combine.store_rows(O, LSE, out_c, lse_c, b, q_start + qc, hc, ok, offs_d, head_dim,
+                                        stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h)
                 tl.store(SEM + tile, 0)
     else:
-        _store_rows(O, LSE, out, lse2 * 0.6931471805599453, b, q_start + qi, h, row_ok, offs_d, head_dim,
-                    stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h)
+        _combine.store_rows(O, LSE, out, lse2 * _combine.LN2, b, q_start + qi, h, row_ok, offs_d, head_dim,
+                            stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h)
 
 
 @triton.jit
@@ -326,17 +326,6 @@ def _part_row(b, q_start, qi, seqlen_q_static, IS_VARLEN_Q: tl.constexpr):
         return (q_start + qi).to(tl.int64)
     else:
         return tl.cast(b, tl.int64) * seqlen_q_static + qi
-
-
-@triton.jit
-def _store_rows(O, LSE, out, lse, b, q_rows, h, row_ok, offs_d, head_dim,
-                stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h):
-    """Alg. 1 lines 14-15: rows (query q_rows of head h, batch element b) of O (out, cast) and LSE (natural log)."""
-    o_rows = tl.cast(b, tl.int64) * stride_ob + q_rows.to(tl.int64) * stride_om + h.to(tl.int64) * stride_oh
-    tl.store(O + o_rows[:, None] + offs_d[None, :], out.to(O.dtype.element_ty),
-             mask=row_ok[:, None] & (offs_d[None, :] < head_dim))
-    tl.store(LSE + tl.cast(b, tl.int64) * stride_lse_b + h.to(tl.int64) * stride_lse_h + q_rows.to(tl.int64), lse,
-             mask=row_ok)
 
 
 # --------------------------------------------------------------------------------------------------
