@@ -75,7 +75,7 @@ def compile_fp8(head_dim: int, causal: bool, out_dtype: torch.dtype):
 
 def compile_bwd(head_dim: int, causal: bool, dtype: torch.dtype):
     """The backward as fa3.bwd launches it (tiles from fa3.BWD_CONFIGS, dQ tile as fa3.bwd chooses it)."""
-    block_m, block_n, q_stages, do_stages, dq_bufs = fa3.BWD_CONFIGS[head_dim]
+    block_m, block_n, stages = fa3.BWD_CONFIGS[head_dim]
     b, s, h = 2, 1024, 4
     t = torch.randn(b * s, h * head_dim, dtype=dtype)
     dq = torch.zeros(b * s, h * head_dim)
@@ -88,8 +88,8 @@ def compile_bwd(head_dim: int, causal: bool, dtype: torch.dtype):
                    stride_dk_row=h * head_dim, stride_dk_h=head_dim, stride_dv_b=s * h * head_dim,
                    stride_dv_row=h * head_dim, stride_dv_h=head_dim, seqlen_q=s, seqlen_k=s, nheads_k=h, group=1,
                    sm_scale=0.1, qk_scale=0.1)
-    consts = dict(HEAD_D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, Q_STAGES=q_stages, DO_STAGES=do_stages,
-                  DQ_BUFS=dq_bufs, CAUSAL=causal, P_LAYOUT=fa3._smem_layout(block_m, block_n // 2, dtype), num_warps=4)
+    consts = dict(HEAD_D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
+                  P_LAYOUT=fa3._smem_layout(block_m, block_n // 2, dtype), num_warps=4)
     return _compile(_fa3_bwd.fa3_bwd_kernel, runtime, consts)
 
 

@@ -54,45 +54,35 @@ def _query_block(t, n_i, i_start, hk, group):
 
 
 @gluon.jit
-def _load_partition(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, q_ready, q_empty,
-                    do_ready, do_empty, kv_row, kv_col, q_row0, n_iters, n_i, i_start, hk, group,
-                    BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, Q_STAGES: gl.constexpr, DO_STAGES: gl.constexpr,
-                    ONE_RING: gl.constexpr):
-    """Producer: K_j and V_j once, then Q_i of iteration t into buffer t % Q_STAGES and dO_i into t % DO_STAGES,
-    each once both consumer warpgroups released it. With as many stages of each, one ring: both released at the
-    end of the step. With fewer dO stages (d256), dO_i is released after dV += P^T dO_i, Q_i after dK += dS^T Q_i."""
+def _load_partition(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, qdo_ready, qdo_empty,
+                    kv_row, kv_col, q_row0, n_iters, n_i, i_start, hk, group,
+                    BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+    """Producer: K_j and V_j once, then (Q_i, dO_i) of iteration t into buffer t % STAGES once both consumer
+    warpgroups released it."""
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma_load(k_desc, [kv_row, kv_col], kv_bar, k_smem)
     tma_load(v_desc, [kv_row, kv_col], kv_bar, v_smem)
     for t in range(n_iters):
+        s = t % STAGES
         h, i = _query_block(t, n_i, i_start, hk, group)
         row = q_row0 + i * BLOCK_M
         # mbarriers start with phase 1 complete: the first STAGES waits pass at once
-        sq = t % Q_STAGES
-        mbarrier.wait(q_empty.index(sq), ((t // Q_STAGES) & 1) ^ 1)
-        if ONE_RING:   # Q_i and dO_i under the Q ring's mbarriers
-            mbarrier.expect(q_ready.index(sq), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-            tma_load(q_desc, [row, h * HEAD_D], q_ready.index(sq), q_bufs.index(sq))
-            tma_load(do_desc, [row, h * HEAD_D], q_ready.index(sq), do_bufs.index(sq))
-        else:
-            mbarrier.expect(q_ready.index(sq), q_desc.block_type.nbytes)
-            tma_load(q_desc, [row, h * HEAD_D], q_ready.index(sq), q_bufs.index(sq))
-            sd = t % DO_STAGES
-            mbarrier.wait(do_empty.index(sd), ((t // DO_STAGES) & 1) ^ 1)
-            mbarrier.expect(do_ready.index(sd), do_desc.block_type.nbytes)
-            tma_load(do_desc, [row, h * HEAD_D], do_ready.index(sd), do_bufs.index(sd))
+        mbarrier.wait(qdo_empty.index(s), ((t // STAGES) & 1) ^ 1)
+        mbarrier.expect(qdo_ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma_load(q_desc, [row, h * HEAD_D], qdo_ready.index(s), q_bufs.index(s))
+        tma_load(do_desc, [row, h * HEAD_D], qdo_ready.index(s), do_bufs.index(s))
 
 
 @gluon.jit
-def _dq_product(ds_bufs, k_smem, dq_init, t, wg: gl.constexpr, c: gl.constexpr, WG_N: gl.constexpr,
-                BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr):
-    """Algorithm 2 line 18 for iteration t, chunk c of warpgroup wg's part of dQ_i = dS K_j = dS_0 K_0 + dS_1 K_1
-    (both key halves; the caller waited on ds_ready): rows [wg * 64, +64) when Br = 128 (dq_init is 64 x d), else
-    columns [wg * d/2 + c * DQ_N, +DQ_N) (dq_init is Br x DQ_N; d/2 = DQ_N x chunks). Issued asynchronously as two
-    wgmmas (two commit groups): returns the token."""
+def _dq_product(ds_bufs, ds_ready, k_smem, dq_init, t, wg: gl.constexpr, WG_N: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Algorithm 2 line 18 for iteration t, warpgroup wg's part of dQ_i = dS K_j = dS_0 K_0 + dS_1 K_1 (both key
+    halves), once both warpgroups stored their dS_t (mbarrier ds_ready of its buffer): rows [wg * 64, +64) when
+    Br = 128 (dq_init is 64 x d), else columns [wg * d/2, +d/2) (dq_init is Br x d/2). Issued asynchronously:
+    returns the wgmma token."""
     DQ_M: gl.constexpr = dq_init.shape[0]
     DQ_N: gl.constexpr = dq_init.shape[1]
     buf = t % 2
+    mbarrier.wait(ds_ready.index(buf), (t // 2) & 1)
     a0 = ds_bufs.index(2 * buf)
     a1 = ds_bufs.index(2 * buf + 1)
     b0 = k_smem.slice(0, WG_N, dim=0)
@@ -101,88 +91,47 @@ def _dq_product(ds_bufs, k_smem, dq_init, t, wg: gl.constexpr, c: gl.constexpr, 
         a0 = a0.slice(wg * DQ_M, DQ_M, dim=0)
         a1 = a1.slice(wg * DQ_M, DQ_M, dim=0)
     else:
-        b0 = b0.slice(wg * (HEAD_D // 2) + c * DQ_N, DQ_N, dim=1)
-        b1 = b1.slice(wg * (HEAD_D // 2) + c * DQ_N, DQ_N, dim=1)
+        b0 = b0.slice(wg * DQ_N, DQ_N, dim=1)
+        b1 = b1.slice(wg * DQ_N, DQ_N, dim=1)
     tok = warpgroup_mma(a0, b0, dq_init, use_acc=False, is_async=True)
     return warpgroup_mma(a1, b1, tok, is_async=True)
 
 
 @gluon.jit
-def _dq_step(ds_bufs, ds_ready, ds_free, k_smem, dq_init, dq_desc, dq_bufs, t, dq_row, dq_col, sm_scale, dv_tok,
-             dk_tok, q_empty, do_empty, sq, sd, wg: gl.constexpr, WG_N: gl.constexpr, BLOCK_M: gl.constexpr,
-             HEAD_D: gl.constexpr, CHUNKS: gl.constexpr, DQ_BUFS: gl.constexpr, RELEASE: gl.constexpr):
-    """dQ_i of iteration t (Algorithm 2 line 18), once both warpgroups stored their dS_t (mbarrier ds_ready), in
-    CHUNKS column chunks: chunk c + 1's product is issued before chunk c is added to the float32 accumulator
-    through staging buffer c % DQ_BUFS of this warpgroup; the dS buffer pair is freed once the last product read it.
-    RELEASE: dv_tok / dk_tok are this step's dV / dK products (issued before): once each is complete, its dO_i /
-    Q_i buffer is released (while the dQ products run). Returns (dV, dK) (the tokens when not RELEASE)."""
-    DQ_N: gl.constexpr = dq_init.shape[1]
-    mbarrier.wait(ds_ready.index(t % 2), (t // 2) & 1)
-    tok = _dq_product(ds_bufs, k_smem, dq_init, t, wg, 0, WG_N, BLOCK_M, HEAD_D)
-    dv = dv_tok
-    dk = dk_tok
-    for c in gl.static_range(CHUNKS):
-        if c + 1 < CHUNKS:
-            nxt = _dq_product(ds_bufs, k_smem, dq_init, t, wg, c + 1, WG_N, BLOCK_M, HEAD_D)
-        if c == 0:
-            if RELEASE:   # wgmma groups complete in order: dV, dK, then two per dQ chunk product
-                after: gl.constexpr = 2 * (2 if CHUNKS > 1 else 1)
-                dv = warpgroup_mma_wait(num_outstanding=1 + after, deps=(dv_tok, ))
-                mbarrier.arrive(do_empty.index(sd), count=1)   # dO_i read by both its products: it may refill
-                dk = warpgroup_mma_wait(num_outstanding=after, deps=(dk_tok, ))
-                mbarrier.arrive(q_empty.index(sq), count=1)    # Q_i likewise
-        if c + 1 < CHUNKS:
-            dq = warpgroup_mma_wait(num_outstanding=2, deps=(tok, ))   # chunk c + 1 may still run
-        else:
-            dq = warpgroup_mma_wait(num_outstanding=0, deps=(tok, ))
-            mbarrier.arrive(ds_free.index(t % 2), count=1)
-        _dq_reduce_add(dq_desc, dq_bufs.index(wg * DQ_BUFS + c % DQ_BUFS), dq * sm_scale, dq_row, dq_col + c * DQ_N,
-                       DQ_BUFS - 1)
-        if c + 1 < CHUNKS:
-            tok = nxt
-    return dv, dk
-
-
-@gluon.jit
-def _dq_reduce_add(dq_desc, dq_smem, dq, row, col, PENDING: gl.constexpr):
-    """dQ_acc[row:, col:] += dq by one TMA reduce-add through a staging buffer of this warpgroup; PENDING: how many
-    of its latest reduce-adds may still be reading (their other staging buffers)."""
-    tma.store_wait(pendings=PENDING)   # the reduce-add that last used dq_smem has read it
+def _dq_reduce_add(dq_desc, dq_smem, dq, row, col):
+    """dQ_acc[row:, col:] += dq by one TMA reduce-add through this warpgroup's staging buffer."""
+    tma.store_wait(pendings=0)   # the previous reduce-add has read the buffer
     dq_smem.store(dq)
     fence_async_shared()
     tma_reduce_add(dq_desc, [row, col], dq_smem)
 
 
 @gluon.jit
-def _step(t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs, p_smem, ds_bufs, dq_bufs, q_ready,
-          q_empty, do_ready, do_empty, ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr, lse_off, kv_start, q_row0,
-          sm_scale, qk_scale, wg: gl.constexpr, s_layout: gl.constexpr, dq_init, BLOCK_M: gl.constexpr,
-          BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, Q_STAGES: gl.constexpr, DO_STAGES: gl.constexpr,
-          CAUSAL: gl.constexpr, SWAP_KV: gl.constexpr, CHUNKS: gl.constexpr, DQ_BUFS: gl.constexpr,
-          ONE_RING: gl.constexpr):
-    """Iteration t of consumer warpgroup wg: query block i of head h against the warpgroup's keys (Algorithm 2
+def _step(t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs, p_smem, ds_bufs, dq_smem, qdo_ready,
+          qdo_empty, ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr, lse_off, kv_start, q_row0, sm_scale, qk_scale,
+          wg: gl.constexpr, s_layout: gl.constexpr, dq_init, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+          HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    """Iteration t of consumer warpgroup wg: query block i of head h against the warpgroup's 64 keys (Algorithm 2
     lines 8-20), lse_off: (batch, head)'s offset into lse / delta. Returns dK_w, dV_w and where this step's dQ tile
     goes: it is computed at the next step (or after the loop)."""
     dtype: gl.constexpr = q_bufs.dtype
     WG_N: gl.constexpr = k_w.shape[0]
     # this warpgroup's dQ tile: rows [wg * 64, +64) when Br = 128, else columns [wg * d/2, +d/2)
     DQ_M: gl.constexpr = dq_init.shape[0]
+    DQ_N: gl.constexpr = dq_init.shape[1]
     DQ_ROW: gl.constexpr = wg * DQ_M if DQ_M < BLOCK_M else 0
-    DQ_COL: gl.constexpr = 0 if DQ_M < BLOCK_M else wg * (HEAD_D // 2)
-    sq = t % Q_STAGES
-    sd = t % DO_STAGES
+    DQ_COL: gl.constexpr = 0 if DQ_M < BLOCK_M else wg * DQ_N
+    s = t % STAGES
     q_start = i * BLOCK_M
     q_idx = q_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
     lse2 = gl.load(lse_ptr + lse_off + q_idx) * LOG2E
     delta = gl.load(delta_ptr + lse_off + q_idx)
-    q_s = q_bufs.index(sq)
-    do_s = do_bufs.index(sd)
+    q_s = q_bufs.index(s)
+    do_s = do_bufs.index(s)
+    mbarrier.wait(qdo_ready.index(s), (t // STAGES) & 1)
     # lines 11 and 16 for this warpgroup's keys: S = Q_i K_w^T and dP = dO_i V_w^T
     s_init = gl.zeros([BLOCK_M, WG_N], gl.float32, s_layout)
-    mbarrier.wait(q_ready.index(sq), (t // Q_STAGES) & 1)
     s_tok = warpgroup_mma(q_s, k_w.permute((1, 0)), s_init, use_acc=False, is_async=True)
-    if not ONE_RING:
-        mbarrier.wait(do_ready.index(sd), (t // DO_STAGES) & 1)
     dp_tok = warpgroup_mma(do_s, v_w.permute((1, 0)), s_init, use_acc=False, is_async=True)
     sc = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
     # line 13: P = exp(S * scale - L_i) (base 2); under the causal mask, key > query -> 0
@@ -193,7 +142,7 @@ def _step(t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs, p_
             last = q_idx - (kv_start + wg * WG_N)
             cols = gl.arange(0, WG_N, layout=gl.SliceLayout(0, s_layout))
             p = gl.where(gl.expand_dims(cols, 0) <= gl.expand_dims(last, 1), p, 0.0)
-    # P through shared memory: an operand of dV += P^T dO_i read in the layout the product needs
+    # P through shared memory: dV's A operand is P^T (keys x queries), a transposed read of the tile
     p_smem.store(p.to(dtype))
     dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
     # line 17: dS = P o (dP - D_i)
@@ -202,69 +151,50 @@ def _step(t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs, p_
     # iteration t - 2 have read it
     buf = t % 2
     mbarrier.wait(ds_free.index(buf), ((t // 2) & 1) ^ 1)
-    ds_smem = ds_bufs.index(2 * buf + wg)
-    ds_smem.store(ds)
+    ds_bufs.index(2 * buf + wg).store(ds)
     fence_async_shared()
     # line 14: dV_j += P^T dO_i; line 19: dK_j += dS^T Q_i
-    if SWAP_KV:   # 32 keys per warpgroup, under wgmma's M of 64: accumulate the transposes dV^T += dO_i^T P
-        dv_tok = warpgroup_mma(do_s.permute((1, 0)), p_smem, dv, is_async=True)
-        dk_tok = warpgroup_mma(q_s.permute((1, 0)), ds_smem, dk, is_async=True)
-    else:         # P^T and dS^T as transposed reads of their tiles
-        dv_tok = warpgroup_mma(p_smem.permute((1, 0)), do_s, dv, is_async=True)
-        dk_tok = warpgroup_mma(ds_smem.permute((1, 0)), q_s, dk, is_async=True)
+    dv_tok = warpgroup_mma(p_smem.permute((1, 0)), do_s, dv, is_async=True)
+    dk_tok = warpgroup_mma(ds_bufs.index(2 * buf + wg).permute((1, 0)), q_s, dk, is_async=True)
     mbarrier.arrive(ds_ready.index(buf), count=1)
     if t > 0:
         # line 18 one step late, so the warpgroups need not meet at every step (measured faster than meeting:
         # BENCHMARKS.md): dQ_{t-1} needs the other warpgroup's dS_{t-1}, which it stored half a step ago at the latest
-        if ONE_RING:
-            mbarrier.wait(ds_ready.index((t - 1) % 2), ((t - 1) // 2) & 1)
-            tok = _dq_product(ds_bufs, k_smem, dq_init, t - 1, wg, 0, WG_N, BLOCK_M, HEAD_D)
-            dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, tok))
-            mbarrier.arrive(ds_free.index((t - 1) % 2), count=1)
-            _dq_reduce_add(dq_desc, dq_bufs.index(wg * DQ_BUFS), dq * sm_scale, dq_row, dq_col, 0)
-            mbarrier.arrive(q_empty.index(sq), count=1)   # Q_i, dO_i read by every product: the buffers may refill
-        else:
-            dv, dk = _dq_step(ds_bufs, ds_ready, ds_free, k_smem, dq_init, dq_desc, dq_bufs, t - 1, dq_row, dq_col,
-                              sm_scale, dv_tok, dk_tok, q_empty, do_empty, sq, sd, wg, WG_N, BLOCK_M, HEAD_D, CHUNKS,
-                              DQ_BUFS, True)
-    elif ONE_RING:
-        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok))
-        mbarrier.arrive(q_empty.index(sq), count=1)
+        dq_tok = _dq_product(ds_bufs, ds_ready, k_smem, dq_init, t - 1, wg, WG_N, BLOCK_M)
+        dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, dq_tok))
+        mbarrier.arrive(ds_free.index((t - 1) % 2), count=1)
+        _dq_reduce_add(dq_desc, dq_smem, dq * sm_scale, dq_row, dq_col)
     else:
-        dv = warpgroup_mma_wait(num_outstanding=1, deps=(dv_tok, ))
-        mbarrier.arrive(do_empty.index(sd), count=1)
-        dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk_tok, ))
-        mbarrier.arrive(q_empty.index(sq), count=1)
+        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok))
+    mbarrier.arrive(qdo_empty.index(s), count=1)   # Q_i, dO_i read by every product: the buffer may refill
     return dk, dv, q_row0 + q_start + DQ_ROW, h * HEAD_D + DQ_COL
 
 
 @gluon.jit
 def _consumer_partition(wg: gl.constexpr, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar,
-                        q_ready, q_empty, do_ready, do_empty, ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr,
-                        stride_lse_b, stride_lse_h, dk_ptr, dv_ptr, stride_dk_row, stride_dv_row, b, kv_start,
-                        q_row0, n_iters, n_i, i_start, hk, group, sm_scale, qk_scale,
-                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, Q_STAGES: gl.constexpr,
-                        DO_STAGES: gl.constexpr, CAUSAL: gl.constexpr, CHUNKS: gl.constexpr, DQ_BUFS: gl.constexpr,
-                        ONE_RING: gl.constexpr):
-    """Consumer warpgroup `wg`: key rows [wg * Bc/2, +Bc/2) of the program's block through every query block (per
-    query head of the group), then its rows of dK_j, dV_j (Algorithm 2 line 22)."""
+                        qdo_ready, qdo_empty, ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr, stride_lse_b,
+                        stride_lse_h, dk_ptr, dv_ptr, stride_dk_row, stride_dv_row, b, kv_start, q_row0,
+                        n_iters, n_i, i_start, hk, group, sm_scale, qk_scale,
+                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                        CAUSAL: gl.constexpr):
+    """Consumer warpgroup `wg`: key rows [wg * 64, wg * 64 + 64) of the program's block through every query block
+    (per query head of the group), then its rows of dK_j, dV_j (Algorithm 2 line 22)."""
     dtype: gl.constexpr = q_bufs.dtype
     WG_N: gl.constexpr = BLOCK_N // 2          # key rows of this warpgroup
-    SWAP_KV: gl.constexpr = WG_N < 64          # dK_w, dV_w kept transposed (d x keys): see _step
-    DQ_M: gl.constexpr = dq_desc.block_type.shape[0]   # a dQ chunk (_dq_product)
+    DQ_M: gl.constexpr = dq_desc.block_type.shape[0]   # this warpgroup's dQ tile (_dq_product)
     DQ_N: gl.constexpr = dq_desc.block_type.shape[1]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, WG_N, 16])
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, WG_N if SWAP_KV else HEAD_D, 16])
+                                                        instr_shape=[16, HEAD_D, 16])
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, DQ_N, 16])
     k_w = k_smem.slice(wg * WG_N, WG_N, dim=0)
     v_w = v_smem.slice(wg * WG_N, WG_N, dim=0)
     p_smem = p_bufs.index(wg)
-    kv_shape: gl.constexpr = [HEAD_D, WG_N] if SWAP_KV else [WG_N, HEAD_D]
-    dk = gl.zeros(kv_shape, gl.float32, kv_layout)
-    dv = gl.zeros(kv_shape, gl.float32, kv_layout)
+    dq_smem = dq_bufs.index(wg)
+    dk = gl.zeros([WG_N, HEAD_D], gl.float32, kv_layout)
+    dv = gl.zeros([WG_N, HEAD_D], gl.float32, kv_layout)
     dq_init = gl.zeros([DQ_M, DQ_N], gl.float32, dq_layout)
 
     dq_row = q_row0   # where the previous step's dQ tile goes
@@ -273,49 +203,38 @@ def _consumer_partition(wg: gl.constexpr, k_smem, v_smem, q_bufs, do_bufs, p_buf
     for t in range(n_iters):
         h, i = _query_block(t, n_i, i_start, hk, group)
         dk, dv, dq_row, dq_col = _step(
-            t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs, p_smem, ds_bufs, dq_bufs,
-            q_ready, q_empty, do_ready, do_empty, ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr,
-            b * stride_lse_b + h * stride_lse_h, kv_start, q_row0, sm_scale, qk_scale, wg, s_layout, dq_init,
-            BLOCK_M, BLOCK_N, HEAD_D, Q_STAGES, DO_STAGES, CAUSAL, SWAP_KV, CHUNKS, DQ_BUFS, ONE_RING)
+            t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs, p_smem, ds_bufs, dq_smem,
+            qdo_ready, qdo_empty, ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr, b * stride_lse_b + h * stride_lse_h,
+            kv_start, q_row0, sm_scale, qk_scale, wg, s_layout, dq_init, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL)
     # the last query block's dQ
-    _dq_step(ds_bufs, ds_ready, ds_free, k_smem, dq_init, dq_desc, dq_bufs, n_iters - 1, dq_row, dq_col, sm_scale,
-             dk, dv, q_empty, do_empty, 0, 0, wg, WG_N, BLOCK_M, HEAD_D, CHUNKS, DQ_BUFS, False)
+    dq_tok = _dq_product(ds_bufs, ds_ready, k_smem, dq_init, n_iters - 1, wg, WG_N, BLOCK_M)
+    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, ))
+    _dq_reduce_add(dq_desc, dq_smem, dq * sm_scale, dq_row, dq_col)
     tma.store_wait(pendings=0)
 
     # line 22: write dK_j (scaled: S = scale Q K^T) and dV_j
-    keys = kv_start + wg * WG_N + gl.arange(0, WG_N, layout=gl.SliceLayout(0 if SWAP_KV else 1, kv_layout))
-    cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(1 if SWAP_KV else 0, kv_layout))
-    if SWAP_KV:
-        dk_ptrs = dk_ptr + gl.expand_dims(keys * stride_dk_row, 0) + gl.expand_dims(cols, 1)
-        dv_ptrs = dv_ptr + gl.expand_dims(keys * stride_dv_row, 0) + gl.expand_dims(cols, 1)
-    else:
-        dk_ptrs = dk_ptr + gl.expand_dims(keys * stride_dk_row, 1) + gl.expand_dims(cols, 0)
-        dv_ptrs = dv_ptr + gl.expand_dims(keys * stride_dv_row, 1) + gl.expand_dims(cols, 0)
-    gl.store(dk_ptrs, (dk * sm_scale).to(dtype))
-    gl.store(dv_ptrs, dv.to(dtype))
+    rows = kv_start + wg * WG_N + gl.arange(0, WG_N, layout=gl.SliceLayout(1, kv_layout))
+    cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, kv_layout))
+    gl.store(dk_ptr + gl.expand_dims(rows * stride_dk_row, 1) + gl.expand_dims(cols, 0), (dk * sm_scale).to(dtype))
+    gl.store(dv_ptr + gl.expand_dims(rows * stride_dv_row, 1) + gl.expand_dims(cols, 0), dv.to(dtype))
 
 
 @gluon.jit
 def fa3_bwd_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr, stride_lse_b, stride_lse_h,
                    dk_ptr, dv_ptr, stride_dk_b, stride_dk_row, stride_dk_h, stride_dv_b, stride_dv_row, stride_dv_h,
                    seqlen_q, seqlen_k, nheads_k, group, sm_scale, qk_scale,
-                   HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, Q_STAGES: gl.constexpr,
-                   DO_STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, CAUSAL: gl.constexpr, P_LAYOUT: gl.constexpr,
-                   num_warps: gl.constexpr):
-    """Grid (seqlen_k / BLOCK_N, batch * nheads_k); BLOCK_N key rows, one half per consumer warpgroup (64 each,
-    32 at d256), num_warps = 4; BLOCK_M query rows per step. k/v descriptors: 2-D views (batch * seqlen_k,
+                   HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                   CAUSAL: gl.constexpr, P_LAYOUT: gl.constexpr, num_warps: gl.constexpr):
+    """Grid (seqlen_k / BLOCK_N, batch * nheads_k); BLOCK_N = 2 x 64 key rows (one 64-row half per consumer
+    warpgroup, num_warps = 4), BLOCK_M query rows per step. k/v descriptors: 2-D views (batch * seqlen_k,
     nheads_k * HEAD_D), blocks (BLOCK_N, HEAD_D); q/dO: (batch * seqlen_q, nheads * HEAD_D), blocks
     (BLOCK_M, HEAD_D); dq_desc: the float32 accumulator (zero-filled) in q's layout, blocks fa3.bwd_dq_tile:
-    (64, HEAD_D) when BLOCK_M = 128 (each warpgroup adds half the rows of dQ_i), else (BLOCK_M, 64) (a chunk of
-    the half of the columns a warpgroup adds).
+    (64, HEAD_D) when BLOCK_M = 128 (each warpgroup adds half the rows of dQ_i), else (BLOCK_M, HEAD_D / 2) (half
+    the columns).
     lse, delta: (batch, nheads, seqlen_q) fp32 with the same strides. P_LAYOUT: the shared layout of a
     (BLOCK_M, BLOCK_N / 2) tile of q's dtype (a warpgroup's P or dS). seqlen_q % BLOCK_M == 0 and
     seqlen_k % BLOCK_N == 0 (the host checks); causal only with seqlen_q == seqlen_k."""
     dtype: gl.constexpr = q_desc.dtype
-    # dQ chunks per warpgroup and step (_dq_issue); one ring of (Q_i, dO_i) buffers, released together at the end
-    # of a step, unless the stage counts differ or dQ comes in chunks (then each is released after its last product)
-    CHUNKS: gl.constexpr = 1 if dq_desc.block_type.shape[0] < BLOCK_M else HEAD_D // 2 // dq_desc.block_type.shape[1]
-    ONE_RING: gl.constexpr = Q_STAGES == DO_STAGES and CHUNKS == 1
     # one head's key blocks after another: they share the head's Q_i, dO_i in L2 (every head's first block, then
     # every head's second... measured 10-30% slower)
     pid_n = gl.program_id(0)
@@ -336,57 +255,44 @@ def fa3_bwd_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr,
 
     k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], v_desc.layout)
-    q_bufs = gl.allocate_shared_memory(dtype, [Q_STAGES, BLOCK_M, HEAD_D], q_desc.layout)
-    do_bufs = gl.allocate_shared_memory(dtype, [DO_STAGES, BLOCK_M, HEAD_D], do_desc.layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], do_desc.layout)
     p_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N // 2], P_LAYOUT)
     ds_bufs = gl.allocate_shared_memory(dtype, [4, BLOCK_M, BLOCK_N // 2], P_LAYOUT)   # [2 x buffer + half]
-    dq_bufs = gl.allocate_shared_memory(gl.float32, [2 * DQ_BUFS] + dq_desc.block_type.shape, dq_desc.layout)
+    dq_bufs = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_ready = gl.allocate_shared_memory(gl.int64, [Q_STAGES, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [Q_STAGES, 1], mbarrier.MBarrierLayout())
-    do_ready = q_ready   # one ring: the Q ring's mbarriers cover dO_i too
-    do_empty = q_empty
-    if not ONE_RING:
-        do_ready = gl.allocate_shared_memory(gl.int64, [DO_STAGES, 1], mbarrier.MBarrierLayout())
-        do_empty = gl.allocate_shared_memory(gl.int64, [DO_STAGES, 1], mbarrier.MBarrierLayout())
+    qdo_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    qdo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
     for i in gl.static_range(2):   # per dS buffer pair; both consumer warpgroups arrive
         mbarrier.init(ds_ready.index(i), count=2)
         mbarrier.init(ds_free.index(i), count=2)
-    for i in gl.static_range(Q_STAGES):
-        mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=2)
-    if not ONE_RING:
-        for i in gl.static_range(DO_STAGES):
-            mbarrier.init(do_ready.index(i), count=1)
-            mbarrier.init(do_empty.index(i), count=2)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(qdo_ready.index(i), count=1)
+        mbarrier.init(qdo_empty.index(i), count=2)
 
     gl.warp_specialize([
-        (_consumer_partition, (0, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, q_ready,
-                               q_empty, do_ready, do_empty, ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr,
-                               stride_lse_b, stride_lse_h, dk_ptr, dv_ptr, stride_dk_row, stride_dv_row, b,
-                               kv_start, q_row0, n_iters, n_i, i_start, hk, group, sm_scale, qk_scale, BLOCK_M,
-                               BLOCK_N, HEAD_D, Q_STAGES, DO_STAGES, CAUSAL, CHUNKS, DQ_BUFS, ONE_RING)),
-        (_consumer_partition, (1, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, q_ready,
-                               q_empty, do_ready, do_empty, ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr,
-                               stride_lse_b, stride_lse_h, dk_ptr, dv_ptr, stride_dk_row, stride_dv_row, b,
-                               kv_start, q_row0, n_iters, n_i, i_start, hk, group, sm_scale, qk_scale, BLOCK_M,
-                               BLOCK_N, HEAD_D, Q_STAGES, DO_STAGES, CAUSAL, CHUNKS, DQ_BUFS, ONE_RING)),
-        (_load_partition, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, q_ready,
-                           q_empty, do_ready, do_empty, kv_row, hk * HEAD_D, q_row0, n_iters, n_i, i_start, hk,
-                           group, BLOCK_M, HEAD_D, Q_STAGES, DO_STAGES, ONE_RING)),
+        (_consumer_partition, (0, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, qdo_ready,
+                               qdo_empty, ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr, stride_lse_b,
+                               stride_lse_h, dk_ptr, dv_ptr, stride_dk_row, stride_dv_row, b, kv_start, q_row0,
+                               n_iters, n_i, i_start,
+                               hk, group, sm_scale, qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL)),
+        (_consumer_partition, (1, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, qdo_ready,
+                               qdo_empty, ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr, stride_lse_b,
+                               stride_lse_h, dk_ptr, dv_ptr, stride_dk_row, stride_dv_row, b, kv_start, q_row0,
+                               n_iters, n_i, i_start,
+                               hk, group, sm_scale, qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL)),
+        (_load_partition, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, qdo_ready,
+                           qdo_empty, kv_row, hk * HEAD_D, q_row0, n_iters, n_i, i_start, hk, group, BLOCK_M,
+                           HEAD_D, STAGES)),
     ], [4, 1], [240, 24])
 
     mbarrier.invalidate(kv_bar)
     for i in gl.static_range(2):
         mbarrier.invalidate(ds_ready.index(i))
         mbarrier.invalidate(ds_free.index(i))
-    for i in gl.static_range(Q_STAGES):
-        mbarrier.invalidate(q_ready.index(i))
-        mbarrier.invalidate(q_empty.index(i))
-    if not ONE_RING:
-        for i in gl.static_range(DO_STAGES):
-            mbarrier.invalidate(do_ready.index(i))
-            mbarrier.invalidate(do_empty.index(i))
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(qdo_ready.index(i))
+        mbarrier.invalidate(qdo_empty.index(i))

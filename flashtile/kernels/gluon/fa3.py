@@ -48,11 +48,9 @@ FP8_CONFIGS = {128: (128, 2), 256: (128, 2)}
 # 1208 without; causal 976-1001 with, 969-1036 without)
 FP8_PINGPONG = {128: (False, False), 256: (True, False)}
 
-# head_dim -> (Br, Bc, Q stages, dO stages) of the backward: a program owns Bc keys (one half per consumer
-# warpgroup, dK / dV in registers) and streams Br query rows per step through rings of Q_i and dO_i buffers. At
-# d256 a warpgroup's 64 x 256 dK and dV would take all its registers: Bc = 2 x 32 (FA3's tile), and K_j, V_j, two
-# Q_i and one dO_i take 160 of the 227 KiB of shared memory
-BWD_CONFIGS = {64: (128, 128, 2, 2, 1), 128: (64, 128, 2, 2, 1), 256: (64, 64, 2, 1, 2)}
+# head_dim -> (Br, Bc, stages) of the backward: a program owns Bc = 2 x 64 keys (one half per consumer
+# warpgroup, dK / dV in registers) and streams Br query rows per step through `stages` (Q_i, dO_i) buffers
+BWD_CONFIGS = {64: (128, 128, 2), 128: (64, 128, 2)}
 
 
 def block_shape(head_dim: int):
@@ -232,13 +230,10 @@ def fwd_fp8(q8, k8, vt8, q_scale, k_scale, v_scale, out, lse, softmax_scale: flo
                 FP8_PINGPONG[head_dim][causal], fp8=True)
 
 
-BWD_DQ_COLS = 32   # columns of a dQ tile added at once at d256 (a warpgroup's half of dQ_i takes four)
-
-
 def bwd_dq_tile(block_m: int, head_dim: int):
-    """The dQ tile a consumer warpgroup of the backward adds at once: half the rows of dQ_i when Br = 128, else
-    (up to) 64 of its half of the columns."""
-    return (WG_ROWS, head_dim) if block_m == 2 * WG_ROWS else (block_m, head_dim // 2 if head_dim <= 128 else BWD_DQ_COLS)
+    """The dQ tile a consumer warpgroup of the backward adds: half the rows of dQ_i when Br = 128, else half the
+    columns."""
+    return (WG_ROWS, head_dim) if block_m == 2 * WG_ROWS else (block_m, head_dim // 2)
 
 
 def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params) -> None:
@@ -248,7 +243,7 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params) -> None:
     _, kern, TensorDescriptor = _kernels(_device_index(q))
     batch, sq, nheads, head_dim = q.shape
     sk, nheads_k = k.shape[1], k.shape[2]
-    block_m, block_n, q_stages, do_stages, dq_bufs = BWD_CONFIGS[head_dim]
+    block_m, block_n, stages = BWD_CONFIGS[head_dim]
     causal = params.window_right == 0
     dout = tma_ready(dout)
     assert lse.stride() == delta.stride() and lse.stride(2) == 1
@@ -265,7 +260,6 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params) -> None:
         lse, delta, lse.stride(0), lse.stride(1),
         dk, dv, dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         sq, sk, nheads_k, nheads // nheads_k, params.softmax_scale, params.softmax_scale * LOG2E,
-        HEAD_D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, Q_STAGES=q_stages, DO_STAGES=do_stages, DQ_BUFS=dq_bufs,
-        CAUSAL=causal,
+        HEAD_D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
         P_LAYOUT=_smem_layout(block_m, block_n // 2, q.dtype), num_warps=4, maxnreg=MAXNREG)
     dq.copy_(dq_acc)
