@@ -4,9 +4,8 @@ dtype); prints one line per variant: `ok <kind> d<head_dim> causal=<0|1> <dtype>
 reduce=<count> arrives=<count> unsynced=<count> e4m3_mma=<count> shfl_idx=<count>` (reduce: TMA reduce-add
 instructions, the backward's dQ; e4m3_mma: FP8 wgmmas; shfl_idx: indexed warp shuffles, which a P operand needing
 data exchange would bring). `unsynced` counts the plain mbarrier arrivals (one thread of a consumer warpgroup)
-not preceded by a bar.sync of the warpgroup's 128 threads (or, in the backward's one-warp dQ writer, a
-bar.warp.sync after the wait for the TMA unit's reads), on which the kernels' barrier counts rely
-(_fa3_fwd._pass_turn, the backward's ds_ready / ds_free / qdo_empty / dq_full / dq_empty).
+not preceded by a bar.sync of the warpgroup's 128 threads, on which the kernels' barrier counts rely
+(_fa3_fwd._pass_turn, the backward's ds_ready / ds_free / qdo_empty).
 Run by tests/test_fa3_gluon.py in a subprocess, with TRITON_INTERPRET=0 (the interpreter does not run Gluon)."""
 import os
 import sys
@@ -101,7 +100,7 @@ if __name__ == "__main__":
         ck = {"fwd": compile_fwd, "bwd": compile_bwd, "fp8": compile_fp8}[kind](int(d), causal == "1", dtype)
         ptx = ck.asm["ptx"].splitlines()
         arrives = [i for i, line in enumerate(ptx) if "mbarrier.arrive" in line and "expect_tx" not in line]
-        unsynced = [i for i in arrives if not any(("bar.sync" in ptx[j] and ", 128;" in ptx[j]) or "bar.warp.sync" in ptx[j]
+        unsynced = [i for i in arrives if not any("bar.sync" in ptx[j] and ", 128;" in ptx[j]
                                                   for j in range(max(0, i - 6), i))]
         print(f"ok {kind} d{d} causal={causal} {dt} shared={ck.metadata.shared} "
               f"wgmma={ck.asm['ptx'].count('wgmma.mma_async')} reduce={ck.asm['ptx'].count('cp.reduce.async.bulk')} "

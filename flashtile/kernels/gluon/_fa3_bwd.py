@@ -98,45 +98,29 @@ def _dq_product(ds_bufs, ds_ready, k_smem, dq_init, t, wg: gl.constexpr, WG_N: g
 
 
 @gluon.jit
-def _dq_stage(dq_smem, dq_full, dq_empty, dq, u):
-    """The warpgroup's u-th dQ tile into its staging buffer, once the dQ writer's reduce-add of tile u - 1 has read
-    it (mbarrier dq_empty), then handed to the writer (dq_full)."""
-    mbarrier.wait(dq_empty, (u & 1) ^ 1)   # mbarriers start with phase 1 complete: the first wait passes at once
+def _dq_reduce_add(dq_desc, dq_smem, dq, row, col):
+    """dQ_acc[row:, col:] += dq by one TMA reduce-add through this warpgroup's staging buffer."""
+    tma.store_wait(pendings=0)   # the previous reduce-add has read the buffer
     dq_smem.store(dq)
-    fence_async_shared()   # the stores before the TMA unit's reads (async proxy)
-    mbarrier.arrive(dq_full, count=1)
+    fence_async_shared()
+    tma_reduce_add(dq_desc, [row, col], dq_smem)
 
 
 @gluon.jit
-def _dq_writer_partition(dq_desc, dq_bufs, dq_full, dq_empty, q_row0, n_iters, n_i, i_start, hk, group,
-                         BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr):
-    """dQ writer (one warp, FA3's): each consumer warpgroup's dQ tile of every iteration, once staged (dq_full),
-    added to the float32 dQ accumulator by one TMA reduce-add; the staging buffer is released (dq_empty) once the
-    TMA unit has read it. Keeps the reduce-add's issue and wait off the consumers' path."""
-    DQ_M: gl.constexpr = dq_desc.block_type.shape[0]
-    DQ_N: gl.constexpr = dq_desc.block_type.shape[1]
-    for t in range(n_iters):
-        h, i = _query_block(t, n_i, i_start, hk, group)
-        for wg in gl.static_range(2):
-            # warpgroup wg's part of dQ_i: rows [wg * 64, +64) when Br = 128, else columns [wg * d/2, +d/2)
-            row = q_row0 + i * BLOCK_M + (wg * DQ_M if DQ_M < BLOCK_M else 0)
-            col = h * HEAD_D + (0 if DQ_M < BLOCK_M else wg * DQ_N)
-            mbarrier.wait(dq_full.index(wg), t & 1)
-            tma_reduce_add(dq_desc, [row, col], dq_bufs.index(wg))
-            tma.store_wait(pendings=0)
-            mbarrier.arrive(dq_empty.index(wg), count=1)
-
-
-@gluon.jit
-def _step(t, h, i, dk, dv, k_w, v_w, k_smem, q_bufs, do_bufs, p_smem, ds_bufs, dq_smem, dq_full, dq_empty, qdo_ready,
-          qdo_empty, ds_ready, ds_free, lse_ptr, delta_ptr, lse_off, kv_start, q_row0, sm_scale, qk_scale,
+def _step(t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs, p_smem, ds_bufs, dq_smem, qdo_ready,
+          qdo_empty, ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr, lse_off, kv_start, q_row0, sm_scale, qk_scale,
           wg: gl.constexpr, s_layout: gl.constexpr, dq_init, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
           HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
     """Iteration t of consumer warpgroup wg: query block i of head h against the warpgroup's 64 keys (Algorithm 2
-    lines 8-20), lse_off: (batch, head)'s offset into lse / delta. Returns dK_w, dV_w; this step's dQ tile is
-    computed at the next step (or after the loop) and staged for the dQ writer."""
+    lines 8-20), lse_off: (batch, head)'s offset into lse / delta. Returns dK_w, dV_w and where this step's dQ tile
+    goes: it is computed at the next step (or after the loop)."""
     dtype: gl.constexpr = q_bufs.dtype
     WG_N: gl.constexpr = k_w.shape[0]
+    # this warpgroup's dQ tile: rows [wg * 64, +64) when Br = 128, else columns [wg * d/2, +d/2)
+    DQ_M: gl.constexpr = dq_init.shape[0]
+    DQ_N: gl.constexpr = dq_init.shape[1]
+    DQ_ROW: gl.constexpr = wg * DQ_M if DQ_M < BLOCK_M else 0
+    DQ_COL: gl.constexpr = 0 if DQ_M < BLOCK_M else wg * DQ_N
     s = t % STAGES
     q_start = i * BLOCK_M
     q_idx = q_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
@@ -179,16 +163,16 @@ def _step(t, h, i, dk, dv, k_w, v_w, k_smem, q_bufs, do_bufs, p_smem, ds_bufs, d
         dq_tok = _dq_product(ds_bufs, ds_ready, k_smem, dq_init, t - 1, wg, WG_N, BLOCK_M)
         dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, dq_tok))
         mbarrier.arrive(ds_free.index((t - 1) % 2), count=1)
-        _dq_stage(dq_smem, dq_full, dq_empty, dq * sm_scale, t - 1)
+        _dq_reduce_add(dq_desc, dq_smem, dq * sm_scale, dq_row, dq_col)
     else:
         dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok))
     mbarrier.arrive(qdo_empty.index(s), count=1)   # Q_i, dO_i read by every product: the buffer may refill
-    return dk, dv
+    return dk, dv, q_row0 + q_start + DQ_ROW, h * HEAD_D + DQ_COL
 
 
 @gluon.jit
 def _consumer_partition(wg: gl.constexpr, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar,
-                        qdo_ready, qdo_empty, ds_ready, ds_free, dq_full, dq_empty, dq_desc, lse_ptr, delta_ptr, stride_lse_b,
+                        qdo_ready, qdo_empty, ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr, stride_lse_b,
                         stride_lse_h, dk_ptr, dv_ptr, stride_dk_row, stride_dv_row, b, kv_start, q_row0,
                         n_iters, n_i, i_start, hk, group, sm_scale, qk_scale,
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
@@ -209,23 +193,24 @@ def _consumer_partition(wg: gl.constexpr, k_smem, v_smem, q_bufs, do_bufs, p_buf
     v_w = v_smem.slice(wg * WG_N, WG_N, dim=0)
     p_smem = p_bufs.index(wg)
     dq_smem = dq_bufs.index(wg)
-    dq_full = dq_full.index(wg)
-    dq_empty = dq_empty.index(wg)
     dk = gl.zeros([WG_N, HEAD_D], gl.float32, kv_layout)
     dv = gl.zeros([WG_N, HEAD_D], gl.float32, kv_layout)
     dq_init = gl.zeros([DQ_M, DQ_N], gl.float32, dq_layout)
 
+    dq_row = q_row0   # where the previous step's dQ tile goes
+    dq_col = 0
     mbarrier.wait(kv_bar, 0)
     for t in range(n_iters):
         h, i = _query_block(t, n_i, i_start, hk, group)
-        dk, dv = _step(
-            t, h, i, dk, dv, k_w, v_w, k_smem, q_bufs, do_bufs, p_smem, ds_bufs, dq_smem, dq_full, dq_empty,
-            qdo_ready, qdo_empty, ds_ready, ds_free, lse_ptr, delta_ptr, b * stride_lse_b + h * stride_lse_h,
+        dk, dv, dq_row, dq_col = _step(
+            t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs, p_smem, ds_bufs, dq_smem,
+            qdo_ready, qdo_empty, ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr, b * stride_lse_b + h * stride_lse_h,
             kv_start, q_row0, sm_scale, qk_scale, wg, s_layout, dq_init, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL)
     # the last query block's dQ
     dq_tok = _dq_product(ds_bufs, ds_ready, k_smem, dq_init, n_iters - 1, wg, WG_N, BLOCK_M)
     dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, ))
-    _dq_stage(dq_smem, dq_full, dq_empty, dq * sm_scale, n_iters - 1)
+    _dq_reduce_add(dq_desc, dq_smem, dq * sm_scale, dq_row, dq_col)
+    tma.store_wait(pendings=0)
 
     # line 22: write dK_j (scaled: S = scale Q K^T) and dV_j
     rows = kv_start + wg * WG_N + gl.arange(0, WG_N, layout=gl.SliceLayout(1, kv_layout))
@@ -280,44 +265,34 @@ def fa3_bwd_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr,
     qdo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())    # per consumer warpgroup
-    dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
     for i in gl.static_range(2):   # per dS buffer pair; both consumer warpgroups arrive
         mbarrier.init(ds_ready.index(i), count=2)
         mbarrier.init(ds_free.index(i), count=2)
-        mbarrier.init(dq_full.index(i), count=1)
-        mbarrier.init(dq_empty.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(qdo_ready.index(i), count=1)
         mbarrier.init(qdo_empty.index(i), count=2)
 
     gl.warp_specialize([
         (_consumer_partition, (0, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, qdo_ready,
-                               qdo_empty, ds_ready, ds_free, dq_full, dq_empty, dq_desc, lse_ptr, delta_ptr,
-                               stride_lse_b,
+                               qdo_empty, ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr, stride_lse_b,
                                stride_lse_h, dk_ptr, dv_ptr, stride_dk_row, stride_dv_row, b, kv_start, q_row0,
                                n_iters, n_i, i_start,
                                hk, group, sm_scale, qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL)),
         (_consumer_partition, (1, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, qdo_ready,
-                               qdo_empty, ds_ready, ds_free, dq_full, dq_empty, dq_desc, lse_ptr, delta_ptr,
-                               stride_lse_b,
+                               qdo_empty, ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr, stride_lse_b,
                                stride_lse_h, dk_ptr, dv_ptr, stride_dk_row, stride_dv_row, b, kv_start, q_row0,
                                n_iters, n_i, i_start,
                                hk, group, sm_scale, qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL)),
         (_load_partition, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, qdo_ready,
                            qdo_empty, kv_row, hk * HEAD_D, q_row0, n_iters, n_i, i_start, hk, group, BLOCK_M,
                            HEAD_D, STAGES)),
-        (_dq_writer_partition, (dq_desc, dq_bufs, dq_full, dq_empty, q_row0, n_iters, n_i, i_start, hk, group,
-                                BLOCK_M, HEAD_D)),
-    ], [4, 1, 1], [240, 24, 24])
+    ], [4, 1], [240, 24])
 
     mbarrier.invalidate(kv_bar)
     for i in gl.static_range(2):
         mbarrier.invalidate(ds_ready.index(i))
         mbarrier.invalidate(ds_free.index(i))
-        mbarrier.invalidate(dq_full.index(i))
-        mbarrier.invalidate(dq_empty.index(i))
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(qdo_ready.index(i))
         mbarrier.invalidate(qdo_empty.index(i))
