@@ -12,9 +12,8 @@ that is 4x less traffic than a per-query-head decode, and decode is bound by exa
 Each program runs the FA2 inner loop (Alg. 1 lines 6-10, the update itself is mods.online_softmax_step) over
 its split's keys. With one split it writes the final O and LSE; with several it writes a normalised partial
 O_s and its log2-sum-exp lse2_s, which combine.merge_splits merges (the same online-softmax update) into O and LSE:
-in the same launch (FUSED_COMBINE, up to FUSED_MAX_SPLITS splits: ticket counters, the last split of each group
-of GROUP_SPLITS merges the group, the last group merger of the tile merges the groups), or else by combine.py's
-separate kernel (one program per query row and head). Splits let a
+in the same launch, by the last split of each tile to finish (FUSED_COMBINE: a ticket counter per tile), up to
+FUSED_MAX_SPLITS splits, or else by combine.py's separate kernel (one program per query row and head). Splits let a
 decode step with few (batch x K/V heads) tiles still fill every multiprocessor (num_splits_heuristic).
 
 Keys are addressed through the cache: key j (0-based, after left padding) of batch element b sits at cache
@@ -189,7 +188,7 @@ def decode_kernel(
     HAS_SEQLENS: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     SPLIT: tl.constexpr, FUSED_COMBINE: tl.constexpr, COMBINE_RG: tl.constexpr, COMBINE_CHUNK: tl.constexpr,
-    GROUP_SPLITS: tl.constexpr, MAX_GROUPS: tl.constexpr, DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     bhk = tl.program_id(1)
@@ -294,67 +293,30 @@ def decode_kernel(
         tl.store(O_PART + part[:, None] + offs_d[None, :], out, mask=row_ok[:, None] & (offs_d[None, :] < head_dim))
         tl.store(LSE_PART + tl.cast(split, tl.int64) * stride_lps + row_p * stride_lpm + h, lse2, mask=row_ok)
         if FUSED_COMBINE:
-            # Flash-decoding's combine in the same launch, in two levels: the splits of a tile form groups of
-            # GROUP_SPLITS; every split takes a ticket of its group once its partial is stored (the barrier orders
-            # all its threads' stores before the ticket, acq_rel publishes them at GPU scope), and the group's last
-            # one merges the group's partials (into the slot of its first split: read already), resets the group's
-            # counter and takes a ticket of the tile; the tile's last group merger merges the group results. With
-            # one group the group merger writes O and LSE itself.
+            # Flash-decoding's combine, by whichever split of this tile finishes last (no second kernel): every
+            # split takes a ticket after its partial is stored (the barrier orders all its threads' stores before
+            # the ticket, acq_rel publishes them at GPU scope); the last one merges every split's partial of the
+            # tile's rows and resets the ticket counter for the next launch on this stream
             tl.debug_barrier()
-            sem_tile = SEM + (bhk * tl.num_programs(0) + pid_m) * (MAX_GROUPS + 1)
-            n_groups = tl.cdiv(num_splits, GROUP_SPLITS)
-            g = split // GROUP_SPLITS
-            g_size = tl.minimum(GROUP_SPLITS, num_splits - g * GROUP_SPLITS)
-            ticket = tl.atomic_add(sem_tile + g, 1, sem="acq_rel", scope="gpu")
-            if ticket == g_size - 1:
-                g_part = tl.cast(g * GROUP_SPLITS, tl.int64)
-                _merge_tile(O, LSE, O_PART + g_part * stride_ps, LSE_PART + g_part * stride_lps, b, q_start, start_r,
-                            seqlen_q, hk, group_size, seqlen_q_static, offs_d, head_dim, stride_ob, stride_om,
-                            stride_oh, stride_lse_b, stride_lse_h, stride_ps, stride_pm, stride_ph, stride_lps,
-                            stride_lpm, g_size, n_groups > 1, BLOCK_M, IS_VARLEN_Q, COMBINE_RG, COMBINE_CHUNK,
-                            BLOCK_D)
-                tl.store(sem_tile + g, 0)
-                if n_groups > 1:
-                    tl.debug_barrier()
-                    ticket = tl.atomic_add(sem_tile + MAX_GROUPS, 1, sem="acq_rel", scope="gpu")
-                    if ticket == n_groups - 1:   # the group results: every GROUP_SPLITS-th slot
-                        _merge_tile(O, LSE, O_PART, LSE_PART, b, q_start, start_r, seqlen_q, hk, group_size,
-                                    seqlen_q_static, offs_d, head_dim, stride_ob, stride_om, stride_oh,
-                                    stride_lse_b, stride_lse_h, GROUP_SPLITS * stride_ps, stride_pm, stride_ph,
-                                    GROUP_SPLITS * stride_lps, stride_lpm, n_groups, False, BLOCK_M, IS_VARLEN_Q,
-                                    COMBINE_RG, COMBINE_CHUNK, BLOCK_D)
-                        tl.store(sem_tile + MAX_GROUPS, 0)
+            tile = bhk * tl.num_programs(0) + pid_m
+            ticket = tl.atomic_add(SEM + tile, 1, sem="acq_rel", scope="gpu")
+            if ticket == num_splits - 1:
+                rows_end = tl.minimum(start_r + BLOCK_M, seqlen_q * group_size)
+                for r0 in range(start_r, rows_end, COMBINE_RG):
+                    rr = r0 + tl.arange(0, COMBINE_RG)
+                    ok = rr < rows_end
+                    qc = rr // group_size
+                    hc = (hk * group_size + rr % group_size).to(tl.int64)
+                    row_c = _part_row(b, q_start, qc, seqlen_q_static, IS_VARLEN_Q)
+                    out_c, lse_c = _combine.merge_splits(
+                        LSE_PART + row_c * stride_lpm + hc, O_PART + row_c * stride_pm + hc * stride_ph, ok,
+                        stride_lps, stride_ps, num_splits, head_dim, COMBINE_RG, COMBINE_CHUNK, BLOCK_D)
+                    _combine.store_rows(O, LSE, out_c, lse_c, b, q_start + qc, hc, ok, offs_d, head_dim,
+                                        stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h)
+                tl.store(SEM + tile, 0)
     else:
         _combine.store_rows(O, LSE, out, lse2 * _combine.LN2, b, q_start + qi, h, row_ok, offs_d, head_dim,
                             stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h)
-
-
-@triton.jit
-def _merge_tile(O, LSE, O_PART, LSE_PART, b, q_start, start_r, seqlen_q, hk, group_size, seqlen_q_static, offs_d,
-                head_dim, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, stride_ps, stride_pm, stride_ph,
-                stride_lps, stride_lpm, n_parts, TO_PART: tl.constexpr, BLOCK_M: tl.constexpr,
-                IS_VARLEN_Q: tl.constexpr, COMBINE_RG: tl.constexpr, COMBINE_CHUNK: tl.constexpr,
-                BLOCK_D: tl.constexpr):
-    """The merge of n_parts partials (O_PART / LSE_PART: the first one; the next at + stride_ps / stride_lps) of the
-    tile's rows, COMBINE_RG rows per step, into O and LSE, or (TO_PART) back into the first partial's slot (log2
-    units): a group's result for the second level of the fused combine."""
-    rows_end = tl.minimum(start_r + BLOCK_M, seqlen_q * group_size)
-    for r0 in range(start_r, rows_end, COMBINE_RG):
-        rr = r0 + tl.arange(0, COMBINE_RG)
-        ok = rr < rows_end
-        qc = rr // group_size
-        hc = (hk * group_size + rr % group_size).to(tl.int64)
-        row_c = _part_row(b, q_start, qc, seqlen_q_static, IS_VARLEN_Q)
-        lse_rows = LSE_PART + row_c * stride_lpm + hc
-        o_rows = O_PART + row_c * stride_pm + hc * stride_ph
-        out_c, lse_c = _combine.merge_splits(lse_rows, o_rows, ok, stride_lps, stride_ps, n_parts, head_dim,
-                                             COMBINE_RG, COMBINE_CHUNK, BLOCK_D)
-        if TO_PART:   # every load of these rows happened before (the merge depends on them)
-            tl.store(o_rows[:, None] + offs_d[None, :], out_c, mask=ok[:, None] & (offs_d[None, :] < head_dim))
-            tl.store(lse_rows, lse_c / _combine.LN2, mask=ok)
-        else:
-            _combine.store_rows(O, LSE, out_c, lse_c, b, q_start + qc, hc, ok, offs_d, head_dim,
-                                stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h)
 
 
 @triton.jit
@@ -391,14 +353,12 @@ CONFIG_OVERRIDE: dict = {}
 _CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(DecodeConfig))
 
 MAX_SPLITS = 128
-# The fused combine's groups: the last split of a group of GROUP_SPLITS merges the group's partials, and the last
-# group merger of a tile merges the group results (at most FUSED_MAX_SPLITS / GROUP_SPLITS), so no program merges
-# more than GROUP_SPLITS partials per row. In one level (the tile's last split merging all its partials alone) it
-# was slower than the separate kernel beyond 8 splits: H200, bf16 d128, nheads 32 / 8, graph replay
-# (BENCHMARKS.md §4, ninth session), batch 8 with 4 splits 48.0 fused vs 49.5 us separate at a 4k cache (cuDNN
-# 48.8); batch 1 with 32-33 splits 51.2 vs 49.7 at 32k and 146.1 vs 140.4 at 128k
-GROUP_SPLITS = 8
-FUSED_MAX_SPLITS = 64
+# The most splits the fused combine merges. The last split of a tile merges all its rows' partials alone, one
+# step after another, while the separate kernel spreads them over a program per row and head but costs a
+# launch: H200, bf16 d128, nheads 32 / 8, graph replay (BENCHMARKS.md §4, ninth session), batch 8 with 4
+# splits 48.0 fused vs 49.5 us separate at a 4k cache (cuDNN 48.8), 257.4 vs 258.8 at 32k; batch 1 with 32-33
+# splits 51.2 vs 49.7 at 32k and 146.1 vs 140.4 at 128k
+FUSED_MAX_SPLITS = 8
 # num_splits_heuristic's knobs (see its docstring)
 TARGET_WAVES = 2.0            # aim for >= this many programs per multiprocessor ...
 WAVE_SLACK = 0.9              # ... give or take this factor
@@ -539,8 +499,8 @@ def plan_decode(seqlen_q: int, nheads: int, nheads_k: int, head_dim: int, dtype:
     return DecodePlan(cfg, m_blocks, num_splits, page_tiles_ok(page_size, cfg.BLOCK_N))
 
 
-# (device index, stream) -> int32 ticket counters of the fused combine, per tile one per split group and one for
-# the groups, zero between launches (the last to take a ticket of a counter resets it): launches on one stream run in order, so each stream has its own
+# (device index, stream) -> int32 ticket counters of the fused combine, one per tile, zero between launches (the
+# last split of a tile resets its counter): launches on one stream run in order, so each stream has its own
 _TICKETS: dict = {}
 
 
@@ -638,14 +598,9 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     # stands in for absent int32 pointers (never dereferenced: their flags are off)
     dummy_i32 = seqlens_k if has_seqlens else torch.empty(1, device=q.device, dtype=torch.int32)
     fused = split and CONFIG_OVERRIDE.get("fused_combine", num_splits <= FUSED_MAX_SPLITS)
-    if fused and num_splits > FUSED_MAX_SPLITS:
-        raise ValueError(f"the fused combine merges at most FUSED_MAX_SPLITS={FUSED_MAX_SPLITS} splits, got "
-                         f"num_splits={num_splits}")
-    max_groups = FUSED_MAX_SPLITS // GROUP_SPLITS
-    tickets = _tickets(q.device, plan.m_blocks * batch * nheads_k * (max_groups + 1)) if fused else dummy_i32
+    tickets = _tickets(q.device, plan.m_blocks * batch * nheads_k) if fused else dummy_i32
     # (unused without the fused combine: fixed there, so that split counts share one compiled kernel)
-    combine_rg, combine_chunk = (_combine_shape(min(cfg.BLOCK_M, sq * group), min(num_splits, GROUP_SPLITS), block_d)
-                                 if fused else (1, 2))
+    combine_rg, combine_chunk = _combine_shape(min(cfg.BLOCK_M, sq * group), num_splits, block_d) if fused else (1, 2)
     if split:
         o_part = torch.empty(num_splits, total_rows, nheads, head_dim, device=q.device, dtype=torch.float32)
         lse_part = torch.empty(num_splits, total_rows, nheads, device=q.device, dtype=torch.float32)
@@ -673,8 +628,7 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         HAS_SEQLENS=has_seqlens, HAS_BATCH_IDX=cache_batch_idx is not None,
         HAS_LEFTPAD=leftpad is not None, HAS_LEFT=params.window_left >= 0, HAS_RIGHT=params.window_right >= 0,
         SOFTCAP=params.softcap > 0, ALIBI=alibi is not None, SPLIT=split, FUSED_COMBINE=fused,
-        COMBINE_RG=combine_rg, COMBINE_CHUNK=combine_chunk, GROUP_SPLITS=GROUP_SPLITS, MAX_GROUPS=max_groups,
-        DOT_PREC=_dot_precision(q.dtype),
+        COMBINE_RG=combine_rg, COMBINE_CHUNK=combine_chunk, DOT_PREC=_dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split and not fused:
         _combine.combine_splits(o_part, lse_part, out, lse, seqlen_rows=total_rows if varlen else sq,
