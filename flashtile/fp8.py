@@ -30,6 +30,7 @@ from .interface import _output
 from .kernels.gluon import fa3 as _fa3
 from .kernels.triton import fp8 as _k
 from .kernels.triton.launch import TensorDescriptor, cdiv, interpreting, kv_descriptor, next_pow2
+from .kernels.triton.mods import LOG2E
 from .reference.fp8_emulation import hadamard_signs
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -338,7 +339,7 @@ def attention_fp8(t: FP8Tensors, *, softmax_scale: float, causal: bool = False, 
         q8.stride(0), q8.stride(1), q8.stride(2), k8.stride(0), k8.stride(1), k8.stride(2),
         *v_str, out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
         qs[1], qs[2], qs[3], ks[1], ks[2], ks[3], vs[1], vs[2], vs[3],
-        h, hk, h // hk, qs[4], sq, sk, d, d, softmax_scale * _k_log2e(),
+        h, hk, h // hk, qs[4], sq, sk, d, d, softmax_scale * LOG2E,
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_D=bd, CAUSAL=bool(causal),
         V_TRANSPOSED=t.v_transposed, USE_TMA=tma, SOFT_CAST=bool(soft_cast),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -352,10 +353,6 @@ def _block_descales(view, batch: int, heads: int, seqlen: int, block: int) -> to
     group = group[0] if group else 1
     full = t.as_strided((batch, heads // group, cdiv(seqlen, block)), (sb, sh, sm))
     return full.repeat_interleave(group, dim=1) if group > 1 else full.contiguous()
-
-
-def _k_log2e():
-    return 1.4426950408889634
 
 
 class _FP8Attention(torch.autograd.Function):

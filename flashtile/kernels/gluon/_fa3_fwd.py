@@ -24,8 +24,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from ..triton import fp8 as _fp8
+from ..triton.combine import LN2
 
-LN2 = gl.constexpr(0.6931471805599453)
 LOG2_E4M3_MAX = gl.constexpr(_fp8.LOG2_E4M3_MAX)   # log2(448), e4m3's largest finite value
 # TMA copies: Triton 3.6 (the GPU image's) names them async_copy_global_to_shared / async_copy_shared_to_global;
 # later releases async_load / async_store and drop the old store name
@@ -319,7 +319,7 @@ def fa3_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b, stride
 
     # partitions: consumer warpgroup 0 (the default partition, num_warps = 4), consumer warpgroup 1, the producer
     # warp; each worker gets its own copy of the (scalar / shared-memory) arguments. Registers: CONSUMER_REGS per
-    # consumer thread, 24 for the producer (setmaxnreg within the kernel's limit, fa3.REGS)
+    # consumer thread, 24 for the producer (setmaxnreg within the kernel's limit: fa3._regs)
     gl.static_assert(NUM_WG == 2)
     gl.warp_specialize([
         (_consumer_partition, (0, q_bufs, k_bufs, v_bufs, o_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, turns,
