@@ -48,10 +48,11 @@ def compile_fwd(head_dim: int, causal: bool, dtype: torch.dtype):
                    v_desc=_desc(t, block_n, head_dim), o_desc=_desc(t, fa3.WG_ROWS, head_dim),
                    lse_ptr=lse, stride_lse_b=lse.stride(0), stride_lse_h=lse.stride(1), q_scale_ptr=lse,
                    k_scale_ptr=lse, v_scale_ptr=lse, seqlen_q=s, seqlen_k=s, nheads=h, group=1, qk_scale=0.1)
+    launch = fa3._regs(head_dim, False, num_wg)
     consts = dict(HEAD_D=head_dim, BLOCK_M=fa3.WG_ROWS, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
-                  NUM_WG=num_wg, PINGPONG=fa3.PINGPONG[head_dim][causal], FP8=False, CONSUMER_REGS=240,
-                  num_warps=4)
-    return _compile(_fa3_fwd.fa3_fwd_kernel, runtime, consts)
+                  NUM_WG=num_wg, PINGPONG=fa3.PINGPONG[head_dim][causal], FP8=False,
+                  CONSUMER_REGS=launch["CONSUMER_REGS"], num_warps=4)
+    return _compile(_fa3_fwd.fa3_fwd_kernel, runtime, consts, launch["maxnreg"])
 
 
 def compile_fp8(head_dim: int, causal: bool, out_dtype: torch.dtype):

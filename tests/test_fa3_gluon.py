@@ -28,16 +28,18 @@ FULL, CAUSAL = AttnParams(softmax_scale=0.1), AttnParams(softmax_scale=0.1, wind
 @pytest.mark.parametrize("kw,params", [
     (dict(), FULL), (dict(), CAUSAL), (dict(d=256), CAUSAL), (dict(dtype=torch.float16, hk=1), FULL),
     (dict(sq=512, sk=1536), FULL), (dict(sq=1536, sk=256, d=128), FULL), (dict(d=256, sk=1984), FULL),
+    (dict(sq=704, sk=640), FULL), (dict(sq=1088, sk=1088, d=256), CAUSAL),   # the last tile: one warpgroup
+    (dict(d=64), FULL), (dict(d=64, sq=1088, sk=1152, hk=1), FULL), (dict(d=64, sq=2048, sk=2048), CAUSAL),
 ])
 def test_eligible_problems(kw, params):
     assert fa3.eligible(*_qkv(**kw), params)
 
 
 @pytest.mark.parametrize("kw,params", [
-    (dict(d=64), FULL),                                  # the Triton kernel is faster at head dim 64
     (dict(d=96), FULL),
+    (dict(d=64, sq=1088, sk=1088), FULL),                # d64: Bc = 128
     (dict(dtype=torch.float32), FULL),
-    (dict(sq=1000, sk=1000), FULL),                      # not a multiple of Br = 128
+    (dict(sq=1000, sk=1000), FULL),                      # not a multiple of a warpgroup's 64 rows
     (dict(sk=1000), FULL),                               # not a multiple of Bc
     (dict(sq=1024, sk=2048), CAUSAL),                    # causal needs s_q == s_k
     (dict(), AttnParams(softmax_scale=0.1, window_left=256, window_right=0)),
@@ -52,7 +54,7 @@ def test_ineligible_problems(kw, params):
 
 @pytest.mark.parametrize("kw,params", [
     (dict(), FULL), (dict(), CAUSAL), (dict(d=64), CAUSAL), (dict(d=64, hk=1), FULL),
-    (dict(sq=704, sk=640), FULL),                        # d128: Br 64, Bc 128 (the forward's Br 128 does not divide)
+    (dict(sq=704, sk=640), FULL),                        # d128: Br 64, Bc 128
     (dict(sq=512, sk=1536, d=64), FULL), (dict(dtype=torch.float16, hk=2), CAUSAL),
 ])
 def test_backward_eligible_problems(kw, params):

@@ -27,10 +27,15 @@ FA3_CASES = [
     Case(1, 2048, 2048, 4, 4, 256, fp16, causal=True),
     Case(2, 640, 1984, 8, 2, 256, bf16, softmax_scale=0.3),        # odd multiples of the tiles
     Case(1, 4096, 4096, 8, 8, 256, bf16, causal=True),
+    Case(2, 1024, 1024, 8, 8, 64, bf16),                           # d64: Br = 192, the last tile's third
+    Case(1, 2048, 2048, 16, 2, 64, fp16, causal=True),             # warpgroup (or second and third) idle
+    Case(2, 640, 1536, 4, 1, 64, bf16),
+    Case(2, 704, 640, 4, 2, 128, bf16),                            # s_q % Br = 64: the last tile's second
+    Case(1, 1088, 1088, 2, 1, 256, fp16, causal=True),             # warpgroup computes rows it does not store
 ]
 
 TRITON_CASES = [   # shapes or features the FA3 kernels do not take
-    Case(1, 1088, 1088, 4, 4, 64, bf16),                           # d64, s_q % 128 != 0: Triton forward and backward
+    Case(1, 1088, 1088, 4, 4, 64, bf16),                           # d64, 1088 % 128 != 0: Triton forward and backward
     Case(1, 1000, 1000, 4, 4, 128, bf16, causal=True),             # seqlen not a multiple of Br
     Case(1, 1024, 2048, 4, 4, 128, bf16, causal=True),             # causal with s_q != s_k
     Case(1, 1024, 1024, 4, 4, 128, fp16, window=(256, 0)),
@@ -89,9 +94,7 @@ def test_other_cases_run_triton_gpu(c: Case, seed, monkeypatch):
     check_against_reference(c, q, k, v, dout, alibi, out, lse, None, grads, dropout_mask=keep)
 
 
-BWD_ONLY_CASES = [   # the Gluon backward without the forward: d128 tiles the forward's Br 128 does not divide; d64
-    Case(2, 704, 640, 4, 2, 128, bf16),
-    Case(1, 1088, 1152, 2, 1, 128, fp16),
+BWD_CASES = [   # the Gluon backward (d64; the d128 backward's cases are in FA3_CASES)
     Case(2, 1024, 1024, 8, 8, 64, bf16, causal=True),
     Case(2, 640, 1152, 4, 2, 64, fp16),                            # GQA, s_q < s_k
     Case(1, 2048, 2048, 8, 1, 64, bf16, causal=True),              # MQA
@@ -99,11 +102,40 @@ BWD_ONLY_CASES = [   # the Gluon backward without the forward: d128 tiles the fo
 ]
 
 
-@pytest.mark.parametrize("c", BWD_ONLY_CASES, ids=lambda c: c.id)
-def test_fa3_backward_alone_matches_reference_gpu(c: Case, seed, monkeypatch):
+@pytest.mark.parametrize("c", BWD_CASES, ids=lambda c: c.id)
+def test_fa3_backward_matches_reference_gpu(c: Case, seed, monkeypatch):
     (q, k, v, dout, alibi), out, lse, grads, _, calls = _run(c, monkeypatch)
-    assert calls == {"fwd": 0, "bwd": 1}, calls
+    assert calls == {"fwd": int(fa3.eligible(q, k, v, _params(c))), "bwd": 1}, calls
     check_against_reference(c, q, k, v, dout, alibi, out, lse, None, grads)
+
+
+# (head_dim, (num_wg, Bc, stages), ping-pong) not shipped today: three consumer warpgroups (Br = 192), whose last
+# tile of a sequence ends after one or two of them (1024 = 5 x 192 + 64, 2048 = 10 x 192 + 128)
+TILE_VARIANTS = [(64, (3, 128, 2), True), (64, (3, 128, 2), False), (128, (3, 64, 2), False)]
+TILE_CASES = [
+    Case(2, 1024, 1024, 4, 2, 0, bf16),
+    Case(2, 2048, 2048, 4, 4, 0, fp16, causal=True),
+    Case(1, 1152, 1152, 6, 1, 0, bf16, causal=True),
+    Case(2, 640, 1536, 4, 1, 0, bf16),
+]
+
+
+@pytest.mark.parametrize("variant", TILE_VARIANTS, ids=lambda v: f"d{v[0]}-{v[1]}-pp{int(v[2])}")
+@pytest.mark.parametrize("c", TILE_CASES, ids=lambda c: c.id)
+def test_fa3_forward_tile_variants_gpu(c: Case, variant, seed, monkeypatch):
+    """The kernel at tiles the sweep tries (benchmarks/sweep_fa3.py): every row of a NaN-poisoned output and LSE
+    written, and both against float64."""
+    d, cfg, pingpong = variant
+    monkeypatch.setitem(fa3.CONFIGS, d, cfg)
+    monkeypatch.setitem(fa3.PINGPONG, d, (pingpong, pingpong))
+    c = Case(c.b, c.sq, c.sk, c.h, c.hk, d, c.dtype, causal=c.causal)
+    q, k, v, dout, alibi = case_inputs(c, "cuda")
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((c.b, c.h, c.sq), float("nan"), device="cuda")
+    assert fa3.supports(q, k, v, _params(c))
+    fa3.fwd(q, k, v, out, lse, _params(c))
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    check_against_reference(c, q, k, v, dout, alibi, out, lse, None, None)
 
 
 def test_fa3_backward_deterministic_runs_triton_gpu(seed, monkeypatch):

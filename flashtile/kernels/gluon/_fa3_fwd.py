@@ -60,20 +60,20 @@ def _load_partition(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_rea
 
 
 @gluon.jit
-def _online_softmax(s, m_i, l_i, qk_scale, j, n_unmasked, q_start,
-                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr, FP8: gl.constexpr):
+def _online_softmax(s, m_i, l_i, qk_scale, j, n_unmasked, q_start, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    s_layout: gl.constexpr, FP8: gl.constexpr, CAUSAL: gl.constexpr):
     """Algorithm 1 lines 9-10 for one S block, in base 2 (qk_scale = softmax_scale * log2 e > 0, which lets the
     row max be taken before scaling): m_new = max(m_i, rowmax(S) * scale); P~ = exp2(S * scale - m_new);
-    l_new = exp2(m_i - m_new) l_i + rowsum(P~). Blocks j >= n_unmasked (the program's) reach the causal diagonal:
-    columns after a row's own index get -inf first. At d256 (Bc 64 < Br 128) the last block is entirely masked
-    for warpgroup 0's rows; block 0 always has a visible column for every row, so m_i is finite by then and
-    such a block only adds P~ = 0 with alpha = 1 (no NaN).
+    l_new = exp2(m_i - m_new) l_i + rowsum(P~). Blocks j >= n_unmasked (the warpgroup's) reach the causal
+    diagonal: columns after a row's own index get -inf first. Block 0 has a visible column for every row, so m_i
+    is finite from then on (a row's masked columns add P~ = 0, no NaN).
     FP8: P~ = exp2(S * scale - m_new + log2 448) fills e4m3's range [0, 448] for the P V product; l carries the
     same factor, so it cancels in O = acc / l (the LSE subtracts it)."""
-    if j >= n_unmasked:
-        rows = q_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-        cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        s = gl.where(gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1), s, float("-inf"))
+    if CAUSAL:
+        if j >= n_unmasked:
+            rows = q_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+            cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            s = gl.where(gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1), s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     alpha = gl.exp2(m_i - m_new)
     if FP8:
@@ -89,7 +89,8 @@ def _turn(bars, wg: gl.constexpr, t, NUM_WG: gl.constexpr, PINGPONG: gl.constexp
     """With PINGPONG, wait until consumer warpgroup `wg` may issue its t-th group of wgmmas (FA3's "ping-pong"
     schedule, §3.1): turns go round the warpgroups, so one's GEMMs run on the tensor cores while the others
     compute their softmax. Warpgroup 0's first wait passes at once (an mbarrier starts with phase 1 complete).
-    Both warpgroups run n_blocks + 1 turns (n_blocks is the program's, not the warpgroup's)."""
+    Every warpgroup runs n_blocks + 1 turns (n_blocks is the program's, not the warpgroup's: the blocks it does not
+    read pass their turns too)."""
     if NUM_WG > 1 and PINGPONG:
         mbarrier.wait(bars.index(wg), (t & 1) ^ (1 if wg == 0 else 0))
 
@@ -107,9 +108,9 @@ def _pass_turn(bars, wg: gl.constexpr, NUM_WG: gl.constexpr, PINGPONG: gl.conste
 @gluon.jit
 def _consumer_partition(wg: gl.constexpr, q_bufs, k_bufs, v_bufs, o_bufs, q_bar, k_ready, v_ready, k_empty,
                         v_empty, turns, o_desc, lse_ptr, k_scale_ptr, v_scale_ptr, q_row, q_col, q_start,
-                        n_blocks, n_unmasked, qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        seqlen_q, n_blocks, qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                         HEAD_D: gl.constexpr, STAGES: gl.constexpr, NUM_WG: gl.constexpr, PINGPONG: gl.constexpr,
-                        FP8: gl.constexpr):
+                        FP8: gl.constexpr, CAUSAL: gl.constexpr):
     """Consumer warpgroup `wg`: rows [wg * BLOCK_M, (wg + 1) * BLOCK_M) of the program's Q tile, through the whole
     key loop (Algorithm 1 lines 6-11), then its part of the epilogue (lines 12-15).
     FP8 (FA3 §3.3): Q, K, V^T are e4m3 with one descale per block; qk_scale already holds Q_i's, K_j's joins it
@@ -127,6 +128,16 @@ def _consumer_partition(wg: gl.constexpr, q_bufs, k_bufs, v_bufs, o_bufs, q_bar,
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     q_smem = q_bufs.index(wg)
     q_start = q_start + wg * BLOCK_M
+    # this warpgroup's key blocks: it computes blocks < n_mine and masks those >= n_unmasked; the program's other
+    # blocks (n_mine <= j < n_blocks: past its rows' causal diagonal, or every block after the first for rows past
+    # the sequence) it only releases, after the key loop
+    n_mine = n_blocks
+    n_unmasked = n_blocks
+    if CAUSAL:
+        n_mine = gl.minimum(gl.cdiv(q_start + BLOCK_M, BLOCK_N), n_blocks)
+        n_unmasked = q_start // BLOCK_N
+    if q_start >= seqlen_q:
+        n_mine = 1
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
     acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
@@ -135,8 +146,8 @@ def _consumer_partition(wg: gl.constexpr, q_bufs, k_bufs, v_bufs, o_bufs, q_bar,
     if FP8:   # block 0's descales, and block 1's loaded a turn ahead of their use (latency hidden by a whole turn)
         scale_j = qk_scale * gl.load(k_scale_ptr)
         dv_prev = gl.load(v_scale_ptr)
-        ks_next = gl.load(k_scale_ptr + gl.minimum(1, n_blocks - 1))
-        dv_next = gl.load(v_scale_ptr + gl.minimum(1, n_blocks - 1))
+        ks_next = gl.load(k_scale_ptr + gl.minimum(1, n_mine - 1))
+        dv_next = gl.load(v_scale_ptr + gl.minimum(1, n_mine - 1))
 
     mbarrier.wait(q_bar, 0)
     # turn 0: S_0 = Q K_0^T (nothing to overlap it with yet)
@@ -147,16 +158,16 @@ def _consumer_partition(wg: gl.constexpr, q_bufs, k_bufs, v_bufs, o_bufs, q_bar,
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
     mbarrier.arrive(k_empty.index(0), count=1)
     p, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, scale_j, 0, n_unmasked, q_start, BLOCK_M, BLOCK_N, s_layout,
-                                         FP8)
+                                         FP8, CAUSAL)
     p = _p_operand(p, dtype, p_layout, BLOCK_M, BLOCK_N, FP8)
-    for j in range(1, n_blocks):
+    for j in range(1, n_mine):
         cur = j % STAGES
         prev = (j - 1) % STAGES
         if FP8:   # block j's descales (loaded last turn); block j + 1's
             scale_j = qk_scale * ks_next
             dv_j = dv_next
-            ks_next = gl.load(k_scale_ptr + gl.minimum(j + 1, n_blocks - 1))
-            dv_next = gl.load(v_scale_ptr + gl.minimum(j + 1, n_blocks - 1))
+            ks_next = gl.load(k_scale_ptr + gl.minimum(j + 1, n_mine - 1))
+            dv_next = gl.load(v_scale_ptr + gl.minimum(j + 1, n_mine - 1))
         # turn j: issue S_j = Q K_j^T, then O += P~_{j-1} V_{j-1}; both run on the tensor cores meanwhile
         mbarrier.wait(k_ready.index(cur), (j // STAGES) & 1)
         mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
@@ -168,7 +179,7 @@ def _consumer_partition(wg: gl.constexpr, q_bufs, k_bufs, v_bufs, o_bufs, q_bar,
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
         mbarrier.arrive(k_empty.index(cur), count=1)   # K_j read: the producer may refill its buffer
         p_next, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, scale_j, j, n_unmasked, q_start,
-                                                  BLOCK_M, BLOCK_N, s_layout, FP8)
+                                                  BLOCK_M, BLOCK_N, s_layout, FP8, CAUSAL)
         if FP8:   # (the wait cannot carry 8-bit registers; the e4m3 P~ is a temporary of this turn)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, ))
         else:
@@ -181,9 +192,9 @@ def _consumer_partition(wg: gl.constexpr, q_bufs, k_bufs, v_bufs, o_bufs, q_bar,
             dv_prev = dv_j
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
         p = _p_operand(p_next, dtype, p_layout, BLOCK_M, BLOCK_N, FP8)
-    last = (n_blocks - 1) % STAGES
-    mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
-    _turn(turns, wg, n_blocks, NUM_WG, PINGPONG)
+    last = (n_mine - 1) % STAGES
+    mbarrier.wait(v_ready.index(last), ((n_mine - 1) // STAGES) & 1)
+    _turn(turns, wg, n_mine, NUM_WG, PINGPONG)
     o_tok = warpgroup_mma(_p_cast(p, FP8), _v_operand(v_bufs, last, FP8), acc, is_async=True)
     _pass_turn(turns, wg, NUM_WG, PINGPONG)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, ))
@@ -197,15 +208,28 @@ def _consumer_partition(wg: gl.constexpr, q_bufs, k_bufs, v_bufs, o_bufs, q_bar,
     else:
         o = acc / gl.expand_dims(gl.convert_layout(l_i, o_rows), 1)
         o_smem = q_smem
-    o_smem.store(o.to(o_desc.dtype))
-    fence_async_shared()
-    tma_store(o_desc, [q_row + wg * BLOCK_M, q_col], o_smem)
-    rows = q_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-    if FP8:   # l_i carries P~'s factor 448
-        gl.store(lse_ptr + rows, (m_i + gl.log2(l_i) - LOG2_E4M3_MAX) * LN2)
-    else:
-        gl.store(lse_ptr + rows, (m_i + gl.log2(l_i)) * LN2)
-    tma.store_wait(pendings=0)
+    # With 3 warpgroups (Br = 192) a sequence's last tile may end before the third warpgroup's rows: those rows
+    # (the next sequence's, or TMA's zero fill) were computed but are not stored
+    if q_start < seqlen_q:
+        o_smem.store(o.to(o_desc.dtype))
+        fence_async_shared()
+        tma_store(o_desc, [q_row + wg * BLOCK_M, q_col], o_smem)
+        rows = q_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+        if FP8:   # l_i carries P~'s factor 448
+            gl.store(lse_ptr + rows, (m_i + gl.log2(l_i) - LOG2_E4M3_MAX) * LN2)
+        else:
+            gl.store(lse_ptr + rows, (m_i + gl.log2(l_i)) * LN2)
+        tma.store_wait(pendings=0)
+    # the blocks this warpgroup does not read: released once loaded (an early release would complete the phase
+    # of the block STAGES before, which the other warpgroups may still be reading), turns passed on
+    for j in range(n_mine, n_blocks):
+        cur = j % STAGES
+        mbarrier.wait(k_ready.index(cur), (j // STAGES) & 1)
+        mbarrier.arrive(k_empty.index(cur), count=1)
+        mbarrier.wait(v_ready.index(cur), (j // STAGES) & 1)
+        mbarrier.arrive(v_empty.index(cur), count=1)
+        _turn(turns, wg, j + 1, NUM_WG, PINGPONG)
+        _pass_turn(turns, wg, NUM_WG, PINGPONG)
 
 
 @gluon.jit
@@ -280,12 +304,10 @@ def fa3_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b, stride
     q_col = h * HEAD_D
     kv_row = b * seqlen_k
     kv_col = (h // group) * HEAD_D
-    if CAUSAL:
-        n_blocks = gl.cdiv(q_start + TILE_M, BLOCK_N)
-        n_unmasked = q_start // BLOCK_N
+    if CAUSAL:   # (capped: a sequence's last tile may reach past it)
+        n_blocks = gl.minimum(gl.cdiv(q_start + TILE_M, BLOCK_N), seqlen_k // BLOCK_N)
     else:
         n_blocks = seqlen_k // BLOCK_N
-        n_unmasked = n_blocks
     lse_ptr = lse_ptr + b * stride_lse_b + h * stride_lse_h
     bhk = b * (nheads // group) + h // group
     vt_row = bhk * HEAD_D
@@ -317,21 +339,37 @@ def fa3_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b, stride
     for i in gl.static_range(NUM_WG):
         mbarrier.init(turns.index(i), count=1)
 
-    # partitions: consumer warpgroup 0 (the default partition, num_warps = 4), consumer warpgroup 1, the producer
-    # warp; each worker gets its own copy of the (scalar / shared-memory) arguments. Registers: CONSUMER_REGS per
-    # consumer thread, 24 for the producer (setmaxnreg within the kernel's limit: fa3._regs)
-    gl.static_assert(NUM_WG == 2)
-    gl.warp_specialize([
-        (_consumer_partition, (0, q_bufs, k_bufs, v_bufs, o_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, turns,
-                               o_desc, lse_ptr, k_scale_ptr, v_scale_ptr, q_row, q_col, q_start, n_blocks,
-                               n_unmasked, qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES, NUM_WG, PINGPONG, FP8)),
-        (_consumer_partition, (1, q_bufs, k_bufs, v_bufs, o_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, turns,
-                               o_desc, lse_ptr, k_scale_ptr, v_scale_ptr, q_row, q_col, q_start, n_blocks,
-                               n_unmasked, qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES, NUM_WG, PINGPONG, FP8)),
-        (_load_partition, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty,
-                           v_empty, q_row, q_col, kv_row, kv_col, vt_row, n_blocks, BLOCK_M, BLOCK_N, STAGES,
-                           NUM_WG, FP8)),
-    ], [4, 1], [CONSUMER_REGS, 24])
+    # partitions: consumer warpgroup 0 (the default partition, num_warps = 4), consumer warpgroups 1 (and 2), the
+    # producer warp; each worker gets its own copy of the (scalar / shared-memory) arguments. Registers:
+    # CONSUMER_REGS per consumer thread, 24 for the producer (setmaxnreg within the kernel's limit: fa3._regs)
+    gl.static_assert(NUM_WG == 2 or (NUM_WG == 3 and not FP8))
+    if NUM_WG == 2:
+        gl.warp_specialize([
+            (_consumer_partition, (0, q_bufs, k_bufs, v_bufs, o_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, turns,
+                                   o_desc, lse_ptr, k_scale_ptr, v_scale_ptr, q_row, q_col, q_start, seqlen_q, n_blocks,
+                                   qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES, NUM_WG, PINGPONG, FP8, CAUSAL)),
+            (_consumer_partition, (1, q_bufs, k_bufs, v_bufs, o_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, turns,
+                                   o_desc, lse_ptr, k_scale_ptr, v_scale_ptr, q_row, q_col, q_start, seqlen_q, n_blocks,
+                                   qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES, NUM_WG, PINGPONG, FP8, CAUSAL)),
+            (_load_partition, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty,
+                               v_empty, q_row, q_col, kv_row, kv_col, vt_row, n_blocks, BLOCK_M, BLOCK_N, STAGES,
+                               NUM_WG, FP8)),
+        ], [4, 1], [CONSUMER_REGS, 24])
+    else:
+        gl.warp_specialize([
+            (_consumer_partition, (0, q_bufs, k_bufs, v_bufs, o_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, turns,
+                                   o_desc, lse_ptr, k_scale_ptr, v_scale_ptr, q_row, q_col, q_start, seqlen_q, n_blocks,
+                                   qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES, NUM_WG, PINGPONG, FP8, CAUSAL)),
+            (_consumer_partition, (1, q_bufs, k_bufs, v_bufs, o_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, turns,
+                                   o_desc, lse_ptr, k_scale_ptr, v_scale_ptr, q_row, q_col, q_start, seqlen_q, n_blocks,
+                                   qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES, NUM_WG, PINGPONG, FP8, CAUSAL)),
+            (_consumer_partition, (2, q_bufs, k_bufs, v_bufs, o_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, turns,
+                                   o_desc, lse_ptr, k_scale_ptr, v_scale_ptr, q_row, q_col, q_start, seqlen_q, n_blocks,
+                                   qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES, NUM_WG, PINGPONG, FP8, CAUSAL)),
+            (_load_partition, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty,
+                               v_empty, q_row, q_col, kv_row, kv_col, vt_row, n_blocks, BLOCK_M, BLOCK_N, STAGES,
+                               NUM_WG, FP8)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
     mbarrier.invalidate(q_bar)
     for i in gl.static_range(STAGES):

@@ -1,8 +1,9 @@
 """When and how the dense forward and backward run FlashAttention-3's Hopper kernel (_fa3_fwd.py, Gluon) instead of the
 portable Triton kernel: a CUDA device of compute capability 9.x with Gluon importable, fp16/bf16, the
-(batch, seqlen, nheads, headdim) layout contiguous with 16-byte aligned bases, headdim 128 or 256, a positive
+(batch, seqlen, nheads, headdim) layout contiguous with 16-byte aligned bases, headdim 64, 128 or 256, a positive
 softmax scale, no feature but causal / GQA (no window, softcap, ALiBi, dropout, bias, mask or block sparsity),
-seqlen_q a multiple of Br and seqlen_k of Bc (CONFIGS), causal with seqlen_q == seqlen_k. The backward
+seqlen_q a multiple of 64 (a consumer warpgroup's rows) and seqlen_k of Bc (CONFIGS), causal with
+seqlen_q == seqlen_k. The backward
 (_fa3_bwd.py) takes the same problems at the head dims of BWD_CONFIGS (seqlen_q a multiple of its Br, seqlen_k of
 its Bc) unless deterministic gradients are asked for (it adds dQ with TMA reduce-add). FLASHTILE_GLUON=0 turns
 both off."""
@@ -13,25 +14,29 @@ import functools
 import os
 
 import torch
+import triton
 
 from ..triton.mods import LOG2E
 
-WG_ROWS = 64   # query rows per consumer warpgroup (one wgmma M); two consumer warpgroups: Br = 128
+WG_ROWS = 64   # query rows per consumer warpgroup (one wgmma M): Br = 64 x consumer warpgroups
 # head_dim -> (consumer warpgroups, Bc, pipeline stages), chosen by measurement on an H200 (benchmarks/sweep_fa3.py,
 # BENCHMARKS.md): Q_i + STAGES x (K_j, V_j) must fit the 227 KiB of shared memory (d128: 160 KiB; a third stage
-# fits but measured no faster; d256: 192 KiB) and S, P~, O the consumers' 240 registers per thread. At head dim
-# 64 the Triton kernel is as fast, so it keeps that head dim.
-CONFIGS = {128: (2, 128, 2), 256: (2, 64, 2)}
+# fits but measured no faster; d256: 192 KiB) and S, P~, O the consumers' registers (240 per thread with two
+# warpgroups, 160 with three: THREE_WG). Head dim 64 takes FA3's Br = 192 (three warpgroups): with two it was no
+# faster than the Triton kernel (437-446 vs 438 TFLOP/s at 8k), with three 507-515 (BENCHMARKS.md §1)
+CONFIGS = {64: (3, 128, 2), 128: (2, 128, 2), 256: (2, 64, 2)}
 # head_dim -> whether the consumer warpgroups take turns issuing their GEMMs (FA3's ping-pong), (full, causal).
-# Measured: turns win at d128 full attention (+1-2%); under a causal mask, and at d256, free scheduling by the
-# warp scheduler is as fast or 2-3% faster (BENCHMARKS.md, the fa3 sweep)
-PINGPONG = {128: (True, False), 256: (False, False)}
+# Measured: turns win in full attention at d128 (+1-2%) and d64 (+1-2%); under a causal mask, and at d256, free
+# scheduling by the warp scheduler is as fast or 2-3% faster (BENCHMARKS.md, the fa3 sweep)
+PINGPONG = {64: (True, False), 128: (True, False), 256: (False, False)}
 # the kernel's register limit per thread: 12 warps (4 + 4 + 1 rounded up to warpgroups) x 32 x 168 = the 64K
 # registers of an SM; inside the partitions setmaxnreg moves them to 240 per consumer thread and 24 for the producer
 MAXNREG = 168
 # (kernel limit, consumer registers) of the forward: one program per SM (168, 240), or two (80, 104: 12 warps x 32
 # x 80 = 30720 registers each; 256 x 104 + 128 x 24 fit in that), whose warps hide each other's softmax latency
 ONE_PER_SM, TWO_PER_SM = (MAXNREG, 240), (80, 104)
+# three consumer warpgroups (Br = 192): 16 warps x 32 x 128 = 64K registers; 3 x 128 x 160 + 128 x 24 fit in them
+THREE_WG = (128, 160)
 # (head_dim, fp8) -> the forward's registers where not ONE_PER_SM
 FWD_REGS: dict = {}
 
@@ -115,6 +120,8 @@ def eligible(q, k, v, params, alibi=None, cu_seqlens_q=None, bias=None, mask=Non
     if not tma_aligned(q, k, v):
         return False   # TMA needs 16-byte aligned bases (the row strides are: head_dim x nheads x 2 bytes)
     block_m, block_n = BWD_CONFIGS[head_dim][:2] if backward else block_shape(head_dim)
+    if not backward:   # the forward's last tile may end after any of its warpgroups' 64 rows
+        block_m = WG_ROWS
     causal = params.window_right == 0
     return not (sq % block_m or sk % block_n or sq == 0 or (causal and sq != sk))
 
@@ -184,16 +191,16 @@ def _launch_fwd(q, k, v, out, lse, scales, softmax_scale, causal, num_wg, block_
                                   _smem_layout(head_dim, block_n, v.dtype))
     else:
         v_desc = desc(v, block_n)
-    kern.fa3_fwd_kernel[(sq // (num_wg * WG_ROWS), batch * nheads)](
+    kern.fa3_fwd_kernel[(triton.cdiv(sq, num_wg * WG_ROWS), batch * nheads)](
         desc(q, WG_ROWS), desc(k, block_n), v_desc, desc(out, WG_ROWS), lse, lse.stride(0), lse.stride(1),
         *scales, sq, sk, nheads, nheads // nheads_k, softmax_scale * LOG2E,
         HEAD_D=head_dim, BLOCK_M=WG_ROWS, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, NUM_WG=num_wg,
-        PINGPONG=pingpong, FP8=fp8, **_regs(head_dim, fp8))
+        PINGPONG=pingpong, FP8=fp8, **_regs(head_dim, fp8, num_wg))
 
 
-def _regs(head_dim: int, fp8: bool) -> dict:
-    """The forward's launch options for its register split (FWD_REGS)."""
-    maxnreg, consumer = FWD_REGS.get((head_dim, fp8), ONE_PER_SM)
+def _regs(head_dim: int, fp8: bool, num_wg: int = 2) -> dict:
+    """The forward's launch options for its register split (FWD_REGS; THREE_WG with three consumer warpgroups)."""
+    maxnreg, consumer = THREE_WG if num_wg == 3 else FWD_REGS.get((head_dim, fp8), ONE_PER_SM)
     return dict(CONSUMER_REGS=consumer, num_warps=4, maxnreg=maxnreg)
 
 
