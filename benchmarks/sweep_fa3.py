@@ -2,11 +2,11 @@
 
 Usage (Hopper GPU machine, repo root):
     PYTHONPATH=. python benchmarks/sweep_fa3.py --out DIR [--heads 64,128,256] [--seqlens 2048,8192] [--rounds 2]
-        [--variants "d:num_wg,Bc,stages,pingpong;..."]
+        [--variants "d:num_wg,Bc,stages,pingpong[,persistent];..."]
 
 A variant sets flashtile.kernels.gluon.fa3.CONFIGS[d] and fa3.PINGPONG[d] (0: the consumer warpgroups issue
-their GEMMs without taking turns, full and causal alike). Default variants: the shipped config of each head dim plus its no-ping-pong twin
-and the neighbouring tile shapes. Each variant is first checked against float64 (b2 s768, GQA 2:1, bf16, full
+their GEMMs without taking turns, full and causal alike) and fa3.PERSISTENT (0: one program per tile; default 1).
+Default variants: the shipped config of each head dim plus its no-ping-pong twin and the neighbouring tile shapes. Each variant is first checked against float64 (b2 s768, GQA 2:1, bf16, full
 and causal). Shapes: the FA3 grid (16k tokens, hidden 2048), bf16. Timing: triton.testing.do_bench medians of the
 kernel launch (fa3.fwd on preallocated outputs) and of flash_attn_func with FLASHTILE_GLUON=0 (the Triton kernel)
 and cuDNN SDPA; rounds alternate the providers; the best round is reported. Writes DIR/sweep_fa3.json.
@@ -32,6 +32,7 @@ DEFAULT_VARIANTS = ("64:2,128,3,1;64:2,128,2,1;64:2,128,3,0;"
 def use(d, variant):
     fa3.CONFIGS[d] = variant[:3]
     fa3.PINGPONG[d] = (bool(variant[3]), bool(variant[3]))
+    fa3.PERSISTENT = bool(variant[4]) if len(variant) > 4 else True
 
 
 def run_fa3(q, k, v, causal, out=None, lse=None):
@@ -59,7 +60,7 @@ def main():
     variants = parse_int_variants(args.variants)   # (num_wg, Bc, stages, pingpong)
     rows = []
     for d in (int(x) for x in args.heads.split(",")):
-        shipped, shipped_pp = fa3.CONFIGS.get(d), fa3.PINGPONG.get(d)
+        shipped, shipped_pp, persistent = fa3.CONFIGS.get(d), fa3.PINGPONG.get(d), fa3.PERSISTENT
         for variant in variants[d]:
             check(d, variant)
         for s, causal, q, k, v, out, lse, flops in grid_points(d, (int(x) for x in args.seqlens.split(","))):
@@ -68,7 +69,8 @@ def main():
                 for variant in variants[d]:
                     use(d, variant)
                     ms = triton.testing.do_bench(lambda: run_fa3(q, k, v, causal, out, lse), warmup=25, rep=150)
-                    res.setdefault("fa3 wg%d Bc%d st%d pp%d" % variant, []).append(flops / ms / 1e9)
+                    res.setdefault("fa3 wg%d Bc%d st%d pp%d" % variant[:4] + " np" * (variant[4:] == (0, )),
+                                   []).append(flops / ms / 1e9)
                 os.environ["FLASHTILE_GLUON"] = "0"
                 ms = triton.testing.do_bench(lambda: flashtile.flash_attn_func(q, k, v, causal=causal),
                                              warmup=25, rep=150)
@@ -83,6 +85,7 @@ def main():
                   flush=True)
             rows.append(dict(head_dim=d, seqlen=s, causal=causal, tflops=res))
         restore(((fa3.CONFIGS, d, shipped), (fa3.PINGPONG, d, shipped_pp)))
+        fa3.PERSISTENT = persistent
     with open(os.path.join(args.out, "sweep_fa3.json"), "w") as f:
         json.dump(rows, f, indent=1)
 

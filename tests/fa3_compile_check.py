@@ -3,9 +3,10 @@ without a GPU. Arguments `fwd|bwd|fp8,<head_dim>,<causal 0|1>,<bf16|fp16>` (fp8:
 dtype); prints one line per variant: `ok <kind> d<head_dim> causal=<0|1> <dtype> shared=<bytes> wgmma=<count>
 reduce=<count> arrives=<count> unsynced=<count> e4m3_mma=<count> shfl_idx=<count>` (reduce: TMA reduce-add
 instructions, the backward's dQ; e4m3_mma: FP8 wgmmas; shfl_idx: indexed warp shuffles, which a P operand needing
-data exchange would bring). `unsynced` counts the plain mbarrier arrivals (one thread of a consumer warpgroup)
-not preceded by a bar.sync of the warpgroup's 128 threads, on which the kernels' barrier counts rely
-(_fa3_fwd._pass_turn, the backward's ds_ready / ds_free / qdo_empty).
+data exchange would bring). `unsynced` counts the plain mbarrier arrivals (one thread of a consumer warpgroup,
+or of the forward's one-warp producer) not preceded by a bar.sync of the warpgroup's 128 threads (the producer's:
+of its warp), on which the kernels' barrier counts rely (_fa3_fwd._pass_turn, the backward's ds_ready / ds_free /
+qdo_empty).
 Run by tests/test_fa3_gluon.py in a subprocess, with TRITON_INTERPRET=0 (the interpreter does not run Gluon)."""
 import os
 import sys
@@ -47,10 +48,12 @@ def compile_fwd(head_dim: int, causal: bool, dtype: torch.dtype):
     runtime = dict(q_desc=_desc(t, fa3.WG_ROWS, head_dim), k_desc=_desc(t, block_n, head_dim),
                    v_desc=_desc(t, block_n, head_dim), o_desc=_desc(t, fa3.WG_ROWS, head_dim),
                    lse_ptr=lse, stride_lse_b=lse.stride(0), stride_lse_h=lse.stride(1), q_scale_ptr=lse,
-                   k_scale_ptr=lse, v_scale_ptr=lse, seqlen_q=s, seqlen_k=s, nheads=h, group=1, qk_scale=0.1)
+                   k_scale_ptr=lse, v_scale_ptr=lse, counter_ptr=torch.zeros(1, dtype=torch.int32), seqlen_q=s,
+                   seqlen_k=s, n_bh=b * h, nheads=h, group=1, qk_scale=0.1)
     launch = fa3._regs(head_dim, False, num_wg)
     consts = dict(HEAD_D=head_dim, BLOCK_M=fa3.WG_ROWS, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
-                  NUM_WG=num_wg, PINGPONG=fa3.PINGPONG[head_dim][causal], FP8=False,
+                  NUM_WG=num_wg, Q_BUFS=fa3.q_buffers(head_dim, num_wg, block_n, stages, t.element_size(), False),
+                  PINGPONG=fa3.PINGPONG[head_dim][causal], FP8=False,
                   CONSUMER_REGS=launch["CONSUMER_REGS"], num_warps=4)
     return _compile(_fa3_fwd.fa3_fwd_kernel, runtime, consts, launch["maxnreg"])
 
@@ -66,10 +69,12 @@ def compile_fp8(head_dim: int, causal: bool, out_dtype: torch.dtype):
     runtime = dict(q_desc=_desc(x8, fa3.WG_ROWS, head_dim), k_desc=_desc(x8, block_n, head_dim),
                    v_desc=_desc(vt, head_dim, block_n), o_desc=_desc(out, fa3.WG_ROWS, head_dim), lse_ptr=lse,
                    stride_lse_b=lse.stride(0), stride_lse_h=lse.stride(1), q_scale_ptr=lse, k_scale_ptr=lse,
-                   v_scale_ptr=lse, seqlen_q=s, seqlen_k=s, nheads=h, group=1, qk_scale=0.1)
+                   v_scale_ptr=lse, counter_ptr=torch.zeros(1, dtype=torch.int32), seqlen_q=s, seqlen_k=s,
+                   n_bh=b * h, nheads=h, group=1, qk_scale=0.1)
     launch = fa3._regs(head_dim, True)
-    consts = dict(HEAD_D=head_dim, BLOCK_M=fa3.WG_ROWS, BLOCK_N=block_n, STAGES=fa3.FP8_CONFIGS[head_dim][1],
-                  CAUSAL=causal, NUM_WG=2, PINGPONG=fa3.FP8_PINGPONG[head_dim][causal], FP8=True,
+    stages = fa3.FP8_CONFIGS[head_dim][1]
+    consts = dict(HEAD_D=head_dim, BLOCK_M=fa3.WG_ROWS, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, NUM_WG=2,
+                  Q_BUFS=fa3.q_buffers(head_dim, 2, block_n, stages, 1, True), PINGPONG=fa3.FP8_PINGPONG[head_dim][causal], FP8=True,
                   CONSUMER_REGS=launch["CONSUMER_REGS"], num_warps=4)
     return _compile(_fa3_fwd.fa3_fwd_kernel, runtime, consts, launch["maxnreg"])
 
@@ -101,8 +106,8 @@ if __name__ == "__main__":
         ck = {"fwd": compile_fwd, "bwd": compile_bwd, "fp8": compile_fp8}[kind](int(d), causal == "1", dtype)
         ptx = ck.asm["ptx"].splitlines()
         arrives = [i for i, line in enumerate(ptx) if "mbarrier.arrive" in line and "expect_tx" not in line]
-        unsynced = [i for i in arrives if not any("bar.sync" in ptx[j] and ", 128;" in ptx[j]
-                                                  for j in range(max(0, i - 6), i))]
+        unsynced = [i for i in arrives if not any(("bar.sync" in ptx[j] and ", 128;" in ptx[j])
+                                                  or "bar.warp.sync" in ptx[j] for j in range(max(0, i - 6), i))]
         print(f"ok {kind} d{d} causal={causal} {dt} shared={ck.metadata.shared} "
               f"wgmma={ck.asm['ptx'].count('wgmma.mma_async')} reduce={ck.asm['ptx'].count('cp.reduce.async.bulk')} "
               f"arrives={len(arrives)} unsynced={len(unsynced)} e4m3_mma={ck.asm['ptx'].count('.f32.e4m3.e4m3')} "

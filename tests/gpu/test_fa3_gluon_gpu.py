@@ -208,3 +208,43 @@ def test_fa3_writes_every_element_gpu(seed):
     assert fa3.supports(q, k, v, _params(c))
     fa3.fwd(q, k, v, out, lse, _params(c))
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+
+
+PERSISTENT_CASES = [   # (head_dim, seqlen_q, seqlen_k, causal, fp8)
+    (64, 1024, 1024, False, False), (64, 2048, 2048, True, False), (128, 704, 640, False, False),
+    (128, 1152, 1152, True, False), (256, 1088, 1088, True, False), (128, 1024, 1024, True, True),
+    (256, 1024, 2048, False, True),
+]
+
+
+@pytest.mark.parametrize("d,sq,sk,causal,fp8", PERSISTENT_CASES)
+def test_fa3_persistent_equals_one_tile_per_program_gpu(d, sq, sk, causal, fp8, seed, monkeypatch):
+    """The persistent forward with 5 programs (each draws tile after tile: ring positions, turns and Q buffers
+    carried over tiles) gives bitwise the output and LSE of one program per tile, every element written, and
+    leaves the stream's tile counter at 0."""
+    from flashtile.fp8 import quantize_fp8
+    from flashtile.kernels.triton.decode import tickets
+    q = torch.randn(3, sq, 6, d, device="cuda", dtype=bf16)
+    k, v = (torch.randn(3, sk, 2, d, device="cuda", dtype=bf16) for _ in range(2))
+    if fp8:
+        t = quantize_fp8(q, k, v, causal=causal, block_m=128, block_n=fa3.FP8_CONFIGS[d][0], v_key_perm=True)
+
+    def run():
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full((3, 6, sq), float("nan"), device="cuda")
+        if fp8:
+            fa3.fwd_fp8(t.q, t.k, t.v, t.q_scale, t.k_scale, t.v_scale, out, lse, d ** -0.5, causal)
+        else:
+            fa3.fwd(q, k, v, out, lse, launch.AttnParams(softmax_scale=d ** -0.5, window_right=0 if causal else -1))
+        return out, lse
+
+    monkeypatch.setattr(fa3, "PERSISTENT", False)
+    want = run()
+    monkeypatch.setattr(fa3, "PERSISTENT", True)
+    monkeypatch.setattr(fa3, "_sm_count", lambda _: 5)
+    got = run()
+    got2 = run()
+    assert tickets(q.device, 1)[0].item() == 0
+    assert all(torch.isfinite(x).all() for x in got)
+    assert torch.equal(got[0], got2[0]) and torch.equal(got[1], got2[1])
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -34,29 +34,82 @@ tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 
 @gluon.jit
-def _load_partition(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
-                    q_row, q_col, kv_row, kv_col, vt_row, n_blocks, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    STAGES: gl.constexpr, NUM_WG: gl.constexpr, FP8: gl.constexpr):
-    """Producer: the consumers' Q rows, then K_j / V_j for j < n_blocks into buffer j % STAGES once every
-    consumer warpgroup released it. FP8: V_j comes from V^T, a (HEAD_D, BLOCK_N) block at row vt_row."""
-    mbarrier.expect(q_bar, NUM_WG * q_desc.block_type.nbytes)
+def _tile(tile, n_m, seqlen_k, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """Tile number `tile` -> (bh, pid_m, q_start, n_blocks). Tiles are numbered head by head (a head's tiles share
+    its K / V in L2), each head's longest (causal: last) query tile first, the short ones fill the tail."""
+    bh = tile // n_m
+    pid_m = tile % n_m
+    if CAUSAL:
+        pid_m = n_m - 1 - pid_m
+    q_start = pid_m * TILE_M
+    if CAUSAL:   # (capped: a sequence's last tile may reach past it)
+        n_blocks = gl.minimum(gl.cdiv(q_start + TILE_M, BLOCK_N), seqlen_k // BLOCK_N)
+    else:
+        n_blocks = seqlen_k // BLOCK_N
+    return bh, pid_m, q_start, n_blocks
+
+
+@gluon.jit
+def _load_partition(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
+                    v_empty, slots, counter_ptr, n_m, n_tiles, nheads, group, seqlen_q, seqlen_k,
+                    HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                    NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr):
+    """Producer and tile scheduler. It draws the program's next tile from a counter shared by the launch (dynamic
+    scheduling: a program that drew short causal tiles draws more), writes its number into the slot of a free Q
+    buffer (Q_BUFS per consumer warpgroup: the next tile's Q loads while this one's keys run) and loads each
+    consumer warpgroup's Q rows there, then K_j / V_j for j < n_blocks into ring buffer c % STAGES (c counts the
+    program's blocks over its tiles) once every consumer warpgroup released it. FP8: V_j from V^T, a (HEAD_D,
+    BLOCK_N) block. The counter: every program draws until it gets a number >= n_tiles (the consumers see it and
+    stop); the last of those n_tiles + G draws resets it to 0 for the launch after this one on the stream."""
+    slot_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    c = 0
+    it = 0
+    tile = gl.atomic_add(counter_ptr, 1)
+    while tile < n_tiles:
+        bh, pid_m, q_start, n_blocks = _tile(tile, n_m, seqlen_k, NUM_WG * BLOCK_M, BLOCK_N, CAUSAL)
+        b = bh // nheads
+        h = bh % nheads
+        qb = it % Q_BUFS
+        for wg in gl.static_range(NUM_WG):
+            # mbarriers start with phase 1 complete, so each buffer's first wait passes at once
+            mbarrier.wait(q_empty.index(qb * NUM_WG + wg), ((it // Q_BUFS) & 1) ^ 1)
+        # every warpgroup is done with the buffer's previous tile, so its slot is free; the expect below (an
+        # arrive) publishes the slot to the consumers that wait on q_ready
+        slots.index(qb).store(gl.full([1], tile, gl.int32, slot_layout))
+        for wg in gl.static_range(NUM_WG):
+            mbarrier.expect(q_ready.index(qb * NUM_WG + wg), q_desc.block_type.nbytes)
+            tma_load(q_desc, [b * seqlen_q + q_start + wg * BLOCK_M, h * HEAD_D], q_ready.index(qb * NUM_WG + wg),
+                     q_bufs.index(qb * NUM_WG + wg))
+        kv_row = b * seqlen_k
+        kv_col = (h // group) * HEAD_D
+        vt_row = (b * (nheads // group) + h // group) * HEAD_D
+        for j in range(n_blocks):
+            s = c % STAGES
+            # K_j's buffer frees as soon as S_{j-STAGES} is computed, V_j's only once P~ V of that block is:
+            # separate barriers let K run ahead
+            phase = ((c // STAGES) & 1) ^ 1
+            row = kv_row + j * BLOCK_N
+            mbarrier.wait(k_empty.index(s), phase)
+            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+            tma_load(k_desc, [row, kv_col], k_ready.index(s), k_bufs.index(s))
+            mbarrier.wait(v_empty.index(s), phase)
+            mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+            if FP8:
+                tma_load(v_desc, [vt_row, j * BLOCK_N], v_ready.index(s), v_bufs.index(s))
+            else:
+                tma_load(v_desc, [row, kv_col], v_ready.index(s), v_bufs.index(s))
+            c += 1
+        it += 1
+        tile = gl.atomic_add(counter_ptr, 1)
+    if tile == n_tiles + gl.num_programs(0) - 1:
+        gl.atomic_xchg(counter_ptr, 0)
+    # no more tiles: the next slot says so (>= n_tiles), published by a plain arrive on each warpgroup's q_ready
+    qb = it % Q_BUFS
     for wg in gl.static_range(NUM_WG):
-        tma_load(q_desc, [q_row + wg * BLOCK_M, q_col], q_bar, q_bufs.index(wg))
-    for j in range(n_blocks):
-        s = j % STAGES
-        # mbarriers start with phase 1 complete, so the first STAGES waits pass at once. K_j's buffer frees as
-        # soon as S_{j-STAGES} is computed, V_j's only once P~ V of that block is: separate barriers let K run ahead
-        phase = ((j // STAGES) & 1) ^ 1
-        row = kv_row + j * BLOCK_N
-        mbarrier.wait(k_empty.index(s), phase)
-        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-        tma_load(k_desc, [row, kv_col], k_ready.index(s), k_bufs.index(s))
-        mbarrier.wait(v_empty.index(s), phase)
-        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-        if FP8:
-            tma_load(v_desc, [vt_row, j * BLOCK_N], v_ready.index(s), v_bufs.index(s))
-        else:
-            tma_load(v_desc, [row, kv_col], v_ready.index(s), v_bufs.index(s))
+        mbarrier.wait(q_empty.index(qb * NUM_WG + wg), ((it // Q_BUFS) & 1) ^ 1)
+    slots.index(qb).store(gl.full([1], n_tiles, gl.int32, slot_layout))
+    for wg in gl.static_range(NUM_WG):
+        mbarrier.arrive(q_ready.index(qb * NUM_WG + wg), count=1)
 
 
 @gluon.jit
@@ -106,17 +159,59 @@ def _pass_turn(bars, wg: gl.constexpr, NUM_WG: gl.constexpr, PINGPONG: gl.conste
 
 
 @gluon.jit
-def _consumer_partition(wg: gl.constexpr, q_bufs, k_bufs, v_bufs, o_bufs, q_bar, k_ready, v_ready, k_empty,
-                        v_empty, turns, o_desc, lse_ptr, k_scale_ptr, v_scale_ptr, q_row, q_col, q_start,
-                        seqlen_q, n_blocks, qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                        HEAD_D: gl.constexpr, STAGES: gl.constexpr, NUM_WG: gl.constexpr, PINGPONG: gl.constexpr,
-                        FP8: gl.constexpr, CAUSAL: gl.constexpr):
-    """Consumer warpgroup `wg`: rows [wg * BLOCK_M, (wg + 1) * BLOCK_M) of the program's Q tile, through the whole
-    key loop (Algorithm 1 lines 6-11), then its part of the epilogue (lines 12-15).
+def _consumer_partition(wg: gl.constexpr, q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready,
+                        k_empty, v_empty, turns, slots, o_desc, lse_ptr, stride_lse_b, stride_lse_h, q_scale_ptr,
+                        k_scale_ptr, v_scale_ptr, n_m, n_tiles, nheads, group, seqlen_q, seqlen_k, qk_scale,
+                        HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                        NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr, PINGPONG: gl.constexpr, FP8: gl.constexpr,
+                        CAUSAL: gl.constexpr):
+    """Consumer warpgroup `wg`, tile after tile as the producer hands them over (the tile number in the slot of
+    the Q buffer, >= n_tiles: none left): c counts the program's K / V blocks (ring position), t its turns, `it`
+    its tiles (Q buffer)."""
+    slot_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    c = 0
+    t = 0
+    it = 0
+    mbarrier.wait(q_ready.index(wg), 0)
+    tile = gl.max(slots.index(0).load(slot_layout), 0)
+    while tile < n_tiles:
+        bh, pid_m, q_start, n_blocks = _tile(tile, n_m, seqlen_k, NUM_WG * BLOCK_M, BLOCK_N, CAUSAL)
+        b = bh // nheads
+        h = bh % nheads
+        tile_scale = qk_scale
+        k_scales = k_scale_ptr
+        v_scales = v_scale_ptr
+        if FP8:   # Q_i's descale joins the softmax scale; K_j's and V_j's are read per block
+            tile_scale = qk_scale * gl.load(q_scale_ptr + bh * n_m + pid_m)
+            bhk = b * (nheads // group) + h // group
+            k_scales = k_scale_ptr + bhk * (seqlen_k // BLOCK_N)
+            v_scales = v_scale_ptr + bhk * (seqlen_k // BLOCK_N)
+        qb = (it % Q_BUFS) * NUM_WG + wg
+        _consumer_tile(wg, q_bufs.index(qb), q_empty.index(qb), k_bufs, v_bufs, o_bufs, k_ready, v_ready, k_empty,
+                       v_empty, turns, o_desc, lse_ptr + b * stride_lse_b + h * stride_lse_h, k_scales, v_scales,
+                       b * seqlen_q + q_start, h * HEAD_D, q_start, seqlen_q, n_blocks, tile_scale, c, t, BLOCK_M,
+                       BLOCK_N, HEAD_D, STAGES, NUM_WG, PINGPONG, FP8, CAUSAL)
+        c += n_blocks
+        t += n_blocks + 1
+        it += 1
+        # the next tile's Q (or the end): its slot is valid once q_ready completes
+        mbarrier.wait(q_ready.index((it % Q_BUFS) * NUM_WG + wg), (it // Q_BUFS) & 1)
+        tile = gl.max(slots.index(it % Q_BUFS).load(slot_layout), 0)
+
+
+@gluon.jit
+def _consumer_tile(wg: gl.constexpr, q_smem, q_empty, k_bufs, v_bufs, o_bufs, k_ready, v_ready,
+                   k_empty, v_empty, turns, o_desc, lse_ptr, k_scale_ptr, v_scale_ptr, q_row, q_col, q_start,
+                   seqlen_q, n_blocks, qk_scale, c, t, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   HEAD_D: gl.constexpr, STAGES: gl.constexpr, NUM_WG: gl.constexpr, PINGPONG: gl.constexpr,
+                   FP8: gl.constexpr, CAUSAL: gl.constexpr):
+    """Consumer warpgroup `wg` on one tile: rows [wg * BLOCK_M, (wg + 1) * BLOCK_M) of its Q tile (in q_smem),
+    through the whole key loop (Algorithm 1 lines 6-11), then its part of the epilogue (lines 12-15). Block j of
+    the tile is the program's block c + j (ring buffer (c + j) % STAGES), its turns t .. t + n_blocks.
     FP8 (FA3 §3.3): Q, K, V^T are e4m3 with one descale per block; qk_scale already holds Q_i's, K_j's joins it
     per block (k_scale_ptr[j]), and V_j's (v_scale_ptr[j]) rides on the row rescale: acc is kept in units of
     the last V block's descale, so block quantization costs a scalar per block."""
-    dtype: gl.constexpr = q_bufs.dtype
+    dtype: gl.constexpr = q_smem.dtype
     INSTR_K: gl.constexpr = 256 // dtype.primitive_bitwidth   # a wgmma's reduction depth: 32 bytes of K
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, INSTR_K])
@@ -126,7 +221,6 @@ def _consumer_partition(wg: gl.constexpr, q_bufs, k_bufs, v_bufs, o_bufs, q_bar,
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout,
                                                  k_width=32 // dtype.primitive_bitwidth)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-    q_smem = q_bufs.index(wg)
     q_start = q_start + wg * BLOCK_M
     # this warpgroup's key blocks: it computes blocks < n_mine and masks those >= n_unmasked; the program's other
     # blocks (n_mine <= j < n_blocks: past its rows' causal diagonal, or every block after the first for rows past
@@ -149,29 +243,30 @@ def _consumer_partition(wg: gl.constexpr, q_bufs, k_bufs, v_bufs, o_bufs, q_bar,
         ks_next = gl.load(k_scale_ptr + gl.minimum(1, n_mine - 1))
         dv_next = gl.load(v_scale_ptr + gl.minimum(1, n_mine - 1))
 
-    mbarrier.wait(q_bar, 0)
+    # (Q_i has landed: the caller waited for q_ready to read the tile number)
     # turn 0: S_0 = Q K_0^T (nothing to overlap it with yet)
-    mbarrier.wait(k_ready.index(0), 0)
-    _turn(turns, wg, 0, NUM_WG, PINGPONG)
-    s_tok = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), s_init, use_acc=False, is_async=True)
+    first = c % STAGES
+    mbarrier.wait(k_ready.index(first), (c // STAGES) & 1)
+    _turn(turns, wg, t, NUM_WG, PINGPONG)
+    s_tok = warpgroup_mma(q_smem, k_bufs.index(first).permute((1, 0)), s_init, use_acc=False, is_async=True)
     _pass_turn(turns, wg, NUM_WG, PINGPONG)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
-    mbarrier.arrive(k_empty.index(0), count=1)
+    mbarrier.arrive(k_empty.index(first), count=1)
     p, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, scale_j, 0, n_unmasked, q_start, BLOCK_M, BLOCK_N, s_layout,
                                          FP8, CAUSAL)
     p = _p_operand(p, dtype, p_layout, BLOCK_M, BLOCK_N, FP8)
     for j in range(1, n_mine):
-        cur = j % STAGES
-        prev = (j - 1) % STAGES
+        cur = (c + j) % STAGES
+        prev = (c + j - 1) % STAGES
         if FP8:   # block j's descales (loaded last turn); block j + 1's
             scale_j = qk_scale * ks_next
             dv_j = dv_next
             ks_next = gl.load(k_scale_ptr + gl.minimum(j + 1, n_mine - 1))
             dv_next = gl.load(v_scale_ptr + gl.minimum(j + 1, n_mine - 1))
         # turn j: issue S_j = Q K_j^T, then O += P~_{j-1} V_{j-1}; both run on the tensor cores meanwhile
-        mbarrier.wait(k_ready.index(cur), (j // STAGES) & 1)
-        mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
-        _turn(turns, wg, j, NUM_WG, PINGPONG)
+        mbarrier.wait(k_ready.index(cur), ((c + j) // STAGES) & 1)
+        mbarrier.wait(v_ready.index(prev), ((c + j - 1) // STAGES) & 1)
+        _turn(turns, wg, t + j, NUM_WG, PINGPONG)
         s_tok = warpgroup_mma(q_smem, k_bufs.index(cur).permute((1, 0)), s_init, use_acc=False, is_async=True)
         o_tok = warpgroup_mma(_p_cast(p, FP8), _v_operand(v_bufs, prev, FP8), acc, is_async=True)
         _pass_turn(turns, wg, NUM_WG, PINGPONG)
@@ -192,16 +287,17 @@ def _consumer_partition(wg: gl.constexpr, q_bufs, k_bufs, v_bufs, o_bufs, q_bar,
             dv_prev = dv_j
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
         p = _p_operand(p_next, dtype, p_layout, BLOCK_M, BLOCK_N, FP8)
-    last = (n_mine - 1) % STAGES
-    mbarrier.wait(v_ready.index(last), ((n_mine - 1) // STAGES) & 1)
-    _turn(turns, wg, n_mine, NUM_WG, PINGPONG)
+    last = (c + n_mine - 1) % STAGES
+    mbarrier.wait(v_ready.index(last), ((c + n_mine - 1) // STAGES) & 1)
+    _turn(turns, wg, t + n_mine, NUM_WG, PINGPONG)
     o_tok = warpgroup_mma(_p_cast(p, FP8), _v_operand(v_bufs, last, FP8), acc, is_async=True)
     _pass_turn(turns, wg, NUM_WG, PINGPONG)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, ))
     mbarrier.arrive(v_empty.index(last), count=1)
 
     # epilogue (Algorithm 1 lines 12-15): O_i = diag(l_i)^-1 acc, L_i = m_i + log(l_i); every row saw >= 1 key.
-    # The output goes through this warpgroup's Q buffer (free: its S wgmmas have retired), FP8: its own buffer
+    # The output goes through this warpgroup's Q buffer (free: its S wgmmas have retired), FP8: its own buffer;
+    # the TMA store has read it before the Q buffer is released to the producer
     if FP8:
         o = acc * gl.expand_dims(gl.convert_layout(dv_prev / l_i, o_rows), 1)
         o_smem = o_bufs.index(wg)
@@ -220,15 +316,16 @@ def _consumer_partition(wg: gl.constexpr, q_bufs, k_bufs, v_bufs, o_bufs, q_bar,
         else:
             gl.store(lse_ptr + rows, (m_i + gl.log2(l_i)) * LN2)
         tma.store_wait(pendings=0)
+    mbarrier.arrive(q_empty, count=1)
     # the blocks this warpgroup does not read: released once loaded (an early release would complete the phase
     # of the block STAGES before, which the other warpgroups may still be reading), turns passed on
     for j in range(n_mine, n_blocks):
-        cur = j % STAGES
-        mbarrier.wait(k_ready.index(cur), (j // STAGES) & 1)
+        cur = (c + j) % STAGES
+        mbarrier.wait(k_ready.index(cur), ((c + j) // STAGES) & 1)
         mbarrier.arrive(k_empty.index(cur), count=1)
-        mbarrier.wait(v_ready.index(cur), (j // STAGES) & 1)
+        mbarrier.wait(v_ready.index(cur), ((c + j) // STAGES) & 1)
         mbarrier.arrive(v_empty.index(cur), count=1)
-        _turn(turns, wg, j + 1, NUM_WG, PINGPONG)
+        _turn(turns, wg, t + j + 1, NUM_WG, PINGPONG)
         _pass_turn(turns, wg, NUM_WG, PINGPONG)
 
 
@@ -279,44 +376,25 @@ def _v_operand(v_bufs, i, FP8: gl.constexpr):
 
 @gluon.jit
 def fa3_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b, stride_lse_h, q_scale_ptr, k_scale_ptr,
-                   v_scale_ptr, seqlen_q, seqlen_k, nheads, group, qk_scale, HEAD_D: gl.constexpr,
+                   v_scale_ptr, counter_ptr, seqlen_q, seqlen_k, n_bh, nheads, group, qk_scale, HEAD_D: gl.constexpr,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                   NUM_WG: gl.constexpr, PINGPONG: gl.constexpr, FP8: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                   num_warps: gl.constexpr):
-    """Grid (seqlen_q / (NUM_WG * BLOCK_M), batch * nheads); BLOCK_M = 64 rows per consumer warpgroup
-    (num_warps = 4: the first consumer is the default partition). q/k/v/o descriptors are over the 2-D views
-    (batch * seqlen, nheads * HEAD_D) with blocks (BLOCK_M or BLOCK_N, HEAD_D); seqlen_q % (NUM_WG * BLOCK_M) == 0
-    and seqlen_k % BLOCK_N == 0 (the host checks), causal only with seqlen_q == seqlen_k.
-    lse: (batch, nheads, seqlen_q) fp32, natural log.
+                   NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr, PINGPONG: gl.constexpr, FP8: gl.constexpr,
+                   CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """Persistent: G programs (at most one per SM) share the cdiv(seqlen_q, NUM_WG * BLOCK_M) output tiles of each
+    of the n_bh = batch * nheads heads, drawing them from counter_ptr (an int32 that is 0 at the launch and
+    again after it; _tile: the order), so one tile's epilogue overlaps the next one's loads; with G = the tile
+    count it is one tile per program. BLOCK_M = 64 rows per consumer warpgroup (num_warps = 4: the first consumer is the
+    default partition). q/k/v/o descriptors are over the 2-D views (batch * seqlen, nheads * HEAD_D) with blocks
+    (BLOCK_M or BLOCK_N, HEAD_D); seqlen_q % BLOCK_M == 0 and seqlen_k % BLOCK_N == 0 (the host checks), causal
+    only with seqlen_q == seqlen_k. lse: (batch, nheads, seqlen_q) fp32, natural log.
     FP8: q, k e4m3 as above, v_desc over V^T viewed (batch * nheads_k * HEAD_D, seqlen_k) with blocks
     (HEAD_D, BLOCK_N); o_desc over the bf16 / fp16 output; descales q_scale (batch, nheads, seqlen_q / Br),
     k_scale, v_scale (batch, nheads_k, seqlen_k / BLOCK_N), contiguous float32 (unused otherwise)."""
     dtype: gl.constexpr = q_desc.dtype
-    TILE_M: gl.constexpr = NUM_WG * BLOCK_M
-    pid_m = gl.program_id(0)
-    bh = gl.program_id(1)
-    if CAUSAL:   # longest rows (most key blocks) first, the short ones fill the tail
-        pid_m = gl.num_programs(0) - 1 - pid_m
-    b = bh // nheads
-    h = bh % nheads
-    q_start = pid_m * TILE_M
-    q_row = b * seqlen_q + q_start
-    q_col = h * HEAD_D
-    kv_row = b * seqlen_k
-    kv_col = (h // group) * HEAD_D
-    if CAUSAL:   # (capped: a sequence's last tile may reach past it)
-        n_blocks = gl.minimum(gl.cdiv(q_start + TILE_M, BLOCK_N), seqlen_k // BLOCK_N)
-    else:
-        n_blocks = seqlen_k // BLOCK_N
-    lse_ptr = lse_ptr + b * stride_lse_b + h * stride_lse_h
-    bhk = b * (nheads // group) + h // group
-    vt_row = bhk * HEAD_D
-    if FP8:   # Q_i's descale joins the softmax scale; K_j's and V_j's are read per block
-        qk_scale = qk_scale * gl.load(q_scale_ptr + bh * gl.num_programs(0) + pid_m)
-        k_scale_ptr = k_scale_ptr + bhk * (seqlen_k // BLOCK_N)
-        v_scale_ptr = v_scale_ptr + bhk * (seqlen_k // BLOCK_N)
+    n_m = gl.cdiv(seqlen_q, NUM_WG * BLOCK_M)
+    n_tiles = n_m * n_bh
 
-    q_bufs = gl.allocate_shared_memory(dtype, [NUM_WG, BLOCK_M, HEAD_D], q_desc.layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [Q_BUFS * NUM_WG, BLOCK_M, HEAD_D], q_desc.layout)
     k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
     if FP8:
         v_bufs = gl.allocate_shared_memory(dtype, [STAGES, HEAD_D, BLOCK_N], v_desc.layout)
@@ -324,13 +402,17 @@ def fa3_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b, stride
     else:
         v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
         o_bufs = q_bufs
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFS * NUM_WG, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFS * NUM_WG, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turns = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
+    slots = gl.allocate_shared_memory(gl.int32, [Q_BUFS, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    for i in gl.static_range(Q_BUFS * NUM_WG):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
@@ -345,33 +427,45 @@ def fa3_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b, stride
     gl.static_assert(NUM_WG == 2 or (NUM_WG == 3 and not FP8))
     if NUM_WG == 2:
         gl.warp_specialize([
-            (_consumer_partition, (0, q_bufs, k_bufs, v_bufs, o_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, turns,
-                                   o_desc, lse_ptr, k_scale_ptr, v_scale_ptr, q_row, q_col, q_start, seqlen_q, n_blocks,
-                                   qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES, NUM_WG, PINGPONG, FP8, CAUSAL)),
-            (_consumer_partition, (1, q_bufs, k_bufs, v_bufs, o_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, turns,
-                                   o_desc, lse_ptr, k_scale_ptr, v_scale_ptr, q_row, q_col, q_start, seqlen_q, n_blocks,
-                                   qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES, NUM_WG, PINGPONG, FP8, CAUSAL)),
-            (_load_partition, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty,
-                               v_empty, q_row, q_col, kv_row, kv_col, vt_row, n_blocks, BLOCK_M, BLOCK_N, STAGES,
-                               NUM_WG, FP8)),
+            (_consumer_partition, (0, q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
+                                   v_empty, turns, slots, o_desc, lse_ptr, stride_lse_b, stride_lse_h, q_scale_ptr,
+                                   k_scale_ptr, v_scale_ptr, n_m, n_tiles, nheads, group, seqlen_q, seqlen_k,
+                                   qk_scale, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8,
+                                   CAUSAL)),
+            (_consumer_partition, (1, q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
+                                   v_empty, turns, slots, o_desc, lse_ptr, stride_lse_b, stride_lse_h, q_scale_ptr,
+                                   k_scale_ptr, v_scale_ptr, n_m, n_tiles, nheads, group, seqlen_q, seqlen_k,
+                                   qk_scale, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8,
+                                   CAUSAL)),
+            (_load_partition, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
+                               k_empty, v_empty, slots, counter_ptr, n_m, n_tiles, nheads, group, seqlen_q, seqlen_k, HEAD_D, BLOCK_M,
+                               BLOCK_N, STAGES, NUM_WG, Q_BUFS, CAUSAL, FP8)),
         ], [4, 1], [CONSUMER_REGS, 24])
     else:
         gl.warp_specialize([
-            (_consumer_partition, (0, q_bufs, k_bufs, v_bufs, o_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, turns,
-                                   o_desc, lse_ptr, k_scale_ptr, v_scale_ptr, q_row, q_col, q_start, seqlen_q, n_blocks,
-                                   qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES, NUM_WG, PINGPONG, FP8, CAUSAL)),
-            (_consumer_partition, (1, q_bufs, k_bufs, v_bufs, o_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, turns,
-                                   o_desc, lse_ptr, k_scale_ptr, v_scale_ptr, q_row, q_col, q_start, seqlen_q, n_blocks,
-                                   qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES, NUM_WG, PINGPONG, FP8, CAUSAL)),
-            (_consumer_partition, (2, q_bufs, k_bufs, v_bufs, o_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, turns,
-                                   o_desc, lse_ptr, k_scale_ptr, v_scale_ptr, q_row, q_col, q_start, seqlen_q, n_blocks,
-                                   qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES, NUM_WG, PINGPONG, FP8, CAUSAL)),
-            (_load_partition, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty,
-                               v_empty, q_row, q_col, kv_row, kv_col, vt_row, n_blocks, BLOCK_M, BLOCK_N, STAGES,
-                               NUM_WG, FP8)),
+            (_consumer_partition, (0, q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
+                                   v_empty, turns, slots, o_desc, lse_ptr, stride_lse_b, stride_lse_h, q_scale_ptr,
+                                   k_scale_ptr, v_scale_ptr, n_m, n_tiles, nheads, group, seqlen_q, seqlen_k,
+                                   qk_scale, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8,
+                                   CAUSAL)),
+            (_consumer_partition, (1, q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
+                                   v_empty, turns, slots, o_desc, lse_ptr, stride_lse_b, stride_lse_h, q_scale_ptr,
+                                   k_scale_ptr, v_scale_ptr, n_m, n_tiles, nheads, group, seqlen_q, seqlen_k,
+                                   qk_scale, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8,
+                                   CAUSAL)),
+            (_consumer_partition, (2, q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
+                                   v_empty, turns, slots, o_desc, lse_ptr, stride_lse_b, stride_lse_h, q_scale_ptr,
+                                   k_scale_ptr, v_scale_ptr, n_m, n_tiles, nheads, group, seqlen_q, seqlen_k,
+                                   qk_scale, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8,
+                                   CAUSAL)),
+            (_load_partition, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
+                               k_empty, v_empty, slots, counter_ptr, n_m, n_tiles, nheads, group, seqlen_q, seqlen_k, HEAD_D, BLOCK_M,
+                               BLOCK_N, STAGES, NUM_WG, Q_BUFS, CAUSAL, FP8)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
-    mbarrier.invalidate(q_bar)
+    for i in gl.static_range(Q_BUFS * NUM_WG):
+        mbarrier.invalidate(q_ready.index(i))
+        mbarrier.invalidate(q_empty.index(i))
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(k_ready.index(i))
         mbarrier.invalidate(v_ready.index(i))

@@ -16,8 +16,13 @@ import os
 import torch
 import triton
 
+from ..triton.decode import tickets
 from ..triton.mods import LOG2E
 
+SMEM_LIMIT = 227 * 1024 - 1024   # an SM's shared memory per block, less room for the mbarriers
+# the forward runs persistent (at most one program per SM, each drawing tile after tile from a counter of the
+# stream: decode.tickets); False: one program per tile
+PERSISTENT = True
 WG_ROWS = 64   # query rows per consumer warpgroup (one wgmma M): Br = 64 x consumer warpgroups
 # head_dim -> (consumer warpgroups, Bc, pipeline stages), chosen by measurement on an H200 (benchmarks/sweep_fa3.py,
 # BENCHMARKS.md): Q_i + STAGES x (K_j, V_j) must fit the 227 KiB of shared memory (d128: 160 KiB; a third stage
@@ -191,11 +196,27 @@ def _launch_fwd(q, k, v, out, lse, scales, softmax_scale, causal, num_wg, block_
                                   _smem_layout(head_dim, block_n, v.dtype))
     else:
         v_desc = desc(v, block_n)
-    kern.fa3_fwd_kernel[(triton.cdiv(sq, num_wg * WG_ROWS), batch * nheads)](
+    n_tiles = triton.cdiv(sq, num_wg * WG_ROWS) * batch * nheads
+    programs = min(n_tiles, _sm_count(_device_index(q))) if PERSISTENT else n_tiles
+    kern.fa3_fwd_kernel[(programs, )](
         desc(q, WG_ROWS), desc(k, block_n), v_desc, desc(out, WG_ROWS), lse, lse.stride(0), lse.stride(1),
-        *scales, sq, sk, nheads, nheads // nheads_k, softmax_scale * LOG2E,
+        *scales, tickets(q.device, 1), sq, sk, batch * nheads, nheads, nheads // nheads_k, softmax_scale * LOG2E,
         HEAD_D=head_dim, BLOCK_M=WG_ROWS, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, NUM_WG=num_wg,
-        PINGPONG=pingpong, FP8=fp8, **_regs(head_dim, fp8, num_wg))
+        Q_BUFS=q_buffers(head_dim, num_wg, block_n, stages, q.element_size(), fp8), PINGPONG=pingpong, FP8=fp8,
+        **_regs(head_dim, fp8, num_wg))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def q_buffers(head_dim: int, num_wg: int, block_n: int, stages: int, elem: int, fp8: bool) -> int:
+    """Q tiles per consumer warpgroup in the forward's shared memory: 2 (the next tile's Q loads during this one)
+    where they fit the 227 KiB beside the K / V ring (and FP8's output tiles), else 1."""
+    q_tile, kv = num_wg * WG_ROWS * head_dim * elem, 2 * stages * block_n * head_dim * elem
+    out = num_wg * WG_ROWS * head_dim * 2 if fp8 else 0
+    return 2 if 2 * q_tile + kv + out <= SMEM_LIMIT else 1
 
 
 def _regs(head_dim: int, fp8: bool, num_wg: int = 2) -> dict:

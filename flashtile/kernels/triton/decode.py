@@ -504,7 +504,7 @@ def plan_decode(seqlen_q: int, nheads: int, nheads_k: int, head_dim: int, dtype:
 _TICKETS: dict = {}
 
 
-def _tickets(device: torch.device, n: int) -> torch.Tensor:
+def tickets(device: torch.device, n: int) -> torch.Tensor:
     """At least n zeroed ticket counters for launches on the current stream of `device`."""
     key = (device.type, device.index, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
     t = _TICKETS.get(key)
@@ -598,7 +598,7 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     # stands in for absent int32 pointers (never dereferenced: their flags are off)
     dummy_i32 = seqlens_k if has_seqlens else torch.empty(1, device=q.device, dtype=torch.int32)
     fused = split and CONFIG_OVERRIDE.get("fused_combine", num_splits <= FUSED_MAX_SPLITS)
-    tickets = _tickets(q.device, plan.m_blocks * batch * nheads_k) if fused else dummy_i32
+    tickets = tickets(q.device, plan.m_blocks * batch * nheads_k) if fused else dummy_i32
     # (unused without the fused combine: fixed there, so that split counts share one compiled kernel)
     combine_rg, combine_chunk = _combine_shape(min(cfg.BLOCK_M, sq * group), num_splits, block_d) if fused else (1, 2)
     if split:
