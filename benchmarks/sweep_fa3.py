@@ -6,10 +6,11 @@ Usage (Hopper GPU machine, repo root):
 
 A variant sets flashtile.kernels.gluon.fa3.CONFIGS[d] and fa3.PINGPONG[d] (0: the consumer warpgroups issue
 their GEMMs without taking turns, full and causal alike) and fa3.PERSISTENT (0: one program per tile; default 1).
-Default variants: the shipped config of each head dim plus its no-ping-pong twin and the neighbouring tile shapes. Each variant is first checked against float64 (b2 s768, GQA 2:1, bf16, full
-and causal). Shapes: the FA3 grid (16k tokens, hidden 2048), bf16. Timing: triton.testing.do_bench medians of the
-kernel launch (fa3.fwd on preallocated outputs) and of flash_attn_func with FLASHTILE_GLUON=0 (the Triton kernel)
-and cuDNN SDPA; rounds alternate the providers; the best round is reported. Writes DIR/sweep_fa3.json.
+Default variants: the shipped config of each head dim plus its no-ping-pong twin and the neighbouring tile shapes.
+Each variant is first checked against float64 (b2 s768, GQA 2:1, bf16, full and causal). Shapes: the FA3 grid
+(16k tokens, hidden 2048), bf16. Timing: triton.testing.do_bench medians of the kernel launch (fa3.fwd on
+preallocated outputs) and of flash_attn_func with FLASHTILE_GLUON=0 (the Triton kernel) and cuDNN SDPA; rounds
+alternate the providers; the best round is reported. Writes DIR/sweep_fa3.json.
 """
 import json
 import os
@@ -24,7 +25,7 @@ from flashtile.kernels.gluon import fa3
 from flashtile.kernels.triton.launch import AttnParams
 from flashtile.reference.dense import attention_ref
 
-DEFAULT_VARIANTS = ("64:2,128,3,1;64:2,128,2,1;64:2,128,3,0;"
+DEFAULT_VARIANTS = ("64:3,128,2,1;64:3,128,2,0;64:2,128,2,1;"
                     "128:2,128,2,1;128:2,128,2,0;128:2,128,3,1;128:2,64,4,1;"
                     "256:2,64,2,1;256:2,64,2,0;256:2,32,4,1")
 

@@ -74,7 +74,8 @@ def compile_fp8(head_dim: int, causal: bool, out_dtype: torch.dtype):
     launch = fa3._regs(head_dim, True)
     stages = fa3.FP8_CONFIGS[head_dim][1]
     consts = dict(HEAD_D=head_dim, BLOCK_M=fa3.WG_ROWS, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, NUM_WG=2,
-                  Q_BUFS=fa3.q_buffers(head_dim, 2, block_n, stages, 1, True), PINGPONG=fa3.FP8_PINGPONG[head_dim][causal], FP8=True,
+                  Q_BUFS=fa3.q_buffers(head_dim, 2, block_n, stages, 1, True),
+                  PINGPONG=fa3.FP8_PINGPONG[head_dim][causal], FP8=True,
                   CONSUMER_REGS=launch["CONSUMER_REGS"], num_warps=4)
     return _compile(_fa3_fwd.fa3_fwd_kernel, runtime, consts, launch["maxnreg"])
 

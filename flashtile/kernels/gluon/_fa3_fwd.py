@@ -3,15 +3,19 @@
 layouts, TMA, mbarriers, asynchronous warpgroup MMA (wgmma) and warp specialization, none of which Triton's
 `tl.dot` kernels can schedule by hand on Hopper.
 
-One program computes one (Br x d) output tile O_i of one (batch, head), Br = 2 x 64 rows:
-- a producer warp (`_load_partition`) issues the TMA loads: Q_i once, then K_j and V_j into a ring of STAGES
+A program (one per SM: persistent) computes (Br x d) output tiles O_i of one (batch, head) after another, Br =
+64 x NUM_WG rows (two consumer warpgroups; three at d64, FA3's Br = 192):
+- a producer warp (`_load_partition`) draws the program's next tile from a counter shared by the launch
+  (dynamic scheduling, so causal tiles of unequal length balance), hands its number to the consumers with its
+  Q rows, and issues the TMA loads: Q_i into a free Q buffer, then K_j and V_j into a ring of STAGES
   shared-memory buffers. Each buffer has a "ready" mbarrier (TMA transaction bytes) and an "empty" one, which
   the consumers arrive on once their wgmmas have read it: K_j's as soon as S_j is computed, V_j's after P~_j V_j,
-  so the next keys load while this block's values are still in use;
-- two consumer warpgroups (`_consumer_partition`; the first is the default partition), 64 rows each, run the
-  online softmax. Turn j issues S_j = Q K_j^T and O += P~_{j-1} V_{j-1} as two asynchronous wgmmas, waits for
-  S_j only and computes its softmax while the tensor cores work on P~_{j-1} V_{j-1} (intra-warpgroup
-  overlap). With PINGPONG (fa3.PINGPONG: today the d128 full forward) the warpgroups take turns issuing
+  so the next keys (and the next tile's first keys) load while this block's values are still in use;
+- the consumer warpgroups (`_consumer_partition`; the first is the default partition), 64 rows each, run the
+  online softmax, each over its own key blocks (causal: up to its diagonal block, the only one it masks). Turn j
+  issues S_j = Q K_j^T and O += P~_{j-1} V_{j-1} as two asynchronous wgmmas, waits for S_j only and computes its
+  softmax while the tensor cores work on P~_{j-1} V_{j-1} (intra-warpgroup overlap). With PINGPONG
+  (fa3.PINGPONG: today the d64 / d128 full forward) the warpgroups take turns issuing
   (mbarriers `turns`), so one's GEMMs run while the other computes exponentials (ping-pong).
 
 Algorithm line numbers below are FlashAttention-2's Algorithm 1 (seed 000's forward), as in triton/fwd.py.
@@ -438,8 +442,8 @@ def fa3_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b, stride
                                    qk_scale, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8,
                                    CAUSAL)),
             (_load_partition, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
-                               k_empty, v_empty, slots, counter_ptr, n_m, n_tiles, nheads, group, seqlen_q, seqlen_k, HEAD_D, BLOCK_M,
-                               BLOCK_N, STAGES, NUM_WG, Q_BUFS, CAUSAL, FP8)),
+                               k_empty, v_empty, slots, counter_ptr, n_m, n_tiles, nheads, group, seqlen_q,
+                               seqlen_k, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, CAUSAL, FP8)),
         ], [4, 1], [CONSUMER_REGS, 24])
     else:
         gl.warp_specialize([
@@ -459,8 +463,8 @@ def fa3_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b, stride
                                    qk_scale, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8,
                                    CAUSAL)),
             (_load_partition, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
-                               k_empty, v_empty, slots, counter_ptr, n_m, n_tiles, nheads, group, seqlen_q, seqlen_k, HEAD_D, BLOCK_M,
-                               BLOCK_N, STAGES, NUM_WG, Q_BUFS, CAUSAL, FP8)),
+                               k_empty, v_empty, slots, counter_ptr, n_m, n_tiles, nheads, group, seqlen_q,
+                               seqlen_k, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, CAUSAL, FP8)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
     for i in gl.static_range(Q_BUFS * NUM_WG):

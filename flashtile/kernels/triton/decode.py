@@ -598,7 +598,7 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     # stands in for absent int32 pointers (never dereferenced: their flags are off)
     dummy_i32 = seqlens_k if has_seqlens else torch.empty(1, device=q.device, dtype=torch.int32)
     fused = split and CONFIG_OVERRIDE.get("fused_combine", num_splits <= FUSED_MAX_SPLITS)
-    tickets = tickets(q.device, plan.m_blocks * batch * nheads_k) if fused else dummy_i32
+    counters = tickets(q.device, plan.m_blocks * batch * nheads_k) if fused else dummy_i32
     # (unused without the fused combine: fixed there, so that split counts share one compiled kernel)
     combine_rg, combine_chunk = _combine_shape(min(cfg.BLOCK_M, sq * group), num_splits, block_d) if fused else (1, 2)
     if split:
@@ -610,7 +610,7 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     lse_sb, lse_sh = (lse.stride(0), lse.stride(1)) if lse.dim() == 3 else (0, lse.stride(0))
     grid = (plan.m_blocks, batch * nheads_k, num_splits)
     decode_kernel[grid](
-        q, k_cache, v_cache, out, lse, o_part, lse_part, tickets, desc_k, desc_v,
+        q, k_cache, v_cache, out, lse, o_part, lse_part, counters, desc_k, desc_v,
         cu_seqlens_q if varlen else dummy_i32, dummy_i32,
         cache_batch_idx if cache_batch_idx is not None else dummy_i32,
         leftpad if leftpad is not None else dummy_i32,
