@@ -54,9 +54,7 @@ def _tile(tile, n_m, seqlen_k, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUS
 
 
 @gluon.jit
-def _load_partition(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
-                    v_empty, slots, counter_ptr, n_m, n_tiles, nheads, group, seqlen_q, seqlen_k,
-                    HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+def _load_partition(loads, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                     NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr):
     """Producer and tile scheduler. It draws the program's next tile from a counter shared by the launch (dynamic
     scheduling: a program that drew short causal tiles draws more), writes its number into the slot of a free Q
@@ -64,7 +62,10 @@ def _load_partition(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_e
     consumer warpgroup's Q rows there, then K_j / V_j for j < n_blocks into ring buffer c % STAGES (c counts the
     program's blocks over its tiles) once every consumer warpgroup released it. FP8: V_j from V^T, a (HEAD_D,
     BLOCK_N) block. The counter: every program draws until it gets a number >= n_tiles (the consumers see it and
-    stop); the last of those n_tiles + G draws resets it to 0 for the launch after this one on the stream."""
+    stop); the last of those n_tiles + G draws resets it to 0 for the launch after this one on the stream.
+    `loads`: the descriptors, buffers, barriers and scalars it uses (as the kernel names them)."""
+    (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, slots,
+     counter_ptr, n_m, n_tiles, nheads, group, seqlen_q, seqlen_k) = loads
     slot_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     c = 0
     it = 0
@@ -163,15 +164,15 @@ def _pass_turn(bars, wg: gl.constexpr, NUM_WG: gl.constexpr, PINGPONG: gl.conste
 
 
 @gluon.jit
-def _consumer_partition(wg: gl.constexpr, q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready,
-                        k_empty, v_empty, turns, slots, o_desc, lse_ptr, stride_lse_b, stride_lse_h, q_scale_ptr,
-                        k_scale_ptr, v_scale_ptr, n_m, n_tiles, nheads, group, seqlen_q, seqlen_k, qk_scale,
-                        HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                        NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr, PINGPONG: gl.constexpr, FP8: gl.constexpr,
-                        CAUSAL: gl.constexpr):
+def _consumer_partition(wg: gl.constexpr, shared, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
+                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr,
+                        PINGPONG: gl.constexpr, FP8: gl.constexpr, CAUSAL: gl.constexpr):
     """Consumer warpgroup `wg`, tile after tile as the producer hands them over (the tile number in the slot of
     the Q buffer, >= n_tiles: none left): c counts the program's K / V blocks (ring position), t its turns, `it`
-    its tiles (Q buffer)."""
+    its tiles (Q buffer). `shared`: the buffers, barriers and scalars it uses (as the kernel names them)."""
+    (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, slots, o_desc,
+     lse_ptr, stride_lse_b, stride_lse_h, q_scale_ptr, k_scale_ptr, v_scale_ptr, n_m, n_tiles, nheads, group,
+     seqlen_q, seqlen_k, qk_scale) = shared
     slot_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     c = 0
     t = 0
@@ -429,42 +430,23 @@ def fa3_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b, stride
     # producer warp; each worker gets its own copy of the (scalar / shared-memory) arguments. Registers:
     # CONSUMER_REGS per consumer thread, 24 for the producer (setmaxnreg within the kernel's limit: fa3._regs)
     gl.static_assert(NUM_WG == 2 or (NUM_WG == 3 and not FP8))
+    shared = (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, slots,
+              o_desc, lse_ptr, stride_lse_b, stride_lse_h, q_scale_ptr, k_scale_ptr, v_scale_ptr, n_m, n_tiles,
+              nheads, group, seqlen_q, seqlen_k, qk_scale)
+    loads = (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+             slots, counter_ptr, n_m, n_tiles, nheads, group, seqlen_q, seqlen_k)
     if NUM_WG == 2:
         gl.warp_specialize([
-            (_consumer_partition, (0, q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
-                                   v_empty, turns, slots, o_desc, lse_ptr, stride_lse_b, stride_lse_h, q_scale_ptr,
-                                   k_scale_ptr, v_scale_ptr, n_m, n_tiles, nheads, group, seqlen_q, seqlen_k,
-                                   qk_scale, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8,
-                                   CAUSAL)),
-            (_consumer_partition, (1, q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
-                                   v_empty, turns, slots, o_desc, lse_ptr, stride_lse_b, stride_lse_h, q_scale_ptr,
-                                   k_scale_ptr, v_scale_ptr, n_m, n_tiles, nheads, group, seqlen_q, seqlen_k,
-                                   qk_scale, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8,
-                                   CAUSAL)),
-            (_load_partition, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
-                               k_empty, v_empty, slots, counter_ptr, n_m, n_tiles, nheads, group, seqlen_q,
-                               seqlen_k, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, CAUSAL, FP8)),
+            (_consumer_partition, (0, shared, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8, CAUSAL)),
+            (_consumer_partition, (1, shared, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8, CAUSAL)),
+            (_load_partition, (loads, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, CAUSAL, FP8)),
         ], [4, 1], [CONSUMER_REGS, 24])
     else:
         gl.warp_specialize([
-            (_consumer_partition, (0, q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
-                                   v_empty, turns, slots, o_desc, lse_ptr, stride_lse_b, stride_lse_h, q_scale_ptr,
-                                   k_scale_ptr, v_scale_ptr, n_m, n_tiles, nheads, group, seqlen_q, seqlen_k,
-                                   qk_scale, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8,
-                                   CAUSAL)),
-            (_consumer_partition, (1, q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
-                                   v_empty, turns, slots, o_desc, lse_ptr, stride_lse_b, stride_lse_h, q_scale_ptr,
-                                   k_scale_ptr, v_scale_ptr, n_m, n_tiles, nheads, group, seqlen_q, seqlen_k,
-                                   qk_scale, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8,
-                                   CAUSAL)),
-            (_consumer_partition, (2, q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
-                                   v_empty, turns, slots, o_desc, lse_ptr, stride_lse_b, stride_lse_h, q_scale_ptr,
-                                   k_scale_ptr, v_scale_ptr, n_m, n_tiles, nheads, group, seqlen_q, seqlen_k,
-                                   qk_scale, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8,
-                                   CAUSAL)),
-            (_load_partition, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
-                               k_empty, v_empty, slots, counter_ptr, n_m, n_tiles, nheads, group, seqlen_q,
-                               seqlen_k, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, CAUSAL, FP8)),
+            (_consumer_partition, (0, shared, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8, CAUSAL)),
+            (_consumer_partition, (1, shared, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8, CAUSAL)),
+            (_consumer_partition, (2, shared, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8, CAUSAL)),
+            (_load_partition, (loads, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, CAUSAL, FP8)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
     for i in gl.static_range(Q_BUFS * NUM_WG):
