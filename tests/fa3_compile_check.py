@@ -91,12 +91,17 @@ def compile_bwd(head_dim: int, causal: bool, dtype: torch.dtype):
     runtime = dict(k_desc=_desc(t, block_n, head_dim), v_desc=_desc(t, block_n, head_dim),
                    q_desc=_desc(t, block_m, head_dim), do_desc=_desc(t, block_m, head_dim),
                    dq_desc=_desc(dq, *dq_tile), lse_ptr=lse, delta_ptr=lse, stride_lse_b=lse.stride(0),
-                   stride_lse_h=lse.stride(1), dk_ptr=t, dv_ptr=t, stride_dk_b=s * h * head_dim,
-                   stride_dk_row=h * head_dim, stride_dk_h=head_dim, stride_dv_b=s * h * head_dim,
-                   stride_dv_row=h * head_dim, stride_dv_h=head_dim, seqlen_q=s, seqlen_k=s, nheads_k=h, group=1,
+                   stride_lse_h=lse.stride(1), stride_dk_b=s * h * head_dim, stride_dk_row=h * head_dim,
+                   stride_dk_h=head_dim, stride_dv_b=s * h * head_dim, stride_dv_row=h * head_dim,
+                   stride_dv_h=head_dim, seqlen_q=s, seqlen_k=s, nheads_k=h, group=1,
                    sm_scale=0.1, qk_scale=0.1)
+    dkv_tma = fa3.BWD_DKV_TMA[causal]
+    if dkv_tma:
+        runtime.update(dk_out=_desc(t, block_n // 2, head_dim), dv_out=_desc(t, block_n // 2, head_dim))
+    else:
+        runtime.update(dk_out=t, dv_out=t)
     consts = dict(HEAD_D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
-                  P_LAYOUT=fa3._smem_layout(block_m, block_n // 2, dtype), num_warps=4)
+                  DKV_TMA=dkv_tma, P_LAYOUT=fa3._smem_layout(block_m, block_n // 2, dtype), num_warps=4)
     return _compile(_fa3_bwd.fa3_bwd_kernel, runtime, consts)
 
 

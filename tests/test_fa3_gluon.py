@@ -152,6 +152,15 @@ def test_kernels_compile_for_sm90():
         assert int(fields["shfl_idx"]) < 16, ln
 
 
+def test_tma_viewable_layouts():
+    """Which dk / dv the backward's TMA stores write directly (else through a contiguous copy)."""
+    g = torch.empty(2, 64, 4, 128, dtype=torch.bfloat16)
+    assert fa3.tma_viewable(g)
+    assert fa3.tma_viewable(torch.empty(2, 64, 3, 4, 128, dtype=torch.bfloat16)[:, :, 1])   # packed (q, k, v)
+    assert not fa3.tma_viewable(torch.empty(2, 4, 64, 128, dtype=torch.bfloat16).transpose(1, 2))
+    assert not fa3.tma_viewable(torch.empty(2 * 64 * 4 * 128 + 1, dtype=torch.bfloat16)[1:].view(2, 64, 4, 128))
+
+
 def test_disabled_context_nests():
     assert fa3.enabled()
     with fa3.disabled():

@@ -17,7 +17,8 @@ of the kv head's group, GQA) through a ring of STAGES shared-memory buffers:
   (mbarrier `ds_ready` says both are stored, `ds_free` that both products read a buffer), warpgroup w computes
   its half of dQ_i (columns [w d/2, +d/2) at Br 64, rows [64 w, +64) at Br 128) and adds it to the float32 dQ
   accumulator with one TMA reduce-add.
-dK_j = scale * dK_w and dV_j are written once, after the loop. Registers: dK_w, dV_w, S and dP are 192 of the
+dK_j = scale * dK_w and dV_j are written once, after the loop (under a causal mask by TMA, staged in the free
+Q_i / dO_i buffers: fa3.BWD_DKV_TMA). Registers: dK_w, dV_w, S and dP are 192 of the
 consumers' 240 per thread at d128, so the loop keeps nothing else of that size (ptxas spills a few scalars).
 
 Imported only on a CUDA device of compute capability 9.x (flashtile.kernels.gluon.fa3 decides).
@@ -30,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from ..triton.mods import LOG2E as _LOG2E
-from ._fa3_fwd import tma_load
+from ._fa3_fwd import tma_load, tma_store
 
 LOG2E = gl.constexpr(_LOG2E)
 
@@ -173,10 +174,10 @@ def _step(t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs, p_
 @gluon.jit
 def _consumer_partition(wg: gl.constexpr, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar,
                         qdo_ready, qdo_empty, ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr, stride_lse_b,
-                        stride_lse_h, dk_ptr, dv_ptr, stride_dk_row, stride_dv_row, b, kv_start, q_row0,
-                        n_iters, n_i, i_start, hk, group, sm_scale, qk_scale,
+                        stride_lse_h, dk_out, dv_out, stride_dk_row, stride_dv_row, kv_row, kv_col, b, kv_start,
+                        q_row0, n_iters, n_i, i_start, hk, group, sm_scale, qk_scale,
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                        CAUSAL: gl.constexpr):
+                        CAUSAL: gl.constexpr, DKV_TMA: gl.constexpr):
     """Consumer warpgroup `wg`: key rows [wg * 64, wg * 64 + 64) of the program's block through every query block
     (per query head of the group), then its rows of dK_j, dV_j (Algorithm 2 line 22)."""
     dtype: gl.constexpr = q_bufs.dtype
@@ -213,22 +214,52 @@ def _consumer_partition(wg: gl.constexpr, k_smem, v_smem, q_bufs, do_bufs, p_buf
     tma.store_wait(pendings=0)
 
     # line 22: write dK_j (scaled: S = scale Q K^T) and dV_j
-    rows = kv_start + wg * WG_N + gl.arange(0, WG_N, layout=gl.SliceLayout(1, kv_layout))
-    cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, kv_layout))
-    gl.store(dk_ptr + gl.expand_dims(rows * stride_dk_row, 1) + gl.expand_dims(cols, 0), (dk * sm_scale).to(dtype))
-    gl.store(dv_ptr + gl.expand_dims(rows * stride_dv_row, 1) + gl.expand_dims(cols, 0), dv.to(dtype))
+    if DKV_TMA:
+        _store_dkv_tma(dk, dv, dk_out, dv_out, q_bufs, do_bufs, qdo_empty, kv_row + wg * WG_N, kv_col, n_iters,
+                       sm_scale, wg, BLOCK_M, STAGES)
+    else:
+        rows = kv_start + wg * WG_N + gl.arange(0, WG_N, layout=gl.SliceLayout(1, kv_layout))
+        cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, kv_layout))
+        gl.store(dk_out + gl.expand_dims(rows * stride_dk_row, 1) + gl.expand_dims(cols, 0),
+                 (dk * sm_scale).to(dtype))
+        gl.store(dv_out + gl.expand_dims(rows * stride_dv_row, 1) + gl.expand_dims(cols, 0), dv.to(dtype))
+
+
+@gluon.jit
+def _store_dkv_tma(dk, dv, dk_desc, dv_desc, q_bufs, do_bufs, qdo_empty, row, col, n_iters, sm_scale,
+                   wg: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """dK_w (scaled) and dV_w to rows [row, +64) by TMA, staged in the Q_i / dO_i buffers, free once both
+    warpgroups released the last STAGES of them (qdo_empty): one bulk store each instead of 4-byte stores."""
+    dtype: gl.constexpr = q_bufs.dtype
+    WG_N: gl.constexpr = dk.shape[0]
+    for k in range(gl.minimum(n_iters, STAGES)):
+        t = n_iters - 1 - k
+        mbarrier.wait(qdo_empty.index(t % STAGES), (t // STAGES) & 1)
+    if BLOCK_M == WG_N:   # a buffer per warpgroup
+        dk_smem = q_bufs.index(wg)
+        dv_smem = do_bufs.index(wg)
+    else:                 # this warpgroup's rows of the first buffer
+        dk_smem = q_bufs.index(0).slice(wg * WG_N, WG_N, dim=0)
+        dv_smem = do_bufs.index(0).slice(wg * WG_N, WG_N, dim=0)
+    dk_smem.store((dk * sm_scale).to(dtype))
+    dv_smem.store(dv.to(dtype))
+    fence_async_shared()
+    tma_store(dk_desc, [row, col], dk_smem)
+    tma_store(dv_desc, [row, col], dv_smem)
+    tma.store_wait(pendings=0)   # the stores have read shared memory before the program ends
 
 
 @gluon.jit
 def fa3_bwd_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr, stride_lse_b, stride_lse_h,
-                   dk_ptr, dv_ptr, stride_dk_b, stride_dk_row, stride_dk_h, stride_dv_b, stride_dv_row, stride_dv_h,
+                   dk_out, dv_out, stride_dk_b, stride_dk_row, stride_dk_h, stride_dv_b, stride_dv_row, stride_dv_h,
                    seqlen_q, seqlen_k, nheads_k, group, sm_scale, qk_scale,
                    HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                   CAUSAL: gl.constexpr, P_LAYOUT: gl.constexpr, num_warps: gl.constexpr):
+                   CAUSAL: gl.constexpr, DKV_TMA: gl.constexpr, P_LAYOUT: gl.constexpr, num_warps: gl.constexpr):
     """Grid (seqlen_k / BLOCK_N, batch * nheads_k); BLOCK_N = 2 x 64 key rows (one 64-row half per consumer
     warpgroup, num_warps = 4), BLOCK_M query rows per step. k/v descriptors: 2-D views (batch * seqlen_k,
     nheads_k * HEAD_D), blocks (BLOCK_N, HEAD_D); q/dO: (batch * seqlen_q, nheads * HEAD_D), blocks
-    (BLOCK_M, HEAD_D); dq_desc: the float32 accumulator (zero-filled) in q's layout, blocks fa3.bwd_dq_tile:
+    (BLOCK_M, HEAD_D); dk_out / dv_out: with DKV_TMA descriptors over dK, dV as k/v's, blocks (BLOCK_N / 2, HEAD_D),
+    else pointers to dK, dV with the strides given (dK / dV's TMA stores: fa3.BWD_DKV_TMA); dq_desc: the float32 accumulator (zero-filled) in q's layout, blocks fa3.bwd_dq_tile:
     (64, HEAD_D) when BLOCK_M = 128 (each warpgroup adds half the rows of dQ_i), else (BLOCK_M, HEAD_D / 2) (half
     the columns).
     lse, delta: (batch, nheads, seqlen_q) fp32 with the same strides. P_LAYOUT: the shared layout of a
@@ -243,6 +274,9 @@ def fa3_bwd_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr,
     hk = bh % nheads_k
     kv_start = pid_n * BLOCK_N
     kv_row = b * seqlen_k + kv_start
+    if not DKV_TMA:   # pointers to this (batch, kv head)'s dK, dV
+        dk_out = dk_out + b * stride_dk_b + hk * stride_dk_h
+        dv_out = dv_out + b * stride_dv_b + hk * stride_dv_h
     q_row0 = b * seqlen_q
     n_qblocks = seqlen_q // BLOCK_M
     i_start = 0
@@ -250,8 +284,6 @@ def fa3_bwd_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr,
         i_start = kv_start // BLOCK_M
     n_i = n_qblocks - i_start
     n_iters = n_i * group
-    dk_ptr = dk_ptr + b * stride_dk_b + hk * stride_dk_h
-    dv_ptr = dv_ptr + b * stride_dv_b + hk * stride_dv_h
 
     k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], v_desc.layout)
@@ -276,14 +308,14 @@ def fa3_bwd_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr,
     gl.warp_specialize([
         (_consumer_partition, (0, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, qdo_ready,
                                qdo_empty, ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr, stride_lse_b,
-                               stride_lse_h, dk_ptr, dv_ptr, stride_dk_row, stride_dv_row, b, kv_start, q_row0,
-                               n_iters, n_i, i_start,
-                               hk, group, sm_scale, qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL)),
+                               stride_lse_h, dk_out, dv_out, stride_dk_row, stride_dv_row, kv_row, hk * HEAD_D, b,
+                               kv_start, q_row0, n_iters, n_i, i_start, hk, group, sm_scale, qk_scale, BLOCK_M,
+                               BLOCK_N, HEAD_D, STAGES, CAUSAL, DKV_TMA)),
         (_consumer_partition, (1, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, qdo_ready,
                                qdo_empty, ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr, stride_lse_b,
-                               stride_lse_h, dk_ptr, dv_ptr, stride_dk_row, stride_dv_row, b, kv_start, q_row0,
-                               n_iters, n_i, i_start,
-                               hk, group, sm_scale, qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL)),
+                               stride_lse_h, dk_out, dv_out, stride_dk_row, stride_dv_row, kv_row, hk * HEAD_D, b,
+                               kv_start, q_row0, n_iters, n_i, i_start, hk, group, sm_scale, qk_scale, BLOCK_M,
+                               BLOCK_N, HEAD_D, STAGES, CAUSAL, DKV_TMA)),
         (_load_partition, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, qdo_ready,
                            qdo_empty, kv_row, hk * HEAD_D, q_row0, n_iters, n_i, i_start, hk, group, BLOCK_M,
                            HEAD_D, STAGES)),

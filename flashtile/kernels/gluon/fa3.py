@@ -61,6 +61,12 @@ FP8_PINGPONG = {128: (False, False), 256: (True, False)}
 # head_dim -> (Br, Bc, stages) of the backward: a program owns Bc = 2 x 64 keys (one half per consumer
 # warpgroup, dK / dV in registers) and streams Br query rows per step through `stages` (Q_i, dO_i) buffers
 BWD_CONFIGS = {64: (128, 128, 2), 128: (64, 128, 2)}
+# causal -> whether the backward writes dK_j, dV_j by TMA from shared memory (else 4-byte stores from registers).
+# Same-run A/B on an H200 against the stores (benchmarks/results/h200-2026-11-21k/, bf16, 16k tokens, 2k / 8k,
+# TFLOP/s, stores -> TMA): causal d64 297.3 -> 318.5, 396.1 -> 405.0; d128 350.1 -> 368.2, 453.3 -> 464.8
+# (ab_dkv_tma_causal.log: short causal programs end sooner); in full attention (ab_tma_store_all.log) d64 406.0 ->
+# 415.7, 469.5 -> 466.9, d128 463.0 -> 458.9, 526.8 -> 515.2: not taken there
+BWD_DKV_TMA = {False: False, True: True}
 
 
 def block_shape(head_dim: int):
@@ -151,6 +157,14 @@ def _smem_layout(rows: int, head_dim: int, dtype: torch.dtype):
 def tma_aligned(*ts: torch.Tensor) -> bool:
     """Whether every tensor is contiguous with a 16-byte aligned base (what the kernels' TMA descriptors need)."""
     return all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in ts)
+
+
+def tma_viewable(t: torch.Tensor) -> bool:
+    """Whether a (batch, seqlen, nheads, d) tensor is a TMA-ready (batch * seqlen, nheads * d) view: rows at one
+    stride, a multiple of 16 bytes, heads contiguous, 16-byte aligned base."""
+    b, s, h, d = t.shape
+    return (t.stride(3) == 1 and t.stride(2) == d and (b == 1 or t.stride(0) == s * t.stride(1))
+            and (t.stride(1) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0)
 
 
 def tma_ready(x: torch.Tensor) -> torch.Tensor:
@@ -278,6 +292,12 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params) -> None:
     assert dk.stride(-1) == 1 and dv.stride(-1) == 1
     dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     dq_tile = bwd_dq_tile(block_m, head_dim)
+    dkv_tma = BWD_DKV_TMA[causal]
+    dk_out, dv_out = dk, dv
+    if dkv_tma:   # through a (batch * seqlen_k, nheads_k * d) view of dk / dv where their strides allow one (e.g.
+        # slices of a packed gradient), else through a contiguous buffer copied into them
+        dk_out, dv_out = (g if tma_viewable(g) else torch.empty(g.shape, dtype=g.dtype, device=g.device)
+                          for g in (dk, dv))
 
     def desc(t, rows, cols):
         return _desc(TensorDescriptor, t, rows, cols, t.dtype)
@@ -286,8 +306,11 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params) -> None:
         desc(k, block_n, head_dim), desc(v, block_n, head_dim), desc(q, block_m, head_dim),
         desc(dout, block_m, head_dim), desc(dq_acc, *dq_tile),
         lse, delta, lse.stride(0), lse.stride(1),
-        dk, dv, dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        sq, sk, nheads_k, nheads // nheads_k, params.softmax_scale, params.softmax_scale * LOG2E,
+        *((desc(dk_out, block_n // 2, head_dim), desc(dv_out, block_n // 2, head_dim)) if dkv_tma else (dk, dv)),
+        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), sq, sk, nheads_k, nheads // nheads_k, params.softmax_scale, params.softmax_scale * LOG2E,
         HEAD_D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
-        P_LAYOUT=_smem_layout(block_m, block_n // 2, q.dtype), num_warps=4, maxnreg=MAXNREG)
+        DKV_TMA=dkv_tma, P_LAYOUT=_smem_layout(block_m, block_n // 2, q.dtype), num_warps=4, maxnreg=MAXNREG)
     dq.copy_(dq_acc)
+    for out, grad in ((dk_out, dk), (dv_out, dv)):
+        if out is not grad:
+            grad.copy_(out)
