@@ -258,10 +258,10 @@ def fa3_bwd_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr,
     """Grid (seqlen_k / BLOCK_N, batch * nheads_k); BLOCK_N = 2 x 64 key rows (one 64-row half per consumer
     warpgroup, num_warps = 4), BLOCK_M query rows per step. k/v descriptors: 2-D views (batch * seqlen_k,
     nheads_k * HEAD_D), blocks (BLOCK_N, HEAD_D); q/dO: (batch * seqlen_q, nheads * HEAD_D), blocks
-    (BLOCK_M, HEAD_D); dk_out / dv_out: with DKV_TMA descriptors over dK, dV as k/v's, blocks (BLOCK_N / 2, HEAD_D),
-    else pointers to dK, dV with the strides given (dK / dV's TMA stores: fa3.BWD_DKV_TMA); dq_desc: the float32 accumulator (zero-filled) in q's layout, blocks fa3.bwd_dq_tile:
-    (64, HEAD_D) when BLOCK_M = 128 (each warpgroup adds half the rows of dQ_i), else (BLOCK_M, HEAD_D / 2) (half
-    the columns).
+    (BLOCK_M, HEAD_D); dk_out / dv_out: with DKV_TMA descriptors over dK, dV as k/v's, blocks (BLOCK_N / 2,
+    HEAD_D), else pointers to dK, dV with the strides given (fa3.BWD_DKV_TMA); dq_desc: the float32 accumulator
+    (zero-filled) in q's layout, blocks fa3.bwd_dq_tile: (64, HEAD_D) when BLOCK_M = 128 (each warpgroup adds half
+    the rows of dQ_i), else (BLOCK_M, HEAD_D / 2) (half the columns).
     lse, delta: (batch, nheads, seqlen_q) fp32 with the same strides. P_LAYOUT: the shared layout of a
     (BLOCK_M, BLOCK_N / 2) tile of q's dtype (a warpgroup's P or dS). seqlen_q % BLOCK_M == 0 and
     seqlen_k % BLOCK_N == 0 (the host checks); causal only with seqlen_q == seqlen_k."""

@@ -159,14 +159,6 @@ def tma_aligned(*ts: torch.Tensor) -> bool:
     return all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in ts)
 
 
-def tma_viewable(t: torch.Tensor) -> bool:
-    """Whether a (batch, seqlen, nheads, d) tensor is a TMA-ready (batch * seqlen, nheads * d) view: rows at one
-    stride, a multiple of 16 bytes, heads contiguous, 16-byte aligned base."""
-    b, s, h, d = t.shape
-    return (t.stride(3) == 1 and t.stride(2) == d and (b == 1 or t.stride(0) == s * t.stride(1))
-            and (t.stride(1) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0)
-
-
 def tma_ready(x: torch.Tensor) -> torch.Tensor:
     """x, or a copy of it, contiguous with a 16-byte aligned base."""
     x = x.contiguous()
@@ -174,8 +166,10 @@ def tma_ready(x: torch.Tensor) -> torch.Tensor:
 
 
 def _desc(TensorDescriptor, t, rows, cols, dtype):
-    """A TMA descriptor over t viewed as (batch * seqlen, nheads * head_dim), blocks (rows, cols)."""
-    view = t.view(t.shape[0] * t.shape[1], t.shape[2] * t.shape[3])
+    """A TMA descriptor over t viewed as (batch * seqlen, nheads * head_dim) (launch.tma_row_view: t must be such
+    a view), blocks (rows, cols)."""
+    from ..triton.launch import tma_row_view   # (launch imports this module)
+    view = tma_row_view(t)
     return TensorDescriptor(view, list(view.shape), list(view.stride()), [rows, cols], _smem_layout(rows, cols, dtype))
 
 
@@ -296,7 +290,8 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params) -> None:
     dk_out, dv_out = dk, dv
     if dkv_tma:   # through a (batch * seqlen_k, nheads_k * d) view of dk / dv where their strides allow one (e.g.
         # slices of a packed gradient), else through a contiguous buffer copied into them
-        dk_out, dv_out = (g if tma_viewable(g) else torch.empty(g.shape, dtype=g.dtype, device=g.device)
+        from ..triton.launch import tma_row_view
+        dk_out, dv_out = (g if tma_row_view(g) is not None else torch.empty(g.shape, dtype=g.dtype, device=g.device)
                           for g in (dk, dv))
 
     def desc(t, rows, cols):
@@ -307,7 +302,8 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params) -> None:
         desc(dout, block_m, head_dim), desc(dq_acc, *dq_tile),
         lse, delta, lse.stride(0), lse.stride(1),
         *((desc(dk_out, block_n // 2, head_dim), desc(dv_out, block_n // 2, head_dim)) if dkv_tma else (dk, dv)),
-        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), sq, sk, nheads_k, nheads // nheads_k, params.softmax_scale, params.softmax_scale * LOG2E,
+        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+        sq, sk, nheads_k, nheads // nheads_k, params.softmax_scale, params.softmax_scale * LOG2E,
         HEAD_D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
         DKV_TMA=dkv_tma, P_LAYOUT=_smem_layout(block_m, block_n // 2, q.dtype), num_warps=4, maxnreg=MAXNREG)
     dq.copy_(dq_acc)

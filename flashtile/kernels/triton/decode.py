@@ -49,7 +49,7 @@ import triton
 import triton.language as tl
 
 from . import combine as _combine
-from .launch import AttnParams, _block_d, _dot_precision, _rows, cdiv, interpreting, next_pow2
+from .launch import AttnParams, _block_d, _dot_precision, _rows, cdiv, interpreting, next_pow2, tma_row_view
 from .mods import key_range, load_rows, online_softmax_step, present, scores_log2, seq_bounds, visible
 
 try:  # host-side TMA descriptors (triton >= 3.4; the interpreter emulates them)
@@ -525,8 +525,8 @@ def _cache_descriptor(t: torch.Tensor, block_n: int, block_d: int):
     """A TMA descriptor over the 2-D view (t.shape[0] * t.shape[1], nheads_k * headdim) of a cache
     (batch_cache, capacity, nheads_k, d) or (num_pages, page_size, nheads_k, d), for tiles of (block_n rows,
     one head). None where the kernel must use pointer loads: not a Hopper-or-newer GPU, headdim not a power of
-    two >= 16 (the tile would read the next head's columns), a layout that is not such a view, strides / base
-    not 16-byte aligned, or more rows than int32 coordinates reach."""
+    two >= 16 (the tile would read the next head's columns), not such a view (launch.tma_row_view: strides / base
+    16-byte aligned), or more rows than int32 coordinates reach."""
     if TensorDescriptor is None or t.numel() == 0:
         return None
     if t.device.type == "cuda":
@@ -534,19 +534,10 @@ def _cache_descriptor(t: torch.Tensor, block_n: int, block_d: int):
             return None
     elif not interpreting():
         return None
-    _, _, nheads_k, head_dim = t.shape
-    if block_d != head_dim or t.stride(3) != 1 or t.stride(2) != head_dim:
+    view = tma_row_view(t) if block_d == t.shape[-1] else None
+    if view is None or view.shape[0] + block_n >= 2 ** 31:
         return None
-    row_stride = t.stride(1)
-    if row_stride < nheads_k * head_dim or (t.shape[0] > 1 and t.stride(0) != t.shape[1] * row_stride):
-        return None
-    if t.data_ptr() % 16 or (row_stride * t.element_size()) % 16:
-        return None
-    rows = t.shape[0] * t.shape[1]
-    if rows + block_n >= 2 ** 31:
-        return None
-    view = t.as_strided((rows, nheads_k * head_dim), (row_stride, 1))
-    return TensorDescriptor(view, [rows, nheads_k * head_dim], [row_stride, 1], [block_n, block_d])
+    return TensorDescriptor(view, list(view.shape), list(view.stride()), [block_n, block_d])
 
 
 def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,

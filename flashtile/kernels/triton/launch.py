@@ -62,24 +62,34 @@ except ImportError:  # pragma: no cover - older triton
     TensorDescriptor = None
 
 
-def kv_descriptor(t: torch.Tensor, block_n: int, block_d: int):
-    """A TMA descriptor over the 2-D view (rows, nheads_k * headdim) of K or V, for tiles of (block_n rows,
-    one head); rows = batch * seqlen (dense) or tokens (varlen). None where the kernel must use pointer
-    loads instead: headdim not a power of two (the tile would read the next head's columns), or a layout
-    that is not such a view, or strides/base not 16-byte aligned (a TMA requirement)."""
-    if TensorDescriptor is None or (t.device.type != "cuda" and not interpreting()) or t.numel() == 0:
-        return None
+def tma_row_view(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """t, (batch, seqlen, nheads, headdim) or (tokens, nheads, headdim), as the 2-D view (rows, nheads * headdim)
+    that TMA tiles, rows at one stride; None where it is no such view or its strides / base are not 16-byte
+    aligned (a TMA requirement): e.g. a (batch, nheads, seqlen, d) tensor seen transposed. Slices of packed
+    (q, k, v) tensors are such views."""
     head_dim, nheads = t.shape[-1], t.shape[-2]
-    if block_d != head_dim or t.stride(-2) != head_dim:
+    if t.stride(-1) != 1 or t.stride(-2) != head_dim:
         return None
     row_stride = t.stride(-3)
-    if t.dim() == 4 and t.shape[0] > 1 and t.stride(0) != t.shape[1] * row_stride:
+    if row_stride < nheads * head_dim or (t.dim() == 4 and t.shape[0] > 1 and t.stride(0) != t.shape[1] * row_stride):
         return None
     if t.data_ptr() % 16 or (row_stride * t.element_size()) % 16:
         return None
     rows = t.shape[0] * t.shape[1] if t.dim() == 4 else t.shape[0]
-    view = t.as_strided((rows, nheads * head_dim), (row_stride, 1))
-    return TensorDescriptor(view, [rows, nheads * head_dim], [row_stride, 1], [block_n, block_d])
+    return t.as_strided((rows, nheads * head_dim), (row_stride, 1))
+
+
+def kv_descriptor(t: torch.Tensor, block_n: int, block_d: int):
+    """A TMA descriptor over the 2-D view (rows, nheads_k * headdim) of K or V (tma_row_view), for tiles of
+    (block_n rows, one head); rows = batch * seqlen (dense) or tokens (varlen). None where the kernel must use
+    pointer loads instead: headdim not a power of two (the tile would read the next head's columns), or no such
+    view."""
+    if TensorDescriptor is None or (t.device.type != "cuda" and not interpreting()) or t.numel() == 0:
+        return None
+    view = tma_row_view(t) if block_d == t.shape[-1] else None
+    if view is None:
+        return None
+    return TensorDescriptor(view, list(view.shape), list(view.stride()), [block_n, block_d])
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
