@@ -3,7 +3,7 @@ flashtile's bf16 forward, in one run (where fa3.FP8_CONFIGS comes from).
 
 Usage (Hopper GPU machine, repo root):
     PYTHONPATH=. python benchmarks/sweep_fp8_gluon.py --out DIR [--heads 64,128,256] [--seqlens 8192] [--rounds 2]
-        [--variants "d:Bc,stages,pingpong,programs_per_sm;..."]
+        [--variants "d:warpgroups,Bc,stages,pingpong,programs_per_sm;..."]
 
 Each variant runs fa3.fwd_fp8 on inputs quantized for its tiles (V^T in the kernel's key order) and is checked
 against the Triton FP8 kernel on the same blocks (max difference < 5e-2: same e4m3 operands, fp32 summation order
@@ -21,21 +21,21 @@ from _sweep_args import grid_points, parse_int_variants, restore, sweep_args
 from flashtile.fp8 import FP8Config, attention_fp8, fp8_config, quantize_fp8
 from flashtile.kernels.gluon import fa3
 
-DEFAULT_VARIANTS = ("64:256,2,0,1;64:128,2,0,1;64:64,2,0,2;64:256,2,1,1;"
-                    "128:128,2,0,1;128:128,3,0,1;128:128,2,1,1;"
-                    "256:128,2,1,1;256:128,2,0,1;256:64,2,0,1")
+DEFAULT_VARIANTS = ("64:2,256,2,0,1;64:3,128,2,0,1;64:3,128,2,1,1;64:3,256,2,0,1;"
+                    "128:2,128,2,0,1;128:3,128,2,0,1;128:3,128,2,1,1;"
+                    "256:2,128,2,1,1;256:2,128,2,0,1")
 
 
 def use(d, variant):
-    block_n, stages, pingpong, per_sm = variant
-    fa3.FP8_CONFIGS[d] = (block_n, stages)
+    num_wg, block_n, stages, pingpong, per_sm = variant
+    fa3.FP8_CONFIGS[d] = (num_wg, block_n, stages)
     fa3.FP8_PINGPONG[d] = (bool(pingpong), bool(pingpong))
     fa3.FWD_REGS[(d, True)] = fa3.TWO_PER_SM if per_sm == 2 else fa3.ONE_PER_SM
 
 
 def main():
     args = sweep_args(seqlens="8192", variants=DEFAULT_VARIANTS)
-    variants = parse_int_variants(args.variants)   # (Bc, stages, pingpong, programs per SM)
+    variants = parse_int_variants(args.variants)   # (warpgroups, Bc, stages, pingpong, programs per SM)
     rows = []
     for d in (int(x) for x in args.heads.split(",")):
         shipped = fa3.FP8_CONFIGS.get(d), fa3.FP8_PINGPONG.get(d), fa3.FWD_REGS.get((d, True))
@@ -46,12 +46,13 @@ def main():
                                  v_key_perm=False)
             inputs = {}
             for variant in variants[d]:   # quantized for the variant's tiles, checked once
-                t = quantize_fp8(q, k, v, causal=causal, block_m=128, block_n=variant[0], v_key_perm=True)
-                same = quantize_fp8(q, k, v, causal=causal, block_m=128, block_n=variant[0], v_key_perm=False)
+                t = quantize_fp8(q, k, v, causal=causal, block_m=fa3.WG_ROWS, block_n=variant[1], v_key_perm=True)
+                same = quantize_fp8(q, k, v, causal=causal, block_m=fa3.WG_ROWS, block_n=variant[1],
+                                    v_key_perm=False)
                 use(d, variant)
                 fa3.fwd_fp8(t.q, t.k, t.v, t.q_scale, t.k_scale, t.v_scale, out, lse, scale, causal)
                 ref, _ = attention_fp8(same, softmax_scale=scale, causal=causal,
-                                       config=FP8Config(128, variant[0], 8, 2))
+                                       config=FP8Config(fa3.WG_ROWS, variant[1], 4, 2))
                 err = (out.float() - ref.float()).abs().max().item()
                 if not err < 5e-2:
                     raise SystemExit(f"d{d} {variant} causal={causal}: max difference {err:.3g}")
@@ -62,7 +63,7 @@ def main():
                     use(d, variant)
                     ms = triton.testing.do_bench(lambda: fa3.fwd_fp8(
                         t.q, t.k, t.v, t.q_scale, t.k_scale, t.v_scale, out, lse, scale, causal), rep=100)
-                    res.setdefault("gluon Bc%d st%d pp%d per_sm%d" % variant, []).append(flops / ms / 1e9)
+                    res.setdefault("gluon wg%d Bc%d st%d pp%d per_sm%d" % variant, []).append(flops / ms / 1e9)
                 ms = triton.testing.do_bench(lambda: attention_fp8(t_tri, softmax_scale=scale, causal=causal,
                                                                    config=tcfg), rep=100)
                 res.setdefault("triton fp8", []).append(flops / ms / 1e9)

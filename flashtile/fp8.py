@@ -39,7 +39,7 @@ _FLOAT_IN = (torch.float16, torch.bfloat16)
 
 @dataclass(frozen=True)
 class FP8Config:
-    BLOCK_M: int      # Br: query rows per program = rows per Q scale block
+    BLOCK_M: int      # rows per Q scale block: Br, query rows per program (Gluon: per consumer warpgroup, 64)
     BLOCK_N: int      # Bc: key rows per step = rows per K / V scale block
     num_warps: int
     num_stages: int
@@ -73,7 +73,7 @@ def kernel_config(q, k, causal: bool = False, out_dtype=torch.bfloat16, transpos
     d = q.shape[-1]
     if "fwd" not in CONFIG_OVERRIDE and transpose_v and _fa3.supports_fp8(q, k, causal, out_dtype):
         block_m, block_n = _fa3.fp8_block_shape(d)
-        return FP8Config(block_m, block_n, 4, _fa3.FP8_CONFIGS[d][1], gluon=True)
+        return FP8Config(block_m, block_n, 4, _fa3.FP8_CONFIGS[d][2], gluon=True)
     return fp8_config(d, causal)
 
 

@@ -71,10 +71,10 @@ def compile_fp8(head_dim: int, causal: bool, out_dtype: torch.dtype):
                    stride_lse_b=lse.stride(0), stride_lse_h=lse.stride(1), q_scale_ptr=lse, k_scale_ptr=lse,
                    v_scale_ptr=lse, counter_ptr=torch.zeros(1, dtype=torch.int32), seqlen_q=s, seqlen_k=s,
                    n_bh=b * h, nheads=h, group=1, qk_scale=0.1)
-    launch = fa3._regs(head_dim, True)
-    stages = fa3.FP8_CONFIGS[head_dim][1]
-    consts = dict(HEAD_D=head_dim, BLOCK_M=fa3.WG_ROWS, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, NUM_WG=2,
-                  Q_BUFS=fa3.q_buffers(head_dim, 2, block_n, stages, 1, True),
+    num_wg, _, stages = fa3.FP8_CONFIGS[head_dim]
+    launch = fa3._regs(head_dim, True, num_wg)
+    consts = dict(HEAD_D=head_dim, BLOCK_M=fa3.WG_ROWS, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
+                  NUM_WG=num_wg, Q_BUFS=fa3.q_buffers(head_dim, num_wg, block_n, stages, 1, True),
                   PINGPONG=fa3.FP8_PINGPONG[head_dim][causal], FP8=True,
                   CONSUMER_REGS=launch["CONSUMER_REGS"], num_warps=4)
     return _compile(_fa3_fwd.fa3_fwd_kernel, runtime, consts, launch["maxnreg"])

@@ -240,7 +240,7 @@ def test_fa3_writes_every_element_gpu(seed):
 PERSISTENT_CASES = [   # (head_dim, seqlen_q, seqlen_k, causal, fp8)
     (64, 1024, 1024, False, False), (64, 2048, 2048, True, False), (128, 704, 640, False, False),
     (128, 1152, 1152, True, False), (256, 1088, 1088, True, False), (128, 1024, 1024, True, True),
-    (256, 1024, 2048, False, True),
+    (256, 1024, 2048, False, True), (64, 1280, 1280, True, True), (64, 640, 1024, False, True),
 ]
 
 
@@ -254,7 +254,7 @@ def test_fa3_persistent_equals_one_tile_per_program_gpu(d, sq, sk, causal, fp8, 
     q = torch.randn(3, sq, 6, d, device="cuda", dtype=bf16)
     k, v = (torch.randn(3, sk, 2, d, device="cuda", dtype=bf16) for _ in range(2))
     if fp8:
-        t = quantize_fp8(q, k, v, causal=causal, block_m=128, block_n=fa3.FP8_CONFIGS[d][0], v_key_perm=True)
+        t = quantize_fp8(q, k, v, causal=causal, block_m=fa3.WG_ROWS, block_n=fa3.FP8_CONFIGS[d][1], v_key_perm=True)
 
     def run():
         out = torch.full_like(q, float("nan"))

@@ -33,6 +33,8 @@ CASES = [
     (1, 1024, 1024, 4, 4, 128, True, False, True, bf16),         # per-tensor scales, rotated
     (1, 512, 768, 4, 2, 256, False, False, False, bf16),         # per-tensor baseline
     (1, 1024, 1024, 2, 2, 256, True, True, True, bf16),
+    (2, 1280, 1280, 6, 2, 64, True, True, True, bf16),           # d64: three warpgroups, the last tile ragged
+    (1, 640, 1024, 4, 4, 64, False, True, False, torch.float16),
 ]
 
 
@@ -121,9 +123,11 @@ def test_gluon_prequantized_inputs_with_descales_gpu(per_head, seed, monkeypatch
     assert err.pow(2).mean().sqrt() < 0.02 and err.abs().max() < 0.1
 
 
-def test_gluon_fp8_writes_every_element_gpu(seed):
-    """Outputs poisoned with NaN before the kernel: every tile and LSE row comes back finite."""
-    b, s, h, hk, d = 3, 1152, 6, 3, 256
+@pytest.mark.parametrize("d,s", [(256, 1152), (64, 1280)])
+def test_gluon_fp8_writes_every_element_gpu(d, s, seed):
+    """Outputs poisoned with NaN before the kernel: every tile and LSE row comes back finite (d64: 1280 rows end
+    two warpgroups into a tile of 192)."""
+    b, h, hk = 3, 6, 3
     q, k, v = (torch.randn(b, s, n, d, device="cuda", dtype=bf16) for n in (h, hk, hk))
     t = quantize_fp8(q, k, v, causal=True)
     out = torch.full_like(q, float("nan"))
@@ -136,7 +140,7 @@ def test_gluon_fp8_writes_every_element_gpu(seed):
     ((1, 1000, 1000, 4, 4, 128), False, True, bf16),       # seqlen not a multiple of the tiles
     ((1, 512, 1024, 4, 4, 128), True, True, bf16),         # causal with s_q != s_k (bottom-right)
     ((1, 512, 512, 4, 4, 96), False, True, bf16),          # head dims without a Gluon config
-    ((2, 1024, 1024, 8, 2, 64), True, True, bf16),
+    ((2, 1024, 960, 8, 2, 64), False, True, bf16),         # seqlen_k not a multiple of Bc
     ((1, 512, 512, 4, 4, 128), False, False, bf16),        # V not transposed
     ((1, 512, 512, 4, 4, 128), False, True, torch.float32),
 ])

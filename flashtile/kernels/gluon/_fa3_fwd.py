@@ -186,8 +186,11 @@ def _consumer_partition(wg: gl.constexpr, shared, HEAD_D: gl.constexpr, BLOCK_M:
         tile_scale = qk_scale
         k_scales = k_scale_ptr
         v_scales = v_scale_ptr
-        if FP8:   # Q_i's descale joins the softmax scale; K_j's and V_j's are read per block
-            tile_scale = qk_scale * gl.load(q_scale_ptr + bh * n_m + pid_m)
+        if FP8:   # the descale of this warpgroup's 64 Q rows joins the softmax scale (clamped: a sequence's last
+            # tile may end before this warpgroup's rows); K_j's and V_j's are read per block
+            q_blocks = seqlen_q // BLOCK_M
+            tile_scale = qk_scale * gl.load(q_scale_ptr + bh * q_blocks + gl.minimum(pid_m * NUM_WG + wg,
+                                                                                     q_blocks - 1))
             bhk = b * (nheads // group) + h // group
             k_scales = k_scale_ptr + bhk * (seqlen_k // BLOCK_N)
             v_scales = v_scale_ptr + bhk * (seqlen_k // BLOCK_N)
@@ -393,7 +396,7 @@ def fa3_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b, stride
     (BLOCK_M or BLOCK_N, HEAD_D); seqlen_q % BLOCK_M == 0 and seqlen_k % BLOCK_N == 0 (the host checks), causal
     only with seqlen_q == seqlen_k. lse: (batch, nheads, seqlen_q) fp32, natural log.
     FP8: q, k e4m3 as above, v_desc over V^T viewed (batch * nheads_k * HEAD_D, seqlen_k) with blocks
-    (HEAD_D, BLOCK_N); o_desc over the bf16 / fp16 output; descales q_scale (batch, nheads, seqlen_q / Br),
+    (HEAD_D, BLOCK_N); o_desc over the bf16 / fp16 output; descales q_scale (batch, nheads, seqlen_q / BLOCK_M),
     k_scale, v_scale (batch, nheads_k, seqlen_k / BLOCK_N), contiguous float32 (unused otherwise)."""
     dtype: gl.constexpr = q_desc.dtype
     n_m = gl.cdiv(seqlen_q, NUM_WG * BLOCK_M)
@@ -429,7 +432,7 @@ def fa3_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b, stride
     # partitions: consumer warpgroup 0 (the default partition, num_warps = 4), consumer warpgroups 1 (and 2), the
     # producer warp; each worker gets its own copy of the (scalar / shared-memory) arguments. Registers:
     # CONSUMER_REGS per consumer thread, 24 for the producer (setmaxnreg within the kernel's limit: fa3._regs)
-    gl.static_assert(NUM_WG == 2 or (NUM_WG == 3 and not FP8))
+    gl.static_assert(NUM_WG == 2 or NUM_WG == 3)
     shared = (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, slots,
               o_desc, lse_ptr, stride_lse_b, stride_lse_h, q_scale_ptr, k_scale_ptr, v_scale_ptr, n_m, n_tiles,
               nheads, group, seqlen_q, seqlen_k, qk_scale)

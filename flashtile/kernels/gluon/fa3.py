@@ -46,17 +46,17 @@ THREE_WG = (128, 160)
 FWD_REGS: dict = {}
 
 
-# head_dim -> (Bc, stages) of the FP8 forward (FA3 §3.3; Br = 2 x 64 as above, one Q descale per program): Q_i,
-# STAGES x (K_j, V_j^T) e4m3 and a bf16 / fp16 output tile per consumer warpgroup within 227 KiB (d256: 224 KiB)
-# Chosen on an H200 (benchmarks/sweep_fp8_gluon.py, BENCHMARKS.md §5, b*n = 16k, n = 8k, TFLOP/s full / causal):
-# d128 Bc 128 (812-817 / 750; 3 stages 797-805 / 739; Triton's FP8 kernel 744-751 / 674-676), d256 Bc 128
-# (1160-1236 / 969-1036; Triton 934-956 / 866-880). Not d64: the best Gluon tile there (Bc 256: 525 / 491; two
-# programs per SM with Bc 64: 518-521 / 488-491) trails the Triton FP8 kernel in full attention (541-543) and at
-# short causal sequences (bench_fp8: 2k 323 vs 385), so d64 keeps the Triton kernel
-FP8_CONFIGS = {128: (128, 2), 256: (128, 2)}
-# head_dim -> ping-pong (full, causal) of the FP8 forward: within run-to-run noise (d256 full 1210-1236 with, 1160-
-# 1208 without; causal 976-1001 with, 969-1036 without)
-FP8_PINGPONG = {128: (False, False), 256: (True, False)}
+# head_dim -> (consumer warpgroups, Bc, stages) of the FP8 forward (FA3 §3.3; Br = 64 x warpgroups, one Q descale
+# per warpgroup's 64 rows): Q_i, STAGES x (K_j, V_j^T) e4m3 and a bf16 / fp16 output tile per consumer warpgroup
+# within 227 KiB (d256: 224 KiB). Chosen on an H200 (benchmarks/sweep_fp8_gluon.py, BENCHMARKS.md §5, b*n = 16k,
+# TFLOP/s at 8k full / causal): d128 two warpgroups, Bc 128 (812-835 / 750-762; 3 stages 797-805 / 739; three
+# warpgroups 705 / 566: at 160 registers the S, O and P~ of d128 spill; Bc 256 747 / 633), d256 Bc 128 (1160-1236 /
+# 938-1036), d64 three warpgroups, Bc 128 (579-584 / 527-534; 3 stages 582 / 527; the Triton FP8 kernel 536-538 /
+# 476; two warpgroups with Bc 256 541 / 507; Bc 64 467-473 / 426-437)
+FP8_CONFIGS = {64: (3, 128, 2), 128: (2, 128, 2), 256: (2, 128, 2)}
+# head_dim -> ping-pong (full, causal) of the FP8 forward: within run-to-run noise at d256 (full 1210-1236 with, 1160-
+# 1208 without; causal 976-1001 with, 969-1036 without), slower at d64 (568 / 523 with) and d128 (three warpgroups)
+FP8_PINGPONG = {64: (False, False), 128: (False, False), 256: (True, False)}
 
 # head_dim -> (Br, Bc, stages) of the backward: a program owns Bc = 2 x 64 keys (one half per consumer
 # warpgroup, dK / dV in registers) and streams Br query rows per step through `stages` (Q_i, dO_i) buffers
@@ -234,14 +234,15 @@ def _regs(head_dim: int, fp8: bool, num_wg: int = 2) -> dict:
 
 
 def fp8_block_shape(head_dim: int):
-    """(Br, Bc) of the FP8 kernel at this head dim: the quantization blocks of Q and of K, V."""
-    return 2 * WG_ROWS, FP8_CONFIGS[head_dim][0]
+    """The quantization blocks of Q and of K, V that the FP8 kernel reads at this head dim: (a consumer warpgroup's
+    64 rows, Bc)."""
+    return WG_ROWS, FP8_CONFIGS[head_dim][1]
 
 
 def supports_fp8(q, k, causal: bool, out_dtype: torch.dtype) -> bool:
     """Whether fwd_fp8() computes the FP8 forward of q (batch, seqlen_q, nheads, d) against k (batch, seqlen_k,
     nheads_k, d) (any dtype: only shapes and the device count), with V given transposed: a Hopper GPU with Gluon,
-    not turned off, head dim in FP8_CONFIGS, seqlen_q a multiple of Br and seqlen_k of Bc, causal with
+    not turned off, head dim in FP8_CONFIGS, seqlen_q a multiple of 64 and seqlen_k of Bc, causal with
     seqlen_q == seqlen_k, a bf16 / fp16 output."""
     head_dim, sq, sk = q.shape[-1], q.shape[1], k.shape[1]
     if not (enabled() and q.is_cuda and head_dim in FP8_CONFIGS and out_dtype in (torch.float16, torch.bfloat16)):
@@ -255,15 +256,15 @@ def supports_fp8(q, k, causal: bool, out_dtype: torch.dtype) -> bool:
 def fwd_fp8(q8, k8, vt8, q_scale, k_scale, v_scale, out, lse, softmax_scale: float, causal: bool) -> None:
     """out = attention of e4m3 q8 (batch, seqlen_q, nheads, d), k8 (batch, seqlen_k, nheads_k, d) and V^T vt8
     (batch, nheads_k, d, seqlen_k), all contiguous, with x = x8 * descale per block: q_scale (batch, nheads,
-    seqlen_q / Br), k_scale and v_scale (batch, nheads_k, seqlen_k / Bc), contiguous float32 (fp8_block_shape);
+    seqlen_q / 64), k_scale and v_scale (batch, nheads_k, seqlen_k / Bc), contiguous float32 (fp8_block_shape);
     lse (batch, nheads, seqlen_q) natural log. Call only where supports_fp8() said yes."""
     head_dim = q8.shape[-1]
-    block_n, stages = FP8_CONFIGS[head_dim]
+    num_wg, block_n, stages = FP8_CONFIGS[head_dim]
     for name, t in (("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale)):
         assert t.is_contiguous() and t.dtype == torch.float32, name
     assert vt8.shape == (k8.shape[0], k8.shape[2], head_dim, k8.shape[1]) and vt8.is_contiguous()
-    _launch_fwd(q8, k8, vt8, out, lse, (q_scale, k_scale, v_scale), softmax_scale, causal, 2, block_n, stages,
-                FP8_PINGPONG[head_dim][causal], fp8=True)
+    _launch_fwd(q8, k8, vt8, out, lse, (q_scale, k_scale, v_scale), softmax_scale, causal, num_wg, block_n,
+                stages, FP8_PINGPONG[head_dim][causal], fp8=True)
 
 
 def bwd_dq_tile(block_m: int, head_dim: int):
