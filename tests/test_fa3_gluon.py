@@ -162,6 +162,27 @@ def test_tma_viewable_layouts():
     assert not viewable(torch.empty(2 * 64 * 4 * 128 + 1, dtype=torch.bfloat16)[1:].view(2, 64, 4, 128))
 
 
+def test_row_descriptor_reuses_a_checked_geometry():
+    """launch.row_descriptor: a second tensor of a geometry seen before gets the first's checked fields with its own
+    base; a misaligned base of that geometry is checked again (None), and a non-view is None. Gluon's class (with
+    its layout) and triton.tools' alike."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+    for cls, layout in ((launch.TensorDescriptor, None), (GluonDescriptor, fa3._smem_layout(64, 128, torch.bfloat16))):
+        a, b = (torch.randn(2, 64, 4, 128, dtype=torch.bfloat16) for _ in range(2))
+        da = launch.row_descriptor(cls, a, (64, 128), layout)
+        db = launch.row_descriptor(cls, b, (64, 128), layout)
+        assert type(db) is cls and db.base is b and da.base.data_ptr() == a.data_ptr()
+        for d in (da, db):
+            assert (list(d.shape), list(d.strides), list(d.block_shape)) == ([128, 512], [512, 1], [64, 128])
+        assert {n: v for n, v in vars(da).items() if n != "base"} == {n: v for n, v in vars(db).items() if n != "base"}
+        buf = torch.empty(2 * 64 * 4 * 128 + 1, dtype=torch.bfloat16)
+        assert launch.row_descriptor(cls, buf[1:].view(2, 64, 4, 128), (64, 128), layout) is None
+        transposed = torch.empty(2, 4, 64, 128, dtype=torch.bfloat16).transpose(1, 2)
+        assert launch.row_descriptor(cls, transposed, (64, 128), layout) is None
+        packed = torch.empty(2, 64, 3, 4, 128, dtype=torch.bfloat16)[:, :, 1]   # rows 3 * 512 apart
+        assert list(launch.row_descriptor(cls, packed, (64, 128), layout).strides) == [3 * 512, 1]
+
+
 def test_disabled_context_nests():
     assert fa3.enabled()
     with fa3.disabled():

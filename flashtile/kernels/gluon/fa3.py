@@ -166,11 +166,10 @@ def tma_ready(x: torch.Tensor) -> torch.Tensor:
 
 
 def _desc(TensorDescriptor, t, rows, cols, dtype):
-    """A TMA descriptor over t viewed as (batch * seqlen, nheads * head_dim) (launch.tma_row_view: t must be such
-    a view), blocks (rows, cols)."""
-    from ..triton.launch import tma_row_view   # (launch imports this module)
-    view = tma_row_view(t)
-    return TensorDescriptor(view, list(view.shape), list(view.stride()), [rows, cols], _smem_layout(rows, cols, dtype))
+    """A TMA descriptor over t viewed as (batch * seqlen, nheads * head_dim) (launch.tma_row_view), blocks (rows,
+    cols); None where t is no such view."""
+    from ..triton.launch import row_descriptor   # (launch imports this module)
+    return row_descriptor(TensorDescriptor, t, (rows, cols), _smem_layout(rows, cols, dtype))
 
 
 def _gluon_language():
@@ -288,21 +287,27 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params) -> None:
     dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     dq_tile = bwd_dq_tile(block_m, head_dim)
     dkv_tma = BWD_DKV_TMA[causal]
-    dk_out, dv_out = dk, dv
-    if dkv_tma:   # through a (batch * seqlen_k, nheads_k * d) view of dk / dv where their strides allow one (e.g.
-        # slices of a packed gradient), else through a contiguous buffer copied into them
-        from ..triton.launch import tma_row_view
-        dk_out, dv_out = (g if tma_row_view(g) is not None else torch.empty(g.shape, dtype=g.dtype, device=g.device)
-                          for g in (dk, dv))
 
     def desc(t, rows, cols):
         return _desc(TensorDescriptor, t, rows, cols, t.dtype)
+
+    dk_out, dv_out = dk, dv
+    if dkv_tma:   # through a (batch * seqlen_k, nheads_k * d) view of dk / dv where their strides allow one (e.g.
+        # slices of a packed gradient), else through a contiguous buffer copied into them
+        dkv = []
+        for g in (dk, dv):
+            g_desc = desc(g, block_n // 2, head_dim)
+            if g_desc is None:
+                g = torch.empty(g.shape, dtype=g.dtype, device=g.device)
+                g_desc = desc(g, block_n // 2, head_dim)
+            dkv.append((g, g_desc))
+        (dk_out, dk_desc), (dv_out, dv_desc) = dkv
 
     kern.fa3_bwd_kernel[(sk // block_n, batch * nheads_k)](
         desc(k, block_n, head_dim), desc(v, block_n, head_dim), desc(q, block_m, head_dim),
         desc(dout, block_m, head_dim), desc(dq_acc, *dq_tile),
         lse, delta, lse.stride(0), lse.stride(1),
-        *((desc(dk_out, block_n // 2, head_dim), desc(dv_out, block_n // 2, head_dim)) if dkv_tma else (dk, dv)),
+        *((dk_desc, dv_desc) if dkv_tma else (dk, dv)),
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         sq, sk, nheads_k, nheads // nheads_k, params.softmax_scale, params.softmax_scale * LOG2E,
         HEAD_D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,

@@ -49,7 +49,7 @@ import triton
 import triton.language as tl
 
 from . import combine as _combine
-from .launch import AttnParams, _block_d, _dot_precision, _rows, cdiv, interpreting, next_pow2, tma_row_view
+from .launch import AttnParams, _block_d, _dot_precision, _rows, cdiv, interpreting, next_pow2, row_descriptor
 from .mods import key_range, load_rows, online_softmax_step, present, scores_log2, seq_bounds, visible
 
 try:  # host-side TMA descriptors (triton >= 3.4; the interpreter emulates them)
@@ -534,10 +534,9 @@ def _cache_descriptor(t: torch.Tensor, block_n: int, block_d: int):
             return None
     elif not interpreting():
         return None
-    view = tma_row_view(t) if block_d == t.shape[-1] else None
-    if view is None or view.shape[0] + block_n >= 2 ** 31:
+    if block_d != t.shape[-1] or t.shape[0] * t.shape[1] + block_n >= 2 ** 31:
         return None
-    return TensorDescriptor(view, list(view.shape), list(view.stride()), [block_n, block_d])
+    return row_descriptor(TensorDescriptor, t, (block_n, block_d))
 
 
 def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,

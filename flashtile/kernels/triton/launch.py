@@ -79,6 +79,33 @@ def tma_row_view(t: torch.Tensor) -> Optional[torch.Tensor]:
     return t.as_strided((rows, nheads * head_dim), (row_stride, 1))
 
 
+# (descriptor class, shape, strides, dtype, block, layout) -> the fields, base aside, of a descriptor built and
+# checked for that geometry (row_descriptor)
+_ROW_DESC_FIELDS: dict = {}
+
+
+def row_descriptor(cls, t: torch.Tensor, block, layout=None):
+    """A TMA descriptor of class cls (triton.tools' TensorDescriptor, or Gluon's, which takes the shared-memory
+    layout) over tma_row_view(t), blocks `block`; None where t is no such view. Host time: building and checking
+    one (the row view, the class's checks) costs ~10 us of Python and a launch builds two to seven; a geometry
+    seen before (same class, shape, strides, dtype, block and layout) reuses the checked fields and only the base
+    changes (its 16-byte alignment checked here): the launchers read nothing of the base but its data_ptr() and
+    dtype, which the view shares with t."""
+    key = (cls, t.shape, t.stride(), t.dtype, tuple(block), layout)
+    fields = _ROW_DESC_FIELDS.get(key)
+    if fields is not None and t.data_ptr() % 16 == 0:
+        desc = object.__new__(cls)
+        vars(desc).update(fields, base=t)
+        return desc
+    view = tma_row_view(t)
+    if view is None:
+        return None
+    desc = cls(view, list(view.shape), list(view.stride()), list(block), *(() if layout is None else (layout, )))
+    if len(_ROW_DESC_FIELDS) < 4096:
+        _ROW_DESC_FIELDS[key] = {name: val for name, val in vars(desc).items() if name != "base"}
+    return desc
+
+
 def kv_descriptor(t: torch.Tensor, block_n: int, block_d: int):
     """A TMA descriptor over the 2-D view (rows, nheads_k * headdim) of K or V (tma_row_view), for tiles of
     (block_n rows, one head); rows = batch * seqlen (dense) or tokens (varlen). None where the kernel must use
@@ -86,10 +113,9 @@ def kv_descriptor(t: torch.Tensor, block_n: int, block_d: int):
     view."""
     if TensorDescriptor is None or (t.device.type != "cuda" and not interpreting()) or t.numel() == 0:
         return None
-    view = tma_row_view(t) if block_d == t.shape[-1] else None
-    if view is None:
+    if block_d != t.shape[-1]:
         return None
-    return TensorDescriptor(view, list(view.shape), list(view.stride()), [block_n, block_d])
+    return row_descriptor(TensorDescriptor, t, (block_n, block_d))
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
