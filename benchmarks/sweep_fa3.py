@@ -5,7 +5,8 @@ Usage (Hopper GPU machine, repo root):
         [--variants "d:num_wg,Bc,stages,pingpong[,persistent];..."]
 
 A variant sets flashtile.kernels.gluon.fa3.CONFIGS[d] and fa3.PINGPONG[d] (0: the consumer warpgroups issue
-their GEMMs without taking turns, full and causal alike) and fa3.PERSISTENT (0: one program per tile; default 1).
+their GEMMs without taking turns, full and causal alike) and fa3.PERSISTENT (0: one program per tile; default 1),
+and drops fa3.SHORT_CONFIGS of d, so the variant runs at every length.
 Default variants: the shipped config of each head dim plus its no-ping-pong twin and the neighbouring tile shapes.
 Each variant is first checked against float64 (b2 s768, GQA 2:1, bf16, full and causal). Shapes: the FA3 grid
 (16k tokens, hidden 2048), bf16. Timing: triton.testing.do_bench medians of the kernel launch (fa3.fwd on
@@ -31,6 +32,8 @@ DEFAULT_VARIANTS = ("64:3,128,2,1;64:3,128,2,0;64:2,128,2,1;"
 
 
 def use(d, variant):
+    for causal in (False, True):   # the variant at every length
+        fa3.SHORT_CONFIGS.pop((d, causal), None)
     fa3.CONFIGS[d] = variant[:3]
     fa3.PINGPONG[d] = (bool(variant[3]), bool(variant[3]))
     fa3.PERSISTENT = bool(variant[4]) if len(variant) > 4 else True
@@ -62,6 +65,7 @@ def main():
     rows = []
     for d in (int(x) for x in args.heads.split(",")):
         shipped, shipped_pp, persistent = fa3.CONFIGS.get(d), fa3.PINGPONG.get(d), fa3.PERSISTENT
+        shipped_short = {c: fa3.SHORT_CONFIGS.get((d, c)) for c in (False, True)}
         for variant in variants[d]:
             check(d, variant)
         for s, causal, q, k, v, out, lse, flops in grid_points(d, (int(x) for x in args.seqlens.split(","))):
@@ -85,7 +89,8 @@ def main():
             print(f"d{d} s{s} causal={int(causal)} | " + " | ".join(f"{n} {max(t):.1f}" for n, t in res.items()),
                   flush=True)
             rows.append(dict(head_dim=d, seqlen=s, causal=causal, tflops=res))
-        restore(((fa3.CONFIGS, d, shipped), (fa3.PINGPONG, d, shipped_pp)))
+        restore(((fa3.CONFIGS, d, shipped), (fa3.PINGPONG, d, shipped_pp),
+                 *((fa3.SHORT_CONFIGS, (d, c), shipped_short[c]) for c in (False, True))))
         fa3.PERSISTENT = persistent
     with open(os.path.join(args.out, "sweep_fa3.json"), "w") as f:
         json.dump(rows, f, indent=1)

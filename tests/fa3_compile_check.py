@@ -1,12 +1,12 @@
 """Compiles the Gluon FA3 kernels (flashtile/kernels/gluon/_fa3_fwd.py, _fa3_bwd.py) for sm_90 on a machine
-without a GPU. Arguments `fwd|bwd|fp8,<head_dim>,<causal 0|1>,<bf16|fp16>` (fp8: e4m3 inputs, that output
-dtype); prints one line per variant: `ok <kind> d<head_dim> causal=<0|1> <dtype> shared=<bytes> wgmma=<count>
-reduce=<count> arrives=<count> unsynced=<count> e4m3_mma=<count> shfl_idx=<count>` (reduce: TMA reduce-add
-instructions, the backward's dQ; e4m3_mma: FP8 wgmmas; shfl_idx: indexed warp shuffles, which a P operand needing
-data exchange would bring). `unsynced` counts the plain mbarrier arrivals (one thread of a consumer warpgroup,
-or of the forward's one-warp producer) not preceded by a bar.sync of the warpgroup's 128 threads (the producer's:
-of its warp), on which the kernels' barrier counts rely (_fa3_fwd._pass_turn, the backward's ds_ready / ds_free /
-qdo_empty).
+without a GPU. Arguments `fwd|fwdshort|bwd|fp8,<head_dim>,<causal 0|1>,<bf16|fp16>` (fwdshort: the forward's
+config at short sequences, fa3.SHORT_CONFIGS; fp8: e4m3 inputs, that output dtype); prints one line per variant:
+`ok <kind> d<head_dim> causal=<0|1> <dtype> shared=<bytes> wgmma=<count> reduce=<count> arrives=<count>
+unsynced=<count> e4m3_mma=<count> shfl_idx=<count>` (reduce: TMA reduce-add instructions, the backward's dQ;
+e4m3_mma: FP8 wgmmas; shfl_idx: indexed warp shuffles, which a P operand needing data exchange would bring).
+`unsynced` counts the plain mbarrier arrivals (one thread of a consumer warpgroup, or of the forward's one-warp
+producer) not preceded by a bar.sync of the warpgroup's 128 threads (the producer's: of its warp), on which the
+kernels' barrier counts rely (_fa3_fwd._pass_turn, the backward's ds_ready / ds_free / qdo_empty).
 Run by tests/test_fa3_gluon.py in a subprocess, with TRITON_INTERPRET=0 (the interpreter does not run Gluon)."""
 import os
 import sys
@@ -40,8 +40,9 @@ def _desc(t, rows, cols):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [rows, cols], fa3._smem_layout(rows, cols, t.dtype))
 
 
-def compile_fwd(head_dim: int, causal: bool, dtype: torch.dtype):
-    num_wg, block_n, stages = fa3.CONFIGS[head_dim]
+def compile_fwd(head_dim: int, causal: bool, dtype: torch.dtype, seqlen: int = 1 << 20):
+    """The bf16 / fp16 forward as fa3.fwd launches it at this sequence length (fa3.fwd_config)."""
+    num_wg, block_n, stages, pingpong = fa3.fwd_config(head_dim, seqlen, causal)
     b, s, h = 2, 1024, 4
     t = torch.randn(b * s, h * head_dim, dtype=dtype)
     lse = torch.empty(b, h, s)
@@ -53,7 +54,7 @@ def compile_fwd(head_dim: int, causal: bool, dtype: torch.dtype):
     launch = fa3._regs(head_dim, False, num_wg)
     consts = dict(HEAD_D=head_dim, BLOCK_M=fa3.WG_ROWS, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
                   NUM_WG=num_wg, Q_BUFS=fa3.q_buffers(head_dim, num_wg, block_n, stages, t.element_size(), False),
-                  PINGPONG=fa3.PINGPONG[head_dim][causal], FP8=False,
+                  PINGPONG=pingpong, FP8=False,
                   CONSUMER_REGS=launch["CONSUMER_REGS"], num_warps=4)
     return _compile(_fa3_fwd.fa3_fwd_kernel, runtime, consts, launch["maxnreg"])
 
@@ -109,7 +110,8 @@ if __name__ == "__main__":
     for spec in sys.argv[1:]:
         kind, d, causal, dt = spec.split(",")
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dt]
-        ck = {"fwd": compile_fwd, "bwd": compile_bwd, "fp8": compile_fp8}[kind](int(d), causal == "1", dtype)
+        ck = {"fwd": compile_fwd, "bwd": compile_bwd, "fp8": compile_fp8,
+              "fwdshort": lambda d, c, t: compile_fwd(d, c, t, seqlen=1)}[kind](int(d), causal == "1", dtype)
         ptx = ck.asm["ptx"].splitlines()
         arrives = [i for i, line in enumerate(ptx) if "mbarrier.arrive" in line and "expect_tx" not in line]
         unsynced = [i for i in arrives if not any(("bar.sync" in ptx[j] and ", 128;" in ptx[j])

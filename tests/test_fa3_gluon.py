@@ -133,6 +133,7 @@ def test_kernels_compile_for_sm90():
     arrival follows a bar.sync of its warpgroup (the barrier counts rely on it)."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     specs = [f"fwd,{d},{c},bf16" for d in sorted(fa3.CONFIGS) for c in (0, 1)] + ["fwd,128,0,fp16"]
+    specs += [f"fwdshort,{d},{int(c)},bf16" for d, c in sorted(fa3.SHORT_CONFIGS)]
     specs += [f"bwd,{d},{c},bf16" for d in sorted(fa3.BWD_CONFIGS) for c in (0, 1)] + ["bwd,64,1,fp16"]
     specs += [f"fp8,{d},{c},bf16" for d in sorted(fa3.FP8_CONFIGS) for c in (0, 1)] + ["fp8,128,0,fp16"]
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT))
@@ -181,6 +182,55 @@ def test_row_descriptor_reuses_a_checked_geometry():
         assert launch.row_descriptor(cls, transposed, (64, 128), layout) is None
         packed = torch.empty(2, 64, 3, 4, 128, dtype=torch.bfloat16)[:, :, 1]   # rows 3 * 512 apart
         assert list(launch.row_descriptor(cls, packed, (64, 128), layout).strides) == [3 * 512, 1]
+
+
+def test_forward_config_by_length():
+    """fa3.fwd_config: SHORT_CONFIGS up to their length (inclusive), CONFIGS and PINGPONG beyond, and for head
+    dims / masks without a short entry."""
+    for (d, causal), (longest, cfg) in fa3.SHORT_CONFIGS.items():
+        assert fa3.fwd_config(d, longest, causal) == cfg and fa3.fwd_config(d, 64, causal) == cfg
+        assert fa3.fwd_config(d, longest + 64, causal) == (*fa3.CONFIGS[d], fa3.PINGPONG[d][causal])
+        assert cfg[1] == fa3.CONFIGS[d][1]   # same Bc: the host checks read CONFIGS
+    assert (128, False) not in fa3.SHORT_CONFIGS
+    assert fa3.fwd_config(128, 512, False) == (*fa3.CONFIGS[128], fa3.PINGPONG[128][False])
+
+
+def test_fast_relaunch_keys_on_specialization(monkeypatch):
+    """fa3._run: the first launch of a key goes through kernel[grid] (Triton's dispatch, which compiles); the next
+    ones of that key call the compiled kernel with the runtime args and the constexpr values in parameter order; a
+    tensor of another alignment, an int that becomes 1 or a multiple of 16, another constexpr: the dispatch again.
+    FLASHTILE_FAST_LAUNCH=0 (fa3.FAST_LAUNCH): the dispatch always."""
+    calls = []
+
+    class Compiled:
+        def run(self, *a):
+            pass
+
+        def __getitem__(self, grid):
+            return lambda *a: calls.append(("compiled", grid, a))
+
+    class Kernel:
+        arg_names = ["x", "n", "scale", "BLOCK", "num_warps"]
+
+        def __getitem__(self, grid):
+            return lambda *a, **kw: calls.append(("dispatch", grid, a, kw)) or Compiled()
+
+    kern = Kernel()
+    monkeypatch.setattr(fa3, "_COMPILED", {})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    buf = torch.empty(64)
+    x, x_odd = buf[:16], buf[1:17]
+    consts = dict(BLOCK=64, num_warps=4, maxnreg=168)
+    for args in ((x, 32, 0.5), (x, 48, 0.25), (x_odd, 48, 0.25), (x, 1, 0.5), (x, 33, 0.5), (x, 35, 0.5)):
+        fa3._run(kern, (3, ), args, consts)
+    fa3._run(kern, (3, ), (x, 32, 0.5), dict(consts, BLOCK=128))
+    kinds = [c[0] for c in calls]
+    assert kinds == ["dispatch", "compiled", "dispatch", "dispatch", "dispatch", "compiled", "dispatch"], kinds
+    assert calls[1] == ("compiled", (3, 1, 1), (x, 48, 0.25, 64, 4))
+    monkeypatch.setattr(fa3, "FAST_LAUNCH", False)
+    calls.clear()
+    fa3._run(kern, (3, ), (x, 32, 0.5), consts)
+    assert [c[0] for c in calls] == ["dispatch"]
 
 
 def test_disabled_context_nests():

@@ -30,6 +30,9 @@ FA3_CASES = [
     Case(2, 1024, 1024, 8, 8, 64, bf16),                           # d64: Br = 192, the last tile's third
     Case(1, 2048, 2048, 16, 2, 64, fp16, causal=True),             # warpgroup (or second and third) idle
     Case(2, 640, 1536, 4, 1, 64, bf16),
+    Case(2, 512, 512, 4, 2, 64, bf16),                             # d64 up to fa3.SHORT_CONFIGS' lengths:
+    Case(2, 1024, 1024, 4, 4, 64, fp16, causal=True),              # two warpgroups (Br = 128)
+    Case(2, 448, 1024, 4, 1, 64, bf16),                            # (the last tile's second warpgroup idle)
     Case(2, 704, 640, 4, 2, 128, bf16),                            # s_q % Br = 64: the last tile's second
     Case(1, 1088, 1088, 2, 1, 256, fp16, causal=True),             # warpgroup computes rows it does not store
 ]
@@ -126,6 +129,7 @@ def test_fa3_forward_tile_variants_gpu(c: Case, variant, seed, monkeypatch):
     """The kernel at tiles the sweep tries (benchmarks/sweep_fa3.py): every row of a NaN-poisoned output and LSE
     written, and both against float64."""
     d, cfg, pingpong = variant
+    monkeypatch.setattr(fa3, "SHORT_CONFIGS", {})   # the variant at every length
     monkeypatch.setitem(fa3.CONFIGS, d, cfg)
     monkeypatch.setitem(fa3.PINGPONG, d, (pingpong, pingpong))
     c = Case(c.b, c.sq, c.sk, c.h, c.hk, d, c.dtype, causal=c.causal)

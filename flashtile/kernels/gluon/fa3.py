@@ -34,6 +34,12 @@ CONFIGS = {64: (3, 128, 2), 128: (2, 128, 2), 256: (2, 64, 2)}
 # Measured: turns win in full attention at d128 (+1-2%) and d64 (+1-2%); under a causal mask, and at d256, free
 # scheduling by the warp scheduler is as fast or 2-3% faster (BENCHMARKS.md, the fa3 sweep)
 PINGPONG = {64: (True, False), 128: (True, False), 256: (False, False)}
+# (head_dim, causal) -> (longest seqlen_q, (consumer warpgroups, Bc, stages, ping-pong)) taken instead of the two
+# tables above up to that length (Bc as CONFIGS': block_shape and the host checks read CONFIGS). d64: Br = 192
+# leaves short sequences few tiles of uneven length; two warpgroups measured faster there (H200, 16k tokens,
+# `benchmarks/sweep_fa3.py --seqlens 512,1024,2048`, kernel TFLOP/s, two / three warpgroups): causal 208 / 163 at
+# 512, 306 / 253 at 1k, 363 / 372 at 2k; full 375 / 355 at 512, 406 / 422 at 1k
+SHORT_CONFIGS = {(64, True): (1024, (2, 128, 2, False)), (64, False): (512, (2, 128, 2, False))}
 # the kernel's register limit per thread: 12 warps (4 + 4 + 1 rounded up to warpgroups) x 32 x 168 = the 64K
 # registers of an SM; inside the partitions setmaxnreg moves them to 240 per consumer thread and 24 for the producer
 MAXNREG = 168
@@ -181,10 +187,20 @@ def fwd(q, k, v, out, lse, params) -> None:
     """out = attention(q, k, v), lse = its row log-sum-exp (natural log), by the Gluon FA3 kernel. Call only
     where supports() said yes; out and lse contiguous."""
     head_dim = q.shape[-1]
-    num_wg, block_n, stages = CONFIGS[head_dim]
     causal = params.window_right == 0
+    num_wg, block_n, stages, pingpong = fwd_config(head_dim, q.shape[1], causal)
     _launch_fwd(q, k, v, out, lse, (lse, lse, lse), params.softmax_scale, causal, num_wg, block_n, stages,
-                PINGPONG.get(head_dim, (True, True))[causal], fp8=False)
+                pingpong, fp8=False)
+
+
+def fwd_config(head_dim: int, seqlen_q: int, causal: bool):
+    """(consumer warpgroups, Bc, stages, ping-pong) of the bf16 / fp16 forward: SHORT_CONFIGS up to their length,
+    else CONFIGS and PINGPONG."""
+    short = SHORT_CONFIGS.get((head_dim, causal))
+    if short is not None and seqlen_q <= short[0]:
+        assert short[1][1] == CONFIGS[head_dim][1], "SHORT_CONFIGS keeps CONFIGS' Bc"
+        return short[1]
+    return (*CONFIGS[head_dim], PINGPONG.get(head_dim, (True, True))[causal])
 
 
 def _launch_fwd(q, k, v, out, lse, scales, softmax_scale, causal, num_wg, block_n, stages, pingpong, fp8):
@@ -205,12 +221,54 @@ def _launch_fwd(q, k, v, out, lse, scales, softmax_scale, causal, num_wg, block_
         v_desc = desc(v, block_n)
     n_tiles = triton.cdiv(sq, num_wg * WG_ROWS) * batch * nheads
     programs = min(n_tiles, _sm_count(_device_index(q))) if PERSISTENT else n_tiles
-    kern.fa3_fwd_kernel[(programs, )](
+    _run(kern.fa3_fwd_kernel, (programs, ), (
         desc(q, WG_ROWS), desc(k, block_n), v_desc, desc(out, WG_ROWS), lse, lse.stride(0), lse.stride(1),
-        *scales, tickets(q.device, 1), sq, sk, batch * nheads, nheads, nheads // nheads_k, softmax_scale * LOG2E,
-        HEAD_D=head_dim, BLOCK_M=WG_ROWS, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, NUM_WG=num_wg,
-        Q_BUFS=q_buffers(head_dim, num_wg, block_n, stages, q.element_size(), fp8), PINGPONG=pingpong, FP8=fp8,
-        **_regs(head_dim, fp8, num_wg))
+        *scales, tickets(q.device, 1), sq, sk, batch * nheads, nheads, nheads // nheads_k, softmax_scale * LOG2E),
+        dict(HEAD_D=head_dim, BLOCK_M=WG_ROWS, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, NUM_WG=num_wg,
+             Q_BUFS=q_buffers(head_dim, num_wg, block_n, stages, q.element_size(), fp8), PINGPONG=pingpong,
+             FP8=fp8, **_regs(head_dim, fp8, num_wg)))
+
+
+# Relaunching a compiled kernel without Triton's JIT dispatch (host time). kernel[grid](...) binds the arguments,
+# computes each one's specialization and the cache key before it finds the compiled kernel: ~25-30 us of Python
+# per Gluon launch on the H200 machine, a third of fa3.fwd's host time. _run keys the compiled kernel on a
+# superset of what Triton specializes on (per tensor its dtype and 16-byte alignment, per int whether it is 1, a
+# multiple of 16 and within int32, per descriptor its dtype, block and layout, and every constexpr and option)
+# and launches it directly the next time (CompiledKernel[grid], the call Triton's dispatch ends with); a key not
+# seen goes through kernel[grid], which compiles or finds the kernel. Changing Triton's debug / instrumentation
+# knobs after a first launch is not seen. FLASHTILE_FAST_LAUNCH=0 turns it off.
+FAST_LAUNCH = os.environ.get("FLASHTILE_FAST_LAUNCH", "1") != "0"
+_COMPILED: dict = {}
+
+
+def _arg_key(x):
+    if isinstance(x, torch.Tensor):
+        return x.dtype, x.data_ptr() % 16 == 0
+    if isinstance(x, bool):
+        return bool, x
+    if isinstance(x, int):
+        return int, x == 1, x % 16 == 0, -2 ** 31 <= x < 2 ** 31
+    if isinstance(x, float):
+        return float
+    return type(x), x.base.dtype, tuple(x.block_shape), x.layout, x.padding   # a TensorDescriptor
+
+
+def _run(kernel, grid, args: tuple, consts: dict) -> None:
+    """kernel[grid](*args, **consts): args every runtime parameter in order, consts the constexpr parameters and
+    launch options."""
+    if not FAST_LAUNCH:
+        kernel[grid](*args, **consts)
+        return
+    key = (kernel, torch.cuda.current_device(), tuple(map(_arg_key, args)), tuple(consts.items()))
+    entry = _COMPILED.get(key)
+    if entry is None:
+        compiled = kernel[grid](*args, **consts)
+        names = kernel.arg_names[len(args):]
+        if all(n in consts for n in names) and hasattr(compiled, "run") and not hasattr(compiled, "result"):
+            _COMPILED[key] = compiled, tuple(consts[n] for n in names)
+        return
+    compiled, const_values = entry
+    compiled[(*grid, 1, 1)[:3]](*args, *const_values)   # (it reads all three grid dimensions)
 
 
 @functools.lru_cache(maxsize=None)
@@ -303,15 +361,15 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params) -> None:
             dkv.append((g, g_desc))
         (dk_out, dk_desc), (dv_out, dv_desc) = dkv
 
-    kern.fa3_bwd_kernel[(sk // block_n, batch * nheads_k)](
+    _run(kern.fa3_bwd_kernel, (sk // block_n, batch * nheads_k), (
         desc(k, block_n, head_dim), desc(v, block_n, head_dim), desc(q, block_m, head_dim),
         desc(dout, block_m, head_dim), desc(dq_acc, *dq_tile),
         lse, delta, lse.stride(0), lse.stride(1),
         *((dk_desc, dv_desc) if dkv_tma else (dk, dv)),
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        sq, sk, nheads_k, nheads // nheads_k, params.softmax_scale, params.softmax_scale * LOG2E,
-        HEAD_D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
-        DKV_TMA=dkv_tma, P_LAYOUT=_smem_layout(block_m, block_n // 2, q.dtype), num_warps=4, maxnreg=MAXNREG)
+        sq, sk, nheads_k, nheads // nheads_k, params.softmax_scale, params.softmax_scale * LOG2E),
+        dict(HEAD_D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
+             DKV_TMA=dkv_tma, P_LAYOUT=_smem_layout(block_m, block_n // 2, q.dtype), num_warps=4, maxnreg=MAXNREG))
     dq.copy_(dq_acc)
     for out, grad in ((dk_out, dk), (dv_out, dv)):
         if out is not grad:
