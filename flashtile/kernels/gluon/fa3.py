@@ -171,11 +171,17 @@ def tma_ready(x: torch.Tensor) -> torch.Tensor:
     return x if x.data_ptr() % 16 == 0 else x.clone()
 
 
+_row_descriptor = None   # launch.row_descriptor, imported at the first use (launch imports this module)
+
+
 def _desc(TensorDescriptor, t, rows, cols, dtype):
     """A TMA descriptor over t viewed as (batch * seqlen, nheads * head_dim) (launch.tma_row_view), blocks (rows,
     cols); None where t is no such view."""
-    from ..triton.launch import row_descriptor   # (launch imports this module)
-    return row_descriptor(TensorDescriptor, t, (rows, cols), _smem_layout(rows, cols, dtype))
+    global _row_descriptor
+    if _row_descriptor is None:
+        from ..triton.launch import row_descriptor
+        _row_descriptor = row_descriptor
+    return _row_descriptor(TensorDescriptor, t, (rows, cols), _smem_layout(rows, cols, dtype))
 
 
 def _gluon_language():

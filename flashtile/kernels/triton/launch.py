@@ -79,7 +79,7 @@ def tma_row_view(t: torch.Tensor) -> Optional[torch.Tensor]:
     return t.as_strided((rows, nheads * head_dim), (row_stride, 1))
 
 
-# (descriptor class, shape, strides, dtype, block, layout) -> the fields, base aside, of a descriptor built and
+# (descriptor class, shape, strides, dtype, block, id(layout)) -> the fields, base aside, of a descriptor built and
 # checked for that geometry (row_descriptor)
 _ROW_DESC_FIELDS: dict = {}
 
@@ -91,7 +91,9 @@ def row_descriptor(cls, t: torch.Tensor, block, layout=None):
     seen before (same class, shape, strides, dtype, block and layout) reuses the checked fields and only the base
     changes (its 16-byte alignment checked here): the launchers read nothing of the base but its data_ptr() and
     dtype, which the view shares with t."""
-    key = (cls, t.shape, t.stride(), t.dtype, tuple(block), layout)
+    # the layout by identity (hashing it costs more than the rest of the key): the cached fields hold it, so its
+    # id cannot be reused by another object while the entry lives
+    key = (cls, t.shape, t.stride(), t.dtype, tuple(block), id(layout))
     fields = _ROW_DESC_FIELDS.get(key)
     if fields is not None and t.data_ptr() % 16 == 0:
         desc = object.__new__(cls)
