@@ -190,7 +190,7 @@ def test_forward_config_by_length():
     for (d, causal), (longest, cfg) in fa3.SHORT_CONFIGS.items():
         assert fa3.fwd_config(d, longest, causal) == cfg and fa3.fwd_config(d, 64, causal) == cfg
         assert fa3.fwd_config(d, longest + 64, causal) == (*fa3.CONFIGS[d], fa3.PINGPONG[d][causal])
-        assert cfg[1] == fa3.CONFIGS[d][1]   # same Bc: the host checks read CONFIGS
+        assert cfg[1] == fa3.CONFIGS[d][1]   # same Bc today: a sequence takes the Gluon kernel at any length
     assert (128, False) not in fa3.SHORT_CONFIGS
     assert fa3.fwd_config(128, 512, False) == (*fa3.CONFIGS[128], fa3.PINGPONG[128][False])
 

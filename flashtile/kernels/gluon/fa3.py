@@ -35,7 +35,7 @@ CONFIGS = {64: (3, 128, 2), 128: (2, 128, 2), 256: (2, 64, 2)}
 # scheduling by the warp scheduler is as fast or 2-3% faster (BENCHMARKS.md, the fa3 sweep)
 PINGPONG = {64: (True, False), 128: (True, False), 256: (False, False)}
 # (head_dim, causal) -> (longest seqlen_q, (consumer warpgroups, Bc, stages, ping-pong)) taken instead of the two
-# tables above up to that length (Bc as CONFIGS': block_shape and the host checks read CONFIGS). d64: Br = 192
+# tables above up to that length (fwd_config, which eligible() asks for Bc too). d64: Br = 192
 # leaves short sequences few tiles of uneven length; two warpgroups measured faster there (H200, 16k tokens,
 # `benchmarks/sweep_fa3.py --seqlens 512,1024,2048`, kernel TFLOP/s, two / three warpgroups): causal 208 / 163 at
 # 512, 306 / 253 at 1k, 363 / 372 at 2k; full 375 / 355 at 512, 406 / 422 at 1k
@@ -73,12 +73,6 @@ BWD_CONFIGS = {64: (128, 128, 2), 128: (64, 128, 2)}
 # (ab_dkv_tma_causal.log: short causal programs end sooner); in full attention (ab_tma_store_all.log) d64 406.0 ->
 # 415.7, 469.5 -> 466.9, d128 463.0 -> 458.9, 526.8 -> 515.2: not taken there
 BWD_DKV_TMA = {False: False, True: True}
-
-
-def block_shape(head_dim: int):
-    """(Br, Bc) of the kernel at this head dim."""
-    num_wg, block_n, _ = CONFIGS[head_dim]
-    return num_wg * WG_ROWS, block_n
 
 
 _off = 0   # > 0 inside disabled()
@@ -136,10 +130,11 @@ def eligible(q, k, v, params, alibi=None, cu_seqlens_q=None, bias=None, mask=Non
         return False
     if not tma_aligned(q, k, v):
         return False   # TMA needs 16-byte aligned bases (the row strides are: head_dim x nheads x 2 bytes)
-    block_m, block_n = BWD_CONFIGS[head_dim][:2] if backward else block_shape(head_dim)
-    if not backward:   # the forward's last tile may end after any of its warpgroups' 64 rows
-        block_m = WG_ROWS
     causal = params.window_right == 0
+    if backward:
+        block_m, block_n = BWD_CONFIGS[head_dim][:2]
+    else:   # the forward's last tile may end after any of its warpgroups' 64 rows
+        block_m, block_n = WG_ROWS, fwd_config(head_dim, sq, causal)[1]
     return not (sq % block_m or sk % block_n or sq == 0 or (causal and sq != sk))
 
 
@@ -204,7 +199,6 @@ def fwd_config(head_dim: int, seqlen_q: int, causal: bool):
     else CONFIGS and PINGPONG."""
     short = SHORT_CONFIGS.get((head_dim, causal))
     if short is not None and seqlen_q <= short[0]:
-        assert short[1][1] == CONFIGS[head_dim][1], "SHORT_CONFIGS keeps CONFIGS' Bc"
         return short[1]
     return (*CONFIGS[head_dim], PINGPONG.get(head_dim, (True, True))[causal])
 
