@@ -195,44 +195,6 @@ def test_forward_config_by_length():
     assert fa3.fwd_config(128, 512, False) == (*fa3.CONFIGS[128], fa3.PINGPONG[128][False])
 
 
-def test_fast_relaunch_keys_on_specialization(monkeypatch):
-    """fa3._run: the first launch of a key goes through kernel[grid] (Triton's dispatch, which compiles); the next
-    ones of that key call the compiled kernel with the runtime args and the constexpr values in parameter order; a
-    tensor of another alignment, an int that becomes 1 or a multiple of 16, another constexpr: the dispatch again.
-    FLASHTILE_FAST_LAUNCH=0 (fa3.FAST_LAUNCH): the dispatch always."""
-    calls = []
-
-    class Compiled:
-        def run(self, *a):
-            pass
-
-        def __getitem__(self, grid):
-            return lambda *a: calls.append(("compiled", grid, a))
-
-    class Kernel:
-        arg_names = ["x", "n", "scale", "BLOCK", "num_warps"]
-
-        def __getitem__(self, grid):
-            return lambda *a, **kw: calls.append(("dispatch", grid, a, kw)) or Compiled()
-
-    kern = Kernel()
-    monkeypatch.setattr(fa3, "_COMPILED", {})
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    buf = torch.empty(64)
-    x, x_odd = buf[:16], buf[1:17]
-    consts = dict(BLOCK=64, num_warps=4, maxnreg=168)
-    for args in ((x, 32, 0.5), (x, 48, 0.25), (x_odd, 48, 0.25), (x, 1, 0.5), (x, 33, 0.5), (x, 35, 0.5)):
-        fa3._run(kern, (3, ), args, consts)
-    fa3._run(kern, (3, ), (x, 32, 0.5), dict(consts, BLOCK=128))
-    kinds = [c[0] for c in calls]
-    assert kinds == ["dispatch", "compiled", "dispatch", "dispatch", "dispatch", "compiled", "dispatch"], kinds
-    assert calls[1] == ("compiled", (3, 1, 1), (x, 48, 0.25, 64, 4))
-    monkeypatch.setattr(fa3, "FAST_LAUNCH", False)
-    calls.clear()
-    fa3._run(kern, (3, ), (x, 32, 0.5), consts)
-    assert [c[0] for c in calls] == ["dispatch"]
-
-
 def test_disabled_context_nests():
     assert fa3.enabled()
     with fa3.disabled():

@@ -16,6 +16,7 @@ import os
 import torch
 import triton
 
+from .. import relaunch
 from ..triton.decode import tickets
 from ..triton.mods import LOG2E
 
@@ -221,54 +222,12 @@ def _launch_fwd(q, k, v, out, lse, scales, softmax_scale, causal, num_wg, block_
         v_desc = desc(v, block_n)
     n_tiles = triton.cdiv(sq, num_wg * WG_ROWS) * batch * nheads
     programs = min(n_tiles, _sm_count(_device_index(q))) if PERSISTENT else n_tiles
-    _run(kern.fa3_fwd_kernel, (programs, ), (
+    relaunch.launch(kern.fa3_fwd_kernel, (programs, ), (
         desc(q, WG_ROWS), desc(k, block_n), v_desc, desc(out, WG_ROWS), lse, lse.stride(0), lse.stride(1),
         *scales, tickets(q.device, 1), sq, sk, batch * nheads, nheads, nheads // nheads_k, softmax_scale * LOG2E),
         dict(HEAD_D=head_dim, BLOCK_M=WG_ROWS, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, NUM_WG=num_wg,
              Q_BUFS=q_buffers(head_dim, num_wg, block_n, stages, q.element_size(), fp8), PINGPONG=pingpong,
              FP8=fp8, **_regs(head_dim, fp8, num_wg)))
-
-
-# Relaunching a compiled kernel without Triton's JIT dispatch (host time). kernel[grid](...) binds the arguments,
-# computes each one's specialization and the cache key before it finds the compiled kernel: ~25-30 us of Python
-# per Gluon launch on the H200 machine, a third of fa3.fwd's host time. _run keys the compiled kernel on a
-# superset of what Triton specializes on (per tensor its dtype and 16-byte alignment, per int whether it is 1, a
-# multiple of 16 and within int32, per descriptor its dtype, block and layout, and every constexpr and option)
-# and launches it directly the next time (CompiledKernel[grid], the call Triton's dispatch ends with); a key not
-# seen goes through kernel[grid], which compiles or finds the kernel. Changing Triton's debug / instrumentation
-# knobs after a first launch is not seen. FLASHTILE_FAST_LAUNCH=0 turns it off.
-FAST_LAUNCH = os.environ.get("FLASHTILE_FAST_LAUNCH", "1") != "0"
-_COMPILED: dict = {}
-
-
-def _arg_key(x):
-    if isinstance(x, torch.Tensor):
-        return x.dtype, x.data_ptr() % 16 == 0
-    if isinstance(x, bool):
-        return bool, x
-    if isinstance(x, int):
-        return int, x == 1, x % 16 == 0, -2 ** 31 <= x < 2 ** 31
-    if isinstance(x, float):
-        return float
-    return type(x), x.base.dtype, tuple(x.block_shape), x.layout, x.padding   # a TensorDescriptor
-
-
-def _run(kernel, grid, args: tuple, consts: dict) -> None:
-    """kernel[grid](*args, **consts): args every runtime parameter in order, consts the constexpr parameters and
-    launch options."""
-    if not FAST_LAUNCH:
-        kernel[grid](*args, **consts)
-        return
-    key = (kernel, torch.cuda.current_device(), tuple(map(_arg_key, args)), tuple(consts.items()))
-    entry = _COMPILED.get(key)
-    if entry is None:
-        compiled = kernel[grid](*args, **consts)
-        names = kernel.arg_names[len(args):]
-        if all(n in consts for n in names) and hasattr(compiled, "run") and not hasattr(compiled, "result"):
-            _COMPILED[key] = compiled, tuple(consts[n] for n in names)
-        return
-    compiled, const_values = entry
-    compiled[(*grid, 1, 1)[:3]](*args, *const_values)   # (it reads all three grid dimensions)
 
 
 @functools.lru_cache(maxsize=None)
@@ -361,7 +320,7 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params) -> None:
             dkv.append((g, g_desc))
         (dk_out, dk_desc), (dv_out, dv_desc) = dkv
 
-    _run(kern.fa3_bwd_kernel, (sk // block_n, batch * nheads_k), (
+    relaunch.launch(kern.fa3_bwd_kernel, (sk // block_n, batch * nheads_k), (
         desc(k, block_n, head_dim), desc(v, block_n, head_dim), desc(q, block_m, head_dim),
         desc(dout, block_m, head_dim), desc(dq_acc, *dq_tile),
         lse, delta, lse.stride(0), lse.stride(1),

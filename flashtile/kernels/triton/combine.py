@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import relaunch
 from .launch import next_pow2
 from .mods import online_softmax_step
 
@@ -104,8 +105,8 @@ def combine_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tens
         lb, lh = 0, lse.stride(0)
     block_d = max(16, next_pow2(head_dim))
     chunk = chunk or combine_chunk(num_splits, block_d)
-    combine_kernel[(rows, nheads)](
+    relaunch.launch(combine_kernel, (rows, nheads), (
         o_part, lse_part, out, lse,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
-        ob, om, oh, lb, lh, seqlen_rows, head_dim, num_splits,
-        CHUNK=chunk, BLOCK_D=block_d, num_warps=4)
+        ob, om, oh, lb, lh, seqlen_rows, head_dim, num_splits), dict(
+        CHUNK=chunk, BLOCK_D=block_d, num_warps=4))

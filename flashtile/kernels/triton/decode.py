@@ -48,6 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import relaunch
 from . import combine as _combine
 from .launch import AttnParams, _block_d, _dot_precision, _rows, cdiv, interpreting, next_pow2, row_descriptor
 from .mods import key_range, load_rows, online_softmax_step, present, scores_log2, seq_bounds, visible
@@ -506,7 +507,11 @@ _TICKETS: dict = {}
 
 def tickets(device: torch.device, n: int) -> torch.Tensor:
     """At least n zeroed ticket counters for launches on the current stream of `device`."""
-    key = (device.type, device.index, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    stream = 0
+    if device.type == "cuda":
+        # (the raw handle: torch.cuda.current_stream builds a Stream object, ~5 us of host time)
+        stream = relaunch.raw_stream(device.index if device.index is not None else torch.cuda.current_device())
+    key = (device.type, device.index, stream)
     t = _TICKETS.get(key)
     if t is None or t.numel() < n:
         t = torch.zeros(max(n, 2 * (t.numel() if t is not None else 0), 1024), dtype=torch.int32, device=device)
@@ -599,7 +604,7 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         lse_part = torch.empty(1, 1, 1, device=q.device, dtype=torch.float32)
     lse_sb, lse_sh = (lse.stride(0), lse.stride(1)) if lse.dim() == 3 else (0, lse.stride(0))
     grid = (plan.m_blocks, batch * nheads_k, num_splits)
-    decode_kernel[grid](
+    relaunch.launch(decode_kernel, grid, (
         q, k_cache, v_cache, out, lse, o_part, lse_part, counters, desc_k, desc_v,
         cu_seqlens_q if varlen else dummy_i32, dummy_i32,
         cache_batch_idx if cache_batch_idx is not None else dummy_i32,
@@ -612,14 +617,14 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         block_table.stride(0) if paged else 0,
         0 if alibi is None or alibi.dim() == 1 else alibi.stride(0),
         nheads_k, group, sq, 0 if has_seqlens else int(seqlen_k_static), head_dim, k_cache.shape[1],
-        score_scale, softcap_log2, params.window_left, params.window_right, num_splits,
+        score_scale, softcap_log2, params.window_left, params.window_right, num_splits), dict(
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_D=block_d, EVEN_D=block_d == head_dim,
         IS_VARLEN_Q=varlen, PAGED=paged, PAGE_TILES=paged and plan.page_tiles, USE_TMA=use_tma,
         HAS_SEQLENS=has_seqlens, HAS_BATCH_IDX=cache_batch_idx is not None,
         HAS_LEFTPAD=leftpad is not None, HAS_LEFT=params.window_left >= 0, HAS_RIGHT=params.window_right >= 0,
         SOFTCAP=params.softcap > 0, ALIBI=alibi is not None, SPLIT=split, FUSED_COMBINE=fused,
         COMBINE_RG=combine_rg, COMBINE_CHUNK=combine_chunk, DOT_PREC=_dot_precision(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     if split and not fused:
         _combine.combine_splits(o_part, lse_part, out, lse, seqlen_rows=total_rows if varlen else sq,
                                 chunk=int(CONFIG_OVERRIDE.get("combine_chunk", 0)))

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 import triton
 
+from .. import relaunch
 from ..gluon import fa3 as _fa3
 from . import bwd as _bwd
 from . import fwd as _fwd
@@ -333,7 +334,7 @@ def _launch(kernel, grid, *args, num_stages: int, **kwargs):
     over (the compile-time check raises before anything runs, so a retry is safe)."""
     while True:
         try:
-            return kernel[grid](*args, num_stages=num_stages, **kwargs)
+            return relaunch.launch(kernel, grid, args, dict(kwargs, num_stages=num_stages))
         except triton.runtime.errors.OutOfResources:
             if num_stages <= 1:
                 raise
@@ -503,9 +504,9 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
             default=bwd_config(head_dim, q.dtype, causal))
     delta = torch.empty_like(lse)
     pre_m = 64 if not interpreting() else 32
-    _bwd.attn_bwd_preprocess_kernel[(cdiv(max_sq, pre_m), batch * nheads)](
-        out, dout, delta, cu_seqlens_q, *_rows(out), *_rows(dout), *_lse_strides(lse),
-        nheads, max_sq, head_dim, BLOCK_M=pre_m, BLOCK_D=flags["BLOCK_D"], IS_VARLEN=flags["IS_VARLEN"])
+    relaunch.launch(_bwd.attn_bwd_preprocess_kernel, (cdiv(max_sq, pre_m), batch * nheads), (
+        out, dout, delta, cu_seqlens_q, *_rows(out), *_rows(dout), *_lse_strides(lse), nheads, max_sq, head_dim),
+        dict(BLOCK_M=pre_m, BLOCK_D=flags["BLOCK_D"], IS_VARLEN=flags["IS_VARLEN"]))
     if dlse is not None:
         # a gradient arriving through the LSE output: d lse_i / d S_ij = P_ij, so dS_ij gains P_ij * dlse_i, i.e.
         # dS = P o (dP - (D - dlse)): folded into D, the kernels are unchanged

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import relaunch
 from .launch import cdiv, next_pow2
 
 
@@ -132,10 +133,10 @@ def rotary_q(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos0: torch.
         return out
     rotary_half = cos.shape[1]
     block_h, block_d, block_r = _blocks(nheads, head_dim, rotary_half)
-    rotary_q_kernel[(batch * seqlen, cdiv(nheads, block_h))](
+    relaunch.launch(rotary_q_kernel, (batch * seqlen, cdiv(nheads, block_h)), (
         q, out, cos, sin, pos0, q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        cos.stride(0), sin.stride(0), seqlen, nheads, head_dim, rotary_half,
-        PER_ROW=per_row, INTERLEAVED=interleaved, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_R=block_r, num_warps=4)
+        cos.stride(0), sin.stride(0), seqlen, nheads, head_dim, rotary_half), dict(
+        PER_ROW=per_row, INTERLEAVED=interleaved, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_R=block_r, num_warps=4))
     return out
 
 
@@ -153,7 +154,7 @@ def append_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     paged = block_table is not None
     block_h, block_d, block_r = _blocks(nheads_k, head_dim, rotary_half)
     dummy = cache_seqlens
-    append_kv_kernel[(batch * seqlen_new, cdiv(nheads_k, block_h))](
+    relaunch.launch(append_kv_kernel, (batch * seqlen_new, cdiv(nheads_k, block_h)), (
         k, v, k_cache, v_cache, cos if rotary else k, sin if rotary else k, cache_seqlens,
         leftpad if leftpad is not None else dummy, cache_batch_idx if cache_batch_idx is not None else dummy,
         block_table if paged else dummy,
@@ -161,6 +162,6 @@ def append_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), block_table.stride(0) if paged else 0,
         cos.stride(0) if rotary else 0, sin.stride(0) if rotary else 0,
-        seqlen_new, nheads_k, head_dim, rotary_half, k_cache.shape[1] if paged else 1,
+        seqlen_new, nheads_k, head_dim, rotary_half, k_cache.shape[1] if paged else 1), dict(
         ROTARY=rotary, INTERLEAVED=interleaved, PAGED=paged, HAS_BATCH_IDX=cache_batch_idx is not None,
-        HAS_LEFTPAD=leftpad is not None, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_R=block_r, num_warps=4)
+        HAS_LEFTPAD=leftpad is not None, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_R=block_r, num_warps=4))

@@ -1,0 +1,118 @@
+"""Launching a compiled Triton / Gluon kernel again without Triton's JIT dispatch (host time).
+
+`kernel[grid](*args, **kwargs)` binds the arguments, specializes each one and builds the cache key before it finds
+the compiled kernel, then builds launch-hook metadata and looks up the device and stream: on the H200 machine that
+is 10-30 us of Python per launch (BENCHMARKS.md §1c), against 10-60 us of GPU time for a small attention call's
+kernels. launch() keys the compiled kernel on a superset of what Triton specializes on (per tensor its dtype and
+16-byte alignment; per int whether it is 1, a multiple of 16 and within int32; per TMA descriptor its dtype, block,
+layout and padding; tuples element by element; every constexpr and launch option by value) and calls it directly
+the next time with the same arguments in parameter order (CompiledKernel[grid], the call Triton's dispatch ends
+with, minus its launch-hook metadata when no hook is registered). A key not seen goes through kernel[grid], which compiles the kernel or finds it in Triton's cache, and so does
+everything under the interpreter. Changing Triton's debug / instrumentation knobs after a first launch is not seen.
+FLASHTILE_FAST_LAUNCH=0 (or FAST_LAUNCH = False) turns it off.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+
+import torch
+from triton import knobs as _knobs
+from triton.runtime.jit import JITFunction
+
+FAST_LAUNCH = os.environ.get("FLASHTILE_FAST_LAUNCH", "1") != "0"
+# key -> compiled kernel
+_COMPILED: dict = {}
+_MAX_ENTRIES = 4096
+_INT32 = 2 ** 31
+# the current device and its current stream's raw handle, as Triton's driver reads them (the C calls underneath
+# torch.cuda.current_device / current_stream; a CPU-only torch has neither, and never takes the fast path)
+current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+raw_stream = (getattr(torch._C, "_cuda_getCurrentRawStream", None)
+              or (lambda index: torch.cuda.current_stream(index).cuda_stream))
+
+
+def _arg_key(x):
+    """What Triton's specialization of a runtime argument depends on (a superset)."""
+    t = type(x)
+    if t is int:
+        return int, x == 1, x % 16 == 0, -_INT32 <= x < _INT32
+    if t is torch.Tensor:
+        return x.dtype, x.data_ptr() % 16 == 0
+    if x is None or t is float or t is bool:
+        return t, x if t is bool else None
+    if t is tuple:
+        return tuple(map(_arg_key, x))
+    if hasattr(x, "block_shape"):   # a TMA descriptor (triton.tools' or Gluon's)
+        return t, x.base.dtype, tuple(x.block_shape), getattr(x, "layout", None), x.padding
+    return t, x   # anything else by value (must be hashable)
+
+
+def _compiles(kernel) -> bool:
+    """Whether kernel[grid] compiles and returns a CompiledKernel: a JIT function (not the interpreter's) with a
+    CUDA device present."""
+    return isinstance(kernel, JITFunction) and torch.cuda.is_available()
+
+
+def _param_info(kernel):
+    """(names of the parameters, which are constexpr, their defaults) of a JIT function, cached on it; None for a
+    kernel that is no compiled JIT function (the interpreter's) or without a CUDA device."""
+    info = getattr(kernel, "_flashtile_params", False)
+    if info is False:
+        info = None
+        if _compiles(kernel):
+            params = list(kernel.signature.parameters.values())
+            names = tuple(p.name for p in params)
+            constexpr = frozenset(kernel.arg_names[i] for i in kernel.constexprs)
+            defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+            info = (names, constexpr, defaults)
+        kernel._flashtile_params = info
+    return info
+
+
+def launch(kernel, grid, args: tuple, kwargs: dict):
+    """kernel[grid](*args, **kwargs), through the compiled kernel directly when this key was launched before.
+    args: the first parameters in order; kwargs: the rest (constexpr or not, parameters with defaults may be left
+    out) and the launch options (num_warps, num_stages, maxnreg, ...). Returns what kernel[grid] returns on the
+    slow path, None on the fast one."""
+    info = _param_info(kernel) if FAST_LAUNCH else None
+    if info is None:
+        return kernel[grid](*args, **kwargs)
+    names, constexpr, defaults = info
+    rest = names[len(args):]
+    try:
+        values = tuple(kwargs[n] if n in kwargs else defaults[n] for n in rest)
+    except KeyError:   # a parameter without a value: let Triton's binder say so
+        return kernel[grid](*args, **kwargs)
+    runtime, consts = [], []
+    for n, val in zip(rest, values):
+        (consts if n in constexpr else runtime).append(val)
+    options = tuple((k, v) for k, v in kwargs.items() if k not in names)
+    try:
+        device = current_device()
+        key = (kernel, device, tuple(map(_arg_key, args)), tuple(map(_arg_key, runtime)), tuple(consts), options)
+        entry = _COMPILED.get(key)
+    except TypeError:   # an unhashable value: no fast path for this call
+        return kernel[grid](*args, **kwargs)
+    if entry is None:
+        compiled = kernel[grid](*args, **kwargs)
+        if hasattr(compiled, "run") and not hasattr(compiled, "result") and len(_COMPILED) < _MAX_ENTRIES:
+            _COMPILED[key] = compiled
+        return compiled
+    g = (*grid, 1, 1)
+    if _no_launch_hooks():
+        # what CompiledKernel[grid](...) does, less the launch-hook metadata it builds for every launch (Triton 3.6
+        # keeps empty hook chains, never None) and its device / stream lookups
+        entry.run(g[0], g[1], g[2], raw_stream(device), entry.function, entry.packed_metadata, None, None, None,
+                  *args, *values)
+    else:
+        entry[g[:3]](*args, *values)
+    return None
+
+
+def _no_launch_hooks() -> bool:
+    """Whether no launch enter / exit hook is registered with Triton (a profiler's, e.g. proton's)."""
+    rt = _knobs.runtime
+    enter, leave = rt.launch_enter_hook, rt.launch_exit_hook
+    return ((enter is None or getattr(enter, "calls", None) == []) and
+            (leave is None or getattr(leave, "calls", None) == []))

@@ -1,0 +1,109 @@
+"""flashtile.kernels.relaunch: which launches reuse a compiled kernel, and with which arguments (no GPU: a stand-in
+kernel records what it is called with)."""
+import inspect
+
+import pytest
+import torch
+
+from flashtile.kernels import relaunch
+
+
+class _Compiled:
+    """A CompiledKernel's surface: run(grid x, y, z, stream, function, packed metadata, launch metadata, enter hook,
+    exit hook, *args) is its launcher; [grid](*args) Triton's runner, which fills in the rest."""
+    function, packed_metadata = "fn", "meta"
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def run(self, gx, gy, gz, stream, function, packed, metadata, enter, leave, *a):
+        assert (stream, function, packed, metadata, enter, leave) == (7, "fn", "meta", None, None, None)
+        self.calls.append(("compiled", (gx, gy, gz), a))
+
+    def __getitem__(self, grid):
+        return lambda *a: self.calls.append(("runner", grid, a))
+
+
+class _Kernel:
+    """A JIT function's surface: kernel(x, n, scale, desc, aux, BLOCK: constexpr, head_group=1, FLAG: constexpr = False)."""
+    arg_names = ["x", "n", "scale", "desc", "aux", "BLOCK", "head_group", "FLAG"]
+    constexprs = [5, 7]
+
+    def __init__(self):
+        self.calls = []
+        P = inspect.Parameter
+        self.signature = inspect.Signature(
+            [P(n, P.POSITIONAL_OR_KEYWORD) for n in self.arg_names[:6]]
+            + [P("head_group", P.POSITIONAL_OR_KEYWORD, default=1), P("FLAG", P.POSITIONAL_OR_KEYWORD, default=False)])
+
+    def __getitem__(self, grid):
+        return lambda *a, **kw: self.calls.append(("dispatch", grid, a, kw)) or _Compiled(self.calls)
+
+
+class _Desc:
+    def __init__(self, base, block_shape):
+        self.base, self.block_shape, self.padding = base, block_shape, "zero"
+
+
+@pytest.fixture
+def kern(monkeypatch):
+    monkeypatch.setattr(relaunch, "_COMPILED", {})
+    monkeypatch.setattr(relaunch, "_compiles", lambda k: True)
+    monkeypatch.setattr(relaunch, "FAST_LAUNCH", True)
+    monkeypatch.setattr(relaunch, "current_device", lambda: 0)
+    monkeypatch.setattr(relaunch, "raw_stream", lambda device: 7)
+    return _Kernel()
+
+
+def test_relaunch_keys_on_specialization(kern, monkeypatch):
+    """The first launch of a key goes through kernel[grid] (Triton's dispatch, which compiles); the next ones of
+    that key call the compiled kernel with every parameter after the positional ones in order, defaults filled in,
+    options left out; a tensor of another alignment or dtype, an int that becomes 1 or a multiple of 16 or leaves
+    int32, a descriptor of another block, a tuple element, another constexpr or option: the dispatch again.
+    FAST_LAUNCH off: the dispatch always."""
+    buf = torch.empty(64)
+    x, x_odd, x_half = buf[:16], buf[1:17], buf[:16].half()
+    d64, d128 = _Desc(x, [64, 16]), _Desc(x, [128, 16])
+    kw = dict(BLOCK=64, num_warps=4)
+
+    def go(*args, **extra):
+        relaunch.launch(kern, (3, ), args, dict(kw, **extra))
+        return kern.calls[-1][0]
+
+    aux = (x, 7)
+    assert go(x, 32, 0.5, d64, aux) == "dispatch"
+    assert go(x, 48, 0.25, _Desc(buf[16:32], [64, 16]), (buf[16:32], 9)) == "compiled"
+    assert kern.calls[-1][1:] == ((3, 1, 1), (x, 48, 0.25, kern.calls[-1][2][3], kern.calls[-1][2][4], 64, 1, False))
+    for args, extra in (((x_odd, 48, 0.25, d64, aux), {}), ((x_half, 48, 0.25, d64, aux), {}),
+                        ((x, 1, 0.5, d64, aux), {}), ((x, 33, 0.5, d64, aux), {}), ((x, 2 ** 40, 0.5, d64, aux), {}),
+                        ((x, 32, 0.5, d128, aux), {}), ((x, 32, 0.5, d64, (x, 16)), {}),
+                        ((x, 32, 0.5, d64, aux), dict(BLOCK=128)), ((x, 32, 0.5, d64, aux), dict(num_warps=8)),
+                        ((x, 32, 0.5, d64, aux), dict(FLAG=True))):
+        assert go(*args, **extra) == "dispatch", (args, extra)
+    assert go(x, 35, 0.5, d64, aux) == "compiled"   # (33's key: not 1, not a multiple of 16)
+    # a runtime parameter given by keyword is part of the key by its specialization, and passed in order
+    assert go(x, 32, 0.5, d64, aux, head_group=3) == "dispatch"
+    assert go(x, 32, 0.5, d64, aux, head_group=5) == "compiled"
+    assert kern.calls[-1][2][5:] == (64, 5, False)
+    # with a launch hook registered (a profiler's) the compiled kernel goes through Triton's runner, which calls it
+    monkeypatch.setattr(relaunch, "_no_launch_hooks", lambda: False)
+    assert go(x, 32, 0.5, d64, aux, head_group=5) == "runner"
+    assert kern.calls[-1][1:] == ((3, 1, 1), (x, 32, 0.5, d64, aux, 64, 5, False))
+    monkeypatch.setattr(relaunch, "FAST_LAUNCH", False)
+    assert go(x, 48, 0.25, d64, aux) == "dispatch"
+
+
+def test_relaunch_falls_back(kern, monkeypatch):
+    """No fast path for an unhashable constexpr or a missing parameter (Triton's dispatch reports it), nor for a
+    kernel that does not compile (the interpreter's)."""
+    x = torch.empty(16)
+    for _ in range(2):
+        relaunch.launch(kern, (1, ), (x, 32, 0.5, None, ()), dict(BLOCK=[64]))
+    assert [c[0] for c in kern.calls] == ["dispatch", "dispatch"]
+    relaunch.launch(kern, (1, ), (x, 32, 0.5, None), dict(BLOCK=64))   # no aux: the dispatch raises in Triton
+    assert kern.calls[-1][0] == "dispatch"
+    monkeypatch.setattr(relaunch, "_compiles", lambda k: False)
+    other = _Kernel()
+    for _ in range(2):
+        relaunch.launch(other, (1, ), (x, 32, 0.5, None, ()), dict(BLOCK=64))
+    assert [c[0] for c in other.calls] == ["dispatch", "dispatch"]
