@@ -14,6 +14,7 @@ FLASHTILE_FAST_LAUNCH=0 (or FAST_LAUNCH = False) turns it off.
 from __future__ import annotations
 
 import inspect
+import operator
 import os
 
 import torch
@@ -55,8 +56,8 @@ def _compiles(kernel) -> bool:
 
 
 def _param_info(kernel):
-    """(names of the parameters, which are constexpr, their defaults) of a JIT function, cached on it; None for a
-    kernel that is no compiled JIT function (the interpreter's) or without a CUDA device."""
+    """(names of the parameters, which are constexpr, their defaults, call plans) of a JIT function, cached on it;
+    None for a kernel that is no compiled JIT function (the interpreter's) or without a CUDA device."""
     info = getattr(kernel, "_flashtile_params", False)
     if info is False:
         info = None
@@ -65,9 +66,37 @@ def _param_info(kernel):
             names = tuple(p.name for p in params)
             constexpr = frozenset(kernel.arg_names[i] for i in kernel.constexprs)
             defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
-            info = (names, constexpr, defaults)
+            info = (names, constexpr, defaults, {})
         kernel._flashtile_params = info
     return info
+
+
+def _plan(info, n_args: int, kwarg_names: tuple):
+    """How a call with n_args positional arguments and these keyword names maps onto the kernel's parameters:
+    (names after the positional ones, their runtime / constexpr subsets, the option names, the defaults to fill
+    in), or None when a parameter has no value (Triton's binder reports it). Cached per call shape."""
+    names, constexpr, defaults, plans = info
+    key = (n_args, kwarg_names)
+    plan = plans.get(key, False)
+    if plan is False:
+        rest = names[n_args:]
+        given = set(kwarg_names)
+        plan = None
+        if all(n in given or n in defaults for n in rest):
+            fill = {n: defaults[n] for n in rest if n not in given}
+            plan = (_getter(rest), _getter([n for n in rest if n not in constexpr]),
+                    _getter([n for n in rest if n in constexpr]), _getter([k for k in kwarg_names if k not in names]),
+                    fill)
+        plans[key] = plan
+    return plan
+
+
+def _getter(keys):
+    """A function of a dict returning the tuple of its values at these keys (operator.itemgetter, always a tuple)."""
+    if len(keys) == 1:
+        key = keys[0]
+        return lambda d: (d[key], )
+    return operator.itemgetter(*keys) if keys else (lambda d: ())
 
 
 def launch(kernel, grid, args: tuple, kwargs: dict):
@@ -76,21 +105,15 @@ def launch(kernel, grid, args: tuple, kwargs: dict):
     out) and the launch options (num_warps, num_stages, maxnreg, ...). Returns what kernel[grid] returns on the
     slow path, None on the fast one."""
     info = _param_info(kernel) if FAST_LAUNCH else None
-    if info is None:
+    plan = _plan(info, len(args), tuple(kwargs)) if info is not None else None
+    if plan is None:
         return kernel[grid](*args, **kwargs)
-    names, constexpr, defaults = info
-    rest = names[len(args):]
-    try:
-        values = tuple(kwargs[n] if n in kwargs else defaults[n] for n in rest)
-    except KeyError:   # a parameter without a value: let Triton's binder say so
-        return kernel[grid](*args, **kwargs)
-    runtime, consts = [], []
-    for n, val in zip(rest, values):
-        (consts if n in constexpr else runtime).append(val)
-    options = tuple((k, v) for k, v in kwargs.items() if k not in names)
+    rest, runtime, consts, options, fill = plan
+    merged = {**kwargs, **fill} if fill else kwargs
     try:
         device = current_device()
-        key = (kernel, device, tuple(map(_arg_key, args)), tuple(map(_arg_key, runtime)), tuple(consts), options)
+        key = (kernel, device, tuple(map(_arg_key, args)), tuple(map(_arg_key, runtime(merged))), consts(merged),
+               options(kwargs))
         entry = _COMPILED.get(key)
     except TypeError:   # an unhashable value: no fast path for this call
         return kernel[grid](*args, **kwargs)
@@ -104,9 +127,9 @@ def launch(kernel, grid, args: tuple, kwargs: dict):
         # what CompiledKernel[grid](...) does, less the launch-hook metadata it builds for every launch (Triton 3.6
         # keeps empty hook chains, never None) and its device / stream lookups
         entry.run(g[0], g[1], g[2], raw_stream(device), entry.function, entry.packed_metadata, None, None, None,
-                  *args, *values)
+                  *args, *rest(merged))
     else:
-        entry[g[:3]](*args, *values)
+        entry[g[:3]](*args, *rest(merged))
     return None
 
 
