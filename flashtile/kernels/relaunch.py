@@ -7,9 +7,10 @@ kernels. launch() keys the compiled kernel on a superset of what Triton speciali
 16-byte alignment; per int whether it is 1, a multiple of 16 and within int32; per TMA descriptor its dtype, block,
 layout and padding; tuples element by element; every constexpr and launch option by value) and calls it directly
 the next time with the same arguments in parameter order (CompiledKernel[grid], the call Triton's dispatch ends
-with, minus its launch-hook metadata when no hook is registered). A key not seen goes through kernel[grid], which compiles the kernel or finds it in Triton's cache, and so does
-everything under the interpreter. Changing Triton's debug / instrumentation knobs after a first launch is not seen.
-FLASHTILE_FAST_LAUNCH=0 (or FAST_LAUNCH = False) turns it off.
+with, minus its launch-hook metadata when no hook is registered). A key not seen goes through kernel[grid], which
+compiles the kernel or finds it in Triton's cache, and so does everything under the interpreter. Changing Triton's
+debug / instrumentation knobs after a first launch is not seen. FLASHTILE_FAST_LAUNCH=0 (or FAST_LAUNCH = False)
+turns it off.
 """
 from __future__ import annotations
 
@@ -73,8 +74,9 @@ def _param_info(kernel):
 
 def _plan(info, n_args: int, kwarg_names: tuple):
     """How a call with n_args positional arguments and these keyword names maps onto the kernel's parameters:
-    (names after the positional ones, their runtime / constexpr subsets, the option names, the defaults to fill
-    in), or None when a parameter has no value (Triton's binder reports it). Cached per call shape."""
+    getters (dict -> tuple) of the values of the parameters after the positional ones, of their runtime and
+    constexpr subsets and of the launch options, and the defaults to fill in; or None when a parameter has no
+    value (Triton's binder reports it). Cached per call shape."""
     names, constexpr, defaults, plans = info
     key = (n_args, kwarg_names)
     plan = plans.get(key, False)

@@ -510,7 +510,7 @@ def tickets(device: torch.device, n: int) -> torch.Tensor:
     stream = 0
     if device.type == "cuda":
         # (the raw handle: torch.cuda.current_stream builds a Stream object, ~5 us of host time)
-        stream = relaunch.raw_stream(device.index if device.index is not None else torch.cuda.current_device())
+        stream = relaunch.raw_stream(device.index if device.index is not None else relaunch.current_device())
     key = (device.type, device.index, stream)
     t = _TICKETS.get(key)
     if t is None or t.numel() < n:
