@@ -133,7 +133,8 @@ def main():
                 for config in candidates(mode, d, args):
                     cfg = (dataclasses.astuple(config)[:4] + (("atomic_dq",) if config.atomic_dq else ())
                            + (("split_dkdv",) if config.split_dkdv else ())
-                           + ((("dq",) + tuple(config.dq)) if config.dq else ()))  # as printed/saved
+                           + ((("dq",) + tuple(config.dq)) if config.dq else ())
+                           + ((("dv",) + tuple(config.dv)) if config.dv else ()))  # as printed/saved
                     launch.CONFIG_OVERRIDE.clear()
                     launch.CONFIG_OVERRIDE[mode] = config
                     det = False

@@ -47,9 +47,10 @@ def _grads(cfg, run, leaves, do):
 
 
 @pytest.mark.parametrize("case", ["causal+bias", "dropout+gqa", "block-sparse"])
-def test_split_dkdv_and_dq_tiles_give_the_single_launch_gradients(seed, case):
+def test_split_dkdv_and_dq_tiles_give_the_single_launch_gradients(seed, case, monkeypatch):
     """Config(split_dkdv=True) (dV and dK by two launches) is bitwise the single launch, dBias and dropout
-    included; Config(dq=...) (the dQ pass's own tiles) keeps dK, dV bitwise and dQ to rounding, and matches
+    included; Config(dq=...) (the dQ pass's own tiles) keeps dK, dV bitwise and dQ to rounding, Config(dv=...) (the
+    dV launch's own key tiles) dQ, dK bitwise and dV to rounding, and they match
     float64 with a block mask too (tiles clamped to its block size)."""
     b, s, h, hk, d = 1, 64, 4, 2, 32
     q = torch.randn(b, s, h, d, requires_grad=True)
@@ -77,6 +78,20 @@ def test_split_dkdv_and_dq_tiles_give_the_single_launch_gradients(seed, case):
     dq_tiles = _grads(launch.Config(16, 32, 4, 1, split_dkdv=True, dq=(64, 16, 4, 1)), run, leaves, do)
     for g0, g1 in zip(base, dq_tiles):
         assert torch.equal(g0, g1)            # dQ: 64 query rows, the same 16-key blocks -> the same sums
+    # the dV launch on its own key tiles (64 rows; 32 under the block mask: clamped): dQ, dK (and dBias) bitwise,
+    # dV to rounding (a key row's sums see the same query blocks, plus exact zeros from blocks it cannot see)
+    dkdv_tiles = []   # (BLOCK_N, COMPUTE_DV) of each dK/dV launch
+    real_launch = launch.relaunch.launch
+
+    def recording(kernel, grid, args, kwargs):
+        if kernel is launch._bwd.attn_bwd_dkdv_kernel:
+            dkdv_tiles.append((kwargs["BLOCK_N"], kwargs.get("COMPUTE_DV", True)))
+        return real_launch(kernel, grid, args, kwargs)
+    monkeypatch.setattr(launch.relaunch, "launch", recording)
+    dv_tiles = _grads(launch.Config(16, 32, 4, 1, split_dkdv=True, dv=(64, 4, 1)), run, leaves, do)
+    assert dkdv_tiles == [(32 if case == "block-sparse" else 64, True), (32, False)]
+    assert all(torch.equal(g0, g1) for i, (g0, g1) in enumerate(zip(base, dv_tiles)) if i != 2)
+    assert (dv_tiles[2] - base[2]).abs().max() < 1e-5 and not torch.equal(dv_tiles[2], torch.zeros_like(base[2]))
     dq_keys = _grads(launch.Config(16, 32, 4, 1, dq=(16, 32, 4, 1)), run, leaves, do)
     assert all(torch.equal(g0, g1) for g0, g1 in zip(base[1:], dq_keys[1:]))
     assert (dq_keys[0] - base[0]).abs().max() < 1e-5   # dQ summed over 32-key blocks: rounding only

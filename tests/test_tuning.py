@@ -235,7 +235,8 @@ def test_launch_configs_use_cached_winner_first(cache):
     assert launch.fwd_config(64, torch.float16, False) == Config(128, 64, 4, 3)  # seqlen unknown: the table
     assert launch.fwd_config(64, torch.float16, True, seqlen=4096) == Config(64, 64, 4, 3)  # not tuned: the table
     assert launch.bwd_config(256, torch.float16, True, seqlen=2500) == tuning.BWD[256][0]
-    assert launch.bwd_config(256, torch.float16) == Config(64, 64, 4, 2, split_dkdv=True)  # the table (full)
+    assert launch.bwd_config(256, torch.float16) == Config(64, 64, 4, 2, split_dkdv=True, dq=(64, 32, 4, 3),
+                                                               dv=(128, 8, 2))  # the table (full)
     launch.CONFIG_OVERRIDE["fwd"] = Config(16, 16, 1, 1)
     assert launch.fwd_config(64, torch.float16, False, seqlen=4096) == Config(16, 16, 1, 1)  # a pin beats the cache
 

@@ -56,6 +56,10 @@ GPU_MATRIX = [
     Case(1, 1000, 1300, 4, 2, 128, fp32, softcap=10.0, alibi="bh", dropout_p=0.17),
     # many batches and heads
     Case(8, 512, 512, 16, 4, 64, bf16, causal=True),
+    # d256's backward tiles (bwd_config: the dV launch on 128-key tiles, the dQ pass on 32-key blocks in full
+    # attention): lengths that end mid-tile, GQA
+    Case(2, 1000, 1500, 8, 2, 256, bf16),
+    Case(1, 1999, 1999, 4, 1, 256, fp16, causal=True),
 ]
 
 

@@ -153,10 +153,15 @@ class Config:
     # backward only: (query rows, key rows, num_warps, num_stages) of the dQ pass; None: the dK/dV tiles swapped
     # (BLOCK_N query rows streaming BLOCK_M key rows) with the same warps and stages
     dq: Optional[tuple] = None
+    # backward with split_dkdv only: (key rows, num_warps, num_stages) of the dV launch; None: BLOCK_N, num_warps,
+    # num_stages as the dK launch. The dV launch keeps one accumulator and makes 2 products per step where the dK
+    # launch makes 3, so it may take longer key tiles (each Q_i, dO_i tile read serves more keys)
+    dv: Optional[tuple] = None
 
     def __post_init__(self):
-        if self.dq is not None:   # JSON (the tuning cache) gives a list back
-            object.__setattr__(self, "dq", tuple(self.dq))
+        for name in ("dq", "dv"):   # JSON (the tuning cache) gives a list back
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, tuple(getattr(self, name)))
 
     def dq_tiles(self, block_size: int = 0):
         """(query rows, key rows, num_warps, num_stages) of the dQ pass, tiles clamped to a block mask's
@@ -226,10 +231,14 @@ def bwd_config(head_dim: int, dtype: torch.dtype, causal: bool = False, seqlen: 
         return Config(64, 64, 4, 2, dq=(128, 64, 8, 3))
     # d256: dV and dK by two launches (one 256-wide accumulator each) measured 265 / 231 TFLOP/s (full / causal)
     # against 176 / 179 for the best single launch (benchmarks/sweep_configs.py --heads 256 --modes bwd, H200);
-    # causal gains 4% more (242) from a dQ pass of 64 x 64 tiles, 4 warps
+    # causal gains 4% more (242) from a dQ pass of 64 x 64 tiles, 4 warps. The dV launch on 128-key tiles of 8 warps,
+    # 2 stages (Config.dv; its K_j and two (Q_i, dO_i) stages fit where the dK launch's K_j, V_j allow one):
+    # full 266 -> 284 / 266 -> 287 / 246 -> 272 TFLOP/s at 2k / 8k / 16k, causal 205 -> 214 / 255 -> 270 /
+    # 271 -> 286; full attention then gains from a dQ pass streaming 32-key blocks through 3 stages: 285 / 299 / 287
+    # (same runs, H200, benchmarks/results/h200-2026-11-24/)
     if causal:
-        return Config(64, 128, 8, 1, split_dkdv=True, dq=(64, 64, 4, 2))
-    return Config(64, 64, 4, 2, split_dkdv=True)
+        return Config(64, 128, 8, 1, split_dkdv=True, dq=(64, 64, 4, 2), dv=(128, 8, 2))
+    return Config(64, 64, 4, 2, split_dkdv=True, dq=(64, 32, 4, 3), dv=(128, 8, 2))
 
 
 def _flags(params: AttnParams, alibi, cu_q, head_dim, dtype):
@@ -373,8 +382,9 @@ def _sparse_config(cfg: Config, lists) -> Config:
     powers of two)."""
     if lists is None:
         return cfg
-    return dataclasses.replace(cfg, BLOCK_M=min(cfg.BLOCK_M, lists.block_size),
-                               BLOCK_N=min(cfg.BLOCK_N, lists.block_size))
+    bs = lists.block_size
+    dv = None if cfg.dv is None else (min(cfg.dv[0], bs), *cfg.dv[1:])
+    return dataclasses.replace(cfg, BLOCK_M=min(cfg.BLOCK_M, bs), BLOCK_N=min(cfg.BLOCK_N, bs), dv=dv)
 
 
 def _mod_flags(bias, mask, lists, params: Optional[AttnParams] = None, sq: int = 0, sk: int = 0):
@@ -542,11 +552,13 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
     desc_dq = kv_descriptor(dq_acc, cfg.BLOCK_M, block_d) if atomic and use_tma and not interpreting() else None
     # split_dkdv: a dV-only launch, then a dK-only one that also does everything else that needs dS (atomic
     # dQ, dBias, score_mod's captured gradients); otherwise one launch does both
-    passes = [dict(COMPUTE_DK=False), dict(COMPUTE_DV=False)] if cfg.split_dkdv else [{}]
-    dkdv_grid = (cdiv(max_sk, cfg.BLOCK_N), batch * nheads_k)
-    dkdv_order = _order_args(params, head_dim, "dkdv", *dkdv_grid)
-    for only in passes:
+    # (flags, key rows, warps, stages) of each launch: the dV launch may take its own tiles (Config.dv)
+    tiles = (cfg.BLOCK_N, cfg.num_warps, cfg.num_stages)
+    passes = ([(dict(COMPUTE_DK=False), *(cfg.dv or tiles)), (dict(COMPUTE_DV=False), *tiles)] if cfg.split_dkdv
+              else [({}, *tiles)])
+    for only, block_n, warps, stages in passes:
         with_ds = only.get("COMPUTE_DK", True)
+        dkdv_grid = (cdiv(max_sk, block_n), batch * nheads_k)
         _launch(_bwd.attn_bwd_dkdv_kernel, dkdv_grid,
             q, k, v, dout, lse, delta, dk, dv, dq_acc, cu_seqlens_q, cu_seqlens_k, alibi, desc_q, desc_do, desc_dq,
             *_rows(q), *_rows(k), *_rows(v), *_rows(dout), *_rows(dk), *_rows(dv), *_rows(dq_acc), *common,
@@ -555,10 +567,10 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
             params.dropout_p, params.seed, params.rng_offset, *rng,
             *bias_args, *mask_args, *_pair_args(dbias, batch, nheads, max_sq, max_sk),
             *_sparse_args(sparse, batch, nheads, True),
-            BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, EVEN_D=even_d, ATOMIC_DQ=atomic and with_ds, USE_TMA=use_tma,
+            BLOCK_M=cfg.BLOCK_M, BLOCK_N=block_n, EVEN_D=even_d, ATOMIC_DQ=atomic and with_ds, USE_TMA=use_tma,
             DQ_TMA=desc_dq is not None and with_ds,
-            **dkdv_order,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags, **mod_flags,
+            **_order_args(params, head_dim, "dkdv", *dkdv_grid),
+            num_warps=warps, num_stages=stages, **flags, **mod_flags,
             **(dbias_flags if with_ds else {}), **_user_mod_kwargs(mods, "dkdv" if with_ds else "dq"), **only)
     if atomic:
         dq.copy_(dq_acc)

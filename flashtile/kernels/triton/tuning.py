@@ -61,7 +61,13 @@ BWD: Dict[int, List[Config]] = {
           Config(64, 128, 8, 1, split_dkdv=True, dq=(64, 32, 4, 2)),
           Config(64, 64, 4, 2, split_dkdv=True, dq=(64, 64, 8, 2)),
           Config(64, 128, 8, 1, split_dkdv=True, dq=(128, 32, 8, 2)),
-          Config(64, 128, 8, 1, split_dkdv=True, dq=(32, 64, 4, 2))],
+          Config(64, 128, 8, 1, split_dkdv=True, dq=(32, 64, 4, 2)),
+          # ... and the dV launch's own key tiles (key rows, warps, stages)
+          Config(64, 64, 4, 2, split_dkdv=True, dv=(128, 8, 2)),
+          Config(64, 64, 4, 2, split_dkdv=True, dq=(64, 32, 4, 3), dv=(128, 8, 2)),
+          Config(32, 64, 4, 3, split_dkdv=True, dq=(64, 64, 4, 2), dv=(128, 8, 3)),
+          Config(64, 128, 8, 1, split_dkdv=True, dq=(64, 64, 4, 2), dv=(128, 8, 2)),
+          Config(64, 64, 4, 2, split_dkdv=True, dv=(128, 8, 2), dq=(128, 64, 8, 2))],
 }
 
 
