@@ -310,6 +310,27 @@ def test_fused_combine_matches_combine_kernel_and_resets_its_tickets(num_splits,
     torch.testing.assert_close(fused[1][:1].double(), ref_lse.double(), rtol=1e-4, atol=1e-4)
 
 
+def test_ticket_counters_are_unused_slices_of_one_zeroed_pool(monkeypatch):
+    """New ticket counters (a stream seen for the first time, or more tiles than before) are unused slices of the
+    device's zero-filled pool: no fill runs for them, so none is captured into a CUDA graph whose capture stream
+    asks for counters. torch.zeros runs only to make a pool."""
+    monkeypatch.setattr(_decode, "_TICKETS", {})
+    monkeypatch.setattr(_decode, "_TICKET_POOL", {})
+    fills = []
+    real_zeros = torch.zeros
+    monkeypatch.setattr(_decode.torch, "zeros", lambda *a, **k: fills.append(a) or real_zeros(*a, **k))
+    dev = torch.device(DEVICE)
+    first = _decode.tickets(dev, 10)
+    assert len(fills) == 1 and first.numel() == 1024 and int(first.abs().sum()) == 0
+    assert _decode.tickets(dev, 1000) is first                      # enough counters: the same ones
+    first[:3] = 7                                                    # (as if a launch were still using them)
+    grown = _decode.tickets(dev, 3000)
+    assert len(fills) == 1 and grown.numel() == 3000 and int(grown.abs().sum()) == 0
+    assert grown.data_ptr() >= first.data_ptr() + 4 * first.numel()  # past every counter handed out
+    big = _decode.tickets(dev, _decode.TICKET_POOL_SIZE)             # more than the pool has left: a new pool
+    assert len(fills) == 2 and big.numel() == _decode.TICKET_POOL_SIZE and int(big.abs().sum()) == 0
+
+
 def test_fused_combine_up_to_fused_max_splits(seed, monkeypatch):
     """The split count decides where the splits are merged: in the decode launch up to FUSED_MAX_SPLITS, by
     combine.py's kernel beyond."""

@@ -503,6 +503,11 @@ def plan_decode(seqlen_q: int, nheads: int, nheads_k: int, head_dim: int, dtype:
 # (device index, stream) -> int32 ticket counters of the fused combine, one per tile, zero between launches (the
 # last split of a tile resets its counter): launches on one stream run in order, so each stream has its own
 _TICKETS: dict = {}
+# (device type, index) -> [a zero-filled int32 tensor, how many of its counters were handed out]: new counters are
+# slices of it, so a stream first seen while a CUDA graph is captured (torch.cuda.graph's capture stream) gets
+# zeroed counters without a fill kernel in the graph, which would run again at every replay
+_TICKET_POOL: dict = {}
+TICKET_POOL_SIZE = 1 << 16
 
 
 def tickets(device: torch.device, n: int) -> torch.Tensor:
@@ -514,9 +519,20 @@ def tickets(device: torch.device, n: int) -> torch.Tensor:
     key = (device.type, device.index, stream)
     t = _TICKETS.get(key)
     if t is None or t.numel() < n:
-        t = torch.zeros(max(n, 2 * (t.numel() if t is not None else 0), 1024), dtype=torch.int32, device=device)
+        t = _zeroed_counters(device, max(n, 2 * (t.numel() if t is not None else 0), 1024))
         _TICKETS[key] = t
     return t
+
+
+def _zeroed_counters(device: torch.device, n: int) -> torch.Tensor:
+    """n int32 counters never handed out before, hence still zero: the next slice of the device's pool (a new pool,
+    zero-filled, when this one cannot hold them)."""
+    pool = _TICKET_POOL.get((device.type, device.index))
+    if pool is None or pool[1] + n > pool[0].numel():
+        pool = [torch.zeros(max(TICKET_POOL_SIZE, n), dtype=torch.int32, device=device), 0]
+        _TICKET_POOL[(device.type, device.index)] = pool
+    pool[1] += n
+    return pool[0][pool[1] - n:pool[1]]
 
 
 def _combine_shape(rows: int, num_splits: int, block_d: int):
