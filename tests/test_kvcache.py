@@ -331,6 +331,19 @@ def test_ticket_counters_are_unused_slices_of_one_zeroed_pool(monkeypatch):
     assert len(fills) == 2 and big.numel() == _decode.TICKET_POOL_SIZE and int(big.abs().sum()) == 0
 
 
+def test_plan_decode_is_memoised_unless_a_config_is_pinned(monkeypatch):
+    """plan_decode (per decode call) returns the problem's plan from a memo; a pinned CONFIG_OVERRIDE is planned
+    afresh (sweeps and tests change it between calls), and the memo is back once the override is gone."""
+    dev = torch.device(DEVICE)
+    problem = (1, 32, 8, 128, torch.float16, 1, 4096, dev)
+    plan = _decode.plan_decode(*problem)
+    assert _decode.plan_decode(*problem) is plan
+    monkeypatch.setattr(_decode, "CONFIG_OVERRIDE", {"num_splits": 3})
+    assert _decode.plan_decode(*problem).num_splits == 3 != plan.num_splits
+    monkeypatch.setattr(_decode, "CONFIG_OVERRIDE", {})
+    assert _decode.plan_decode(*problem) is plan
+
+
 def test_fused_combine_up_to_fused_max_splits(seed, monkeypatch):
     """The split count decides where the splits are merged: in the decode launch up to FUSED_MAX_SPLITS, by
     combine.py's kernel beyond."""

@@ -482,7 +482,14 @@ class DecodePlan:
 def plan_decode(seqlen_q: int, nheads: int, nheads_k: int, head_dim: int, dtype: torch.dtype, batch: int,
                 max_seqlen_k: int, device: torch.device, *, page_size: int = 0, num_splits: int = 0) -> DecodePlan:
     """The config, split count (num_splits <= 0: CONFIG_OVERRIDE["num_splits"] or num_splits_heuristic) and
-    paged path flash_decode uses. page_size 0: contiguous cache."""
+    paged path flash_decode uses. page_size 0: contiguous cache. Memoised per problem while CONFIG_OVERRIDE is
+    empty (planning took ~17 us of host time per decode call on the H200 machine, BENCHMARKS.md section 1c)."""
+    args = (seqlen_q, nheads, nheads_k, head_dim, dtype, batch, max_seqlen_k, device, page_size, num_splits)
+    return _plan(*args) if CONFIG_OVERRIDE else _plan_memo(*args)
+
+
+def _plan(seqlen_q: int, nheads: int, nheads_k: int, head_dim: int, dtype: torch.dtype, batch: int,
+          max_seqlen_k: int, device: torch.device, page_size: int, num_splits: int) -> DecodePlan:
     group = nheads // nheads_k
     tiles = cdiv(max(seqlen_q * group, 1), _block_m(seqlen_q * group)) * batch * nheads_k
     cfg = decode_config(seqlen_q * group, head_dim, dtype, few_tiles=8 * tiles <= multiprocessors(device))
@@ -498,6 +505,9 @@ def plan_decode(seqlen_q: int, nheads: int, nheads_k: int, head_dim: int, dtype:
         num_splits = num_splits_heuristic(m_blocks * batch * nheads_k, max_seqlen_k, cfg.BLOCK_N, device)
     num_splits = max(1, min(int(num_splits), MAX_SPLITS, cdiv(max(max_seqlen_k, 1), cfg.BLOCK_N)))
     return DecodePlan(cfg, m_blocks, num_splits, page_tiles_ok(page_size, cfg.BLOCK_N))
+
+
+_plan_memo = functools.lru_cache(maxsize=4096)(_plan)
 
 
 # (device index, stream) -> int32 ticket counters of the fused combine, one per tile, zero between launches (the
@@ -522,6 +532,13 @@ def tickets(device: torch.device, n: int) -> torch.Tensor:
         t = _zeroed_counters(device, max(n, 2 * (t.numel() if t is not None else 0), 1024))
         _TICKETS[key] = t
     return t
+
+
+@functools.lru_cache(maxsize=None)
+def _placeholder(device: torch.device, dtype: torch.dtype, dims: int) -> torch.Tensor:
+    """A one-element tensor of `dims` dimensions passed where the kernel takes a pointer it never reads (its flag
+    is off): made once per device, not allocated on every call."""
+    return torch.empty((1,) * dims, device=device, dtype=dtype)
 
 
 def _zeroed_counters(device: torch.device, n: int) -> torch.Tensor:
@@ -607,7 +624,7 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
             desc_k = None
     use_tma = desc_k is not None
     # stands in for absent int32 pointers (never dereferenced: their flags are off)
-    dummy_i32 = seqlens_k if has_seqlens else torch.empty(1, device=q.device, dtype=torch.int32)
+    dummy_i32 = seqlens_k if has_seqlens else _placeholder(q.device, torch.int32, 1)
     fused = split and CONFIG_OVERRIDE.get("fused_combine", num_splits <= FUSED_MAX_SPLITS)
     counters = tickets(q.device, plan.m_blocks * batch * nheads_k) if fused else dummy_i32
     # (unused without the fused combine: fixed there, so that split counts share one compiled kernel)
@@ -616,8 +633,7 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         o_part = torch.empty(num_splits, total_rows, nheads, head_dim, device=q.device, dtype=torch.float32)
         lse_part = torch.empty(num_splits, total_rows, nheads, device=q.device, dtype=torch.float32)
     else:  # never touched: SPLIT=False compiles the partial stores away
-        o_part = torch.empty(1, 1, 1, 1, device=q.device, dtype=torch.float32)
-        lse_part = torch.empty(1, 1, 1, device=q.device, dtype=torch.float32)
+        o_part, lse_part = _placeholder(q.device, torch.float32, 4), _placeholder(q.device, torch.float32, 3)
     lse_sb, lse_sh = (lse.stride(0), lse.stride(1)) if lse.dim() == 3 else (0, lse.stride(0))
     grid = (plan.m_blocks, batch * nheads_k, num_splits)
     relaunch.launch(decode_kernel, grid, (
