@@ -483,9 +483,12 @@ def plan_decode(seqlen_q: int, nheads: int, nheads_k: int, head_dim: int, dtype:
                 max_seqlen_k: int, device: torch.device, *, page_size: int = 0, num_splits: int = 0) -> DecodePlan:
     """The config, split count (num_splits <= 0: CONFIG_OVERRIDE["num_splits"] or num_splits_heuristic) and
     paged path flash_decode uses. page_size 0: contiguous cache. Memoised per problem while CONFIG_OVERRIDE is
-    empty (planning took ~17 us of host time per decode call on the H200 machine, BENCHMARKS.md section 1c)."""
+    empty (planning took ~17 us of host time per decode call on the H200 machine, BENCHMARKS.md section 1c) and the
+    device names its index (a bare "cuda" means whichever device is current: its SM count is read per call)."""
     args = (seqlen_q, nheads, nheads_k, head_dim, dtype, batch, max_seqlen_k, device, page_size, num_splits)
-    return _plan(*args) if CONFIG_OVERRIDE else _plan_memo(*args)
+    if CONFIG_OVERRIDE or (device.type == "cuda" and device.index is None):
+        return _plan(*args)
+    return _plan_memo(*args)
 
 
 def _plan(seqlen_q: int, nheads: int, nheads_k: int, head_dim: int, dtype: torch.dtype, batch: int,
