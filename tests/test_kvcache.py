@@ -329,6 +329,14 @@ def test_ticket_counters_are_unused_slices_of_one_zeroed_pool(monkeypatch):
     assert grown.data_ptr() >= first.data_ptr() + 4 * first.numel()  # past every counter handed out
     big = _decode.tickets(dev, _decode.TICKET_POOL_SIZE)             # more than the pool has left: a new pool
     assert len(fills) == 2 and big.numel() == _decode.TICKET_POOL_SIZE and int(big.abs().sum()) == 0
+    # inside a CUDA graph capture no pool is made (the graph would re-zero it under other streams' counters): the
+    # counters get a fill of their own, and the pool stays as it was
+    pool_before = _decode._TICKET_POOL[(dev.type, dev.index)]
+    monkeypatch.setattr(_decode, "_capturing", lambda device: True)
+    monkeypatch.setattr(_decode, "_TICKETS", {})
+    own = _decode.tickets(dev, _decode.TICKET_POOL_SIZE)
+    assert len(fills) == 3 and own.numel() == _decode.TICKET_POOL_SIZE and int(own.abs().sum()) == 0
+    assert _decode._TICKET_POOL[(dev.type, dev.index)] is pool_before and own.data_ptr() != pool_before[0].data_ptr()
 
 
 def test_plan_decode_is_memoised_unless_a_config_is_pinned(monkeypatch):

@@ -157,3 +157,34 @@ def test_varlen_paged_gpu(page, seed):
     ref = varlen_reference(c, q, k, v, dout, None, True)
     std = varlen_reference(c, q, k, v, dout, None, False)
     assert_within_rule("out", out, ref[0], std[0], c.dtype, f"[{c.id} page={page}]")
+
+
+@pytest.mark.parametrize("pool_before_capture", [True, False])
+def test_fused_decode_in_cuda_graph_gpu(pool_before_capture, seed, monkeypatch):
+    """The fused split merge (batch 8: 4 splits, ticket counters) captured in a CUDA graph and replayed three times
+    equals the eager call: with the ticket pool made before the capture (the counters of the capture stream are a
+    slice of it) and with the first counters asked for inside the capture (no pool is made there: the counters get
+    their own fill, replayed with the graph)."""
+    monkeypatch.setattr(_decode, "_TICKETS", {})
+    monkeypatch.setattr(_decode, "_TICKET_POOL", {})
+    q = torch.randn(8, 1, 32, 128, device="cuda", dtype=bf16)
+    kc, vc = (torch.randn(8, 4096, 8, 128, device="cuda", dtype=bf16) for _ in range(2))
+    assert _decode.plan_decode(1, 32, 8, 128, bf16, 8, 4096, q.device).num_splits <= _decode.FUSED_MAX_SPLITS
+    side = torch.cuda.Stream()
+    if pool_before_capture:
+        with torch.cuda.stream(side):
+            expect = flash_attn_with_kvcache(q, kc, vc)
+        torch.cuda.current_stream().wait_stream(side)
+    else:   # an eager call first (it compiles the kernels), then its counters and pool are forgotten
+        expect = flash_attn_with_kvcache(q, kc, vc)
+        monkeypatch.setattr(_decode, "_TICKETS", {})
+        monkeypatch.setattr(_decode, "_TICKET_POOL", {})
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flash_attn_with_kvcache(q, kc, vc)
+    assert (_decode._TICKET_POOL != {}) == pool_before_capture
+    for _ in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, expect, rtol=0, atol=0)

@@ -544,11 +544,19 @@ def _placeholder(device: torch.device, dtype: torch.dtype, dims: int) -> torch.T
     return torch.empty((1,) * dims, device=device, dtype=dtype)
 
 
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def _zeroed_counters(device: torch.device, n: int) -> torch.Tensor:
     """n int32 counters never handed out before, hence still zero: the next slice of the device's pool (a new pool,
-    zero-filled, when this one cannot hold them)."""
+    zero-filled, when this one cannot hold them). While a CUDA graph is captured a new pool is not made: its fill
+    would be replayed with the graph over counters later handed to other streams, so the counters get a fill of
+    their own (the graph re-zeroes only them)."""
     pool = _TICKET_POOL.get((device.type, device.index))
     if pool is None or pool[1] + n > pool[0].numel():
+        if _capturing(device):
+            return torch.zeros(n, dtype=torch.int32, device=device)
         pool = [torch.zeros(max(TICKET_POOL_SIZE, n), dtype=torch.int32, device=device), 0]
         _TICKET_POOL[(device.type, device.index)] = pool
     pool[1] += n
