@@ -279,3 +279,42 @@ def test_fa3_persistent_equals_one_tile_per_program_gpu(d, sq, sk, causal, fp8, 
     assert all(torch.isfinite(x).all() for x in got)
     assert torch.equal(got[0], got2[0]) and torch.equal(got[1], got2[1])
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+BWD_PERSISTENT_CASES = [   # (d, b, s, h, hk, causal): GQA, key blocks of unequal length under the mask
+    (128, 3, 1024, 6, 2, False), (128, 2, 1152, 4, 4, True), (64, 3, 1024, 6, 3, True), (64, 2, 640, 4, 1, False),
+]
+
+
+@pytest.mark.parametrize("d,b,s,h,hk,causal", BWD_PERSISTENT_CASES)
+def test_fa3_backward_persistent_equals_one_tile_per_program_gpu(d, b, s, h, hk, causal, seed, monkeypatch):
+    """The persistent backward with 5 programs (each draws key block after key block: the Q_i / dO_i ring, the dS
+    buffers and their barriers' phases carried over tiles, the next tile's loads issued during this one's
+    epilogue) gives bitwise the dK, dV of one program per tile (dQ within float32 reduce-add order), every element
+    of NaN-poisoned gradients written, against float64 too, and leaves the stream's tile counter at 0."""
+    from flashtile.kernels.triton.decode import tickets
+    c = Case(b, s, s, h, hk, d, bf16, causal=causal)
+    q, k, v, dout, alibi = case_inputs(c, "cuda")
+    out, lse = torch.empty_like(q), torch.empty(b, h, s, device="cuda")
+    launch.flash_fwd(q, k, v, out, lse, _params(c))
+
+    def run():
+        grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
+        assert fa3.supports(q, k, v, _params(c), backward=True)
+        launch.flash_bwd(dout, q, k, v, out, lse, *grads, _params(c))
+        return grads
+
+    monkeypatch.setitem(fa3.BWD_PERSISTENT, causal, False)
+    want = run()
+    monkeypatch.setitem(fa3.BWD_PERSISTENT, causal, True)
+    monkeypatch.setattr(fa3, "_sm_count", lambda _: 5)
+    got, got2 = run(), run()
+    assert tickets(q.device, 1)[0].item() == 0
+    assert all(torch.isfinite(g).all() for g in got)
+    for g, g2, w in zip(got, got2, want):
+        scale = w.float().abs().max().item()
+        assert (g.float() - w.float()).abs().max().item() <= 1e-2 * scale
+        assert (g2.float() - w.float()).abs().max().item() <= 1e-2 * scale
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+    assert torch.equal(got2[1], want[1]) and torch.equal(got2[2], want[2])
+    check_against_reference(c, q, k, v, dout, alibi, out, lse, None, got)
