@@ -1,7 +1,6 @@
 """Compiles the Gluon FA3 kernels (flashtile/kernels/gluon/_fa3_fwd.py, _fa3_bwd.py) for sm_90 on a machine
-without a GPU. Arguments `fwd|fwdshort|bwd|bwd1|fp8,<head_dim>,<causal 0|1>,<bf16|fp16>` (fwdshort: the forward's
-config at short sequences, fa3.SHORT_CONFIGS; bwd1: the backward with one tile per program; fp8: e4m3 inputs, that
-output dtype); prints one line per variant:
+without a GPU. Arguments `fwd|fwdshort|bwd|fp8,<head_dim>,<causal 0|1>,<bf16|fp16>` (fwdshort: the forward's
+config at short sequences, fa3.SHORT_CONFIGS; fp8: e4m3 inputs, that output dtype); prints one line per variant:
 `ok <kind> d<head_dim> causal=<0|1> <dtype> shared=<bytes> wgmma=<count> reduce=<count> arrives=<count>
 unsynced=<count> e4m3_mma=<count> shfl_idx=<count>` (reduce: TMA reduce-add instructions, the backward's dQ;
 e4m3_mma: FP8 wgmmas; shfl_idx: indexed warp shuffles, which a P operand needing data exchange would bring).
@@ -82,9 +81,8 @@ def compile_fp8(head_dim: int, causal: bool, out_dtype: torch.dtype):
     return _compile(_fa3_fwd.fa3_fwd_kernel, runtime, consts, launch["maxnreg"])
 
 
-def compile_bwd(head_dim: int, causal: bool, dtype: torch.dtype, persistent=None):
-    """The backward as fa3.bwd launches it (tiles from fa3.BWD_CONFIGS, dQ tile as fa3.bwd chooses it; persistent
-    as fa3.BWD_PERSISTENT says unless given)."""
+def compile_bwd(head_dim: int, causal: bool, dtype: torch.dtype):
+    """The backward as fa3.bwd launches it (tiles from fa3.BWD_CONFIGS, dQ tile as fa3.bwd chooses it)."""
     block_m, block_n, stages = fa3.BWD_CONFIGS[head_dim]
     b, s, h = 2, 1024, 4
     t = torch.randn(b * s, h * head_dim, dtype=dtype)
@@ -94,17 +92,17 @@ def compile_bwd(head_dim: int, causal: bool, dtype: torch.dtype, persistent=None
     runtime = dict(k_desc=_desc(t, block_n, head_dim), v_desc=_desc(t, block_n, head_dim),
                    q_desc=_desc(t, block_m, head_dim), do_desc=_desc(t, block_m, head_dim),
                    dq_desc=_desc(dq, *dq_tile), lse_ptr=lse, delta_ptr=lse, stride_lse_b=lse.stride(0),
-                   stride_lse_h=lse.stride(1), counter_ptr=torch.zeros(1, dtype=torch.int32), seqlen_q=s, seqlen_k=s,
-                   n_bhk=b * h, nheads_k=h, group=1, sm_scale=0.1, qk_scale=0.1)
-    persistent = fa3.BWD_PERSISTENT[causal] if persistent is None else persistent
-    dkv_tma = fa3.BWD_DKV_TMA[causal] and not persistent
+                   stride_lse_h=lse.stride(1), stride_dk_b=s * h * head_dim, stride_dk_row=h * head_dim,
+                   stride_dk_h=head_dim, stride_dv_b=s * h * head_dim, stride_dv_row=h * head_dim,
+                   stride_dv_h=head_dim, seqlen_q=s, seqlen_k=s, nheads_k=h, group=1,
+                   sm_scale=0.1, qk_scale=0.1)
+    dkv_tma = fa3.BWD_DKV_TMA[causal]
     if dkv_tma:
         runtime.update(dk_out=_desc(t, block_n // 2, head_dim), dv_out=_desc(t, block_n // 2, head_dim))
     else:
         runtime.update(dk_out=t, dv_out=t)
     consts = dict(HEAD_D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
-                  DKV_TMA=dkv_tma, PERSISTENT=persistent, P_LAYOUT=fa3._smem_layout(block_m, block_n // 2, dtype),
-                  num_warps=4)
+                  DKV_TMA=dkv_tma, P_LAYOUT=fa3._smem_layout(block_m, block_n // 2, dtype), num_warps=4)
     return _compile(_fa3_bwd.fa3_bwd_kernel, runtime, consts)
 
 
@@ -113,7 +111,6 @@ if __name__ == "__main__":
         kind, d, causal, dt = spec.split(",")
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dt]
         ck = {"fwd": compile_fwd, "bwd": compile_bwd, "fp8": compile_fp8,
-              "bwd1": lambda d, c, t: compile_bwd(d, c, t, persistent=False),
               "fwdshort": lambda d, c, t: compile_fwd(d, c, t, seqlen=1)}[kind](int(d), causal == "1", dtype)
         ptx = ck.asm["ptx"].splitlines()
         arrives = [i for i, line in enumerate(ptx) if "mbarrier.arrive" in line and "expect_tx" not in line]

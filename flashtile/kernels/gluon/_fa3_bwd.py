@@ -34,7 +34,6 @@ from ..triton.mods import LOG2E as _LOG2E
 from ._fa3_fwd import tma_load, tma_store
 
 LOG2E = gl.constexpr(_LOG2E)
-TILE_FIELDS = gl.constexpr(8)   # the tile parameters the producer hands the consumers (_kv_tile)
 
 
 @builtin
@@ -56,95 +55,23 @@ def _query_block(t, n_i, i_start, hk, group):
 
 
 @gluon.jit
-def _kv_tile(tile, n_kb, nheads_k, group, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-             CAUSAL: gl.constexpr):
-    """Tile number -> (b, hk, kv_start, kv_row, q_row0, i_start, n_i, n_iters) (TILE_FIELDS values): key block tile % n_kb of the
-    (batch, kv head) tile // n_kb. Tiles are numbered head by head (a head's key blocks share its Q_i, dO_i in L2;
-    every head's first block, then every head's second... measured 10-30% slower), each head's longest (causal:
-    first) key block first."""
-    bh = tile // n_kb
-    kv_start = (tile % n_kb) * BLOCK_N
-    b = bh // nheads_k
-    i_start = 0
-    if CAUSAL:   # query blocks entirely above the diagonal see none of this block's keys
-        i_start = kv_start // BLOCK_M
-    n_i = seqlen_q // BLOCK_M - i_start
-    return b, bh % nheads_k, kv_start, b * seqlen_k + kv_start, b * seqlen_q, i_start, n_i, n_i * group
-
-
-@gluon.jit
-def _publish(slot, values):
-    """The producer's tile parameters into `slot` (TILE_FIELDS int32 entries; n_iters = 0: no more tiles)."""
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    for k in gl.static_range(TILE_FIELDS):
-        slot.index(k).store(gl.full([1], values[k], gl.int32, layout))
-
-
-@gluon.jit
-def _read_tile(slot):
-    """The consumers' copy of the tile parameters the producer published (valid once kv_ready completes): the
-    consumers keep no scheduling state of their own, which their registers have no room for."""
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    return (gl.max(slot.index(0).load(layout), 0), gl.max(slot.index(1).load(layout), 0),
-            gl.max(slot.index(2).load(layout), 0), gl.max(slot.index(3).load(layout), 0),
-            gl.max(slot.index(4).load(layout), 0), gl.max(slot.index(5).load(layout), 0),
-            gl.max(slot.index(6).load(layout), 0), gl.max(slot.index(7).load(layout), 0))
-
-
-@gluon.jit
-def _first_tile(counter_ptr, PERSISTENT: gl.constexpr):
-    if PERSISTENT:
-        return gl.atomic_add(counter_ptr, 1)
-    else:
-        return gl.program_id(0)
-
-
-@gluon.jit
-def _load_partition(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_ready, kv_empty,
-                    qdo_ready, qdo_empty, slot, counter_ptr, n_tiles, n_kb, nheads_k, group, seqlen_q, seqlen_k,
-                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                    CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
-    """Producer and tile scheduler. PERSISTENT: draws key-block tiles from counter_ptr (dynamic, so causal tiles of
-    unequal length balance) until it gets one >= n_tiles; else its one tile, the program id. Per tile: (Q_i, dO_i)
-    of the tile's first step into buffer c % STAGES (c counts the program's steps over its tiles) once both
-    consumers released it, then K_j, V_j once both consumers are done with the previous tile's (kv_empty: its
-    last dQ product reads K), with the tile's parameters in `slot` (published by kv_ready), then the remaining
-    steps' (Q_i, dO_i). So the next tile's first loads run during this one's last step and epilogue. The end: a
-    tile of no steps in `slot`, published by a plain arrive on kv_ready; the last of the n_tiles + G draws resets
-    the counter to 0."""
-    c = 0
-    it = 0
-    tile = _first_tile(counter_ptr, PERSISTENT)
-    while tile < n_tiles:
-        info = _kv_tile(tile, n_kb, nheads_k, group, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
-        b, hk, kv_start, kv_row, q_row0, i_start, n_i, n_iters = info
-        for t in range(n_iters):
-            s = c % STAGES
-            h, i = _query_block(t, n_i, i_start, hk, group)
-            row = q_row0 + i * BLOCK_M
-            # mbarriers start with phase 1 complete: the first STAGES waits pass at once
-            mbarrier.wait(qdo_empty.index(s), ((c // STAGES) & 1) ^ 1)
-            mbarrier.expect(qdo_ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-            tma_load(q_desc, [row, h * HEAD_D], qdo_ready.index(s), q_bufs.index(s))
-            tma_load(do_desc, [row, h * HEAD_D], qdo_ready.index(s), do_bufs.index(s))
-            if t == 0:
-                mbarrier.wait(kv_empty, (it & 1) ^ 1)
-                _publish(slot, info)
-                mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-                tma_load(k_desc, [kv_row, hk * HEAD_D], kv_ready, k_smem)
-                tma_load(v_desc, [kv_row, hk * HEAD_D], kv_ready, v_smem)
-            c += 1
-        it += 1
-        if PERSISTENT:
-            tile = gl.atomic_add(counter_ptr, 1)
-        else:
-            tile = n_tiles
-    if PERSISTENT:
-        if tile == n_tiles + gl.num_programs(0) - 1:
-            gl.atomic_xchg(counter_ptr, 0)
-    mbarrier.wait(kv_empty, (it & 1) ^ 1)
-    _publish(slot, (0, 0, 0, 0, 0, 0, 0, 0))
-    mbarrier.arrive(kv_ready, count=1)
+def _load_partition(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, qdo_ready, qdo_empty,
+                    kv_row, kv_col, q_row0, n_iters, n_i, i_start, hk, group,
+                    BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+    """Producer: K_j and V_j once, then (Q_i, dO_i) of iteration t into buffer t % STAGES once both consumer
+    warpgroups released it."""
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma_load(k_desc, [kv_row, kv_col], kv_bar, k_smem)
+    tma_load(v_desc, [kv_row, kv_col], kv_bar, v_smem)
+    for t in range(n_iters):
+        s = t % STAGES
+        h, i = _query_block(t, n_i, i_start, hk, group)
+        row = q_row0 + i * BLOCK_M
+        # mbarriers start with phase 1 complete: the first STAGES waits pass at once
+        mbarrier.wait(qdo_empty.index(s), ((t // STAGES) & 1) ^ 1)
+        mbarrier.expect(qdo_ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma_load(q_desc, [row, h * HEAD_D], qdo_ready.index(s), q_bufs.index(s))
+        tma_load(do_desc, [row, h * HEAD_D], qdo_ready.index(s), do_bufs.index(s))
 
 
 @gluon.jit
@@ -181,14 +108,13 @@ def _dq_reduce_add(dq_desc, dq_smem, dq, row, col):
 
 
 @gluon.jit
-def _step(g, t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs, p_smem, ds_bufs, dq_smem, qdo_ready,
+def _step(t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs, p_smem, ds_bufs, dq_smem, qdo_ready,
           qdo_empty, ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr, lse_off, kv_start, q_row0, sm_scale, qk_scale,
           wg: gl.constexpr, s_layout: gl.constexpr, dq_init, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
           HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-    """Iteration t of the tile (the program's step g over its tiles: buffers and phases) of consumer warpgroup wg:
-    query block i of head h against the warpgroup's 64 keys (Algorithm 2 lines 8-20), lse_off: (batch, head)'s
-    offset into lse / delta. Returns dK_w, dV_w and where this step's dQ tile goes: it is computed at the next
-    step (or after the tile's loop)."""
+    """Iteration t of consumer warpgroup wg: query block i of head h against the warpgroup's 64 keys (Algorithm 2
+    lines 8-20), lse_off: (batch, head)'s offset into lse / delta. Returns dK_w, dV_w and where this step's dQ tile
+    goes: it is computed at the next step (or after the loop)."""
     dtype: gl.constexpr = q_bufs.dtype
     WG_N: gl.constexpr = k_w.shape[0]
     # this warpgroup's dQ tile: rows [wg * 64, +64) when Br = 128, else columns [wg * d/2, +d/2)
@@ -196,14 +122,14 @@ def _step(g, t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs,
     DQ_N: gl.constexpr = dq_init.shape[1]
     DQ_ROW: gl.constexpr = wg * DQ_M if DQ_M < BLOCK_M else 0
     DQ_COL: gl.constexpr = 0 if DQ_M < BLOCK_M else wg * DQ_N
-    s = g % STAGES
+    s = t % STAGES
     q_start = i * BLOCK_M
     q_idx = q_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
     lse2 = gl.load(lse_ptr + lse_off + q_idx) * LOG2E
     delta = gl.load(delta_ptr + lse_off + q_idx)
     q_s = q_bufs.index(s)
     do_s = do_bufs.index(s)
-    mbarrier.wait(qdo_ready.index(s), (g // STAGES) & 1)
+    mbarrier.wait(qdo_ready.index(s), (t // STAGES) & 1)
     # lines 11 and 16 for this warpgroup's keys: S = Q_i K_w^T and dP = dO_i V_w^T
     s_init = gl.zeros([BLOCK_M, WG_N], gl.float32, s_layout)
     s_tok = warpgroup_mma(q_s, k_w.permute((1, 0)), s_init, use_acc=False, is_async=True)
@@ -223,9 +149,9 @@ def _step(g, t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs,
     # line 17: dS = P o (dP - D_i)
     ds = (p * (dp - gl.expand_dims(delta, 1))).to(dtype)
     # dS into this iteration's buffer pair (one per warpgroup's key half), once both warpgroups' dQ products of
-    # step g - 2 have read it
-    buf = g % 2
-    mbarrier.wait(ds_free.index(buf), ((g // 2) & 1) ^ 1)
+    # iteration t - 2 have read it
+    buf = t % 2
+    mbarrier.wait(ds_free.index(buf), ((t // 2) & 1) ^ 1)
     ds_bufs.index(2 * buf + wg).store(ds)
     fence_async_shared()
     # line 14: dV_j += P^T dO_i; line 19: dK_j += dS^T Q_i
@@ -235,9 +161,9 @@ def _step(g, t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs,
     if t > 0:
         # line 18 one step late, so the warpgroups need not meet at every step (measured faster than meeting:
         # BENCHMARKS.md): dQ_{t-1} needs the other warpgroup's dS_{t-1}, which it stored half a step ago at the latest
-        dq_tok = _dq_product(ds_bufs, ds_ready, k_smem, dq_init, g - 1, wg, WG_N, BLOCK_M)
+        dq_tok = _dq_product(ds_bufs, ds_ready, k_smem, dq_init, t - 1, wg, WG_N, BLOCK_M)
         dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, dq_tok))
-        mbarrier.arrive(ds_free.index((g - 1) % 2), count=1)
+        mbarrier.arrive(ds_free.index((t - 1) % 2), count=1)
         _dq_reduce_add(dq_desc, dq_smem, dq * sm_scale, dq_row, dq_col)
     else:
         dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok))
@@ -246,13 +172,14 @@ def _step(g, t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs,
 
 
 @gluon.jit
-def _consumer_partition(wg: gl.constexpr, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_ready,
-                        kv_empty, qdo_ready, qdo_empty, ds_ready, ds_free, slot, dq_desc, lse_ptr, delta_ptr,
-                        stride_lse_b, stride_lse_h, dk_out, dv_out, nheads_k, group, sm_scale, qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, DKV_TMA: gl.constexpr):
-    """Consumer warpgroup `wg`, tile after tile as the producer hands them over (their parameters in `slot`, valid
-    once kv_ready completes; no steps: no more): key rows [wg * 64, wg * 64 + 64) of the tile's block through
-    every query block (per query head of the group), then its rows of dK_j, dV_j (Algorithm 2 line 22)."""
+def _consumer_partition(wg: gl.constexpr, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar,
+                        qdo_ready, qdo_empty, ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr, stride_lse_b,
+                        stride_lse_h, dk_out, dv_out, stride_dk_row, stride_dv_row, kv_row, kv_col, b, kv_start,
+                        q_row0, n_iters, n_i, i_start, hk, group, sm_scale, qk_scale,
+                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                        CAUSAL: gl.constexpr, DKV_TMA: gl.constexpr):
+    """Consumer warpgroup `wg`: key rows [wg * 64, wg * 64 + 64) of the program's block through every query block
+    (per query head of the group), then its rows of dK_j, dV_j (Algorithm 2 line 22)."""
     dtype: gl.constexpr = q_bufs.dtype
     WG_N: gl.constexpr = BLOCK_N // 2          # key rows of this warpgroup
     DQ_M: gl.constexpr = dq_desc.block_type.shape[0]   # this warpgroup's dQ tile (_dq_product)
@@ -267,61 +194,46 @@ def _consumer_partition(wg: gl.constexpr, k_smem, v_smem, q_bufs, do_bufs, p_buf
     v_w = v_smem.slice(wg * WG_N, WG_N, dim=0)
     p_smem = p_bufs.index(wg)
     dq_smem = dq_bufs.index(wg)
+    dk = gl.zeros([WG_N, HEAD_D], gl.float32, kv_layout)
+    dv = gl.zeros([WG_N, HEAD_D], gl.float32, kv_layout)
     dq_init = gl.zeros([DQ_M, DQ_N], gl.float32, dq_layout)
 
-    c = 0    # steps of the program's earlier tiles
-    it = 0   # tiles
-    mbarrier.wait(kv_ready, 0)
-    b, hk, kv_start, kv_row, q_row0, i_start, n_i, n_iters = _read_tile(slot)
-    while n_iters > 0:
-        dk = gl.zeros([WG_N, HEAD_D], gl.float32, kv_layout)
-        dv = gl.zeros([WG_N, HEAD_D], gl.float32, kv_layout)
-        dq_row = q_row0   # where the previous step's dQ tile goes
-        dq_col = 0
-        for t in range(n_iters):
-            h, i = _query_block(t, n_i, i_start, hk, group)
-            dk, dv, dq_row, dq_col = _step(
-                c + t, t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs, p_smem, ds_bufs, dq_smem,
-                qdo_ready, qdo_empty, ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr,
-                b * stride_lse_b + h * stride_lse_h, kv_start, q_row0, sm_scale, qk_scale, wg, s_layout, dq_init,
-                BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL)
-        c += n_iters
-        # the last query block's dQ
-        dq_tok = _dq_product(ds_bufs, ds_ready, k_smem, dq_init, c - 1, wg, WG_N, BLOCK_M)
-        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, ))
-        mbarrier.arrive(ds_free.index((c - 1) % 2), count=1)
-        mbarrier.arrive(kv_empty, count=1)   # this warpgroup's products are done with K_j, V_j
-        _dq_reduce_add(dq_desc, dq_smem, dq * sm_scale, dq_row, dq_col)
+    dq_row = q_row0   # where the previous step's dQ tile goes
+    dq_col = 0
+    mbarrier.wait(kv_bar, 0)
+    for t in range(n_iters):
+        h, i = _query_block(t, n_i, i_start, hk, group)
+        dk, dv, dq_row, dq_col = _step(
+            t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs, p_smem, ds_bufs, dq_smem,
+            qdo_ready, qdo_empty, ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr, b * stride_lse_b + h * stride_lse_h,
+            kv_start, q_row0, sm_scale, qk_scale, wg, s_layout, dq_init, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL)
+    # the last query block's dQ
+    dq_tok = _dq_product(ds_bufs, ds_ready, k_smem, dq_init, n_iters - 1, wg, WG_N, BLOCK_M)
+    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, ))
+    _dq_reduce_add(dq_desc, dq_smem, dq * sm_scale, dq_row, dq_col)
+    tma.store_wait(pendings=0)
 
-        # line 22: write dK_j (scaled: S = scale Q K^T) and dV_j
-        if DKV_TMA:
-            _store_dkv_tma(dk, dv, dk_out, dv_out, q_bufs, do_bufs, qdo_empty, kv_row + wg * WG_N, hk * HEAD_D, c,
-                           n_iters, sm_scale, wg, BLOCK_M, STAGES)
-        else:   # dK, dV contiguous in k's layout: row kv_row + r of the (batch * seqlen_k, nheads_k * d) view
-            # (no strides kept in registers through the loop: the consumers have none to spare)
-            rows = kv_row + wg * WG_N + gl.arange(0, WG_N, layout=gl.SliceLayout(1, kv_layout))
-            cols = hk * HEAD_D + gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, kv_layout))
-            offs = gl.expand_dims(rows.to(gl.int64) * (nheads_k * HEAD_D), 1) + gl.expand_dims(cols, 0)
-            gl.store(dk_out + offs, (dk * sm_scale).to(dtype))
-            gl.store(dv_out + offs, dv.to(dtype))
-        it += 1
-        # the next tile (or the end): its number is valid once kv_ready completes
-        mbarrier.wait(kv_ready, it & 1)
-        b, hk, kv_start, kv_row, q_row0, i_start, n_i, n_iters = _read_tile(slot)
-    tma.store_wait(pendings=0)   # the reduce-adds (and TMA stores) have read shared memory before the program ends
+    # line 22: write dK_j (scaled: S = scale Q K^T) and dV_j
+    if DKV_TMA:
+        _store_dkv_tma(dk, dv, dk_out, dv_out, q_bufs, do_bufs, qdo_empty, kv_row + wg * WG_N, kv_col, n_iters,
+                       sm_scale, wg, BLOCK_M, STAGES)
+    else:
+        rows = kv_start + wg * WG_N + gl.arange(0, WG_N, layout=gl.SliceLayout(1, kv_layout))
+        cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, kv_layout))
+        gl.store(dk_out + gl.expand_dims(rows * stride_dk_row, 1) + gl.expand_dims(cols, 0),
+                 (dk * sm_scale).to(dtype))
+        gl.store(dv_out + gl.expand_dims(rows * stride_dv_row, 1) + gl.expand_dims(cols, 0), dv.to(dtype))
 
 
 @gluon.jit
-def _store_dkv_tma(dk, dv, dk_desc, dv_desc, q_bufs, do_bufs, qdo_empty, row, col, steps, n_iters, sm_scale,
+def _store_dkv_tma(dk, dv, dk_desc, dv_desc, q_bufs, do_bufs, qdo_empty, row, col, n_iters, sm_scale,
                    wg: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
     """dK_w (scaled) and dV_w to rows [row, +64) by TMA, staged in the Q_i / dO_i buffers, free once both
-    warpgroups released the last STAGES of them (qdo_empty; `steps` the program's steps so far, n_iters the
-    tile's): one bulk store each instead of 4-byte stores. Only with one tile per program (the producer of a
-    persistent program refills the buffers with the next tile's Q_i, dO_i)."""
+    warpgroups released the last STAGES of them (qdo_empty): one bulk store each instead of 4-byte stores."""
     dtype: gl.constexpr = q_bufs.dtype
     WG_N: gl.constexpr = dk.shape[0]
     for k in range(gl.minimum(n_iters, STAGES)):
-        t = steps - 1 - k
+        t = n_iters - 1 - k
         mbarrier.wait(qdo_empty.index(t % STAGES), (t // STAGES) & 1)
     if BLOCK_M == WG_N:   # a buffer per warpgroup
         dk_smem = q_bufs.index(wg)
@@ -339,27 +251,39 @@ def _store_dkv_tma(dk, dv, dk_desc, dv_desc, q_bufs, do_bufs, qdo_empty, row, co
 
 @gluon.jit
 def fa3_bwd_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr, stride_lse_b, stride_lse_h,
-                   dk_out, dv_out, counter_ptr, seqlen_q, seqlen_k, n_bhk, nheads_k, group, sm_scale, qk_scale,
+                   dk_out, dv_out, stride_dk_b, stride_dk_row, stride_dk_h, stride_dv_b, stride_dv_row, stride_dv_h,
+                   seqlen_q, seqlen_k, nheads_k, group, sm_scale, qk_scale,
                    HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                   CAUSAL: gl.constexpr, DKV_TMA: gl.constexpr, PERSISTENT: gl.constexpr, P_LAYOUT: gl.constexpr,
-                   num_warps: gl.constexpr):
-    """Tiles: the seqlen_k / BLOCK_N key blocks of each of the n_bhk = batch * nheads_k (batch, kv head) pairs
-    (_kv_tile: the order). PERSISTENT: G programs (at most one per SM) draw tile after tile from counter_ptr (an
-    int32 that is 0 at the launch and again after it), so one tile's epilogue overlaps the next one's loads; else
-    one program per tile (grid = the tile count; counter_ptr unused). BLOCK_N = 2 x 64 key rows (one 64-row half
-    per consumer warpgroup, num_warps = 4), BLOCK_M query rows per step. k/v descriptors: 2-D views
-    (batch * seqlen_k, nheads_k * HEAD_D), blocks (BLOCK_N, HEAD_D); q/dO: (batch * seqlen_q, nheads * HEAD_D),
-    blocks (BLOCK_M, HEAD_D); dk_out / dv_out: with DKV_TMA (not PERSISTENT) descriptors over dK, dV as k/v's,
-    blocks (BLOCK_N / 2, HEAD_D), else pointers to contiguous dK, dV (fa3.BWD_DKV_TMA); dq_desc: the
-    float32 accumulator (zero-filled) in q's layout, blocks fa3.bwd_dq_tile: (64, HEAD_D) when BLOCK_M = 128 (each
-    warpgroup adds half the rows of dQ_i), else (BLOCK_M, HEAD_D / 2) (half the columns).
+                   CAUSAL: gl.constexpr, DKV_TMA: gl.constexpr, P_LAYOUT: gl.constexpr, num_warps: gl.constexpr):
+    """Grid (seqlen_k / BLOCK_N, batch * nheads_k); BLOCK_N = 2 x 64 key rows (one 64-row half per consumer
+    warpgroup, num_warps = 4), BLOCK_M query rows per step. k/v descriptors: 2-D views (batch * seqlen_k,
+    nheads_k * HEAD_D), blocks (BLOCK_N, HEAD_D); q/dO: (batch * seqlen_q, nheads * HEAD_D), blocks
+    (BLOCK_M, HEAD_D); dk_out / dv_out: with DKV_TMA descriptors over dK, dV as k/v's, blocks (BLOCK_N / 2,
+    HEAD_D), else pointers to dK, dV with the strides given (fa3.BWD_DKV_TMA); dq_desc: the float32 accumulator
+    (zero-filled) in q's layout, blocks fa3.bwd_dq_tile: (64, HEAD_D) when BLOCK_M = 128 (each warpgroup adds half
+    the rows of dQ_i), else (BLOCK_M, HEAD_D / 2) (half the columns).
     lse, delta: (batch, nheads, seqlen_q) fp32 with the same strides. P_LAYOUT: the shared layout of a
     (BLOCK_M, BLOCK_N / 2) tile of q's dtype (a warpgroup's P or dS). seqlen_q % BLOCK_M == 0 and
     seqlen_k % BLOCK_N == 0 (the host checks); causal only with seqlen_q == seqlen_k."""
-    gl.static_assert(not (DKV_TMA and PERSISTENT))
     dtype: gl.constexpr = q_desc.dtype
-    n_kb = seqlen_k // BLOCK_N
-    n_tiles = n_kb * n_bhk
+    # one head's key blocks after another: they share the head's Q_i, dO_i in L2 (every head's first block, then
+    # every head's second... measured 10-30% slower)
+    pid_n = gl.program_id(0)
+    bh = gl.program_id(1)
+    b = bh // nheads_k
+    hk = bh % nheads_k
+    kv_start = pid_n * BLOCK_N
+    kv_row = b * seqlen_k + kv_start
+    if not DKV_TMA:   # pointers to this (batch, kv head)'s dK, dV
+        dk_out = dk_out + b * stride_dk_b + hk * stride_dk_h
+        dv_out = dv_out + b * stride_dv_b + hk * stride_dv_h
+    q_row0 = b * seqlen_q
+    n_qblocks = seqlen_q // BLOCK_M
+    i_start = 0
+    if CAUSAL:   # query blocks entirely above the diagonal see none of this block's keys
+        i_start = kv_start // BLOCK_M
+    n_i = n_qblocks - i_start
+    n_iters = n_i * group
 
     k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], v_desc.layout)
@@ -368,15 +292,12 @@ def fa3_bwd_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr,
     p_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N // 2], P_LAYOUT)
     ds_bufs = gl.allocate_shared_memory(dtype, [4, BLOCK_M, BLOCK_N // 2], P_LAYOUT)   # [2 x buffer + half]
     dq_bufs = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
-    slot = gl.allocate_shared_memory(gl.int32, [TILE_FIELDS, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     qdo_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     qdo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_ready, count=1)
-    mbarrier.init(kv_empty, count=2)   # both consumer warpgroups release K_j, V_j
+    mbarrier.init(kv_bar, count=1)
     for i in gl.static_range(2):   # per dS buffer pair; both consumer warpgroups arrive
         mbarrier.init(ds_ready.index(i), count=2)
         mbarrier.init(ds_free.index(i), count=2)
@@ -385,21 +306,22 @@ def fa3_bwd_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr,
         mbarrier.init(qdo_empty.index(i), count=2)
 
     gl.warp_specialize([
-        (_consumer_partition, (0, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_ready, kv_empty,
-                               qdo_ready, qdo_empty, ds_ready, ds_free, slot, dq_desc, lse_ptr, delta_ptr,
-                               stride_lse_b, stride_lse_h, dk_out, dv_out, nheads_k, group, sm_scale, qk_scale,
-                               BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, DKV_TMA)),
-        (_consumer_partition, (1, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_ready, kv_empty,
-                               qdo_ready, qdo_empty, ds_ready, ds_free, slot, dq_desc, lse_ptr, delta_ptr,
-                               stride_lse_b, stride_lse_h, dk_out, dv_out, nheads_k, group, sm_scale, qk_scale,
-                               BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, DKV_TMA)),
-        (_load_partition, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_ready, kv_empty,
-                           qdo_ready, qdo_empty, slot, counter_ptr, n_tiles, n_kb, nheads_k, group, seqlen_q,
-                           seqlen_k, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, PERSISTENT)),
+        (_consumer_partition, (0, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, qdo_ready,
+                               qdo_empty, ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr, stride_lse_b,
+                               stride_lse_h, dk_out, dv_out, stride_dk_row, stride_dv_row, kv_row, hk * HEAD_D, b,
+                               kv_start, q_row0, n_iters, n_i, i_start, hk, group, sm_scale, qk_scale, BLOCK_M,
+                               BLOCK_N, HEAD_D, STAGES, CAUSAL, DKV_TMA)),
+        (_consumer_partition, (1, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, qdo_ready,
+                               qdo_empty, ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr, stride_lse_b,
+                               stride_lse_h, dk_out, dv_out, stride_dk_row, stride_dv_row, kv_row, hk * HEAD_D, b,
+                               kv_start, q_row0, n_iters, n_i, i_start, hk, group, sm_scale, qk_scale, BLOCK_M,
+                               BLOCK_N, HEAD_D, STAGES, CAUSAL, DKV_TMA)),
+        (_load_partition, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, qdo_ready,
+                           qdo_empty, kv_row, hk * HEAD_D, q_row0, n_iters, n_i, i_start, hk, group, BLOCK_M,
+                           HEAD_D, STAGES)),
     ], [4, 1], [240, 24])
 
-    mbarrier.invalidate(kv_ready)
-    mbarrier.invalidate(kv_empty)
+    mbarrier.invalidate(kv_bar)
     for i in gl.static_range(2):
         mbarrier.invalidate(ds_ready.index(i))
         mbarrier.invalidate(ds_free.index(i))

@@ -73,11 +73,6 @@ BWD_CONFIGS = {64: (128, 128, 2), 128: (64, 128, 2)}
 # (ab_dkv_tma_causal.log: short causal programs end sooner); in full attention (ab_tma_store_all.log) d64 406.0 ->
 # 415.7, 469.5 -> 466.9, d128 463.0 -> 458.9, 526.8 -> 515.2: not taken there
 BWD_DKV_TMA = {False: False, True: True}
-# causal -> whether the backward runs persistent (at most one program per SM drawing key-block tiles from the
-# stream's counter: the next tile's K_j, V_j and first Q_i, dO_i load during this one's last step and epilogue),
-# else one program per tile. A persistent program writes dK_j, dV_j from registers (BWD_DKV_TMA is for one tile
-# per program: its staging buffers are the next tile's Q_i, dO_i)
-BWD_PERSISTENT = {False: True, True: True}
 
 
 _off = 0   # > 0 inside disabled()
@@ -307,16 +302,14 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params) -> None:
     assert dk.stride(-1) == 1 and dv.stride(-1) == 1
     dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     dq_tile = bwd_dq_tile(block_m, head_dim)
-    persistent = BWD_PERSISTENT[causal]
-    dkv_tma = BWD_DKV_TMA[causal] and not persistent
+    dkv_tma = BWD_DKV_TMA[causal]
 
     def desc(t, rows, cols):
         return _desc(TensorDescriptor, t, rows, cols, t.dtype)
 
-    # dK, dV leave by TMA through (batch * seqlen_k, nheads_k * d) views of dk / dv where their strides allow one
-    # (e.g. slices of a packed gradient), else (and for the stores from registers, which take contiguous tensors)
-    # through a contiguous buffer copied into them
-    if dkv_tma:
+    dk_out, dv_out = dk, dv
+    if dkv_tma:   # through a (batch * seqlen_k, nheads_k * d) view of dk / dv where their strides allow one (e.g.
+        # slices of a packed gradient), else through a contiguous buffer copied into them
         dkv = []
         for g in (dk, dv):
             g_desc = desc(g, block_n // 2, head_dim)
@@ -325,21 +318,16 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params) -> None:
                 g_desc = desc(g, block_n // 2, head_dim)
             dkv.append((g, g_desc))
         (dk_out, dk_desc), (dv_out, dv_desc) = dkv
-    else:
-        dk_out, dv_out = (g if g.is_contiguous() else torch.empty(g.shape, dtype=g.dtype, device=g.device)
-                          for g in (dk, dv))
 
-    n_tiles = sk // block_n * batch * nheads_k
-    programs = min(n_tiles, _sm_count(_device_index(q))) if persistent else n_tiles
-    relaunch.launch(kern.fa3_bwd_kernel, (programs, ), (
+    relaunch.launch(kern.fa3_bwd_kernel, (sk // block_n, batch * nheads_k), (
         desc(k, block_n, head_dim), desc(v, block_n, head_dim), desc(q, block_m, head_dim),
         desc(dout, block_m, head_dim), desc(dq_acc, *dq_tile),
         lse, delta, lse.stride(0), lse.stride(1),
-        *((dk_desc, dv_desc) if dkv_tma else (dk_out, dv_out)), tickets(q.device, 1),
-        sq, sk, batch * nheads_k, nheads_k, nheads // nheads_k, params.softmax_scale, params.softmax_scale * LOG2E),
+        *((dk_desc, dv_desc) if dkv_tma else (dk, dv)),
+        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+        sq, sk, nheads_k, nheads // nheads_k, params.softmax_scale, params.softmax_scale * LOG2E),
         dict(HEAD_D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
-             DKV_TMA=dkv_tma, PERSISTENT=persistent, P_LAYOUT=_smem_layout(block_m, block_n // 2, q.dtype),
-             num_warps=4, maxnreg=MAXNREG))
+             DKV_TMA=dkv_tma, P_LAYOUT=_smem_layout(block_m, block_n // 2, q.dtype), num_warps=4, maxnreg=MAXNREG))
     dq.copy_(dq_acc)
     for out, grad in ((dk_out, dk), (dv_out, dv)):
         if out is not grad:
