@@ -354,16 +354,32 @@ def test_plan_decode_is_memoised_unless_a_config_is_pinned(monkeypatch):
 
 def test_fused_combine_up_to_fused_max_splits(seed, monkeypatch):
     """The split count decides where the splits are merged: in the decode launch up to FUSED_MAX_SPLITS, by
-    combine.py's kernel beyond."""
+    combine.py's kernel beyond, unless the call is eager (no CUDA graph capture) and reads at most
+    EAGER_FUSED_BYTES of K/V (host-bound: one launch fewer). Both ways agree."""
     calls = []
     real = _decode._combine.combine_splits
     monkeypatch.setattr(_decode._combine, "combine_splits", lambda *a, **k: calls.append(1) or real(*a, **k))
     q = torch.randn(1, 1, 4, 32, dtype=fp32, device=DEVICE)
     kc = torch.randn(1, 16 * (_decode.FUSED_MAX_SPLITS + 1), 1, 32, dtype=fp32, device=DEVICE)
-    for n, separate in ((2, 0), (_decode.FUSED_MAX_SPLITS, 0), (_decode.FUSED_MAX_SPLITS + 1, 1)):
-        calls.clear()
-        assert flash_attn_with_kvcache(q, kc, kc, num_splits=n).isfinite().all()
-        assert len(calls) == separate, n
+    kv_bytes = 2 * kc.numel() * kc.element_size()
+    outs = {}
+    for limit, capturing in ((kv_bytes - 1, False), (kv_bytes, True), (kv_bytes, False)):
+        monkeypatch.setattr(_decode, "EAGER_FUSED_BYTES", limit)
+        monkeypatch.setattr(_decode, "_capturing", lambda device, c=capturing: c)
+        eager_small = limit >= kv_bytes and not capturing
+        for n, separate in ((2, 0), (_decode.FUSED_MAX_SPLITS, 0), (_decode.FUSED_MAX_SPLITS + 1, 1)):
+            calls.clear()
+            outs[(limit, capturing, n)] = out = flash_attn_with_kvcache(q, kc, kc, num_splits=n)
+            assert out.isfinite().all()
+            assert len(calls) == (0 if eager_small else separate), (limit, capturing, n)
+    n = _decode.FUSED_MAX_SPLITS + 1
+    torch.testing.assert_close(outs[(kv_bytes, False, n)], outs[(kv_bytes, True, n)], rtol=1e-6, atol=1e-6)
+    assert _decode.fuse_combine(n, kv_bytes, torch.device(DEVICE)) is True
+    monkeypatch.setattr(_decode, "_capturing", lambda device: True)
+    assert _decode.fuse_combine(n, kv_bytes, torch.device(DEVICE)) is False
+    assert _decode.fuse_combine(_decode.FUSED_MAX_SPLITS, kv_bytes, torch.device(DEVICE)) is True
+    monkeypatch.setattr(_decode, "CONFIG_OVERRIDE", {"fused_combine": False})
+    assert _decode.fuse_combine(2, 0, torch.device(DEVICE)) is False
 
 
 def test_num_splits_heuristic_fills_the_gpu():

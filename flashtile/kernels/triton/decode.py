@@ -13,7 +13,8 @@ Each program runs the FA2 inner loop (Alg. 1 lines 6-10, the update itself is mo
 its split's keys. With one split it writes the final O and LSE; with several it writes a normalised partial
 O_s and its log2-sum-exp lse2_s, which combine.merge_splits merges (the same online-softmax update) into O and LSE:
 in the same launch, by the last split of each tile to finish (FUSED_COMBINE: a ticket counter per tile), up to
-FUSED_MAX_SPLITS splits, or else by combine.py's separate kernel (one program per query row and head). Splits let a
+FUSED_MAX_SPLITS splits (more in small eager calls: fuse_combine), or else by combine.py's separate kernel (one
+program per query row and head). Splits let a
 decode step with few (batch x K/V heads) tiles still fill every multiprocessor (num_splits_heuristic).
 
 Keys are addressed through the cache: key j (0-based, after left padding) of batch element b sits at cache
@@ -348,7 +349,7 @@ class DecodeConfig:
 #   "num_splits": an int used wherever the caller leaves the choice to num_splits_heuristic (num_splits=0);
 #   "page_tiles": False disables the one-page-per-tile paged path (every paged tile then uses the row gather);
 #   "fused_combine": True / False merges the splits in the decode launch / in combine.py's separate kernel
-#       whatever the split count (default: FUSED_MAX_SPLITS decides);
+#       whatever the split count (default: fuse_combine decides);
 #   "combine_chunk": splits per merge step of the separate combine kernel (a power of two).
 CONFIG_OVERRIDE: dict = {}
 _CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(DecodeConfig))
@@ -360,6 +361,11 @@ MAX_SPLITS = 128
 # splits 48.0 fused vs 49.5 us separate at a 4k cache (cuDNN 48.8), 257.4 vs 258.8 at 32k; batch 1 with 32-33
 # splits 51.2 vs 49.7 at 32k and 146.1 vs 140.4 at 128k
 FUSED_MAX_SPLITS = 8
+# ... except in eager calls (no CUDA graph being captured) that read at most EAGER_FUSED_BYTES of K/V: such a call
+# is bound by host time (~100 us of Python and launches per call against 16-50 us of GPU time at batch 1 with a
+# 4k-32k cache, BENCHMARKS.md §4), to which the separate kernel's launch adds ~20 us, while merging 16-33 splits in
+# the decode launch costs ~1.5 us of GPU time. Larger reads (batch 1 at 128k: 140 us of GPU time) keep the rule.
+EAGER_FUSED_BYTES = 256 << 20
 # num_splits_heuristic's knobs (see its docstring)
 TARGET_WAVES = 2.0            # aim for >= this many programs per multiprocessor ...
 WAVE_SLACK = 0.9              # ... give or take this factor
@@ -563,6 +569,15 @@ def _zeroed_counters(device: torch.device, n: int) -> torch.Tensor:
     return pool[0][pool[1] - n:pool[1]]
 
 
+def fuse_combine(num_splits: int, kv_bytes: int, device: torch.device) -> bool:
+    """Whether a launch of num_splits > 1 splits reading kv_bytes of K/V merges them itself (FUSED_COMBINE) rather
+    than by combine.py's kernel: CONFIG_OVERRIDE["fused_combine"] if set, else up to FUSED_MAX_SPLITS splits, and
+    beyond in eager calls reading at most EAGER_FUSED_BYTES."""
+    if "fused_combine" in CONFIG_OVERRIDE:
+        return bool(CONFIG_OVERRIDE["fused_combine"])
+    return num_splits <= FUSED_MAX_SPLITS or (kv_bytes <= EAGER_FUSED_BYTES and not _capturing(device))
+
+
 def _combine_shape(rows: int, num_splits: int, block_d: int):
     """(COMBINE_RG, COMBINE_CHUNK) of the fused combine: the separate kernel's splits per step, and as many of the
     tile's `rows` per step as combine.CHUNK_ELEMS allows."""
@@ -636,7 +651,8 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     use_tma = desc_k is not None
     # stands in for absent int32 pointers (never dereferenced: their flags are off)
     dummy_i32 = seqlens_k if has_seqlens else _placeholder(q.device, torch.int32, 1)
-    fused = split and CONFIG_OVERRIDE.get("fused_combine", num_splits <= FUSED_MAX_SPLITS)
+    fused = split and fuse_combine(num_splits, 2 * batch * max_seqlen_k * nheads_k * head_dim * k_cache.element_size(),
+                                   q.device)
     counters = tickets(q.device, plan.m_blocks * batch * nheads_k) if fused else dummy_i32
     # (unused without the fused combine: fixed there, so that split counts share one compiled kernel)
     combine_rg, combine_chunk = _combine_shape(min(cfg.BLOCK_M, sq * group), num_splits, block_d) if fused else (1, 2)
