@@ -54,8 +54,8 @@ def compile_fwd(head_dim: int, causal: bool, dtype: torch.dtype, seqlen: int = 1
     launch = fa3._regs(head_dim, False, num_wg)
     consts = dict(HEAD_D=head_dim, BLOCK_M=fa3.WG_ROWS, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
                   NUM_WG=num_wg, Q_BUFS=fa3.q_buffers(head_dim, num_wg, block_n, stages, t.element_size(), False),
-                  PINGPONG=pingpong, FP8=False, CONSUMER_REGS=launch["CONSUMER_REGS"],
-                  POLY_EXP2=fa3.POLY_EXP2.get((head_dim, False), 0), num_warps=4)
+                  PINGPONG=pingpong, FP8=False,
+                  CONSUMER_REGS=launch["CONSUMER_REGS"], num_warps=4)
     return _compile(_fa3_fwd.fa3_fwd_kernel, runtime, consts, launch["maxnreg"])
 
 
@@ -76,8 +76,8 @@ def compile_fp8(head_dim: int, causal: bool, out_dtype: torch.dtype):
     launch = fa3._regs(head_dim, True, num_wg)
     consts = dict(HEAD_D=head_dim, BLOCK_M=fa3.WG_ROWS, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
                   NUM_WG=num_wg, Q_BUFS=fa3.q_buffers(head_dim, num_wg, block_n, stages, 1, True),
-                  PINGPONG=fa3.FP8_PINGPONG[head_dim][causal], FP8=True, CONSUMER_REGS=launch["CONSUMER_REGS"],
-                  POLY_EXP2=fa3.POLY_EXP2.get((head_dim, True), 0), num_warps=4)
+                  PINGPONG=fa3.FP8_PINGPONG[head_dim][causal], FP8=True,
+                  CONSUMER_REGS=launch["CONSUMER_REGS"], num_warps=4)
     return _compile(_fa3_fwd.fa3_fwd_kernel, runtime, consts, launch["maxnreg"])
 
 
@@ -108,9 +108,7 @@ def compile_bwd(head_dim: int, causal: bool, dtype: torch.dtype):
 
 if __name__ == "__main__":
     for spec in sys.argv[1:]:
-        kind, d, causal, dt, *poly = spec.split(",")   # poly: fa3.POLY_EXP2 for this build (exponentials of 8)
-        if poly:
-            fa3.POLY_EXP2[(int(d), kind == "fp8")] = int(poly[0])
+        kind, d, causal, dt = spec.split(",")
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dt]
         ck = {"fwd": compile_fwd, "bwd": compile_bwd, "fp8": compile_fp8,
               "fwdshort": lambda d, c, t: compile_fwd(d, c, t, seqlen=1)}[kind](int(d), causal == "1", dtype)
@@ -121,6 +119,4 @@ if __name__ == "__main__":
         print(f"ok {kind} d{d} causal={causal} {dt} shared={ck.metadata.shared} "
               f"wgmma={ck.asm['ptx'].count('wgmma.mma_async')} reduce={ck.asm['ptx'].count('cp.reduce.async.bulk')} "
               f"arrives={len(arrives)} unsynced={len(unsynced)} e4m3_mma={ck.asm['ptx'].count('.f32.e4m3.e4m3')} "
-              f"shfl_idx={ck.asm['ptx'].count('shfl.sync.idx')} ex2={ck.asm['ptx'].count('ex2.approx')} "
-              f"poly={ck.asm['ptx'].count('add.rm.ftz.f32')}", flush=True)
-        fa3.POLY_EXP2.clear()
+              f"shfl_idx={ck.asm['ptx'].count('shfl.sync.idx')}", flush=True)

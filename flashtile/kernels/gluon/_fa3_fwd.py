@@ -27,14 +27,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-from .. import exp2 as _exp2
 from ..triton import fp8 as _fp8
 from ..triton.combine import LN2
 
 LOG2_E4M3_MAX = gl.constexpr(_fp8.LOG2_E4M3_MAX)   # log2(448), e4m3's largest finite value
-# inline PTX of exp2 over 8 values, [n] with n of them by the polynomial on the FMA units (kernels/exp2.py)
-EXP2_ASM = gl.constexpr(tuple(_exp2.ptx(8, n)[0] for n in range(9)))
-EXP2_CONSTRAINTS = gl.constexpr(_exp2.ptx(8, 0)[1])
 # TMA copies: Triton 3.6 (the GPU image's) names them async_copy_global_to_shared / async_copy_shared_to_global;
 # later releases async_load / async_store and drop the old store name
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -122,19 +118,8 @@ def _load_partition(loads, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N:
 
 
 @gluon.jit
-def _exp2_split(x, POLY_EXP2: gl.constexpr):
-    """exp2(x) elementwise, POLY_EXP2 of every 8 values by a polynomial on the FMA units and the rest on MUFU
-    (kernels/exp2.py: FA4's offload of the exponentials the MUFU units cannot keep up with); 0: gl.exp2."""
-    if POLY_EXP2 == 0:
-        return gl.exp2(x)
-    else:
-        return gl.inline_asm_elementwise(EXP2_ASM[POLY_EXP2], EXP2_CONSTRAINTS, [x], dtype=gl.float32,
-                                         is_pure=True, pack=8)
-
-
-@gluon.jit
 def _online_softmax(s, m_i, l_i, qk_scale, j, n_unmasked, q_start, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    s_layout: gl.constexpr, FP8: gl.constexpr, CAUSAL: gl.constexpr, POLY_EXP2: gl.constexpr):
+                    s_layout: gl.constexpr, FP8: gl.constexpr, CAUSAL: gl.constexpr):
     """Algorithm 1 lines 9-10 for one S block, in base 2 (qk_scale = softmax_scale * log2 e > 0, which lets the
     row max be taken before scaling): m_new = max(m_i, rowmax(S) * scale); P~ = exp2(S * scale - m_new);
     l_new = exp2(m_i - m_new) l_i + rowsum(P~). Blocks j >= n_unmasked (the warpgroup's) reach the causal
@@ -150,9 +135,9 @@ def _online_softmax(s, m_i, l_i, qk_scale, j, n_unmasked, q_start, BLOCK_M: gl.c
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     alpha = gl.exp2(m_i - m_new)
     if FP8:
-        p = _exp2_split(s * qk_scale - gl.expand_dims(m_new - LOG2_E4M3_MAX, 1), POLY_EXP2)
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new - LOG2_E4M3_MAX, 1))
     else:
-        p = _exp2_split(s * qk_scale - gl.expand_dims(m_new, 1), POLY_EXP2)
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
     l_new = l_i * alpha + gl.sum(p, 1)
     return p, m_new, l_new, alpha
 
@@ -181,7 +166,7 @@ def _pass_turn(bars, wg: gl.constexpr, NUM_WG: gl.constexpr, PINGPONG: gl.conste
 @gluon.jit
 def _consumer_partition(wg: gl.constexpr, shared, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr,
-                        PINGPONG: gl.constexpr, FP8: gl.constexpr, CAUSAL: gl.constexpr, POLY_EXP2: gl.constexpr):
+                        PINGPONG: gl.constexpr, FP8: gl.constexpr, CAUSAL: gl.constexpr):
     """Consumer warpgroup `wg`, tile after tile as the producer hands them over (the tile number in the slot of
     the Q buffer, >= n_tiles: none left): c counts the program's K / V blocks (ring position), t its turns, `it`
     its tiles (Q buffer). `shared`: the buffers, barriers and scalars it uses (as the kernel names them)."""
@@ -213,7 +198,7 @@ def _consumer_partition(wg: gl.constexpr, shared, HEAD_D: gl.constexpr, BLOCK_M:
         _consumer_tile(wg, q_bufs.index(qb), q_empty.index(qb), k_bufs, v_bufs, o_bufs, k_ready, v_ready, k_empty,
                        v_empty, turns, o_desc, lse_ptr + b * stride_lse_b + h * stride_lse_h, k_scales, v_scales,
                        b * seqlen_q + q_start, h * HEAD_D, q_start, seqlen_q, n_blocks, tile_scale, c, t, BLOCK_M,
-                       BLOCK_N, HEAD_D, STAGES, NUM_WG, PINGPONG, FP8, CAUSAL, POLY_EXP2)
+                       BLOCK_N, HEAD_D, STAGES, NUM_WG, PINGPONG, FP8, CAUSAL)
         c += n_blocks
         t += n_blocks + 1
         it += 1
@@ -227,7 +212,7 @@ def _consumer_tile(wg: gl.constexpr, q_smem, q_empty, k_bufs, v_bufs, o_bufs, k_
                    k_empty, v_empty, turns, o_desc, lse_ptr, k_scale_ptr, v_scale_ptr, q_row, q_col, q_start,
                    seqlen_q, n_blocks, qk_scale, c, t, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    HEAD_D: gl.constexpr, STAGES: gl.constexpr, NUM_WG: gl.constexpr, PINGPONG: gl.constexpr,
-                   FP8: gl.constexpr, CAUSAL: gl.constexpr, POLY_EXP2: gl.constexpr):
+                   FP8: gl.constexpr, CAUSAL: gl.constexpr):
     """Consumer warpgroup `wg` on one tile: rows [wg * BLOCK_M, (wg + 1) * BLOCK_M) of its Q tile (in q_smem),
     through the whole key loop (Algorithm 1 lines 6-11), then its part of the epilogue (lines 12-15). Block j of
     the tile is the program's block c + j (ring buffer (c + j) % STAGES), its turns t .. t + n_blocks.
@@ -276,7 +261,7 @@ def _consumer_tile(wg: gl.constexpr, q_smem, q_empty, k_bufs, v_bufs, o_bufs, k_
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
     mbarrier.arrive(k_empty.index(first), count=1)
     p, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, scale_j, 0, n_unmasked, q_start, BLOCK_M, BLOCK_N, s_layout,
-                                         FP8, CAUSAL, POLY_EXP2)
+                                         FP8, CAUSAL)
     p = _p_operand(p, dtype, p_layout, BLOCK_M, BLOCK_N, FP8)
     for j in range(1, n_mine):
         cur = (c + j) % STAGES
@@ -297,7 +282,7 @@ def _consumer_tile(wg: gl.constexpr, q_smem, q_empty, k_bufs, v_bufs, o_bufs, k_
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
         mbarrier.arrive(k_empty.index(cur), count=1)   # K_j read: the producer may refill its buffer
         p_next, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, scale_j, j, n_unmasked, q_start,
-                                                  BLOCK_M, BLOCK_N, s_layout, FP8, CAUSAL, POLY_EXP2)
+                                                  BLOCK_M, BLOCK_N, s_layout, FP8, CAUSAL)
         if FP8:   # (the wait cannot carry 8-bit registers; the e4m3 P~ is a temporary of this turn)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, ))
         else:
@@ -402,7 +387,7 @@ def fa3_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b, stride
                    v_scale_ptr, counter_ptr, seqlen_q, seqlen_k, n_bh, nheads, group, qk_scale, HEAD_D: gl.constexpr,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                    NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr, PINGPONG: gl.constexpr, FP8: gl.constexpr,
-                   CONSUMER_REGS: gl.constexpr, POLY_EXP2: gl.constexpr, num_warps: gl.constexpr):
+                   CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """Persistent: G programs (at most one per SM) share the cdiv(seqlen_q, NUM_WG * BLOCK_M) output tiles of each
     of the n_bh = batch * nheads heads, drawing them from counter_ptr (an int32 that is 0 at the launch and
     again after it; _tile: the order), so one tile's epilogue overlaps the next one's loads; with G = the tile
@@ -455,20 +440,15 @@ def fa3_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b, stride
              slots, counter_ptr, n_m, n_tiles, nheads, group, seqlen_q, seqlen_k)
     if NUM_WG == 2:
         gl.warp_specialize([
-            (_consumer_partition, (0, shared, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8, CAUSAL,
-                                   POLY_EXP2)),
-            (_consumer_partition, (1, shared, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8, CAUSAL,
-                                   POLY_EXP2)),
+            (_consumer_partition, (0, shared, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8, CAUSAL)),
+            (_consumer_partition, (1, shared, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8, CAUSAL)),
             (_load_partition, (loads, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, CAUSAL, FP8)),
         ], [4, 1], [CONSUMER_REGS, 24])
     else:
         gl.warp_specialize([
-            (_consumer_partition, (0, shared, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8, CAUSAL,
-                                   POLY_EXP2)),
-            (_consumer_partition, (1, shared, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8, CAUSAL,
-                                   POLY_EXP2)),
-            (_consumer_partition, (2, shared, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8, CAUSAL,
-                                   POLY_EXP2)),
+            (_consumer_partition, (0, shared, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8, CAUSAL)),
+            (_consumer_partition, (1, shared, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8, CAUSAL)),
+            (_consumer_partition, (2, shared, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8, CAUSAL)),
             (_load_partition, (loads, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, CAUSAL, FP8)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 

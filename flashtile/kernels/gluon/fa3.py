@@ -50,9 +50,6 @@ ONE_PER_SM, TWO_PER_SM = (MAXNREG, 240), (80, 104)
 THREE_WG = (128, 160)
 # (head_dim, fp8) -> the forward's registers where not ONE_PER_SM
 FWD_REGS: dict = {}
-# (head_dim, fp8) -> how many of every 8 exponentials of P~ the forward computes by a polynomial on the FMA units
-# instead of MUFU (kernels/exp2.py; 0 where absent)
-POLY_EXP2: dict = {}
 
 
 # head_dim -> (consumer warpgroups, Bc, stages) of the FP8 forward (FA3 §3.3; Br = 64 x warpgroups, one Q descale
@@ -229,7 +226,7 @@ def _launch_fwd(q, k, v, out, lse, scales, softmax_scale, causal, num_wg, block_
         *scales, tickets(q.device, 1), sq, sk, batch * nheads, nheads, nheads // nheads_k, softmax_scale * LOG2E),
         dict(HEAD_D=head_dim, BLOCK_M=WG_ROWS, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, NUM_WG=num_wg,
              Q_BUFS=q_buffers(head_dim, num_wg, block_n, stages, q.element_size(), fp8), PINGPONG=pingpong,
-             FP8=fp8, POLY_EXP2=POLY_EXP2.get((head_dim, fp8), 0), **_regs(head_dim, fp8, num_wg)))
+             FP8=fp8, **_regs(head_dim, fp8, num_wg)))
 
 
 @functools.lru_cache(maxsize=None)
