@@ -102,8 +102,7 @@ def compile_bwd(head_dim: int, causal: bool, dtype: torch.dtype):
     else:
         runtime.update(dk_out=t, dv_out=t)
     consts = dict(HEAD_D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
-                  DKV_TMA=dkv_tma, STAGGER=fa3.BWD_STAGGER[causal], P_LAYOUT=fa3._smem_layout(block_m, block_n // 2, dtype),
-                  num_warps=4)
+                  DKV_TMA=dkv_tma, P_LAYOUT=fa3._smem_layout(block_m, block_n // 2, dtype), num_warps=4)
     return _compile(_fa3_bwd.fa3_bwd_kernel, runtime, consts)
 
 

@@ -279,17 +279,3 @@ def test_fa3_persistent_equals_one_tile_per_program_gpu(d, sq, sk, causal, fp8, 
     assert all(torch.isfinite(x).all() for x in got)
     assert torch.equal(got[0], got2[0]) and torch.equal(got[1], got2[1])
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-
-
-@pytest.mark.parametrize("stagger", [False, True])
-@pytest.mark.parametrize("c", [Case(2, 1024, 1024, 8, 2, 128, bf16), Case(2, 1152, 1152, 4, 4, 128, bf16, causal=True),
-                               Case(1, 2048, 2048, 8, 8, 64, fp16, causal=True), Case(2, 640, 1152, 4, 1, 64, bf16)],
-                         ids=lambda c: c.id)
-def test_fa3_backward_query_order_gpu(c: Case, stagger, seed, monkeypatch):
-    """The backward with each key block's query loop started at its own query block (fa3.BWD_STAGGER) or in order:
-    NaN-poisoned gradients fully written and within the rule against float64 (GQA, s_q != s_k, causal)."""
-    monkeypatch.setitem(fa3.BWD_STAGGER, c.causal, stagger)
-    _check_bwd_writes_every_element(c)
-    (q, k, v, dout, alibi), out, lse, grads, _, calls = _run(c, monkeypatch)
-    assert calls["bwd"] == 1, calls
-    check_against_reference(c, q, k, v, dout, alibi, out, lse, None, grads)

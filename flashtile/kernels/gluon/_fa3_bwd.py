@@ -48,17 +48,15 @@ tma_reduce_add = getattr(tma, "async_atomic_add", None) or _tma_reduce_add
 
 
 @gluon.jit
-def _query_block(t, n_i, i_start, hk, group, rot):
+def _query_block(t, n_i, i_start, hk, group):
     """Iteration t of a program -> (query head, query block index): the group's heads one after another, each
-    over the n_i blocks from i_start (the first one the key block is visible to) to the last, starting `rot`
-    blocks in (cyclically): key blocks of a head that start together then add into different rows of the dQ
-    accumulator at each step instead of all into the same one (rot = 0: in order)."""
-    return hk * group + t // n_i, i_start + (t % n_i + rot) % n_i
+    from block i_start (the first one the key block is visible to) to the last."""
+    return hk * group + t // n_i, i_start + t % n_i
 
 
 @gluon.jit
 def _load_partition(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, qdo_ready, qdo_empty,
-                    kv_row, kv_col, q_row0, n_iters, n_i, i_start, hk, group, rot,
+                    kv_row, kv_col, q_row0, n_iters, n_i, i_start, hk, group,
                     BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
     """Producer: K_j and V_j once, then (Q_i, dO_i) of iteration t into buffer t % STAGES once both consumer
     warpgroups released it."""
@@ -67,7 +65,7 @@ def _load_partition(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_bufs, do_
     tma_load(v_desc, [kv_row, kv_col], kv_bar, v_smem)
     for t in range(n_iters):
         s = t % STAGES
-        h, i = _query_block(t, n_i, i_start, hk, group, rot)
+        h, i = _query_block(t, n_i, i_start, hk, group)
         row = q_row0 + i * BLOCK_M
         # mbarriers start with phase 1 complete: the first STAGES waits pass at once
         mbarrier.wait(qdo_empty.index(s), ((t // STAGES) & 1) ^ 1)
@@ -177,7 +175,7 @@ def _step(t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs, p_
 def _consumer_partition(wg: gl.constexpr, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar,
                         qdo_ready, qdo_empty, ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr, stride_lse_b,
                         stride_lse_h, dk_out, dv_out, stride_dk_row, stride_dv_row, kv_row, kv_col, b, kv_start,
-                        q_row0, n_iters, n_i, i_start, hk, group, rot, sm_scale, qk_scale,
+                        q_row0, n_iters, n_i, i_start, hk, group, sm_scale, qk_scale,
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                         CAUSAL: gl.constexpr, DKV_TMA: gl.constexpr):
     """Consumer warpgroup `wg`: key rows [wg * 64, wg * 64 + 64) of the program's block through every query block
@@ -204,7 +202,7 @@ def _consumer_partition(wg: gl.constexpr, k_smem, v_smem, q_bufs, do_bufs, p_buf
     dq_col = 0
     mbarrier.wait(kv_bar, 0)
     for t in range(n_iters):
-        h, i = _query_block(t, n_i, i_start, hk, group, rot)
+        h, i = _query_block(t, n_i, i_start, hk, group)
         dk, dv, dq_row, dq_col = _step(
             t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs, p_smem, ds_bufs, dq_smem,
             qdo_ready, qdo_empty, ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr, b * stride_lse_b + h * stride_lse_h,
@@ -256,8 +254,7 @@ def fa3_bwd_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr,
                    dk_out, dv_out, stride_dk_b, stride_dk_row, stride_dk_h, stride_dv_b, stride_dv_row, stride_dv_h,
                    seqlen_q, seqlen_k, nheads_k, group, sm_scale, qk_scale,
                    HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                   CAUSAL: gl.constexpr, DKV_TMA: gl.constexpr, STAGGER: gl.constexpr, P_LAYOUT: gl.constexpr,
-                   num_warps: gl.constexpr):
+                   CAUSAL: gl.constexpr, DKV_TMA: gl.constexpr, P_LAYOUT: gl.constexpr, num_warps: gl.constexpr):
     """Grid (seqlen_k / BLOCK_N, batch * nheads_k); BLOCK_N = 2 x 64 key rows (one 64-row half per consumer
     warpgroup, num_warps = 4), BLOCK_M query rows per step. k/v descriptors: 2-D views (batch * seqlen_k,
     nheads_k * HEAD_D), blocks (BLOCK_N, HEAD_D); q/dO: (batch * seqlen_q, nheads * HEAD_D), blocks
@@ -287,9 +284,6 @@ def fa3_bwd_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr,
         i_start = kv_start // BLOCK_M
     n_i = n_qblocks - i_start
     n_iters = n_i * group
-    rot = 0
-    if STAGGER:   # (_query_block) key block pid_n starts pid_n query blocks in
-        rot = pid_n % n_i
 
     k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], v_desc.layout)
@@ -315,15 +309,15 @@ def fa3_bwd_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr,
         (_consumer_partition, (0, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, qdo_ready,
                                qdo_empty, ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr, stride_lse_b,
                                stride_lse_h, dk_out, dv_out, stride_dk_row, stride_dv_row, kv_row, hk * HEAD_D, b,
-                               kv_start, q_row0, n_iters, n_i, i_start, hk, group, rot, sm_scale, qk_scale, BLOCK_M,
+                               kv_start, q_row0, n_iters, n_i, i_start, hk, group, sm_scale, qk_scale, BLOCK_M,
                                BLOCK_N, HEAD_D, STAGES, CAUSAL, DKV_TMA)),
         (_consumer_partition, (1, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, qdo_ready,
                                qdo_empty, ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr, stride_lse_b,
                                stride_lse_h, dk_out, dv_out, stride_dk_row, stride_dv_row, kv_row, hk * HEAD_D, b,
-                               kv_start, q_row0, n_iters, n_i, i_start, hk, group, rot, sm_scale, qk_scale, BLOCK_M,
+                               kv_start, q_row0, n_iters, n_i, i_start, hk, group, sm_scale, qk_scale, BLOCK_M,
                                BLOCK_N, HEAD_D, STAGES, CAUSAL, DKV_TMA)),
         (_load_partition, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, qdo_ready,
-                           qdo_empty, kv_row, hk * HEAD_D, q_row0, n_iters, n_i, i_start, hk, group, rot, BLOCK_M,
+                           qdo_empty, kv_row, hk * HEAD_D, q_row0, n_iters, n_i, i_start, hk, group, BLOCK_M,
                            HEAD_D, STAGES)),
     ], [4, 1], [240, 24])
 

@@ -73,9 +73,6 @@ BWD_CONFIGS = {64: (128, 128, 2), 128: (64, 128, 2)}
 # (ab_dkv_tma_causal.log: short causal programs end sooner); in full attention (ab_tma_store_all.log) d64 406.0 ->
 # 415.7, 469.5 -> 466.9, d128 463.0 -> 458.9, 526.8 -> 515.2: not taken there
 BWD_DKV_TMA = {False: False, True: True}
-# causal -> whether the backward's key blocks of a head start their query loops at different query blocks
-# (_fa3_bwd._query_block), so that they do not all add into the same rows of the dQ accumulator at once
-BWD_STAGGER = {False: False, True: False}
 
 
 _off = 0   # > 0 inside disabled()
@@ -330,8 +327,7 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params) -> None:
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         sq, sk, nheads_k, nheads // nheads_k, params.softmax_scale, params.softmax_scale * LOG2E),
         dict(HEAD_D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
-             DKV_TMA=dkv_tma, STAGGER=BWD_STAGGER[causal], P_LAYOUT=_smem_layout(block_m, block_n // 2, q.dtype),
-             num_warps=4, maxnreg=MAXNREG))
+             DKV_TMA=dkv_tma, P_LAYOUT=_smem_layout(block_m, block_n // 2, q.dtype), num_warps=4, maxnreg=MAXNREG))
     dq.copy_(dq_acc)
     for out, grad in ((dk_out, dk), (dv_out, dv)):
         if out is not grad:
