@@ -1,6 +1,7 @@
 """Compiles the Gluon FA3 kernels (flashtile/kernels/gluon/_fa3_fwd.py, _fa3_bwd.py) for sm_90 on a machine
-without a GPU. Arguments `fwd|fwdshort|bwd|fp8,<head_dim>,<causal 0|1>,<bf16|fp16>` (fwdshort: the forward's
-config at short sequences, fa3.SHORT_CONFIGS; fp8: e4m3 inputs, that output dtype); prints one line per variant:
+without a GPU. Arguments `fwd|fwdshort|bwd|fp8,<head_dim>,<causal 0|1>,<bf16|fp16>[,<seqlen>]` (fwdshort: the
+forward's config at sequences of that length, default 1: fa3.SHORT_CONFIGS; fp8: e4m3 inputs, that output dtype);
+prints one line per variant:
 `ok <kind> d<head_dim> causal=<0|1> <dtype> shared=<bytes> wgmma=<count> reduce=<count> arrives=<count>
 unsynced=<count> e4m3_mma=<count> shfl_idx=<count>` (reduce: TMA reduce-add instructions, the backward's dQ;
 e4m3_mma: FP8 wgmmas; shfl_idx: indexed warp shuffles, which a P operand needing data exchange would bring).
@@ -108,10 +109,11 @@ def compile_bwd(head_dim: int, causal: bool, dtype: torch.dtype):
 
 if __name__ == "__main__":
     for spec in sys.argv[1:]:
-        kind, d, causal, dt = spec.split(",")
+        kind, d, causal, dt, *seqlen = spec.split(",")   # seqlen: fwdshort's (default 1)
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dt]
+        short_len = int(seqlen[0]) if seqlen else 1
         ck = {"fwd": compile_fwd, "bwd": compile_bwd, "fp8": compile_fp8,
-              "fwdshort": lambda d, c, t: compile_fwd(d, c, t, seqlen=1)}[kind](int(d), causal == "1", dtype)
+              "fwdshort": lambda d, c, t: compile_fwd(d, c, t, seqlen=short_len)}[kind](int(d), causal == "1", dtype)
         ptx = ck.asm["ptx"].splitlines()
         arrives = [i for i, line in enumerate(ptx) if "mbarrier.arrive" in line and "expect_tx" not in line]
         unsynced = [i for i in arrives if not any(("bar.sync" in ptx[j] and ", 128;" in ptx[j])

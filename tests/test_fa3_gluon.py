@@ -133,7 +133,8 @@ def test_kernels_compile_for_sm90():
     arrival follows a bar.sync of its warpgroup (the barrier counts rely on it)."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     specs = [f"fwd,{d},{c},bf16" for d in sorted(fa3.CONFIGS) for c in (0, 1)] + ["fwd,128,0,fp16"]
-    specs += [f"fwdshort,{d},{int(c)},bf16" for d, c in sorted(fa3.SHORT_CONFIGS)]
+    specs += [f"fwdshort,{d},{int(c)},bf16,{n}" for (d, c), entries in sorted(fa3.SHORT_CONFIGS.items())
+              for n, _ in entries]
     specs += [f"bwd,{d},{c},bf16" for d in sorted(fa3.BWD_CONFIGS) for c in (0, 1)] + ["bwd,64,1,fp16"]
     specs += [f"fp8,{d},{c},bf16" for d in sorted(fa3.FP8_CONFIGS) for c in (0, 1)] + ["fp8,128,0,fp16"]
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT))
@@ -185,14 +186,23 @@ def test_row_descriptor_reuses_a_checked_geometry():
 
 
 def test_forward_config_by_length():
-    """fa3.fwd_config: SHORT_CONFIGS up to their length (inclusive), CONFIGS and PINGPONG beyond, and for head
-    dims / masks without a short entry."""
-    for (d, causal), (longest, cfg) in fa3.SHORT_CONFIGS.items():
-        assert fa3.fwd_config(d, longest, causal) == cfg and fa3.fwd_config(d, 64, causal) == cfg
-        assert fa3.fwd_config(d, longest + 64, causal) == (*fa3.CONFIGS[d], fa3.PINGPONG[d][causal])
-        assert cfg[1] == fa3.CONFIGS[d][1]   # same Bc today: a sequence takes the Gluon kernel at any length
+    """fa3.fwd_config: each SHORT_CONFIGS entry from just past the previous entry's length up to its own
+    (inclusive), CONFIGS and PINGPONG beyond the last, and for head dims / masks without a short entry; eligible()
+    takes the Bc of the config a length gets (Bc 64 at 512: a multiple of 64 suffices there)."""
+    for (d, causal), entries in fa3.SHORT_CONFIGS.items():
+        assert list(entries) == sorted(entries, key=lambda e: e[0])
+        prev = 0
+        for longest, cfg in entries:
+            assert fa3.fwd_config(d, longest, causal) == cfg and fa3.fwd_config(d, prev + 64, causal) == cfg
+            prev = longest
+        assert fa3.fwd_config(d, prev + 64, causal) == (*fa3.CONFIGS[d], fa3.PINGPONG[d][causal])
+    assert fa3.fwd_config(64, 512, True)[1] == 64 and fa3.fwd_config(64, 576, True)[1] == 128
     assert (128, False) not in fa3.SHORT_CONFIGS
     assert fa3.fwd_config(128, 512, False) == (*fa3.CONFIGS[128], fa3.PINGPONG[128][False])
+    causal = launch.AttnParams(softmax_scale=0.125, window_right=0)
+    for s, takes in ((448, True), (576, False), (640, True)):   # Bc 64 up to 512, 128 beyond
+        t = torch.empty(1, s, 2, 64, dtype=torch.bfloat16)
+        assert fa3.eligible(t, t, t, causal) is takes, s
 
 
 def test_disabled_context_nests():

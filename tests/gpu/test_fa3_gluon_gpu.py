@@ -33,6 +33,10 @@ FA3_CASES = [
     Case(2, 512, 512, 4, 2, 64, bf16),                             # d64 up to fa3.SHORT_CONFIGS' lengths:
     Case(2, 1024, 1024, 4, 4, 64, fp16, causal=True),              # two warpgroups (Br = 128)
     Case(2, 448, 1024, 4, 1, 64, bf16),                            # (the last tile's second warpgroup idle)
+    Case(2, 512, 512, 8, 2, 64, bf16, causal=True),                # causal up to 512: Bc 64, 3 stages
+    Case(2, 448, 448, 4, 4, 64, fp16, causal=True),                # (448: a multiple of Bc 64, not of 128)
+    Case(2, 512, 512, 8, 2, 128, bf16, causal=True),
+    Case(1, 320, 320, 4, 1, 128, fp16, causal=True),
     Case(2, 704, 640, 4, 2, 128, bf16),                            # s_q % Br = 64: the last tile's second
     Case(1, 1088, 1088, 2, 1, 256, fp16, causal=True),             # warpgroup computes rows it does not store
 ]

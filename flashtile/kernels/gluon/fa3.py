@@ -34,12 +34,17 @@ CONFIGS = {64: (3, 128, 2), 128: (2, 128, 2), 256: (2, 64, 2)}
 # Measured: turns win in full attention at d128 (+1-2%) and d64 (+1-2%); under a causal mask, and at d256, free
 # scheduling by the warp scheduler is as fast or 2-3% faster (BENCHMARKS.md, the fa3 sweep)
 PINGPONG = {64: (True, False), 128: (True, False), 256: (False, False)}
-# (head_dim, causal) -> (longest seqlen_q, (consumer warpgroups, Bc, stages, ping-pong)) taken instead of the two
-# tables above up to that length (fwd_config, which eligible() asks for Bc too). d64: Br = 192
-# leaves short sequences few tiles of uneven length; two warpgroups measured faster there (H200, 16k tokens,
-# `benchmarks/sweep_fa3.py --seqlens 512,1024,2048`, kernel TFLOP/s, two / three warpgroups): causal 208 / 163 at
-# 512, 306 / 253 at 1k, 363 / 372 at 2k; full 375 / 355 at 512, 406 / 422 at 1k
-SHORT_CONFIGS = {(64, True): (1024, (2, 128, 2, False)), (64, False): (512, (2, 128, 2, False))}
+# (head_dim, causal) -> ((longest seqlen_q, (consumer warpgroups, Bc, stages, ping-pong)), ...), by increasing
+# length: the first entry whose length seqlen_q does not exceed is taken instead of the two tables above
+# (fwd_config, which eligible() asks for Bc too). d64: Br = 192 leaves short sequences few tiles of uneven length;
+# two warpgroups measured faster there (H200, 16k tokens, `benchmarks/sweep_fa3.py --seqlens 512,1024,2048`, kernel
+# TFLOP/s, two / three warpgroups): causal 208 / 163 at 512, 306 / 253 at 1k, 363 / 372 at 2k; full 375 / 355 at
+# 512, 406 / 422 at 1k. Causal at 512: Bc 64 with 3 stages (more, shorter key blocks for the few tiles; H200, same
+# sweep pinned to one core, BENCHMARKS.md §1 seventeenth session) 233.5 against Bc 128's 212.0 at d64, 318.2 against
+# 297.5 at d128; at 1k Bc 128 stays ahead (308.7 / 298.0, 418.6 / 402.9)
+SHORT_CONFIGS = {(64, True): ((512, (2, 64, 3, False)), (1024, (2, 128, 2, False))),
+                 (64, False): ((512, (2, 128, 2, False)), ),
+                 (128, True): ((512, (2, 64, 3, False)), )}
 # the kernel's register limit per thread: 12 warps (4 + 4 + 1 rounded up to warpgroups) x 32 x 168 = the 64K
 # registers of an SM; inside the partitions setmaxnreg moves them to 240 per consumer thread and 24 for the producer
 MAXNREG = 168
@@ -197,9 +202,9 @@ def fwd(q, k, v, out, lse, params) -> None:
 def fwd_config(head_dim: int, seqlen_q: int, causal: bool):
     """(consumer warpgroups, Bc, stages, ping-pong) of the bf16 / fp16 forward: SHORT_CONFIGS up to their length,
     else CONFIGS and PINGPONG."""
-    short = SHORT_CONFIGS.get((head_dim, causal))
-    if short is not None and seqlen_q <= short[0]:
-        return short[1]
+    for longest, cfg in SHORT_CONFIGS.get((head_dim, causal), ()):
+        if seqlen_q <= longest:
+            return cfg
     return (*CONFIGS[head_dim], PINGPONG.get(head_dim, (True, True))[causal])
 
 
