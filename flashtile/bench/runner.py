@@ -24,6 +24,7 @@ import dataclasses
 import os
 import sys
 import warnings
+from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -436,6 +437,33 @@ def _provider_names(text: str) -> List[str]:
 _provider_name = _single(_provider_names, "provider")
 
 
+def _cpu_core(text: str) -> int:
+    try:
+        val = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a CPU core number") from None
+    if val < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
+    return val
+
+
+def pin_to_cpu(core: int) -> None:
+    """Runs every thread of this process, and every thread it starts later, on CPU `core` only. Host-bound points
+    (short sequences, where a call's Python and launches take about as long as its kernels) read stable then: on the
+    H200 machine unpinned host times moved by up to 2x between rounds, and a backward in the autograd engine's
+    thread cost up to twice its time in the calling thread (BENCHMARKS.md §1c, seventeenth session).
+    ValueError if the process may not run there."""
+    allowed = os.sched_getaffinity(0)
+    if core not in allowed:
+        raise ValueError(f"--pin-cpu {core}: this process may run on CPUs {sorted(allowed)} only")
+    tasks = Path("/proc/self/task")
+    for tid in (int(t) for t in os.listdir(tasks)) if tasks.is_dir() else (0, ):
+        try:
+            os.sched_setaffinity(tid, {core})
+        except ProcessLookupError:   # a thread that ended meanwhile
+            pass
+
+
 def _device(text: str) -> str:
     try:
         dev = torch.device(text)
@@ -474,6 +502,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g.add_argument("--warmup", type=_positive_float, default=25.0, help="do_bench warm-up, ms (default 25)")
     g.add_argument("--rep", type=_positive_float, default=100.0, help="do_bench repetition time, ms (default 100)")
     g.add_argument("--seed", type=int, default=0, help="seed of the first case; case i uses seed + i (default 0)")
+    g.add_argument("--pin-cpu", type=_cpu_core, default=None, metavar="CORE",
+                   help="run the benchmark on this CPU core only (stable host time at short sequences)")
     g.add_argument("--memory", action="store_true",
                    help="measure peak memory of forward+backward vs seqlen instead of time (CUDA only)")
     g = parser.add_argument_group("output")
@@ -555,6 +585,8 @@ def run_bench(args: argparse.Namespace) -> int:
 
     try:
         cfg, memory = build_config(args)
+        if args.pin_cpu is not None:
+            pin_to_cpu(args.pin_cpu)
     except ValueError as e:
         print(f"flashtile bench: error: {e}", file=sys.stderr)
         return 2
@@ -569,6 +601,7 @@ def run_bench(args: argparse.Namespace) -> int:
               "those of the interpreter.", file=sys.stderr)
 
     env = report.collect_environment(device)
+    env["pinned_cpu"] = args.pin_cpu
     print(f"flashtile bench: {len(cfg.shapes)} shapes x {len(cfg.causals)} masks x {len(cfg.providers)} providers "
           f"on {env['gpu']} ({'memory' if memory else '/'.join(cfg.modes)}, {DTYPE_NAMES[cfg.dtype]})",
           file=sys.stderr)

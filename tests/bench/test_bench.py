@@ -7,6 +7,7 @@ bf16 tl.dot is broken, see DESIGN.md).
 import argparse
 import inspect
 import json
+import os
 
 import pytest
 import torch
@@ -110,6 +111,8 @@ def test_cpu_defaults_are_a_tiny_fp16_grid():
     (["--warmup", "0"], "--warmup"),
     (["--dtype", "fp8"], "--dtype"),
     (["--mode", "sideways"], "--mode"),
+    (["--pin-cpu", "-1"], "--pin-cpu"),
+    (["--pin-cpu", "first"], "--pin-cpu"),
 ])
 def test_bad_arguments_are_argparse_errors_naming_the_argument(argv, needle, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -199,6 +202,55 @@ def test_cpu_timer_resets_grads_and_returns_a_median():
 
     ms = measure.time_cpu_ms(fn, warmup=0.0, rep=0.0, grad_to_none=[x])
     assert ms > 0 and len(seen) >= 2 and all(seen)
+
+
+def test_pin_cpu_runs_every_thread_on_one_core_and_refuses_a_core_out_of_reach(tmp_path, capsys):
+    """--pin-cpu CORE: every thread of the process (one started before the pinning included) and every thread
+    started after it runs on CORE only, the run records it; a core the process may not use exits 2 naming the
+    argument, before anything runs. The test process's affinity is put back afterwards."""
+    import threading
+    allowed = os.sched_getaffinity(0)
+    core = max(allowed)
+    started = threading.Event()
+    stop = threading.Event()
+    seen = {}
+
+    def worker(name, ready):
+        seen[name] = threading.get_native_id()
+        ready.set()
+        stop.wait()
+
+    before = threading.Thread(target=worker, args=("before", started))
+    before.start()
+    started.wait()
+    try:
+        out = tmp_path / "run"
+        argv = ["--device", "cpu", "--providers", "eager", "--headdim", "16", "--seqlen", "32", "--causal", "false",
+                "--mode", "fwd", "--warmup", "0.1", "--rep", "0.1", "--out", str(out), "--no-progress",
+                "--no-plots", "--pin-cpu", str(core)]
+        assert runner.run_bench(parse(argv)) == 0
+        after_ready = threading.Event()
+        after = threading.Thread(target=worker, args=("after", after_ready))
+        after.start()
+        after_ready.wait()
+        for name in ("before", "after"):
+            assert os.sched_getaffinity(seen[name]) == {core}, name
+        assert os.sched_getaffinity(0) == {core}
+        assert json.loads((out / "results.json").read_text())["environment"]["pinned_cpu"] == core
+        capsys.readouterr()
+        bad = max(allowed) + 4096
+        assert runner.run_bench(parse(argv[:-1] + [str(bad), "--out", str(tmp_path / "x")])) == 2
+        assert "--pin-cpu" in capsys.readouterr().err and not (tmp_path / "x").exists()
+    finally:
+        stop.set()
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                os.sched_setaffinity(int(tid), allowed)
+            except ProcessLookupError:
+                pass
+        before.join()
+        if "after" in seen:
+            after.join()
 
 
 # ----------------------------------------------------------------------------------------------------------
