@@ -452,7 +452,9 @@ def pin_to_cpu(core: int) -> None:
     (short sequences, where a call's Python and launches take about as long as its kernels) read stable then: on the
     H200 machine unpinned host times moved by up to 2x between rounds, and a backward in the autograd engine's
     thread cost up to twice its time in the calling thread (BENCHMARKS.md §1c, seventeenth session).
-    ValueError if the process may not run there."""
+    ValueError if the process may not run there, or the OS has no CPU affinity calls (Linux has)."""
+    if not hasattr(os, "sched_setaffinity"):
+        raise ValueError(f"--pin-cpu {core}: this OS offers no os.sched_setaffinity (pin with its own tools)")
     allowed = os.sched_getaffinity(0)
     if core not in allowed:
         raise ValueError(f"--pin-cpu {core}: this process may run on CPUs {sorted(allowed)} only")

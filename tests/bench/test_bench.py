@@ -204,6 +204,8 @@ def test_cpu_timer_resets_grads_and_returns_a_median():
     assert ms > 0 and len(seen) >= 2 and all(seen)
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or not os.path.isdir("/proc/self/task"),
+                    reason="Linux CPU affinity")
 def test_pin_cpu_runs_every_thread_on_one_core_and_refuses_a_core_out_of_reach(tmp_path, capsys):
     """--pin-cpu CORE: every thread of the process (one started before the pinning included) and every thread
     started after it runs on CORE only, the run records it; a core the process may not use exits 2 naming the
