@@ -449,9 +449,10 @@ def _cpu_core(text: str) -> int:
 
 def pin_to_cpu(core: int) -> None:
     """Runs every thread of this process, and every thread it starts later, on CPU `core` only. Host-bound points
-    (short sequences, where a call's Python and launches take about as long as its kernels) read stable then: on the
-    H200 machine unpinned host times moved by up to 2x between rounds, and a backward in the autograd engine's
-    thread cost up to twice its time in the calling thread (BENCHMARKS.md §1c, seventeenth session).
+    (short sequences, where a call's Python and launches take about as long as its kernels) move less within a run
+    then: on the H200 machine unpinned host times moved by up to 2x between rounds, and a backward in the autograd
+    engine's thread cost up to twice its time in the calling thread (BENCHMARKS.md §1c, seventeenth session);
+    between processes they still vary.
     ValueError if the process may not run there, or the OS has no CPU affinity calls (Linux has)."""
     if not hasattr(os, "sched_setaffinity"):
         raise ValueError(f"--pin-cpu {core}: this OS offers no os.sched_setaffinity (pin with its own tools)")
@@ -505,7 +506,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g.add_argument("--rep", type=_positive_float, default=100.0, help="do_bench repetition time, ms (default 100)")
     g.add_argument("--seed", type=int, default=0, help="seed of the first case; case i uses seed + i (default 0)")
     g.add_argument("--pin-cpu", type=_cpu_core, default=None, metavar="CORE",
-                   help="run the benchmark on this CPU core only (stable host time at short sequences)")
+                   help="run the benchmark on this CPU core only (steadier host time at short sequences)")
     g.add_argument("--memory", action="store_true",
                    help="measure peak memory of forward+backward vs seqlen instead of time (CUDA only)")
     g = parser.add_argument_group("output")
