@@ -14,8 +14,8 @@ its split's keys. With one split it writes the final O and LSE; with several it 
 O_s and its log2-sum-exp lse2_s, which combine.merge_splits merges (the same online-softmax update) into O and LSE:
 in the same launch, by the last split of each tile to finish (FUSED_COMBINE: a ticket counter per tile), up to
 FUSED_MAX_SPLITS splits (more in small eager calls: fuse_combine), or else by combine.py's separate kernel (one
-program per query row and head). Splits let a
-decode step with few (batch x K/V heads) tiles still fill every multiprocessor (num_splits_heuristic).
+program per query row and head). Splits let a decode step with few (batch x K/V heads) tiles still fill every
+multiprocessor (num_splits_heuristic).
 
 Keys are addressed through the cache: key j (0-based, after left padding) of batch element b sits at cache
 position pos = leftpad[b] + j, which is row pos of cache batch row cache_batch_idx[b] (contiguous), or slot
