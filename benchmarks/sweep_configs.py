@@ -131,10 +131,10 @@ def main():
                     except Exception as e:  # noqa: BLE001
                         print(f"{name} failed: {e!r}"[:200], flush=True)
                 for config in candidates(mode, d, args):
-                    cfg = (dataclasses.astuple(config)[:4] + (("atomic_dq",) if config.atomic_dq else ())
-                           + (("split_dkdv",) if config.split_dkdv else ())
-                           + ((("dq",) + tuple(config.dq)) if config.dq else ())
-                           + ((("dv",) + tuple(config.dv)) if config.dv else ()))  # as printed/saved
+                    # as printed / saved: the tile, the flags set, then each launch's own tiles (dq, dv) if set
+                    cfg = (dataclasses.astuple(config)[:4]
+                           + tuple(f for f in ("atomic_dq", "split_dkdv") if getattr(config, f))
+                           + sum(((f, *getattr(config, f)) for f in ("dq", "dv") if getattr(config, f)), ()))
                     launch.CONFIG_OVERRIDE.clear()
                     launch.CONFIG_OVERRIDE[mode] = config
                     det = False
