@@ -250,6 +250,138 @@ def _store_dkv_tma(dk, dv, dk_desc, dv_desc, q_bufs, do_bufs, qdo_empty, row, co
 
 
 @gluon.jit
+def _consumer_1wg(k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_smem, dq_smem, kv_bar, qdo_ready, qdo_empty, dq_desc,
+                  lse_ptr, delta_ptr, stride_lse_b, stride_lse_h, dk_out, dv_out, stride_dk_row, stride_dv_row,
+                  kv_row, kv_col, b, kv_start, q_row0, n_iters, n_i, i_start, hk, group, sm_scale, qk_scale,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                  CAUSAL: gl.constexpr, DKV_TMA: gl.constexpr):
+    """fa3_bwd_1wg_kernel's one consumer warpgroup: the program's BLOCK_N = 64 keys through every query block (per
+    query head of the group), Algorithm 2 lines 8-20 in one step each (dQ_i = dS K_j included, added at once), then
+    dK_j, dV_j (line 22). No step overlaps the next inside the program: the SM's other program fills the gaps."""
+    dtype: gl.constexpr = q_bufs.dtype
+    DQ_N: gl.constexpr = dq_desc.block_type.shape[1]   # dQ_i is computed and added in HEAD_D / DQ_N column slices
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HEAD_D, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, DQ_N, 16])
+    dk = gl.zeros([BLOCK_N, HEAD_D], gl.float32, kv_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_D], gl.float32, kv_layout)
+    s_init = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    dq_init = gl.zeros([BLOCK_M, DQ_N], gl.float32, dq_layout)
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    mbarrier.wait(kv_bar, 0)
+    for t in range(n_iters):
+        h, i = _query_block(t, n_i, i_start, hk, group)
+        s = t % STAGES
+        q_start = i * BLOCK_M
+        q_idx = q_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+        lse_off = b * stride_lse_b + h * stride_lse_h
+        lse2 = gl.load(lse_ptr + lse_off + q_idx) * LOG2E
+        delta = gl.load(delta_ptr + lse_off + q_idx)
+        q_s = q_bufs.index(s)
+        do_s = do_bufs.index(s)
+        mbarrier.wait(qdo_ready.index(s), (t // STAGES) & 1)
+        # lines 11 and 16: S = Q_i K_j^T, dP = dO_i V_j^T
+        s_tok = warpgroup_mma(q_s, k_smem.permute((1, 0)), s_init, use_acc=False, is_async=True)
+        dp_tok = warpgroup_mma(do_s, v_smem.permute((1, 0)), s_init, use_acc=False, is_async=True)
+        sc = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
+        # line 13: P = exp(S * scale - L_i) (base 2); under the causal mask, key > query -> 0
+        p = gl.exp2(sc * qk_scale - gl.expand_dims(lse2, 1))
+        if CAUSAL:
+            if q_start < kv_start + BLOCK_N:   # the block on the diagonal
+                p = gl.where(gl.expand_dims(cols, 0) <= gl.expand_dims(q_idx - kv_start, 1), p, 0.0)
+        p_smem.store(p.to(dtype))
+        dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
+        # line 17: dS = P o (dP - D_i)
+        ds_smem.store((p * (dp - gl.expand_dims(delta, 1))).to(dtype))
+        fence_async_shared()
+        # line 14: dV_j += P^T dO_i; line 19: dK_j += dS^T Q_i; line 18: dQ_i = dS K_j, its first column slice
+        dv_tok = warpgroup_mma(p_smem.permute((1, 0)), do_s, dv, is_async=True)
+        dk_tok = warpgroup_mma(ds_smem.permute((1, 0)), q_s, dk, is_async=True)
+        dq_tok = warpgroup_mma(ds_smem, k_smem.slice(0, DQ_N, dim=1), dq_init, use_acc=False, is_async=True)
+        dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, dq_tok))
+        mbarrier.arrive(qdo_empty.index(s), count=1)   # Q_i, dO_i read by every product: the buffer may refill
+        _dq_reduce_add(dq_desc, dq_smem, dq * sm_scale, q_row0 + q_start, h * HEAD_D)
+        for c in gl.static_range(1, HEAD_D // DQ_N):   # the other column slices of dQ_i
+            dq_tok = warpgroup_mma(ds_smem, k_smem.slice(c * DQ_N, DQ_N, dim=1), dq_init, use_acc=False,
+                                   is_async=True)
+            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, ))
+            _dq_reduce_add(dq_desc, dq_smem, dq * sm_scale, q_row0 + q_start, h * HEAD_D + c * DQ_N)
+    tma.store_wait(pendings=0)
+    # line 22: write dK_j (scaled: S = scale Q K^T) and dV_j
+    if DKV_TMA:
+        _store_dkv_tma(dk, dv, dk_out, dv_out, q_bufs, do_bufs, qdo_empty, kv_row, kv_col, n_iters, sm_scale, 0,
+                       BLOCK_M, STAGES)
+    else:
+        rows = kv_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
+        dcols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, kv_layout))
+        gl.store(dk_out + gl.expand_dims(rows * stride_dk_row, 1) + gl.expand_dims(dcols, 0),
+                 (dk * sm_scale).to(dtype))
+        gl.store(dv_out + gl.expand_dims(rows * stride_dv_row, 1) + gl.expand_dims(dcols, 0), dv.to(dtype))
+
+
+@gluon.jit
+def fa3_bwd_1wg_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr, stride_lse_b, stride_lse_h,
+                       dk_out, dv_out, stride_dk_b, stride_dk_row, stride_dk_h, stride_dv_b, stride_dv_row,
+                       stride_dv_h, seqlen_q, seqlen_k, nheads_k, group, sm_scale, qk_scale,
+                       HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                       CAUSAL: gl.constexpr, DKV_TMA: gl.constexpr, P_LAYOUT: gl.constexpr,
+                       num_warps: gl.constexpr):
+    """The backward with one consumer warpgroup per program, small enough in registers and shared memory for two
+    programs per SM (fa3.BWD_1WG): BLOCK_N = BLOCK_M = 64, a program per 64-key block (twice fa3_bwd_kernel's
+    programs, each half as long), the dQ accumulator's descriptor blocks (64, DQ_N) with DQ_N dividing HEAD_D.
+    Arguments otherwise as fa3_bwd_kernel's (dk_out / dv_out descriptors with DKV_TMA: blocks (BLOCK_N, HEAD_D))."""
+    dtype: gl.constexpr = q_desc.dtype
+    pid_n = gl.program_id(0)
+    bh = gl.program_id(1)
+    b = bh // nheads_k
+    hk = bh % nheads_k
+    kv_start = pid_n * BLOCK_N
+    kv_row = b * seqlen_k + kv_start
+    if not DKV_TMA:
+        dk_out = dk_out + b * stride_dk_b + hk * stride_dk_h
+        dv_out = dv_out + b * stride_dv_b + hk * stride_dv_h
+    q_row0 = b * seqlen_q
+    i_start = 0
+    if CAUSAL:
+        i_start = kv_start // BLOCK_M
+    n_i = seqlen_q // BLOCK_M - i_start
+    n_iters = n_i * group
+
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], v_desc.layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], do_desc.layout)
+    p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], P_LAYOUT)
+    ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], P_LAYOUT)
+    dq_smem = gl.allocate_shared_memory(gl.float32, dq_desc.block_type.shape, dq_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    qdo_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    qdo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(qdo_ready.index(i), count=1)
+        mbarrier.init(qdo_empty.index(i), count=1)
+
+    gl.warp_specialize([
+        (_consumer_1wg, (k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_smem, dq_smem, kv_bar, qdo_ready, qdo_empty,
+                         dq_desc, lse_ptr, delta_ptr, stride_lse_b, stride_lse_h, dk_out, dv_out, stride_dk_row,
+                         stride_dv_row, kv_row, hk * HEAD_D, b, kv_start, q_row0, n_iters, n_i, i_start, hk, group,
+                         sm_scale, qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL, DKV_TMA)),
+        (_load_partition, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, qdo_ready,
+                           qdo_empty, kv_row, hk * HEAD_D, q_row0, n_iters, n_i, i_start, hk, group, BLOCK_M,
+                           HEAD_D, STAGES)),
+    ], [1], [24])
+
+    mbarrier.invalidate(kv_bar)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(qdo_ready.index(i))
+        mbarrier.invalidate(qdo_empty.index(i))
+
+
+@gluon.jit
 def fa3_bwd_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr, stride_lse_b, stride_lse_h,
                    dk_out, dv_out, stride_dk_b, stride_dk_row, stride_dk_h, stride_dv_b, stride_dv_row, stride_dv_h,
                    seqlen_q, seqlen_k, nheads_k, group, sm_scale, qk_scale,
