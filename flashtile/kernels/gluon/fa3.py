@@ -78,13 +78,6 @@ BWD_CONFIGS = {64: (128, 128, 2), 128: (64, 128, 2)}
 # (ab_dkv_tma_causal.log: short causal programs end sooner); in full attention (ab_tma_store_all.log) d64 406.0 ->
 # 415.7, 469.5 -> 466.9, d128 463.0 -> 458.9, 526.8 -> 515.2: not taken there
 BWD_DKV_TMA = {False: False, True: True}
-# (head_dim, causal) -> ((longest seqlen_q, (stages, dQ column slice, dK / dV by TMA)), ...), by increasing length:
-# problems up to that length run fa3_bwd_1wg_kernel instead of fa3_bwd_kernel (one consumer warpgroup per 64-key
-# program, two programs per SM: _fa3_bwd.py). Empty: not measured faster anywhere yet
-BWD_1WG: dict = {}
-# the 1-warpgroup backward's register limit: 8 warps (4 + 1 rounded up to warpgroups) x 32 x 128 = half an SM's 64K
-# registers; inside the partitions setmaxnreg moves them to 232 per consumer thread and 24 for the producer
-MAXNREG_1WG = 128
 
 
 _off = 0   # > 0 inside disabled()
@@ -145,8 +138,6 @@ def eligible(q, k, v, params, alibi=None, cu_seqlens_q=None, bias=None, mask=Non
     causal = params.window_right == 0
     if backward:
         block_m, block_n = BWD_CONFIGS[head_dim][:2]
-        if bwd_1wg_config(head_dim, sq, causal) is not None:
-            block_m = block_n = WG_ROWS
     else:   # the forward's last tile may end after any of its warpgroups' 64 rows
         block_m, block_n = WG_ROWS, fwd_config(head_dim, sq, causal)[1]
     return not (sq % block_m or sk % block_n or sq == 0 or (causal and sq != sk))
@@ -302,14 +293,6 @@ def bwd_dq_tile(block_m: int, head_dim: int):
     return (WG_ROWS, head_dim) if block_m == 2 * WG_ROWS else (block_m, head_dim // 2)
 
 
-def bwd_1wg_config(head_dim: int, seqlen_q: int, causal: bool):
-    """(stages, dQ column slice, dK / dV by TMA) of fa3_bwd_1wg_kernel where BWD_1WG takes this problem, else None."""
-    for longest, cfg in BWD_1WG.get((head_dim, causal), ()):
-        if seqlen_q <= longest:
-            return cfg
-    return None
-
-
 def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params) -> None:
     """dq, dk, dv of attention(q, k, v) by the Gluon FA3 backward, from the forward's lse (natural log) and
     delta = rowsum(dout o out) (- dlse), both (batch, nheads, seqlen_q) float32 with equal strides. Call only where
@@ -317,21 +300,14 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params) -> None:
     _, kern, TensorDescriptor = _kernels(_device_index(q))
     batch, sq, nheads, head_dim = q.shape
     sk, nheads_k = k.shape[1], k.shape[2]
+    block_m, block_n, stages = BWD_CONFIGS[head_dim]
     causal = params.window_right == 0
-    one_wg = bwd_1wg_config(head_dim, sq, causal)
-    if one_wg is None:
-        block_m, block_n, stages = BWD_CONFIGS[head_dim]
-        dq_tile, dkv_tma, kernel, maxnreg = bwd_dq_tile(block_m, head_dim), BWD_DKV_TMA[causal], kern.fa3_bwd_kernel, MAXNREG
-        dkv_rows, p_cols = block_n // 2, block_n // 2
-    else:
-        stages, dq_n, dkv_tma = one_wg
-        block_m = block_n = WG_ROWS
-        dq_tile, kernel, maxnreg = (WG_ROWS, dq_n), kern.fa3_bwd_1wg_kernel, MAXNREG_1WG
-        dkv_rows, p_cols = block_n, block_n
     dout = tma_ready(dout)
     assert lse.stride() == delta.stride() and lse.stride(2) == 1
     assert dk.stride(-1) == 1 and dv.stride(-1) == 1
     dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
+    dq_tile = bwd_dq_tile(block_m, head_dim)
+    dkv_tma = BWD_DKV_TMA[causal]
 
     def desc(t, rows, cols):
         return _desc(TensorDescriptor, t, rows, cols, t.dtype)
@@ -341,14 +317,14 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params) -> None:
         # slices of a packed gradient), else through a contiguous buffer copied into them
         dkv = []
         for g in (dk, dv):
-            g_desc = desc(g, dkv_rows, head_dim)
+            g_desc = desc(g, block_n // 2, head_dim)
             if g_desc is None:
                 g = torch.empty(g.shape, dtype=g.dtype, device=g.device)
-                g_desc = desc(g, dkv_rows, head_dim)
+                g_desc = desc(g, block_n // 2, head_dim)
             dkv.append((g, g_desc))
         (dk_out, dk_desc), (dv_out, dv_desc) = dkv
 
-    relaunch.launch(kernel, (sk // block_n, batch * nheads_k), (
+    relaunch.launch(kern.fa3_bwd_kernel, (sk // block_n, batch * nheads_k), (
         desc(k, block_n, head_dim), desc(v, block_n, head_dim), desc(q, block_m, head_dim),
         desc(dout, block_m, head_dim), desc(dq_acc, *dq_tile),
         lse, delta, lse.stride(0), lse.stride(1),
@@ -356,7 +332,7 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params) -> None:
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         sq, sk, nheads_k, nheads // nheads_k, params.softmax_scale, params.softmax_scale * LOG2E),
         dict(HEAD_D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
-             DKV_TMA=dkv_tma, P_LAYOUT=_smem_layout(block_m, p_cols, q.dtype), num_warps=4, maxnreg=maxnreg))
+             DKV_TMA=dkv_tma, P_LAYOUT=_smem_layout(block_m, block_n // 2, q.dtype), num_warps=4, maxnreg=MAXNREG))
     dq.copy_(dq_acc)
     for out, grad in ((dk_out, dk), (dv_out, dv)):
         if out is not grad:
