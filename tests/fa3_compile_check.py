@@ -1,6 +1,7 @@
 """Compiles the Gluon FA3 kernels (flashtile/kernels/gluon/_fa3_fwd.py, _fa3_bwd.py) for sm_90 on a machine
 without a GPU. Arguments `fwd|fwdshort|bwd|fp8,<head_dim>,<causal 0|1>,<bf16|fp16>[,<seqlen>]` (fwdshort: the
-forward's config at sequences of that length, default 1: fa3.SHORT_CONFIGS; fp8: e4m3 inputs, that output dtype);
+forward's config at sequences of that length, default 1: fa3.SHORT_CONFIGS; bwd: the backward at that query length,
+default 1024: fa3.bwd_dkv_tma; fp8: e4m3 inputs, that output dtype);
 prints one line per variant:
 `ok <kind> d<head_dim> causal=<0|1> <dtype> shared=<bytes> wgmma=<count> reduce=<count> arrives=<count>
 unsynced=<count> e4m3_mma=<count> shfl_idx=<count>` (reduce: TMA reduce-add instructions, the backward's dQ;
@@ -82,8 +83,9 @@ def compile_fp8(head_dim: int, causal: bool, out_dtype: torch.dtype):
     return _compile(_fa3_fwd.fa3_fwd_kernel, runtime, consts, launch["maxnreg"])
 
 
-def compile_bwd(head_dim: int, causal: bool, dtype: torch.dtype):
-    """The backward as fa3.bwd launches it (tiles from fa3.BWD_CONFIGS, dQ tile as fa3.bwd chooses it)."""
+def compile_bwd(head_dim: int, causal: bool, dtype: torch.dtype, seqlen: int = 1024):
+    """The backward as fa3.bwd launches it at this query length (tiles from fa3.BWD_CONFIGS, dQ tile as fa3.bwd
+    chooses it, dK / dV stores by fa3.bwd_dkv_tma)."""
     block_m, block_n, stages = fa3.BWD_CONFIGS[head_dim]
     b, s, h = 2, 1024, 4
     t = torch.randn(b * s, h * head_dim, dtype=dtype)
@@ -97,7 +99,7 @@ def compile_bwd(head_dim: int, causal: bool, dtype: torch.dtype):
                    stride_dk_h=head_dim, stride_dv_b=s * h * head_dim, stride_dv_row=h * head_dim,
                    stride_dv_h=head_dim, seqlen_q=s, seqlen_k=s, nheads_k=h, group=1,
                    sm_scale=0.1, qk_scale=0.1)
-    dkv_tma = fa3.BWD_DKV_TMA[causal]
+    dkv_tma = fa3.bwd_dkv_tma(seqlen, causal)
     if dkv_tma:
         runtime.update(dk_out=_desc(t, block_n // 2, head_dim), dv_out=_desc(t, block_n // 2, head_dim))
     else:
@@ -112,7 +114,8 @@ if __name__ == "__main__":
         kind, d, causal, dt, *seqlen = spec.split(",")   # seqlen: fwdshort's (default 1)
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dt]
         short_len = int(seqlen[0]) if seqlen else 1
-        ck = {"fwd": compile_fwd, "bwd": compile_bwd, "fp8": compile_fp8,
+        bwd_len = int(seqlen[0]) if seqlen else 1024
+        ck = {"fwd": compile_fwd, "bwd": lambda d, c, t: compile_bwd(d, c, t, seqlen=bwd_len), "fp8": compile_fp8,
               "fwdshort": lambda d, c, t: compile_fwd(d, c, t, seqlen=short_len)}[kind](int(d), causal == "1", dtype)
         ptx = ck.asm["ptx"].splitlines()
         arrives = [i for i, line in enumerate(ptx) if "mbarrier.arrive" in line and "expect_tx" not in line]

@@ -106,6 +106,8 @@ BWD_CASES = [   # the Gluon backward (d64; the d128 backward's cases are in FA3_
     Case(2, 640, 1152, 4, 2, 64, fp16),                            # GQA, s_q < s_k
     Case(1, 2048, 2048, 8, 1, 64, bf16, causal=True),              # MQA
     Case(2, 1536, 256, 4, 4, 64, bf16),                            # s_q > s_k
+    Case(1, 4224, 1024, 2, 1, 64, fp16),                           # full, s_q > fa3.BWD_DKV_TMA[False]: dK / dV
+    Case(1, 4608, 4608, 2, 2, 128, bf16),                          # by register stores (shorter: by TMA)
 ]
 
 
@@ -195,13 +197,15 @@ def _check_bwd_writes_every_element(c: Case):
     assert all(torch.isfinite(g).all() for g in (dq, dk, dv))
 
 
+@pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("layout", ["packed", "heads_first"])
 @pytest.mark.parametrize("d", sorted(fa3.BWD_CONFIGS))
-def test_fa3_backward_strided_dk_dv_gpu(d, layout, seed):
-    """dK, dV leave by TMA: into slices of a packed (q, k, v) gradient directly (a TMA-ready view), into a
-    (batch, nheads, seqlen, d) buffer seen transposed through a contiguous copy; both poisoned, both bitwise equal
-    to contiguous dk, dv."""
-    c = Case(2, 1024, 1024, 4, 2, d, bf16, causal=True)
+def test_fa3_backward_strided_dk_dv_gpu(d, layout, causal, seed):
+    """dK, dV leave by TMA (fa3.bwd_dkv_tma at 1024 queries, full or causal): into slices of a packed (q, k, v)
+    gradient directly (a TMA-ready view), into a (batch, nheads, seqlen, d) buffer seen transposed through a
+    contiguous copy; both poisoned, both bitwise equal to contiguous dk, dv."""
+    c = Case(2, 1024, 1024, 4, 2, d, bf16, causal=causal)
+    assert fa3.bwd_dkv_tma(c.sq, causal)
     q, k, v = (torch.randn(c.b, c.sq, n, d, device="cuda", dtype=bf16) for n in (c.h, c.hk, c.hk))
     dout = torch.randn_like(q)
     out, lse = torch.empty_like(q), torch.empty(c.b, c.h, c.sq, device="cuda")

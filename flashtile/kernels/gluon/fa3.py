@@ -72,12 +72,20 @@ FP8_PINGPONG = {64: (False, False), 128: (False, False), 256: (True, False)}
 # head_dim -> (Br, Bc, stages) of the backward: a program owns Bc = 2 x 64 keys (one half per consumer
 # warpgroup, dK / dV in registers) and streams Br query rows per step through `stages` (Q_i, dO_i) buffers
 BWD_CONFIGS = {64: (128, 128, 2), 128: (64, 128, 2)}
-# causal -> whether the backward writes dK_j, dV_j by TMA from shared memory (else 4-byte stores from registers).
-# Same-run A/B on an H200 against the stores (benchmarks/results/h200-2026-11-21k/, bf16, 16k tokens, 2k / 8k,
-# TFLOP/s, stores -> TMA): causal d64 297.3 -> 318.5, 396.1 -> 405.0; d128 350.1 -> 368.2, 453.3 -> 464.8
-# (ab_dkv_tma_causal.log: short causal programs end sooner); in full attention (ab_tma_store_all.log) d64 406.0 ->
-# 415.7, 469.5 -> 466.9, d128 463.0 -> 458.9, 526.8 -> 515.2: not taken there
-BWD_DKV_TMA = {False: False, True: True}
+# causal -> the longest seqlen_q at which the backward writes dK_j, dV_j by TMA from shared memory (longer: 4-byte
+# stores from registers). Under a causal mask always: same-run A/B on an H200 against the stores
+# (benchmarks/results/h200-2026-11-21k/, bf16, 16k tokens, 2k / 8k, TFLOP/s, stores -> TMA): d64 297.3 -> 318.5,
+# 396.1 -> 405.0; d128 350.1 -> 368.2, 453.3 -> 464.8 (short causal programs end sooner). In full attention up to
+# 4k queries (benchmarks/results/h200-2026-11-24c/ab_tma_full.log, 5 rounds, 1k / 2k / 4k / 8k / 16k): d64 339.2 ->
+# 355.3, 399.3 -> 409.1, 441.5 -> 448.6, 469.1 -> 466.4, 471.4 -> 471.4; d128 383.4 -> 389.0, 461.3 -> 462.8,
+# 498.0 -> 501.0, 521.5 -> 521.6, 533.0 -> 530.6: the register stores' epilogue took 3.6 us of a program's 80
+# (globaltimer stamps, d128 2k), the TMA one 1.3, which counts in short programs; beyond 4k ties or losses
+BWD_DKV_TMA = {False: 4096, True: 1 << 62}
+
+
+def bwd_dkv_tma(seqlen_q: int, causal: bool) -> bool:
+    """Whether the backward writes dK_j, dV_j by TMA (BWD_DKV_TMA) at this query length."""
+    return seqlen_q <= BWD_DKV_TMA[causal]
 
 
 _off = 0   # > 0 inside disabled()
@@ -307,7 +315,7 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params) -> None:
     assert dk.stride(-1) == 1 and dv.stride(-1) == 1
     dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     dq_tile = bwd_dq_tile(block_m, head_dim)
-    dkv_tma = BWD_DKV_TMA[causal]
+    dkv_tma = bwd_dkv_tma(sq, causal)
 
     def desc(t, rows, cols):
         return _desc(TensorDescriptor, t, rows, cols, t.dtype)
