@@ -17,8 +17,9 @@ of the kv head's group, GQA) through a ring of STAGES shared-memory buffers:
   (mbarrier `ds_ready` says both are stored, `ds_free` that both products read a buffer), warpgroup w computes
   its half of dQ_i (columns [w d/2, +d/2) at Br 64, rows [64 w, +64) at Br 128) and adds it to the float32 dQ
   accumulator with one TMA reduce-add.
-dK_j = scale * dK_w and dV_j are written once, after the loop (under a causal mask by TMA, staged in the free
-Q_i / dO_i buffers: fa3.BWD_DKV_TMA). Registers: dK_w, dV_w, S and dP are 192 of the
+dK_j = scale * dK_w and dV_j are written once, after the loop (by TMA, staged in the free Q_i / dO_i buffers while
+the last dQ product runs, under a causal mask and in full attention up to 4k queries; else from registers:
+fa3.bwd_dkv_tma). Registers: dK_w, dV_w, S and dP are 192 of the
 consumers' 240 per thread at d128, so the loop keeps nothing else of that size (ptxas spills a few scalars).
 
 Imported only on a CUDA device of compute capability 9.x (flashtile.kernels.gluon.fa3 decides).
@@ -207,17 +208,17 @@ def _consumer_partition(wg: gl.constexpr, k_smem, v_smem, q_bufs, do_bufs, p_buf
             t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs, p_smem, ds_bufs, dq_smem,
             qdo_ready, qdo_empty, ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr, b * stride_lse_b + h * stride_lse_h,
             kv_start, q_row0, sm_scale, qk_scale, wg, s_layout, dq_init, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL)
-    # the last query block's dQ
+    # the last query block's dQ, issued first: by TMA, dK_j and dV_j (line 22) are staged and stored while it runs
     dq_tok = _dq_product(ds_bufs, ds_ready, k_smem, dq_init, n_iters - 1, wg, WG_N, BLOCK_M)
+    if DKV_TMA:
+        _store_dkv_tma(dk, dv, dk_out, dv_out, q_bufs, do_bufs, qdo_empty, kv_row + wg * WG_N, kv_col, n_iters,
+                       sm_scale, wg, BLOCK_M, STAGES)
     dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, ))
     _dq_reduce_add(dq_desc, dq_smem, dq * sm_scale, dq_row, dq_col)
     tma.store_wait(pendings=0)
 
-    # line 22: write dK_j (scaled: S = scale Q K^T) and dV_j
-    if DKV_TMA:
-        _store_dkv_tma(dk, dv, dk_out, dv_out, q_bufs, do_bufs, qdo_empty, kv_row + wg * WG_N, kv_col, n_iters,
-                       sm_scale, wg, BLOCK_M, STAGES)
-    else:
+    # line 22 without TMA: dK_j (scaled: S = scale Q K^T) and dV_j from registers
+    if not DKV_TMA:
         rows = kv_start + wg * WG_N + gl.arange(0, WG_N, layout=gl.SliceLayout(1, kv_layout))
         cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, kv_layout))
         gl.store(dk_out + gl.expand_dims(rows * stride_dk_row, 1) + gl.expand_dims(cols, 0),

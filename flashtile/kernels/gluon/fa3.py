@@ -79,7 +79,8 @@ BWD_CONFIGS = {64: (128, 128, 2), 128: (64, 128, 2)}
 # 4k queries (benchmarks/results/h200-2026-11-24c/ab_tma_full.log, 5 rounds, 1k / 2k / 4k / 8k / 16k): d64 339.2 ->
 # 355.3, 399.3 -> 409.1, 441.5 -> 448.6, 469.1 -> 466.4, 471.4 -> 471.4; d128 383.4 -> 389.0, 461.3 -> 462.8,
 # 498.0 -> 501.0, 521.5 -> 521.6, 533.0 -> 530.6: the register stores' epilogue took 3.6 us of a program's 80
-# (globaltimer stamps, d128 2k), the TMA one 1.3, which counts in short programs; beyond 4k ties or losses
+# (%globaltimer stamps, d128 2k, instr_bwd_h200_*.log), the TMA one 1.3, which counts in short programs; beyond 4k
+# ties or losses
 BWD_DKV_TMA = {False: 4096, True: 1 << 62}
 
 
