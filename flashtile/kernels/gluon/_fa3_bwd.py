@@ -131,43 +131,60 @@ def _step(t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs, p_
     q_s = q_bufs.index(s)
     do_s = do_bufs.index(s)
     mbarrier.wait(qdo_ready.index(s), (t // STAGES) & 1)
-    # lines 11 and 16 for this warpgroup's keys: S = Q_i K_w^T and dP = dO_i V_w^T
-    s_init = gl.zeros([BLOCK_M, WG_N], gl.float32, s_layout)
-    s_tok = warpgroup_mma(q_s, k_w.permute((1, 0)), s_init, use_acc=False, is_async=True)
-    dp_tok = warpgroup_mma(do_s, v_w.permute((1, 0)), s_init, use_acc=False, is_async=True)
-    sc = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
-    # line 13: P = exp(S * scale - L_i) (base 2); under the causal mask, key > query -> 0
-    p = gl.exp2(sc * qk_scale - gl.expand_dims(lse2, 1))
-    if CAUSAL:
-        if q_start < kv_start + BLOCK_N:   # a block that reaches the diagonal
-            # key kv_start + wg * WG_N + c is visible to query r iff c <= r - kv_start - wg * WG_N
-            last = q_idx - (kv_start + wg * WG_N)
-            cols = gl.arange(0, WG_N, layout=gl.SliceLayout(0, s_layout))
-            p = gl.where(gl.expand_dims(cols, 0) <= gl.expand_dims(last, 1), p, 0.0)
-    # P through shared memory: dV's A operand is P^T (keys x queries), a transposed read of the tile
-    p_smem.store(p.to(dtype))
-    dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
-    # line 17: dS = P o (dP - D_i)
-    ds = (p * (dp - gl.expand_dims(delta, 1))).to(dtype)
-    # dS into this iteration's buffer pair (one per warpgroup's key half), once both warpgroups' dQ products of
-    # iteration t - 2 have read it
     buf = t % 2
-    mbarrier.wait(ds_free.index(buf), ((t // 2) & 1) ^ 1)
-    ds_bufs.index(2 * buf + wg).store(ds)
-    fence_async_shared()
-    # line 14: dV_j += P^T dO_i; line 19: dK_j += dS^T Q_i
-    dv_tok = warpgroup_mma(p_smem.permute((1, 0)), do_s, dv, is_async=True)
-    dk_tok = warpgroup_mma(ds_bufs.index(2 * buf + wg).permute((1, 0)), q_s, dk, is_async=True)
-    mbarrier.arrive(ds_ready.index(buf), count=1)
-    if t > 0:
-        # line 18 one step late, so the warpgroups need not meet at every step (measured faster than meeting:
-        # BENCHMARKS.md): dQ_{t-1} needs the other warpgroup's dS_{t-1}, which it stored half a step ago at the latest
-        dq_tok = _dq_product(ds_bufs, ds_ready, k_smem, dq_init, t - 1, wg, WG_N, BLOCK_M)
-        dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, dq_tok))
-        mbarrier.arrive(ds_free.index((t - 1) % 2), count=1)
-        _dq_reduce_add(dq_desc, dq_smem, dq * sm_scale, dq_row, dq_col)
+    masked = False
+    if CAUSAL and BLOCK_M <= WG_N:
+        # every key of this warpgroup after every query of the block (Br = 64: the second warpgroup at the block that
+        # starts on the diagonal): P = dS = 0, dK_w and dV_w unchanged, no product but dQ_{t-1}; dS_w = 0 for dQ_i
+        masked = q_start + BLOCK_M <= kv_start + wg * WG_N
+    if masked:
+        mbarrier.wait(ds_free.index(buf), ((t // 2) & 1) ^ 1)
+        ds_bufs.index(2 * buf + wg).store(gl.zeros([BLOCK_M, WG_N], dtype, s_layout))
+        fence_async_shared()
+        mbarrier.arrive(ds_ready.index(buf), count=1)
+        if t > 0:
+            dq_tok = _dq_product(ds_bufs, ds_ready, k_smem, dq_init, t - 1, wg, WG_N, BLOCK_M)
+            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, ))
+            mbarrier.arrive(ds_free.index((t - 1) % 2), count=1)
+            _dq_reduce_add(dq_desc, dq_smem, dq * sm_scale, dq_row, dq_col)
     else:
-        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok))
+        # lines 11 and 16 for this warpgroup's keys: S = Q_i K_w^T and dP = dO_i V_w^T
+        s_init = gl.zeros([BLOCK_M, WG_N], gl.float32, s_layout)
+        s_tok = warpgroup_mma(q_s, k_w.permute((1, 0)), s_init, use_acc=False, is_async=True)
+        dp_tok = warpgroup_mma(do_s, v_w.permute((1, 0)), s_init, use_acc=False, is_async=True)
+        sc = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
+        # line 13: P = exp(S * scale - L_i) (base 2); under the causal mask, key > query -> 0
+        p = gl.exp2(sc * qk_scale - gl.expand_dims(lse2, 1))
+        if CAUSAL:
+            if q_start < kv_start + BLOCK_N:   # a block that reaches the diagonal
+                # key kv_start + wg * WG_N + c is visible to query r iff c <= r - kv_start - wg * WG_N
+                last = q_idx - (kv_start + wg * WG_N)
+                cols = gl.arange(0, WG_N, layout=gl.SliceLayout(0, s_layout))
+                p = gl.where(gl.expand_dims(cols, 0) <= gl.expand_dims(last, 1), p, 0.0)
+        # P through shared memory: dV's A operand is P^T (keys x queries), a transposed read of the tile
+        p_smem.store(p.to(dtype))
+        dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
+        # line 17: dS = P o (dP - D_i)
+        ds = (p * (dp - gl.expand_dims(delta, 1))).to(dtype)
+        # dS into this iteration's buffer pair (one per warpgroup's key half), once both warpgroups' dQ products of
+        # iteration t - 2 have read it
+        mbarrier.wait(ds_free.index(buf), ((t // 2) & 1) ^ 1)
+        ds_bufs.index(2 * buf + wg).store(ds)
+        fence_async_shared()
+        # line 14: dV_j += P^T dO_i; line 19: dK_j += dS^T Q_i
+        dv_tok = warpgroup_mma(p_smem.permute((1, 0)), do_s, dv, is_async=True)
+        dk_tok = warpgroup_mma(ds_bufs.index(2 * buf + wg).permute((1, 0)), q_s, dk, is_async=True)
+        mbarrier.arrive(ds_ready.index(buf), count=1)
+        if t > 0:
+            # line 18 one step late, so the warpgroups need not meet at every step (measured faster than meeting:
+            # BENCHMARKS.md): dQ_{t-1} needs the other warpgroup's dS_{t-1}, which it stored half a step ago at the
+            # latest
+            dq_tok = _dq_product(ds_bufs, ds_ready, k_smem, dq_init, t - 1, wg, WG_N, BLOCK_M)
+            dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, dq_tok))
+            mbarrier.arrive(ds_free.index((t - 1) % 2), count=1)
+            _dq_reduce_add(dq_desc, dq_smem, dq * sm_scale, dq_row, dq_col)
+        else:
+            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok))
     mbarrier.arrive(qdo_empty.index(s), count=1)   # Q_i, dO_i read by every product: the buffer may refill
     return dk, dv, q_row0 + q_start + DQ_ROW, h * HEAD_D + DQ_COL
 
