@@ -105,7 +105,8 @@ def compile_bwd(head_dim: int, causal: bool, dtype: torch.dtype, seqlen: int = 1
     else:
         runtime.update(dk_out=t, dv_out=t)
     consts = dict(HEAD_D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
-                  DKV_TMA=dkv_tma, P_LAYOUT=fa3._smem_layout(block_m, block_n // 2, dtype), num_warps=4)
+                  DKV_TMA=dkv_tma, P_LAYOUT=fa3._smem_layout(block_m, block_n // 2, dtype),
+                  PINGPONG=fa3.BWD_PINGPONG.get((head_dim, causal), False), num_warps=4)
     return _compile(_fa3_bwd.fa3_bwd_kernel, runtime, consts)
 
 

@@ -32,7 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from ..triton.mods import LOG2E as _LOG2E
-from ._fa3_fwd import tma_load, tma_store
+from ._fa3_fwd import _pass_turn, _turn, tma_load, tma_store
 
 LOG2E = gl.constexpr(_LOG2E)
 
@@ -111,8 +111,8 @@ def _dq_reduce_add(dq_desc, dq_smem, dq, row, col):
 @gluon.jit
 def _step(t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs, p_smem, ds_bufs, dq_smem, qdo_ready,
           qdo_empty, ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr, lse_off, kv_start, q_row0, sm_scale, qk_scale,
-          wg: gl.constexpr, s_layout: gl.constexpr, dq_init, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-          HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+          wg: gl.constexpr, s_layout: gl.constexpr, dq_init, turns, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+          HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
     """Iteration t of consumer warpgroup wg: query block i of head h against the warpgroup's 64 keys (Algorithm 2
     lines 8-20), lse_off: (batch, head)'s offset into lse / delta. Returns dK_w, dV_w and where this step's dQ tile
     goes: it is computed at the next step (or after the loop)."""
@@ -138,20 +138,28 @@ def _step(t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs, p_
         # starts on the diagonal): P = dS = 0, dK_w and dV_w unchanged, no product but dQ_{t-1}; dS_w = 0 for dQ_i
         masked = q_start + BLOCK_M <= kv_start + wg * WG_N
     if masked:
+        _turn(turns, wg, 2 * t, 2, PINGPONG)
+        _pass_turn(turns, wg, 2, PINGPONG)
         mbarrier.wait(ds_free.index(buf), ((t // 2) & 1) ^ 1)
         ds_bufs.index(2 * buf + wg).store(gl.zeros([BLOCK_M, WG_N], dtype, s_layout))
         fence_async_shared()
         mbarrier.arrive(ds_ready.index(buf), count=1)
+        _turn(turns, wg, 2 * t + 1, 2, PINGPONG)
         if t > 0:
             dq_tok = _dq_product(ds_bufs, ds_ready, k_smem, dq_init, t - 1, wg, WG_N, BLOCK_M)
+            _pass_turn(turns, wg, 2, PINGPONG)
             dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, ))
             mbarrier.arrive(ds_free.index((t - 1) % 2), count=1)
             _dq_reduce_add(dq_desc, dq_smem, dq * sm_scale, dq_row, dq_col)
+        else:
+            _pass_turn(turns, wg, 2, PINGPONG)
     else:
         # lines 11 and 16 for this warpgroup's keys: S = Q_i K_w^T and dP = dO_i V_w^T
         s_init = gl.zeros([BLOCK_M, WG_N], gl.float32, s_layout)
+        _turn(turns, wg, 2 * t, 2, PINGPONG)   # with PINGPONG the warpgroups take turns issuing their GEMMs
         s_tok = warpgroup_mma(q_s, k_w.permute((1, 0)), s_init, use_acc=False, is_async=True)
         dp_tok = warpgroup_mma(do_s, v_w.permute((1, 0)), s_init, use_acc=False, is_async=True)
+        _pass_turn(turns, wg, 2, PINGPONG)
         sc = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
         # line 13: P = exp(S * scale - L_i) (base 2); under the causal mask, key > query -> 0
         p = gl.exp2(sc * qk_scale - gl.expand_dims(lse2, 1))
@@ -172,6 +180,7 @@ def _step(t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs, p_
         ds_bufs.index(2 * buf + wg).store(ds)
         fence_async_shared()
         # line 14: dV_j += P^T dO_i; line 19: dK_j += dS^T Q_i
+        _turn(turns, wg, 2 * t + 1, 2, PINGPONG)
         dv_tok = warpgroup_mma(p_smem.permute((1, 0)), do_s, dv, is_async=True)
         dk_tok = warpgroup_mma(ds_bufs.index(2 * buf + wg).permute((1, 0)), q_s, dk, is_async=True)
         mbarrier.arrive(ds_ready.index(buf), count=1)
@@ -180,10 +189,12 @@ def _step(t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs, p_
             # BENCHMARKS.md): dQ_{t-1} needs the other warpgroup's dS_{t-1}, which it stored half a step ago at the
             # latest
             dq_tok = _dq_product(ds_bufs, ds_ready, k_smem, dq_init, t - 1, wg, WG_N, BLOCK_M)
+            _pass_turn(turns, wg, 2, PINGPONG)
             dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, dq_tok))
             mbarrier.arrive(ds_free.index((t - 1) % 2), count=1)
             _dq_reduce_add(dq_desc, dq_smem, dq * sm_scale, dq_row, dq_col)
         else:
+            _pass_turn(turns, wg, 2, PINGPONG)
             dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok))
     mbarrier.arrive(qdo_empty.index(s), count=1)   # Q_i, dO_i read by every product: the buffer may refill
     return dk, dv, q_row0 + q_start + DQ_ROW, h * HEAD_D + DQ_COL
@@ -191,11 +202,11 @@ def _step(t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs, p_
 
 @gluon.jit
 def _consumer_partition(wg: gl.constexpr, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar,
-                        qdo_ready, qdo_empty, ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr, stride_lse_b,
+                        qdo_ready, qdo_empty, ds_ready, ds_free, turns, dq_desc, lse_ptr, delta_ptr, stride_lse_b,
                         stride_lse_h, dk_out, dv_out, stride_dk_row, stride_dv_row, kv_row, kv_col, b, kv_start,
                         q_row0, n_iters, n_i, i_start, hk, group, sm_scale, qk_scale,
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                        CAUSAL: gl.constexpr, DKV_TMA: gl.constexpr):
+                        CAUSAL: gl.constexpr, DKV_TMA: gl.constexpr, PINGPONG: gl.constexpr):
     """Consumer warpgroup `wg`: key rows [wg * 64, wg * 64 + 64) of the program's block through every query block
     (per query head of the group), then its rows of dK_j, dV_j (Algorithm 2 line 22)."""
     dtype: gl.constexpr = q_bufs.dtype
@@ -224,7 +235,8 @@ def _consumer_partition(wg: gl.constexpr, k_smem, v_smem, q_bufs, do_bufs, p_buf
         dk, dv, dq_row, dq_col = _step(
             t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs, p_smem, ds_bufs, dq_smem,
             qdo_ready, qdo_empty, ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr, b * stride_lse_b + h * stride_lse_h,
-            kv_start, q_row0, sm_scale, qk_scale, wg, s_layout, dq_init, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL)
+            kv_start, q_row0, sm_scale, qk_scale, wg, s_layout, dq_init, turns, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
+            CAUSAL, PINGPONG)
     # the last query block's dQ, issued first: by TMA, dK_j and dV_j (line 22) are staged and stored while it runs
     dq_tok = _dq_product(ds_bufs, ds_ready, k_smem, dq_init, n_iters - 1, wg, WG_N, BLOCK_M)
     if DKV_TMA:
@@ -272,7 +284,8 @@ def fa3_bwd_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr,
                    dk_out, dv_out, stride_dk_b, stride_dk_row, stride_dk_h, stride_dv_b, stride_dv_row, stride_dv_h,
                    seqlen_q, seqlen_k, nheads_k, group, sm_scale, qk_scale,
                    HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                   CAUSAL: gl.constexpr, DKV_TMA: gl.constexpr, P_LAYOUT: gl.constexpr, num_warps: gl.constexpr):
+                   CAUSAL: gl.constexpr, DKV_TMA: gl.constexpr, P_LAYOUT: gl.constexpr, PINGPONG: gl.constexpr,
+                   num_warps: gl.constexpr):
     """Grid (seqlen_k / BLOCK_N, batch * nheads_k); BLOCK_N = 2 x 64 key rows (one 64-row half per consumer
     warpgroup, num_warps = 4), BLOCK_M query rows per step. k/v descriptors: 2-D views (batch * seqlen_k,
     nheads_k * HEAD_D), blocks (BLOCK_N, HEAD_D); q/dO: (batch * seqlen_q, nheads * HEAD_D), blocks
@@ -315,25 +328,27 @@ def fa3_bwd_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr,
     qdo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
     for i in gl.static_range(2):   # per dS buffer pair; both consumer warpgroups arrive
         mbarrier.init(ds_ready.index(i), count=2)
         mbarrier.init(ds_free.index(i), count=2)
+        mbarrier.init(turns.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(qdo_ready.index(i), count=1)
         mbarrier.init(qdo_empty.index(i), count=2)
 
     gl.warp_specialize([
         (_consumer_partition, (0, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, qdo_ready,
-                               qdo_empty, ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr, stride_lse_b,
+                               qdo_empty, ds_ready, ds_free, turns, dq_desc, lse_ptr, delta_ptr, stride_lse_b,
                                stride_lse_h, dk_out, dv_out, stride_dk_row, stride_dv_row, kv_row, hk * HEAD_D, b,
                                kv_start, q_row0, n_iters, n_i, i_start, hk, group, sm_scale, qk_scale, BLOCK_M,
-                               BLOCK_N, HEAD_D, STAGES, CAUSAL, DKV_TMA)),
+                               BLOCK_N, HEAD_D, STAGES, CAUSAL, DKV_TMA, PINGPONG)),
         (_consumer_partition, (1, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, qdo_ready,
-                               qdo_empty, ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr, stride_lse_b,
+                               qdo_empty, ds_ready, ds_free, turns, dq_desc, lse_ptr, delta_ptr, stride_lse_b,
                                stride_lse_h, dk_out, dv_out, stride_dk_row, stride_dv_row, kv_row, hk * HEAD_D, b,
                                kv_start, q_row0, n_iters, n_i, i_start, hk, group, sm_scale, qk_scale, BLOCK_M,
-                               BLOCK_N, HEAD_D, STAGES, CAUSAL, DKV_TMA)),
+                               BLOCK_N, HEAD_D, STAGES, CAUSAL, DKV_TMA, PINGPONG)),
         (_load_partition, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, qdo_ready,
                            qdo_empty, kv_row, hk * HEAD_D, q_row0, n_iters, n_i, i_start, hk, group, BLOCK_M,
                            HEAD_D, STAGES)),
@@ -343,6 +358,7 @@ def fa3_bwd_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr,
     for i in gl.static_range(2):
         mbarrier.invalidate(ds_ready.index(i))
         mbarrier.invalidate(ds_free.index(i))
+        mbarrier.invalidate(turns.index(i))
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(qdo_ready.index(i))
         mbarrier.invalidate(qdo_empty.index(i))

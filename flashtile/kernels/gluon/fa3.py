@@ -84,6 +84,14 @@ BWD_CONFIGS = {64: (128, 128, 2), 128: (64, 128, 2)}
 BWD_DKV_TMA = {False: 4096, True: 1 << 62}
 
 
+# (head_dim, causal) -> whether the backward's consumer warpgroups take turns issuing their GEMMs (S, dP; then dV,
+# dK, dQ), as the forward's ping-pong. Same-run A/B on an H200 (bf16, 16k tokens, best of 3, TFLOP/s free -> turns;
+# benchmarks/results/h200-2026-11-24c/ab_bwd_pingpong*.log): d64 causal 1k / 2k / 4k / 8k / 16k 251.4 -> 259.1,
+# 327.5 -> 342.0, 383.2 -> 394.2, 418.5 -> 437.8, 442.4 -> 459.2; slower elsewhere: d64 full 2k / 8k 0.968x /
+# 0.952x, d128 full 0.970-1.006x, d128 causal 0.980-1.000x
+BWD_PINGPONG = {(64, True): True}
+
+
 def bwd_dkv_tma(seqlen_q: int, causal: bool) -> bool:
     """Whether the backward writes dK_j, dV_j by TMA (BWD_DKV_TMA) at this query length."""
     return seqlen_q <= BWD_DKV_TMA[causal]
@@ -341,7 +349,8 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params) -> None:
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         sq, sk, nheads_k, nheads // nheads_k, params.softmax_scale, params.softmax_scale * LOG2E),
         dict(HEAD_D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
-             DKV_TMA=dkv_tma, P_LAYOUT=_smem_layout(block_m, block_n // 2, q.dtype), num_warps=4, maxnreg=MAXNREG))
+             DKV_TMA=dkv_tma, P_LAYOUT=_smem_layout(block_m, block_n // 2, q.dtype),
+             PINGPONG=BWD_PINGPONG.get((head_dim, causal), False), num_warps=4, maxnreg=MAXNREG))
     dq.copy_(dq_acc)
     for out, grad in ((dk_out, dk), (dv_out, dv)):
         if out is not grad:
