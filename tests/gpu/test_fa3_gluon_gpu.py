@@ -106,8 +106,8 @@ BWD_CASES = [   # the Gluon backward (d64; the d128 backward's cases are in FA3_
     Case(2, 640, 1152, 4, 2, 64, fp16),                            # GQA, s_q < s_k
     Case(1, 2048, 2048, 8, 1, 64, bf16, causal=True),              # MQA
     Case(2, 1536, 256, 4, 4, 64, bf16),                            # s_q > s_k
-    Case(1, 4224, 1024, 2, 1, 64, fp16),                           # full, s_q > fa3.BWD_DKV_TMA[False]: dK / dV
-    Case(1, 4608, 4608, 2, 2, 128, bf16),                          # by register stores (shorter: by TMA)
+    Case(1, 4224, 1024, 2, 1, 64, fp16),                           # full, s_q > 4k
+    Case(1, 4608, 4608, 2, 2, 128, bf16),
 ]
 
 
@@ -174,6 +174,30 @@ def test_fa3_backward_agrees_with_triton_gpu(d, causal, seed, monkeypatch):
     for name, g, gt in zip(("dq", "dk", "dv"), grads, grads_t):
         scale = gt.float().abs().max().item()
         assert (g.float() - gt.float()).abs().max().item() < 2e-2 * scale, name
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", sorted(fa3.BWD_CONFIGS))
+def test_fa3_backward_register_stores_gpu(d, causal, seed, monkeypatch):
+    """dK / dV from registers (fa3.BWD_DKV_TMA set to 0; the table takes TMA everywhere today) equal the TMA
+    stores' bitwise, into NaN-poisoned gradients; dQ within the reduce-adds' order."""
+    c = Case(2, 1024, 1024 if causal else 1152, 4, 2, d, bf16, causal=causal)
+    q, k, v = (torch.randn(c.b, s, n, d, device="cuda", dtype=bf16) for s, n in ((c.sq, c.h), (c.sk, c.hk),
+                                                                               (c.sk, c.hk)))
+    dout = torch.randn_like(q)
+    out, lse = torch.empty_like(q), torch.empty(c.b, c.h, c.sq, device="cuda")
+    launch.flash_fwd(q, k, v, out, lse, _params(c))
+    grads = []
+    for longest in (1 << 62, 0):
+        monkeypatch.setitem(fa3.BWD_DKV_TMA, causal, longest)
+        assert fa3.bwd_dkv_tma(c.sq, causal) == (longest > 0)
+        g = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+        launch.flash_bwd(dout, q, k, v, out, lse, *g, _params(c))
+        grads.append(g)
+    (dq, dk, dv), (dq2, dk2, dv2) = grads
+    assert torch.isfinite(dk2).all() and torch.isfinite(dv2).all()
+    assert torch.equal(dk2, dk) and torch.equal(dv2, dv)
+    assert (dq2.float() - dq.float()).abs().max().item() <= 1e-2 * dq.float().abs().max().item()
 
 
 def test_fa3_backward_writes_every_element_gpu(seed):

@@ -18,8 +18,7 @@ of the kv head's group, GQA) through a ring of STAGES shared-memory buffers:
   its half of dQ_i (columns [w d/2, +d/2) at Br 64, rows [64 w, +64) at Br 128) and adds it to the float32 dQ
   accumulator with one TMA reduce-add.
 dK_j = scale * dK_w and dV_j are written once, after the loop (by TMA, staged in the free Q_i / dO_i buffers while
-the last dQ product runs, under a causal mask and in full attention up to 4k queries; else from registers:
-fa3.bwd_dkv_tma). Registers: dK_w, dV_w, S and dP are 192 of the
+the last dQ product runs; or from registers where fa3.bwd_dkv_tma says so, at no length today). Registers: dK_w, dV_w, S and dP are 192 of the
 consumers' 240 per thread at d128, so the loop keeps nothing else of that size (ptxas spills a few scalars).
 
 Imported only on a CUDA device of compute capability 9.x (flashtile.kernels.gluon.fa3 decides).

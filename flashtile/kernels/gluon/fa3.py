@@ -73,15 +73,16 @@ FP8_PINGPONG = {64: (False, False), 128: (False, False), 256: (True, False)}
 # warpgroup, dK / dV in registers) and streams Br query rows per step through `stages` (Q_i, dO_i) buffers
 BWD_CONFIGS = {64: (128, 128, 2), 128: (64, 128, 2)}
 # causal -> the longest seqlen_q at which the backward writes dK_j, dV_j by TMA from shared memory (longer: 4-byte
-# stores from registers). Under a causal mask always: same-run A/B on an H200 against the stores
+# stores from registers); today every length. Under a causal mask: same-run A/B on an H200 against the stores
 # (benchmarks/results/h200-2026-11-21k/, bf16, 16k tokens, 2k / 8k, TFLOP/s, stores -> TMA): d64 297.3 -> 318.5,
-# 396.1 -> 405.0; d128 350.1 -> 368.2, 453.3 -> 464.8 (short causal programs end sooner). In full attention up to
-# 4k queries (benchmarks/results/h200-2026-11-24c/ab_tma_full.log, 5 rounds, 1k / 2k / 4k / 8k / 16k): d64 339.2 ->
-# 355.3, 399.3 -> 409.1, 441.5 -> 448.6, 469.1 -> 466.4, 471.4 -> 471.4; d128 383.4 -> 389.0, 461.3 -> 462.8,
-# 498.0 -> 501.0, 521.5 -> 521.6, 533.0 -> 530.6: the register stores' epilogue took 3.6 us of a program's 80
-# (%globaltimer stamps, d128 2k, instr_bwd_h200_*.log), the TMA one 1.3, which counts in short programs; beyond 4k
-# ties or losses
-BWD_DKV_TMA = {False: 4096, True: 1 << 62}
+# 396.1 -> 405.0; d128 350.1 -> 368.2, 453.3 -> 464.8 (short causal programs end sooner). In full attention
+# (benchmarks/results/h200-2026-11-24c/ab_tma_full.log, 5 rounds, 1k / 2k / 4k / 8k / 16k): d64 339.2 -> 355.3,
+# 399.3 -> 409.1, 441.5 -> 448.6, 469.1 -> 466.4, 471.4 -> 471.4; d128 383.4 -> 389.0, 461.3 -> 462.8, 498.0 ->
+# 501.0, 521.5 -> 521.6, 533.0 -> 530.6 (the register stores' epilogue took 3.6 us of a program's 80, the TMA one
+# 1.3: %globaltimer stamps, d128 2k, instr_bwd_h200_*.log), so up to 4k only at first; since the TMA stores run
+# beside the last dQ product (_fa3_bwd.py) also at 8k / 16k (ab_tma_full_after.log, 5 rounds): d64 474.7 -> 479.2,
+# 478.9 -> 481.0; d128 523.6 -> 528.0, 540.9 -> 544.7 (4k: 505.2 -> 512.3)
+BWD_DKV_TMA = {False: 1 << 62, True: 1 << 62}
 
 
 # (head_dim, causal) -> whether the backward's consumer warpgroups take turns issuing their GEMMs (S, dP; then dV,
