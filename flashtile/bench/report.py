@@ -9,6 +9,7 @@ axes (FA1 Figure 3 right), where O(N) and O(N^2) providers show slopes 1 and 2.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import math
 import os
@@ -50,6 +51,16 @@ def _run(cmd: List[str], cwd=None) -> Optional[str]:
     return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else None
 
 
+def source_fingerprint(package_dir) -> str:
+    """sha256 over the package's .py files (relative paths and contents, in sorted order): which code a run used even
+    where git_commit cannot say (a dirty tree, or a copy of the tree whose .git is stale)."""
+    package_dir = Path(package_dir)
+    h = hashlib.sha256()
+    for f in sorted(package_dir.rglob("*.py")):
+        h.update(f.relative_to(package_dir).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
 def collect_environment(device) -> dict:
     """Versions, hardware, date and the exact command line of this run."""
     device = torch.device(device)
@@ -80,6 +91,7 @@ def collect_environment(device) -> dict:
         "flashtile": getattr(flashtile, "__version__", None),
         "git_commit": commit,
         "git_dirty": bool(dirty) if commit else None,
+        "source_sha256": source_fingerprint(root / "flashtile"),
         "device": str(device),
         "gpu": "cpu",
         "driver": None,

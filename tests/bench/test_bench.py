@@ -8,6 +8,7 @@ import argparse
 import inspect
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -255,6 +256,24 @@ def test_pin_cpu_runs_every_thread_on_one_core_and_refuses_a_core_out_of_reach(t
             after.join()
 
 
+def test_source_fingerprint_follows_the_code(tmp_path):
+    """results.json's source_sha256: equal for equal trees, different when a .py file's content or name changes."""
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "a.py").write_text("x = 1\n")
+    (pkg / "sub" / "b.py").write_text("y = 2\n")
+    (pkg / "notes.txt").write_text("not code")
+    first = report.source_fingerprint(pkg)
+    assert first == report.source_fingerprint(pkg) and len(first) == 64
+    (pkg / "notes.txt").write_text("still not code")
+    assert report.source_fingerprint(pkg) == first
+    (pkg / "sub" / "b.py").write_text("y = 3\n")
+    changed = report.source_fingerprint(pkg)
+    assert changed != first
+    (pkg / "sub" / "b.py").rename(pkg / "sub" / "c.py")
+    assert report.source_fingerprint(pkg) not in (first, changed)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # end to end
 # ----------------------------------------------------------------------------------------------------------
@@ -271,6 +290,7 @@ def test_cpu_run_writes_json_markdown_and_plots(tmp_path, capsys):
     env = doc["environment"]
     assert env["torch"] == torch.__version__ and env["python"] and env["date"] and env["command"]
     assert env["device"] == "cpu" and env["gpu"] == "cpu"
+    assert env["source_sha256"] == report.source_fingerprint(Path(flashtile.__file__).parent)
     assert doc["settings"]["dtype"] == "fp16" and doc["settings"]["baseline"] == "sdpa-math"
     recs = doc["results"]
     assert len(recs) == 2 * 2 * 2 * 2  # providers x seqlens x masks x passes
