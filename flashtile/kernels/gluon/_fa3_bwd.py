@@ -18,8 +18,10 @@ of the kv head's group, GQA) through a ring of STAGES shared-memory buffers:
   its half of dQ_i (columns [w d/2, +d/2) at Br 64, rows [64 w, +64) at Br 128) and adds it to the float32 dQ
   accumulator with one TMA reduce-add.
 dK_j = scale * dK_w and dV_j are written once, after the loop (by TMA, staged in the free Q_i / dO_i buffers while
-the last dQ product runs; or from registers where fa3.bwd_dkv_tma says so, at no length today). Registers: dK_w, dV_w, S and dP are 192 of the
-consumers' 240 per thread at d128, so the loop keeps nothing else of that size (ptxas spills a few scalars).
+the last dQ product runs; or from registers where fa3.bwd_dkv_tma says so, at no length today). With PINGPONG
+(fa3.BWD_PINGPONG) the consumer warpgroups take turns issuing their GEMMs, two turns per step (S and dP; dV, dK and
+dQ_{t-1}), as the forward's ping-pong. Registers: dK_w, dV_w, S and dP are 192 of the consumers' 240 per thread at
+d128, so the loop keeps nothing else of that size (ptxas spills a few scalars).
 
 Imported only on a CUDA device of compute capability 9.x (flashtile.kernels.gluon.fa3 decides).
 """
