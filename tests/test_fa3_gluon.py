@@ -156,6 +156,46 @@ def test_kernels_compile_for_sm90():
         assert int(fields["shfl_idx"]) < 16, ln
 
 
+class _FakeDescriptor:
+    """Stands in for Gluon's TensorDescriptor on a machine without a GPU: keeps what fa3.bwd builds it from."""
+    def __init__(self, base, shape, strides, block, layout=None):
+        self.base, self.shape, self.strides, self.block_shape, self.layout = base, shape, strides, block, layout
+
+
+@pytest.mark.parametrize("d", sorted(fa3.BWD_CONFIGS))
+@pytest.mark.parametrize("causal", [False, True])
+def test_bwd_launch_follows_the_tables(d, causal, monkeypatch):
+    """fa3.bwd launches the backward kernel with its tables' choices: Br / Bc / stages of BWD_CONFIGS, dK / dV by
+    TMA (descriptors over dk, dv) or from registers (the tensors) as bwd_dkv_tma says, the turns of BWD_PINGPONG;
+    a grid of one program per key block and (batch, kv head)."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    kernels = type("kernels", (), {"fa3_bwd_kernel": object()})
+    monkeypatch.setattr(fa3, "_kernels", lambda index: (None, kernels, _FakeDescriptor))
+    monkeypatch.setattr(fa3, "_device_index", lambda t: 0)
+    launches = []
+    monkeypatch.setattr(fa3.relaunch, "launch", lambda *launch_args: launches.append(launch_args))
+    q, k, v = _qkv(b=2, sq=1024, sk=1024, h=4, hk=2, d=d)
+    lse = torch.randn(2, 4, 1024)
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+    params = CAUSAL if causal else FULL
+    block_m, block_n, stages = fa3.BWD_CONFIGS[d]
+    for tma_longest, turns in ((1 << 62, True), (0, False)):
+        monkeypatch.setitem(fa3.BWD_DKV_TMA, causal, tma_longest)
+        monkeypatch.setitem(fa3.BWD_PINGPONG, (d, causal), turns)
+        launches.clear()
+        fa3.bwd(torch.randn_like(q), q, k, v, lse, torch.randn_like(lse), *grads, params)
+        (kernel, grid, args, kw), = launches
+        assert kernel is kernels.fa3_bwd_kernel and grid == (1024 // block_n, 2 * 2)
+        assert (kw["BLOCK_M"], kw["BLOCK_N"], kw["STAGES"], kw["CAUSAL"]) == (block_m, block_n, stages, causal)
+        assert kw["PINGPONG"] is turns and kw["DKV_TMA"] is (tma_longest > 0)
+        dk_out, dv_out = args[9], args[10]
+        if tma_longest:
+            assert isinstance(dk_out, _FakeDescriptor) and dk_out.block_shape == [block_n // 2, d]
+            assert dk_out.base.data_ptr() == grads[1].data_ptr() and dv_out.base.data_ptr() == grads[2].data_ptr()
+        else:
+            assert dk_out is grads[1] and dv_out is grads[2]
+
+
 def test_bwd_dkv_tma_rule(monkeypatch):
     """The backward writes dK / dV by TMA up to fa3.BWD_DKV_TMA's length for the mask (register stores beyond);
     today's table: by TMA at every length, full attention and causal."""
