@@ -110,6 +110,26 @@ def _dq_reduce_add(dq_desc, dq_smem, dq, row, col):
 
 
 @gluon.jit
+def _store_ds(ds, ds_bufs, ds_free, t, wg: gl.constexpr):
+    """dS_t of warpgroup wg into iteration t's buffer pair (one buffer per key half), once both warpgroups' dQ
+    products of iteration t - 2 have read it; fenced for the wgmmas that read it. Returns the buffer."""
+    buf = t % 2
+    mbarrier.wait(ds_free.index(buf), ((t // 2) & 1) ^ 1)
+    ds_smem = ds_bufs.index(2 * buf + wg)
+    ds_smem.store(ds)
+    fence_async_shared()
+    return ds_smem
+
+
+@gluon.jit
+def _add_dq(dq, ds_free, t, dq_desc, dq_smem, sm_scale, row, col):
+    """After dQ_{t-1}'s product completed: its dS buffer pair may be refilled (ds_free), and dQ_{t-1} (scaled) goes
+    into the float32 accumulator."""
+    mbarrier.arrive(ds_free.index((t - 1) % 2), count=1)
+    _dq_reduce_add(dq_desc, dq_smem, dq * sm_scale, row, col)
+
+
+@gluon.jit
 def _step(t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs, p_smem, ds_bufs, dq_smem, qdo_ready,
           qdo_empty, ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr, lse_off, kv_start, q_row0, sm_scale, qk_scale,
           wg: gl.constexpr, s_layout: gl.constexpr, dq_init, turns, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -141,17 +161,14 @@ def _step(t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs, p_
     if masked:
         _turn(turns, wg, 2 * t, 2, PINGPONG)
         _pass_turn(turns, wg, 2, PINGPONG)
-        mbarrier.wait(ds_free.index(buf), ((t // 2) & 1) ^ 1)
-        ds_bufs.index(2 * buf + wg).store(gl.zeros([BLOCK_M, WG_N], dtype, s_layout))
-        fence_async_shared()
+        _store_ds(gl.zeros([BLOCK_M, WG_N], dtype, s_layout), ds_bufs, ds_free, t, wg)
         mbarrier.arrive(ds_ready.index(buf), count=1)
         _turn(turns, wg, 2 * t + 1, 2, PINGPONG)
         if t > 0:
             dq_tok = _dq_product(ds_bufs, ds_ready, k_smem, dq_init, t - 1, wg, WG_N, BLOCK_M)
             _pass_turn(turns, wg, 2, PINGPONG)
             dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, ))
-            mbarrier.arrive(ds_free.index((t - 1) % 2), count=1)
-            _dq_reduce_add(dq_desc, dq_smem, dq * sm_scale, dq_row, dq_col)
+            _add_dq(dq, ds_free, t, dq_desc, dq_smem, sm_scale, dq_row, dq_col)
         else:
             _pass_turn(turns, wg, 2, PINGPONG)
     else:
@@ -175,15 +192,11 @@ def _step(t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs, p_
         dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
         # line 17: dS = P o (dP - D_i)
         ds = (p * (dp - gl.expand_dims(delta, 1))).to(dtype)
-        # dS into this iteration's buffer pair (one per warpgroup's key half), once both warpgroups' dQ products of
-        # iteration t - 2 have read it
-        mbarrier.wait(ds_free.index(buf), ((t // 2) & 1) ^ 1)
-        ds_bufs.index(2 * buf + wg).store(ds)
-        fence_async_shared()
+        ds_smem = _store_ds(ds, ds_bufs, ds_free, t, wg)
         # line 14: dV_j += P^T dO_i; line 19: dK_j += dS^T Q_i
         _turn(turns, wg, 2 * t + 1, 2, PINGPONG)
         dv_tok = warpgroup_mma(p_smem.permute((1, 0)), do_s, dv, is_async=True)
-        dk_tok = warpgroup_mma(ds_bufs.index(2 * buf + wg).permute((1, 0)), q_s, dk, is_async=True)
+        dk_tok = warpgroup_mma(ds_smem.permute((1, 0)), q_s, dk, is_async=True)
         mbarrier.arrive(ds_ready.index(buf), count=1)
         if t > 0:
             # line 18 one step late, so the warpgroups need not meet at every step (measured faster than meeting:
@@ -192,8 +205,7 @@ def _step(t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs, p_
             dq_tok = _dq_product(ds_bufs, ds_ready, k_smem, dq_init, t - 1, wg, WG_N, BLOCK_M)
             _pass_turn(turns, wg, 2, PINGPONG)
             dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, dq_tok))
-            mbarrier.arrive(ds_free.index((t - 1) % 2), count=1)
-            _dq_reduce_add(dq_desc, dq_smem, dq * sm_scale, dq_row, dq_col)
+            _add_dq(dq, ds_free, t, dq_desc, dq_smem, sm_scale, dq_row, dq_col)
         else:
             _pass_turn(turns, wg, 2, PINGPONG)
             dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok))
