@@ -540,7 +540,8 @@ def main(argv=None):
     out = dict(device=devname, sms=sms, torch=torch.__version__, triton=triton.__version__, ceiling_gbs=ceiling,
                command=" ".join(sys.argv), problem={k: (list(v) if isinstance(v, tuple) else v) for k, v in p.items()},
                heuristic=dict(TARGET_WAVES=dec.TARGET_WAVES, WAVE_SLACK=dec.WAVE_SLACK,
-                              MIN_BLOCKS_PER_SPLIT=dec.MIN_BLOCKS_PER_SPLIT, MAX_SPLITS=dec.MAX_SPLITS),
+                              MIN_BLOCKS_PER_SPLIT=dec.MIN_BLOCKS_PER_SPLIT, MAX_SPLITS=dec.MAX_SPLITS,
+                              FEW_TILES_WAVES=dec.FEW_TILES_WAVES, FEW_TILES_CONFIG=dec.FEW_TILES_CONFIG),
                precompile_errors=pre_errors, points=points, rows=rows, tile_ranking=ranking,
                seconds=time.time() - t_start)
     d = os.path.dirname(os.path.abspath(args.out))

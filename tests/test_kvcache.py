@@ -420,6 +420,28 @@ def test_num_splits_heuristic_rule():
                     assert s == max(t for t in range(2, limit + 1) if -(-n_blocks // -(-n_blocks // t)) == t)
 
 
+def test_few_tiles_take_one_wave_of_128_key_tiles(monkeypatch):
+    """plan_decode on an H200-sized GPU (132 SMs; the interpreter's small tiles turned off): problems of at most
+    SMs / 8 tiles (batch 1-2 at nheads_k 8) get FEW_TILES_CONFIG's tiles and about one wave of splits; larger ones
+    the default tiles and two waves."""
+    monkeypatch.setattr(_decode, "interpreting", lambda: False)
+    monkeypatch.setattr(_decode, "multiprocessors", lambda device: 132)
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    few = (16, *_decode.FEW_TILES_CONFIG, True)
+    for batch, cache, splits in ((1, 4096, 8), (1, 32768, 16), (1, 131072, 16), (2, 4096, 8), (2, 131072, 8)):
+        plan = _decode._plan(1, 32, 8, 128, bf16, batch, cache, cpu, 0, 0)
+        cfg = plan.cfg
+        assert (cfg.BLOCK_M, cfg.BLOCK_N, cfg.num_warps, cfg.num_stages, cfg.use_tma) == few, (batch, cache)
+        assert plan.num_splits == splits, (batch, cache, plan.num_splits)
+        assert 8 * batch * plan.num_splits <= 132   # one wave of programs
+    plan = _decode._plan(1, 32, 8, 128, bf16, 8, 32768, cpu, 0, 0)   # 64 tiles: not few
+    assert (plan.cfg.BLOCK_N, plan.cfg.num_stages) == (128, 2)
+    assert plan.num_splits == _decode.num_splits_heuristic(64, 32768, 128, cpu, sms=132) == 4
+    # the paged path keeps one page per tile: 128-key tiles need pages of a multiple of 128, smaller pages shrink them
+    assert _decode._plan(1, 32, 8, 128, bf16, 1, 32768, cpu, 256, 0).page_tiles
+    assert _decode._plan(1, 32, 8, 128, bf16, 1, 32768, cpu, 64, 0).cfg.BLOCK_N == 64
+
+
 def test_config_override_fields_and_split_pin(monkeypatch):
     """CONFIG_OVERRIDE: single fields replace the default's, "num_splits" pins the automatic choice,
     "page_tiles": False turns the paged fast path off."""

@@ -370,6 +370,13 @@ EAGER_FUSED_BYTES = 256 << 20
 TARGET_WAVES = 2.0            # aim for >= this many programs per multiprocessor ...
 WAVE_SLACK = 0.9              # ... give or take this factor
 MIN_BLOCKS_PER_SPLIT = 4      # never fewer key blocks per split than this
+# Problems of few tiles (batch x K/V heads x row blocks at most an eighth of the SMs: batch 1-2 of a GQA model):
+# one wave of longer splits (FEW_TILES_WAVES instead of TARGET_WAVES) on (BLOCK_N, num_warps, num_stages) =
+# FEW_TILES_CONFIG tiles through TMA. Same-run A/B on an H200 (bf16 d128, nheads 32 / 8, graph replay, best of 5,
+# BENCHMARKS.md §4 nineteenth session): against two waves of 64-key tiles, 0.951-0.996x the time at batch 1 and 2,
+# caches 4k-128k, contiguous and paged (b1 4k 16.5 -> 15.7 us, 128k 137.8 -> 135.4; cuDNN 16.5 / 136.1)
+FEW_TILES_WAVES = 1.0
+FEW_TILES_CONFIG = (128, 4, 3)
 
 
 def _block_m(rows: int) -> int:
@@ -380,7 +387,8 @@ def default_decode_config(rows: int, head_dim: int, dtype: torch.dtype, few_tile
     """rows = seqlen_q * group (the packed M extent). tl.dot needs M >= 16; beyond 64 rows the tile is
     split over several programs. few_tiles: batch x K/V heads x row blocks at most an eighth of the SMs
     (batch 1-2 of a GQA model): every program then owns only a few key tiles of its split and shorter,
-    deeper-pipelined tiles pay. Interpreter: small tiles so that the CPU tests cross many tile edges."""
+    deeper-pipelined tiles pay (FEW_TILES_CONFIG). Interpreter: small tiles so that the CPU tests cross many tile
+    edges."""
     block_m = _block_m(rows)
     if interpreting():
         return DecodeConfig(min(block_m, 16), 16, 4, 1)
@@ -389,10 +397,11 @@ def default_decode_config(rows: int, head_dim: int, dtype: torch.dtype, few_tile
         # benchmarks/sweep_decode.py on an H200 (bf16, hd128, batch 1-64, cache 4k-128k, contiguous and page
         # 256): 128-key tiles through TMA, 2 stages, were within 2% of each point's best tile on average (0.5%
         # paged) and 13-30% faster than the former 64/4/3 at batch 64 (results/h200-2026-11-21/sweep_decode.md).
-        # At batch 1, 64-key tiles with 3 stages were within 0.9% of the best at every cache and 10% faster
-        # at 4k (16.1 vs 17.8 us; results/h200-2026-11-21b/sweep_decode_b1.md).
+        # Few tiles (batch 1-2): one wave of splits over 128-key tiles with 3 stages (FEW_TILES_CONFIG, with
+        # FEW_TILES_WAVES in the split rule) beat the earlier 64-key tiles over two waves at every cache
+        # (nineteenth session, BENCHMARKS.md §4).
         if few_tiles:
-            return DecodeConfig(block_m, 64, 4, 3, use_tma=True)
+            return DecodeConfig(block_m, *FEW_TILES_CONFIG, use_tma=True)
         return DecodeConfig(block_m, 128, 4, 2, use_tma=True)
     if bd <= 128:
         return DecodeConfig(block_m, 32, 4, 3)
@@ -420,15 +429,16 @@ def multiprocessors(device: torch.device) -> int:
 
 
 def num_splits_heuristic(tiles: int, max_seqlen_k: int, block_n: int, device: torch.device,
-                         sms: Optional[int] = None) -> int:
+                         sms: Optional[int] = None, waves: Optional[float] = None) -> int:
     """Number of key splits for `tiles` = m_blocks * batch * nheads_k programs per split over up to
     max_seqlen_k keys in blocks of block_n, on a GPU with `sms` multiprocessors (default: the device's).
 
     Decode is bound by reading K/V, and a multiprocessor reads at full speed only with several programs'
     loads in flight, so the rule is:
 
-    1. Target: at least TARGET_WAVES (2) waves, i.e. tiles * splits >= 2 * SMs programs (WAVE_SLACK 0.9:
-       1.8 waves count as reached). Problems whose tiles reach it alone are not split (1).
+    1. Target: at least `waves` (default TARGET_WAVES = 2; plan_decode passes FEW_TILES_WAVES = 1 for problems
+       of few tiles) waves, i.e. tiles * splits >= waves * SMs programs (WAVE_SLACK 0.9: 1.8 of 2 waves count as
+       reached). Problems whose tiles reach it alone are not split (1).
     2. Each split keeps >= MIN_BLOCKS_PER_SPLIT (4) key blocks (shorter splits cost more in per-program
        set-up, partial-output writes and combine work than they gain), and at most MAX_SPLITS.
     3. Only split counts that the kernel's division really produces are candidates: blocks_per_split =
@@ -439,20 +449,21 @@ def num_splits_heuristic(tiles: int, max_seqlen_k: int, block_n: int, device: to
        whose last wave is fullest (wave efficiency waves / ceil(waves), waves = tiles * s / SMs), the
        smallest s among those within 0.02 of the best.
 
-    H200 (132 SMs), nheads_k 8, BLOCK_N 64, seqlen_q 1: batch 1 -> 16 / 32 / 33 splits at 4k / 32k / 128k
-    keys, batch 8 -> 4, batch >= 32 -> 1.
+    H200 (132 SMs), nheads_k 8, BLOCK_N 64, seqlen_q 1, two waves: batch 1 -> 16 / 32 / 33 splits at 4k / 32k /
+    128k keys, batch 8 -> 4, batch >= 32 -> 1. What plan_decode takes at batch 1 (BLOCK_N 128, one wave): 8 / 16 /
+    16; at batch 2: 8.
     """
     if sms is None:
         sms = multiprocessors(device)
-    return _num_splits(tiles, max_seqlen_k, block_n, sms)
+    return _num_splits(tiles, max_seqlen_k, block_n, sms, TARGET_WAVES if waves is None else waves)
 
 
 @functools.lru_cache(maxsize=4096)
-def _num_splits(tiles: int, max_seqlen_k: int, block_n: int, sms: int) -> int:
+def _num_splits(tiles: int, max_seqlen_k: int, block_n: int, sms: int, waves: float) -> int:
     """num_splits_heuristic's rule, memoised: up to MAX_SPLITS candidates are tried, on every decode call."""
     n_blocks = cdiv(max(max_seqlen_k, 1), block_n)
     limit = max(1, min(MAX_SPLITS, n_blocks // MIN_BLOCKS_PER_SPLIT))
-    need = WAVE_SLACK * TARGET_WAVES * sms
+    need = WAVE_SLACK * waves * sms
     if tiles <= 0 or tiles >= need or limit == 1:
         return 1
     cands = [s for s in range(2, limit + 1) if cdiv(n_blocks, cdiv(n_blocks, s)) == s]
@@ -501,7 +512,8 @@ def _plan(seqlen_q: int, nheads: int, nheads_k: int, head_dim: int, dtype: torch
           max_seqlen_k: int, device: torch.device, page_size: int, num_splits: int) -> DecodePlan:
     group = nheads // nheads_k
     tiles = cdiv(max(seqlen_q * group, 1), _block_m(seqlen_q * group)) * batch * nheads_k
-    cfg = decode_config(seqlen_q * group, head_dim, dtype, few_tiles=8 * tiles <= multiprocessors(device))
+    few_tiles = 8 * tiles <= multiprocessors(device)
+    cfg = decode_config(seqlen_q * group, head_dim, dtype, few_tiles=few_tiles)
     if (page_size and "BLOCK_N" not in CONFIG_OVERRIDE and "decode" not in CONFIG_OVERRIDE
             and not page_tiles_ok(page_size, cfg.BLOCK_N) and page_size >= 16 and page_size & (page_size - 1) == 0):
         # small power-of-two pages: shrink the key tile to one page so each tile stays inside a page (one
@@ -511,7 +523,8 @@ def _plan(seqlen_q: int, nheads: int, nheads_k: int, head_dim: int, dtype: torch
     if num_splits <= 0:
         num_splits = int(CONFIG_OVERRIDE.get("num_splits", 0))
     if num_splits <= 0:
-        num_splits = num_splits_heuristic(m_blocks * batch * nheads_k, max_seqlen_k, cfg.BLOCK_N, device)
+        num_splits = num_splits_heuristic(m_blocks * batch * nheads_k, max_seqlen_k, cfg.BLOCK_N, device,
+                                          waves=FEW_TILES_WAVES if few_tiles else TARGET_WAVES)
     num_splits = max(1, min(int(num_splits), MAX_SPLITS, cdiv(max(max_seqlen_k, 1), cfg.BLOCK_N)))
     return DecodePlan(cfg, m_blocks, num_splits, page_tiles_ok(page_size, cfg.BLOCK_N))
 
