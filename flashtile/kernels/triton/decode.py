@@ -359,8 +359,10 @@ MAX_SPLITS = 128
 # step after another, while the separate kernel spreads them over a program per row and head but costs a
 # launch: H200, bf16 d128, nheads 32 / 8, graph replay (BENCHMARKS.md §4, ninth session), batch 8 with 4
 # splits 48.0 fused vs 49.5 us separate at a 4k cache (cuDNN 48.8), 257.4 vs 258.8 at 32k; batch 1 with 32-33
-# splits 51.2 vs 49.7 at 32k and 146.1 vs 140.4 at 128k
-FUSED_MAX_SPLITS = 8
+# splits of 64-key tiles 51.2 vs 49.7 at 32k and 146.1 vs 140.4 at 128k. With FEW_TILES_CONFIG's 16 splits
+# of 128-key tiles at batch 1 (nineteenth session, best of 3): fused 48.4 vs 49.1 at 32k, 137.6 vs 138.5 at 128k,
+# paged 49.2 vs 50.1, 138.1 vs 138.7 (cuDNN 49.0 / 138.2)
+FUSED_MAX_SPLITS = 16
 # ... except in eager calls (no CUDA graph being captured) that read at most EAGER_FUSED_BYTES of K/V: such a call
 # is bound by host time (~100 us of Python and launches per call against 16-50 us of GPU time at batch 1 with a
 # 4k-32k cache, BENCHMARKS.md §4), to which the separate kernel's launch adds ~20 us, while merging 16-33 splits in
