@@ -442,6 +442,27 @@ def test_few_tiles_take_one_wave_of_128_key_tiles(monkeypatch):
     assert _decode._plan(1, 32, 8, 128, bf16, 1, 32768, cpu, 64, 0).cfg.BLOCK_N == 64
 
 
+def test_pages_of_16_gather_128_key_tiles(monkeypatch):
+    """plan_decode for paged caches (132-SM GPU, interpreter tiles off): pages of 16 under a 128-key tile keep the
+    tile and gather its rows (page_tiles False, 2 stages) where each split has >= GATHER_MIN_TILES tiles; else
+    (batch 1 with a 4k cache, pages of 32 / 64, configs with smaller tiles such as d256's) the tile shrinks to one
+    page."""
+    monkeypatch.setattr(_decode, "interpreting", lambda: False)
+    monkeypatch.setattr(_decode, "multiprocessors", lambda device: 132)
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    for batch, cache in ((1, 32768), (1, 131072), (8, 4096), (8, 32768), (64, 4096)):
+        plan = _decode._plan(1, 32, 8, 128, bf16, batch, cache, cpu, 16, 0)
+        assert (plan.cfg.BLOCK_N, plan.cfg.num_stages, plan.page_tiles) == (128, 2, False), (batch, cache)
+        assert -(-cache // 128 // plan.num_splits) >= _decode.GATHER_MIN_TILES
+        for page in (32, 64):
+            plan = _decode._plan(1, 32, 8, 128, bf16, batch, cache, cpu, page, 0)
+            assert (plan.cfg.BLOCK_N, plan.page_tiles) == (page, True), (batch, cache, page)
+    plan = _decode._plan(1, 32, 8, 128, bf16, 1, 4096, cpu, 16, 0)   # 8 splits of 4 tiles: short
+    assert (plan.cfg.BLOCK_N, plan.page_tiles, plan.num_splits) == (16, True, 16)
+    plan = _decode._plan(1, 16, 8, 256, bf16, 1, 32768, cpu, 16, 0)
+    assert (plan.cfg.BLOCK_N, plan.page_tiles) == (16, True)
+
+
 def test_config_override_fields_and_split_pin(monkeypatch):
     """CONFIG_OVERRIDE: single fields replace the default's, "num_splits" pins the automatic choice,
     "page_tiles": False turns the paged fast path off."""

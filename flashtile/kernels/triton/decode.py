@@ -379,6 +379,14 @@ MIN_BLOCKS_PER_SPLIT = 4      # never fewer key blocks per split than this
 # caches 4k-128k, contiguous and paged (b1 4k 16.5 -> 15.7 us, 128k 137.8 -> 135.4; cuDNN 16.5 / 136.1)
 FEW_TILES_WAVES = 1.0
 FEW_TILES_CONFIG = (128, 4, 3)
+# Paged caches whose pages hold fewer keys than SMALL_PAGE_TILES, under a 128-key tile, with splits of at least
+# GATHER_MIN_TILES such tiles: the tile gathers its rows (one block-table entry per row, 2 stages) instead of
+# shrinking to one page per tile. H200, bf16 d128, nheads 32 / 8, graph replay (BENCHMARKS.md §4 nineteenth
+# session), gathering / one page per tile, us: page 16, batch 1 32k 74.5 / 103.9, 128k 247.2 / 381.1, batch 8 4k
+# 55.8 / 96.4, 32k 296.2 / 658.7, batch 64 4k 308.5 / 404.1, but batch 1 4k (4 tiles per split) 27.9 / 22.1;
+# page 32: 1.09-1.55x slower gathering at batch 1 and 64 (faster at batch 8 only), page 64: slower
+SMALL_PAGE_TILES = 32
+GATHER_MIN_TILES = 8
 
 
 def _block_m(rows: int) -> int:
@@ -516,19 +524,29 @@ def _plan(seqlen_q: int, nheads: int, nheads_k: int, head_dim: int, dtype: torch
     tiles = cdiv(max(seqlen_q * group, 1), _block_m(seqlen_q * group)) * batch * nheads_k
     few_tiles = 8 * tiles <= multiprocessors(device)
     cfg = decode_config(seqlen_q * group, head_dim, dtype, few_tiles=few_tiles)
+    m_blocks = cdiv(max(seqlen_q * group, 1), cfg.BLOCK_M)
+
+    def splits(cfg):
+        n = num_splits if num_splits > 0 else int(CONFIG_OVERRIDE.get("num_splits", 0))
+        if n <= 0:
+            n = num_splits_heuristic(m_blocks * batch * nheads_k, max_seqlen_k, cfg.BLOCK_N, device,
+                                     waves=FEW_TILES_WAVES if few_tiles else TARGET_WAVES)
+        return max(1, min(int(n), MAX_SPLITS, cdiv(max(max_seqlen_k, 1), cfg.BLOCK_N)))
+
     if (page_size and "BLOCK_N" not in CONFIG_OVERRIDE and "decode" not in CONFIG_OVERRIDE
             and not page_tiles_ok(page_size, cfg.BLOCK_N) and page_size >= 16 and page_size & (page_size - 1) == 0):
         # small power-of-two pages: shrink the key tile to one page so each tile stays inside a page (one
-        # block-table read, contiguous rows) rather than gathering rows one by one
-        cfg = dataclasses.replace(cfg, BLOCK_N=min(cfg.BLOCK_N, page_size))
-    m_blocks = cdiv(max(seqlen_q * group, 1), cfg.BLOCK_M)
-    if num_splits <= 0:
-        num_splits = int(CONFIG_OVERRIDE.get("num_splits", 0))
-    if num_splits <= 0:
-        num_splits = num_splits_heuristic(m_blocks * batch * nheads_k, max_seqlen_k, cfg.BLOCK_N, device,
-                                          waves=FEW_TILES_WAVES if few_tiles else TARGET_WAVES)
-    num_splits = max(1, min(int(num_splits), MAX_SPLITS, cdiv(max(max_seqlen_k, 1), cfg.BLOCK_N)))
-    return DecodePlan(cfg, m_blocks, num_splits, page_tiles_ok(page_size, cfg.BLOCK_N))
+        # block-table read, contiguous rows) rather than gathering rows one by one ...
+        one_page = dataclasses.replace(cfg, BLOCK_N=min(cfg.BLOCK_N, page_size))
+        # ... except pages below SMALL_PAGE_TILES under a 128-key tile, whose splits are long enough: there the
+        # 128-key tile gathers its rows (two stages)
+        gather = dataclasses.replace(cfg, num_stages=2)
+        n = splits(gather)
+        if (cfg.BLOCK_N >= 128 and page_size < SMALL_PAGE_TILES
+                and cdiv(cdiv(max(max_seqlen_k, 1), cfg.BLOCK_N), n) >= GATHER_MIN_TILES):
+            return DecodePlan(gather, m_blocks, n, False)
+        cfg = one_page
+    return DecodePlan(cfg, m_blocks, splits(cfg), page_tiles_ok(page_size, cfg.BLOCK_N))
 
 
 _plan_memo = functools.lru_cache(maxsize=4096)(_plan)
