@@ -1,13 +1,15 @@
 """flash_attn_with_kvcache: attention of new queries over a KV cache, with in-place append, rotary embedding,
 paged K/V and split-KV (flash-decoding). Forward only (inference), like flash-attn.
 
-Flow: validate everything (shapes, dtypes, devices, then the values of the index tensors) -> append the new
+Flow: validate everything (shapes, dtypes, devices - remembered per argument signature, so a decode loop checks
+them once - then the values of the index tensors) -> append the new
 k/v into the cache (rotating k) and rotate q (kernels/triton/rotary.py) -> split-KV attention over the cache
 (kernels/triton/decode.py, merged by combine.py).
 """
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -119,41 +121,71 @@ def _check_rotary(rotary_cos, rotary_sin, q, k, head_dim: int, capacity: int, ro
               f"(every position a token can be written to)")
 
 
-def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
-                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
-                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
-    """Attention of q over a KV cache, appending k/v first (flash-attn 2.x semantics). No autograd.
+@dataclass(frozen=True)
+class _Shapes:
+    """What flash_attn_with_kvcache's shape / dtype / device checks derive: the normalised scalar arguments, the
+    cache capacity (positions a batch element can hold), the page size (0: contiguous) and seqlen_new."""
+    args: AttnArgs
+    capacity: int
+    page: int
+    seqlen_new: int
 
-    q: (batch, seqlen_q, nheads, headdim).
-    k_cache, v_cache: (batch_cache, seqlen_cache, nheads_k, headdim), or paged (num_blocks, page_block_size,
-        nheads_k, headdim) with block_table (batch, max_blocks_per_seq) int32 (any page size).
-    k, v: optional (batch, seqlen_new, nheads_k, headdim): written into the cache IN PLACE at positions
-        cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1 before attending.
-    rotary_cos, rotary_sin: optional (seqlen_ro, rotary_dim / 2), seqlen_ro >= the cache capacity; q and the new
-        k are rotated (rotary_interleaved: pairs (2i, 2i+1); else GPT-NeoX halves). The new k at position
-        cache_seqlens - cache_leftpad + i; q row i at the same position if causal or local, else every q row
-        at cache_seqlens - cache_leftpad (flash-attn's convention).
-    cache_seqlens: int or (batch,) int32: tokens already in the cache (counting the left padding); None: the
-        whole cache (only without k/v).
-    cache_batch_idx: (batch,) int32: cache row of each batch element (contiguous cache only; with duplicate
-        indices and k/v given, which duplicate's values land in the cache is unspecified).
-    cache_leftpad: (batch,) int32: the sequence starts at this cache position; positions below it are ignored,
-        and key positions (causal alignment, ALiBi, rotary) count from it.
-    Batch element b attends keys at cache positions [cache_leftpad[b], cache_seqlens[b] + seqlen_new): with
-    seqlen_k = that count, causal/window/ALiBi align bottom-right as in flash_attn_func.
-    num_splits: 0 picks the number of key splits from the problem and the GPU; 1 disables splitting.
-    Returns out (batch, seqlen_q, nheads, headdim), and softmax_lse (batch, nheads, seqlen_q) float32 if
-    return_softmax_lse.
-    """
-    # ---- shapes, dtypes, devices (no device memory is read) ----
+
+# argument signature -> _Shapes of calls that passed the checks (_checked_shapes)
+_SHAPES: dict = {}
+_SHAPES_MAX = 1024
+
+
+def _signature(t):
+    """What the checks read of a tensor argument (None stays None); TypeError for anything else."""
+    if t is None:
+        return None
+    if type(t) is not torch.Tensor:
+        raise TypeError
+    return t.shape, t.stride(), t.dtype, t.device
+
+
+def _checked_shapes(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, no_seqlens, cache_batch_idx, cache_leftpad,
+                    block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
+                    num_splits, return_softmax_lse) -> _Shapes:
+    """_check_shapes, memoised on everything it reads (tensors' shapes, strides, dtypes and devices; the other
+    arguments' types and values): a decode loop repeats one signature, and the checks cost more host time than
+    the lookup (BENCHMARKS.md §1c). Arguments that are not tensors where tensors belong skip the memo, so their
+    error is raised as always."""
+    try:
+        if torch.compiler.is_compiling():   # no global state for the tracer
+            raise TypeError
+        key = (_signature(q), _signature(k_cache), _signature(v_cache), _signature(k), _signature(v),
+               _signature(rotary_cos), _signature(rotary_sin), no_seqlens, _signature(cache_batch_idx),
+               _signature(cache_leftpad), _signature(block_table), type(softmax_scale), softmax_scale, type(causal),
+               causal, tuple(window_size) if type(window_size) in (tuple, list) else window_size, type(softcap),
+               softcap, type(rotary_interleaved), rotary_interleaved, _signature(alibi_slopes), type(num_splits),
+               num_splits, type(return_softmax_lse), return_softmax_lse)
+        shapes = _SHAPES.get(key)
+    except TypeError:   # a non-tensor where a tensor belongs, an unhashable value, or tracing
+        key = shapes = None
+    if shapes is None:
+        shapes = _check_shapes(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, no_seqlens, cache_batch_idx,
+                               cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
+                               rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse)
+        if key is not None:
+            if len(_SHAPES) >= _SHAPES_MAX:
+                _SHAPES.clear()
+            _SHAPES[key] = shapes
+    return shapes
+
+
+def _check_shapes(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, no_seqlens, cache_batch_idx, cache_leftpad,
+                  block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
+                  num_splits, return_softmax_lse) -> _Shapes:
+    """Every check of flash_attn_with_kvcache that reads no device memory and no cache_seqlens value."""
     _check_tensor("q", q, 4)
     _check_tensor("k_cache", k_cache, 4)
     _check_tensor("v_cache", v_cache, 4)
     batch, seqlen_q, nheads, head_dim = q.shape
     device = q.device
-    paged = block_table is not None
-    if paged:
+    page = 0
+    if block_table is not None:
         page = check_paged_cache(k_cache, v_cache, block_table, batch, device)
         capacity = block_table.shape[1] * page
         if cache_batch_idx is not None:
@@ -193,9 +225,53 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 _fail(f"{name}.device", t.device, f"the device of q ({device})")
         seqlen_new = k.shape[1]
     _check_rotary(rotary_cos, rotary_sin, q, k, head_dim, capacity, rotary_interleaved)
+    if no_seqlens and k is not None:
+        _fail("cache_seqlens", None, "the current cache lengths when k/v are appended (flash-attn semantics)")
+    if cache_leftpad is not None:
+        check_index_tensor("cache_leftpad", cache_leftpad, (batch,), device)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        _fail("num_splits", num_splits, "an int >= 0 (0: chosen automatically)")
+    if not isinstance(return_softmax_lse, bool):
+        _fail("return_softmax_lse", return_softmax_lse, "a bool", TypeError)
+    return _Shapes(a, capacity, page, seqlen_new)
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+    """Attention of q over a KV cache, appending k/v first (flash-attn 2.x semantics). No autograd.
+
+    q: (batch, seqlen_q, nheads, headdim).
+    k_cache, v_cache: (batch_cache, seqlen_cache, nheads_k, headdim), or paged (num_blocks, page_block_size,
+        nheads_k, headdim) with block_table (batch, max_blocks_per_seq) int32 (any page size).
+    k, v: optional (batch, seqlen_new, nheads_k, headdim): written into the cache IN PLACE at positions
+        cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1 before attending.
+    rotary_cos, rotary_sin: optional (seqlen_ro, rotary_dim / 2), seqlen_ro >= the cache capacity; q and the new
+        k are rotated (rotary_interleaved: pairs (2i, 2i+1); else GPT-NeoX halves). The new k at position
+        cache_seqlens - cache_leftpad + i; q row i at the same position if causal or local, else every q row
+        at cache_seqlens - cache_leftpad (flash-attn's convention).
+    cache_seqlens: int or (batch,) int32: tokens already in the cache (counting the left padding); None: the
+        whole cache (only without k/v).
+    cache_batch_idx: (batch,) int32: cache row of each batch element (contiguous cache only; with duplicate
+        indices and k/v given, which duplicate's values land in the cache is unspecified).
+    cache_leftpad: (batch,) int32: the sequence starts at this cache position; positions below it are ignored,
+        and key positions (causal alignment, ALiBi, rotary) count from it.
+    Batch element b attends keys at cache positions [cache_leftpad[b], cache_seqlens[b] + seqlen_new): with
+    seqlen_k = that count, causal/window/ALiBi align bottom-right as in flash_attn_func.
+    num_splits: 0 picks the number of key splits from the problem and the GPU; 1 disables splitting.
+    Returns out (batch, seqlen_q, nheads, headdim), and softmax_lse (batch, nheads, seqlen_q) float32 if
+    return_softmax_lse.
+    """
+    # ---- shapes, dtypes, devices (no device memory is read) ----
+    shapes = _checked_shapes(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens is None,
+                             cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
+                             rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse)
+    a, capacity, page, seqlen_new = shapes.args, shapes.capacity, shapes.page, shapes.seqlen_new
+    batch, seqlen_q, nheads = q.shape[:3]
+    device = q.device
+    paged = block_table is not None
     if cache_seqlens is None:
-        if k is not None:
-            _fail("cache_seqlens", None, "the current cache lengths when k/v are appended (flash-attn semantics)")
         cache_seqlens = capacity
     # Without an append, an int cache_seqlens (or None: the full cache) is one end position for every batch
     # element: the kernel takes it as a scalar, so no (batch,) tensor is filled on the device for it.
@@ -208,12 +284,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         static_end = cache_seqlens
     else:
         cache_seqlens = _seqlens_tensor("cache_seqlens", cache_seqlens, batch, device)
-    if cache_leftpad is not None:
-        check_index_tensor("cache_leftpad", cache_leftpad, (batch,), device)
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
-        _fail("num_splits", num_splits, "an int >= 0 (0: chosen automatically)")
-    if not isinstance(return_softmax_lse, bool):
-        _fail("return_softmax_lse", return_softmax_lse, "a bool", TypeError)
     _check_device(q)
 
     # ---- index values (one synchronisation; skipped when disabled / capturing / compiling) ----

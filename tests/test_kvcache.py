@@ -641,6 +641,44 @@ def test_bad_arguments_raise_naming_argument(what, override, name, monkeypatch):
         flash_attn_with_kvcache(**args)
 
 
+def test_shape_checks_memoised_per_signature(monkeypatch):
+    """The shape / dtype / device checks run once per argument signature (kvcache._checked_shapes): a repeated call
+    skips them, any change of what they read (a shape, a stride, a dtype, a scalar's value or type) checks again,
+    and a call that failed them is not remembered."""
+    from flashtile import kvcache
+    from flashtile.kernels.triton import rotary
+    monkeypatch.setattr(kvcache, "_SHAPES", {})
+    calls = []
+    real = kvcache._check_shapes
+    monkeypatch.setattr(kvcache, "_check_shapes", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(_decode, "flash_decode", lambda *a, **k: None)
+    monkeypatch.setattr(rotary, "append_kv", lambda *a, **k: None)
+    args = _base()
+    flash_attn_with_kvcache(**args, cache_seqlens=5)
+    flash_attn_with_kvcache(**args, cache_seqlens=7)                        # an int's value: not a signature part
+    flash_attn_with_kvcache(**{**args, "q": torch.randn(2, 1, 4, 16, dtype=fp16, device=DEVICE)}, cache_seqlens=5)
+    assert len(calls) == 1
+    kt = torch.randn(2, 16, 32, 2, dtype=fp16, device=DEVICE).permute(0, 2, 3, 1)   # k_cache with d strided
+    for i, change in enumerate([dict(softcap=5.0), dict(window_size=(4, 0)), dict(causal=True),
+                                dict(q=torch.randn(2, 1, 4, 16, dtype=fp32, device=DEVICE)),
+                                dict(q=torch.randn(2, 1, 8, 16, dtype=fp16, device=DEVICE)[:, :, ::2]),   # strides
+                                dict(num_splits=2), dict(return_softmax_lse=True)]):
+        try:
+            flash_attn_with_kvcache(**{**args, **change}, cache_seqlens=5)
+        except ERRORS:
+            pass
+        assert len(calls) == 2 + i, change
+    n = len(calls)
+    for bad in (dict(k_cache=kt, v_cache=kt), dict(num_splits=-1), dict(return_softmax_lse=1), dict(num_splits=True)):
+        for _ in range(2):   # refused each time: the failing check is not memoised
+            with pytest.raises(ERRORS):
+                flash_attn_with_kvcache(**{**args, **bad}, cache_seqlens=5)
+    assert len(calls) == n + 8
+    with pytest.raises(TypeError, match="rotary_cos"):   # not a tensor: checked without the memo
+        flash_attn_with_kvcache(**args, k=args["q"][:, :, :2], v=args["q"][:, :, :2], cache_seqlens=_i32([1, 2]),
+                                rotary_cos=[[1.0] * 8] * 32, rotary_sin=[[0.0] * 8] * 32)
+
+
 def test_rotary_table_too_short_raises():
     args = _base()
     k = torch.randn(2, 1, 2, 16, dtype=fp16, device=DEVICE)
