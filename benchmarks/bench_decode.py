@@ -1,6 +1,6 @@
 """Decode (one new query token per sequence) over a KV cache: flashtile's split-KV kernel beside SDPA.
 
-Usage (GPU machine, repo root):  PYTHONPATH=. python benchmarks/bench_decode.py --out DIR [--page 256]
+Usage (GPU machine, repo root):  PYTHONPATH=. python benchmarks/bench_decode.py --out DIR [--page 256[,16,...]]
 
 Problem: batch 1 / 8 / 64 x cache 4k / 32k / 128k positions, nheads 32, nheads_k 8 (GQA 4:1), headdim 128, bf16,
 cache_seqlens = the full cache, no append. Points whose K/V (plus the SDPA copies) do not fit in 80% of free
@@ -8,7 +8,8 @@ memory are skipped and listed as such.
 
 Providers (same problem, same numbers of bytes):
 - flashtile-contig: flash_attn_with_kvcache on a (batch, seqlen, nheads_k, d) cache, num_splits=0 (automatic).
-- flashtile-paged:  the same K/V laid out in pages of --page positions, shuffled, through block_table.
+- flashtile-paged:  the same K/V laid out in pages of --page positions (one provider per size of a comma list),
+  shuffled, through block_table.
 - sdpa-flash / sdpa-cudnn: torch SDPA restricted to one backend via torch.nn.attention.sdpa_kernel, on the
   same cache viewed as (batch, nheads_k, seqlen, d). GQA is given to SDPA with enable_gqa=True when the backend
   accepts it; otherwise K/V are expanded to nheads with repeat_interleave beforehand (the copy is not timed, but
@@ -125,7 +126,7 @@ def to_paged(k_cache, v_cache, page):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
-    ap.add_argument("--page", type=int, default=256)
+    ap.add_argument("--page", default="256", help="page size(s), comma-separated")
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
     ap.add_argument("--caches", default=",".join(map(str, CACHES)))
     args = ap.parse_args()
@@ -137,6 +138,7 @@ def main():
     ceiling, ceiling_ms = bandwidth_ceiling_gbs()
     print(f"read-only ceiling: x.sum() over 4.29 GB: {ceiling:.0f} GB/s ({ceiling_ms:.3f} ms)", flush=True)
     rows = []
+    pages = [int(x) for x in str(args.page).split(",")]
     t0 = time.time()
     for batch in (int(x) for x in args.batches.split(",")):
         for seqlen in (int(x) for x in args.caches.split(",")):
@@ -144,10 +146,11 @@ def main():
             free, _ = torch.cuda.mem_get_info()
             point = dict(batch=batch, seqlen_k=seqlen, nheads=H, nheads_k=HK, headdim=D, dtype="bf16",
                          kv_bytes=kv_bytes)
-            # contiguous cache + paged copy (+ a possible 4x repeat for SDPA, checked below)
-            if 2 * kv_bytes > 0.8 * free:
+            # contiguous cache + a paged copy per page size (+ a possible 4x repeat for SDPA, checked below)
+            need = (1 + len(pages)) * kv_bytes
+            if need > 0.8 * free:
                 rows.append(dict(point, provider="all", status="skipped (memory)"))
-                print(f"| {batch} | {seqlen} | all | skipped: {2 * kv_bytes / 1e9:.1f} GB > 80% of free |", flush=True)
+                print(f"| {batch} | {seqlen} | all | skipped: {need / 1e9:.1f} GB > 80% of free |", flush=True)
                 continue
             q = torch.randn(batch, 1, H, D, dtype=DTYPE, device="cuda")
             k_cache = torch.randn(batch, seqlen, HK, D, dtype=DTYPE, device="cuda")
@@ -155,11 +158,14 @@ def main():
             nb = min(batch, 2)
             ref = reference_slice(q, k_cache, v_cache, nb)
             providers = []
-            splits = _decode.plan_decode(1, H, HK, D, DTYPE, batch, seqlen, q.device).num_splits
+            splits = {"flashtile-contig": _decode.plan_decode(1, H, HK, D, DTYPE, batch, seqlen, q.device).num_splits}
             providers.append(("flashtile-contig", lambda: flash_attn_with_kvcache(q, k_cache, v_cache), "packed"))
-            kp, vp, table = to_paged(k_cache, v_cache, args.page)
-            providers.append((f"flashtile-paged{args.page}",
-                              lambda: flash_attn_with_kvcache(q, kp, vp, block_table=table), "packed"))
+            for page in pages:
+                kp, vp, table = to_paged(k_cache, v_cache, page)
+                run = (lambda kp=kp, vp=vp, table=table: flash_attn_with_kvcache(q, kp, vp, block_table=table))
+                providers.append((f"flashtile-paged{page}", run, "packed"))
+                splits[f"flashtile-paged{page}"] = _decode.plan_decode(1, H, HK, D, DTYPE, batch, seqlen, q.device,
+                                                                       page_size=page).num_splits
             for name, be in (("sdpa-flash", SDPBackend.FLASH_ATTENTION), ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION)):
                 free, _ = torch.cuda.mem_get_info()
                 try:
@@ -186,8 +192,8 @@ def main():
                     gbs = kv_bytes / ms / 1e6
                     row = dict(point, provider=name, gqa=mode, launch=launch_mode, ms=ms, gbs=gbs,
                                frac_ceiling=gbs / ceiling, max_abs_err=err, status="ok")
-                    if name.startswith("flashtile"):
-                        row["num_splits"] = splits
+                    if name in splits:
+                        row["num_splits"] = splits[name]
                     rows.append(row)
             del providers, kp, vp, table, k_cache, v_cache, q
             torch.cuda.empty_cache()
@@ -212,7 +218,7 @@ def main():
     path = os.path.join(args.out, "bench_decode.json")
     with open(path, "w") as f:
         json.dump(dict(device=dev, sms=sms, torch=torch.__version__, triton=triton.__version__,
-                       ceiling_gbs=ceiling, page=args.page, command=" ".join(sys.argv), rows=rows), f, indent=1)
+                       ceiling_gbs=ceiling, page=pages, command=" ".join(sys.argv), rows=rows), f, indent=1)
     print(f"\nwrote {path}")
 
 
