@@ -136,38 +136,27 @@ _SHAPES: dict = {}
 _SHAPES_MAX = 1024
 
 
-def _signature(t):
-    """What the checks read of a tensor argument (None stays None); TypeError for anything else."""
-    if t is None:
-        return None
-    if type(t) is not torch.Tensor:
-        raise TypeError
-    return t.shape, t.stride(), t.dtype, t.device
+def _signature(args) -> tuple:
+    """What the checks read of the arguments: each tensor's shape, strides, dtype and device; anything else's type
+    and value (None as itself). A tensor subclass gives an unhashable part (a list), as does an unhashable value (a
+    list window_size, say): then there is no key."""
+    T = torch.Tensor
+    return tuple([x if x is None else (x.shape, x.stride(), x.dtype, x.device) if type(x) is T
+                  else [] if isinstance(x, T) else (type(x), x) for x in args])
 
 
-def _checked_shapes(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, no_seqlens, cache_batch_idx, cache_leftpad,
-                    block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
-                    num_splits, return_softmax_lse) -> _Shapes:
-    """_check_shapes, memoised on everything it reads (tensors' shapes, strides, dtypes and devices; the other
-    arguments' types and values): a decode loop repeats one signature, and the checks cost more host time than
-    the lookup (BENCHMARKS.md §1c). Arguments that are not tensors where tensors belong skip the memo, so their
-    error is raised as always."""
+def _checked_shapes(*args) -> _Shapes:
+    """_check_shapes(*args), memoised on the arguments' _signature: a decode loop repeats one signature, and the
+    checks cost more host time than the lookup (BENCHMARKS.md §1c). Only calls that passed are remembered."""
     try:
         if torch.compiler.is_compiling():   # no global state for the tracer
             raise TypeError
-        key = (_signature(q), _signature(k_cache), _signature(v_cache), _signature(k), _signature(v),
-               _signature(rotary_cos), _signature(rotary_sin), no_seqlens, _signature(cache_batch_idx),
-               _signature(cache_leftpad), _signature(block_table), type(softmax_scale), softmax_scale, type(causal),
-               causal, tuple(window_size) if type(window_size) in (tuple, list) else window_size, type(softcap),
-               softcap, type(rotary_interleaved), rotary_interleaved, _signature(alibi_slopes), type(num_splits),
-               num_splits, type(return_softmax_lse), return_softmax_lse)
-        shapes = _SHAPES.get(key)
-    except TypeError:   # a non-tensor where a tensor belongs, an unhashable value, or tracing
+        key = _signature(args)
+        shapes = _SHAPES.get(key)   # TypeError if unhashable
+    except TypeError:
         key = shapes = None
     if shapes is None:
-        shapes = _check_shapes(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, no_seqlens, cache_batch_idx,
-                               cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
-                               rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse)
+        shapes = _check_shapes(*args)
         if key is not None:
             if len(_SHAPES) >= _SHAPES_MAX:
                 _SHAPES.clear()

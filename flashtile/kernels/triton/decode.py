@@ -535,17 +535,16 @@ def _plan(seqlen_q: int, nheads: int, nheads_k: int, head_dim: int, dtype: torch
 
     if (page_size and "BLOCK_N" not in CONFIG_OVERRIDE and "decode" not in CONFIG_OVERRIDE
             and not page_tiles_ok(page_size, cfg.BLOCK_N) and page_size >= 16 and page_size & (page_size - 1) == 0):
-        # small power-of-two pages: shrink the key tile to one page so each tile stays inside a page (one
-        # block-table read, contiguous rows) rather than gathering rows one by one ...
-        one_page = dataclasses.replace(cfg, BLOCK_N=min(cfg.BLOCK_N, page_size))
-        # ... except pages below SMALL_PAGE_TILES under a 128-key tile, whose splits are long enough: there the
-        # 128-key tile gathers its rows (two stages)
-        gather = dataclasses.replace(cfg, num_stages=2)
-        n = splits(gather)
-        if (cfg.BLOCK_N >= 128 and page_size < SMALL_PAGE_TILES
-                and cdiv(cdiv(max(max_seqlen_k, 1), cfg.BLOCK_N), n) >= GATHER_MIN_TILES):
-            return DecodePlan(gather, m_blocks, n, False)
-        cfg = one_page
+        if cfg.BLOCK_N >= 128 and page_size < SMALL_PAGE_TILES:
+            # pages below SMALL_PAGE_TILES under a 128-key tile: where splits are long enough, the tile gathers
+            # its rows (two stages) ...
+            gather = dataclasses.replace(cfg, num_stages=2)
+            n = splits(gather)
+            if cdiv(cdiv(max(max_seqlen_k, 1), cfg.BLOCK_N), n) >= GATHER_MIN_TILES:
+                return DecodePlan(gather, m_blocks, n, False)
+        # ... else (other small power-of-two pages) the key tile shrinks to one page so each tile stays inside a
+        # page (one block-table read, contiguous rows) rather than gathering rows one by one
+        cfg = dataclasses.replace(cfg, BLOCK_N=min(cfg.BLOCK_N, page_size))
     return DecodePlan(cfg, m_blocks, splits(cfg), page_tiles_ok(page_size, cfg.BLOCK_N))
 
 
