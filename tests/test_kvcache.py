@@ -442,25 +442,39 @@ def test_few_tiles_take_one_wave_of_128_key_tiles(monkeypatch):
     assert _decode._plan(1, 32, 8, 128, bf16, 1, 32768, cpu, 64, 0).cfg.BLOCK_N == 64
 
 
-def test_pages_of_16_gather_128_key_tiles(monkeypatch):
-    """plan_decode for paged caches (132-SM GPU, interpreter tiles off): pages of 16 under a 128-key tile keep the
-    tile and gather its rows (page_tiles False, 2 stages) where each split has >= GATHER_MIN_TILES tiles; else
-    (batch 1 with a 4k cache, pages of 32 / 64, configs with smaller tiles such as d256's) the tile shrinks to one
-    page."""
+def test_small_pages_plan(monkeypatch):
+    """plan_decode for pages smaller than the 128-key tile (132-SM GPU, interpreter tiles off): SMALL_PAGE_STAGES
+    stages and splits for two waves (TARGET_WAVES) at every batch, batch 1-2 included (whose contiguous and
+    large-page plans take one wave). Pages of 16 keep the 128-key tile and gather its rows (page_tiles False) where
+    each split has >= GATHER_MIN_TILES tiles; else (batch 1 with a 4k cache, pages of 32 / 64) the tile shrinks to
+    one page. Configs with smaller tiles (d256's) only shrink theirs."""
     monkeypatch.setattr(_decode, "interpreting", lambda: False)
     monkeypatch.setattr(_decode, "multiprocessors", lambda device: 132)
     cpu, bf16 = torch.device("cpu"), torch.bfloat16
-    for batch, cache in ((1, 32768), (1, 131072), (8, 4096), (8, 32768), (64, 4096)):
+    stages = _decode.SMALL_PAGE_STAGES
+
+    def two_waves(batch, cache, block_n):
+        return _decode.num_splits_heuristic(8 * batch, cache, block_n, cpu, sms=132, waves=_decode.TARGET_WAVES)
+
+    for batch, cache in ((1, 32768), (1, 131072), (2, 32768), (8, 4096), (8, 32768), (64, 4096)):
         plan = _decode._plan(1, 32, 8, 128, bf16, batch, cache, cpu, 16, 0)
-        assert (plan.cfg.BLOCK_N, plan.cfg.num_stages, plan.page_tiles) == (128, 2, False), (batch, cache)
+        assert (plan.cfg.BLOCK_N, plan.cfg.num_stages, plan.page_tiles) == (128, stages, False), (batch, cache)
+        assert plan.num_splits == two_waves(batch, cache, 128), (batch, cache, plan.num_splits)
         assert -(-cache // 128 // plan.num_splits) >= _decode.GATHER_MIN_TILES
         for page in (32, 64):
             plan = _decode._plan(1, 32, 8, 128, bf16, batch, cache, cpu, page, 0)
-            assert (plan.cfg.BLOCK_N, plan.page_tiles) == (page, True), (batch, cache, page)
+            assert (plan.cfg.BLOCK_N, plan.cfg.num_stages, plan.page_tiles) == (page, stages, True), (batch, page)
+            assert plan.num_splits == two_waves(batch, cache, page), (batch, cache, page, plan.num_splits)
+    assert _decode._plan(1, 32, 8, 128, bf16, 1, 32768, cpu, 16, 0).num_splits == 32   # one wave took 16
     plan = _decode._plan(1, 32, 8, 128, bf16, 1, 4096, cpu, 16, 0)   # 8 splits of 4 tiles: short
-    assert (plan.cfg.BLOCK_N, plan.page_tiles, plan.num_splits) == (16, True, 16)
+    assert (plan.cfg.BLOCK_N, plan.cfg.num_stages, plan.page_tiles, plan.num_splits) == (16, stages, True, 32)
+    # pages the 128-key tile divides keep the few-tiles plan
+    plan = _decode._plan(1, 32, 8, 128, bf16, 1, 32768, cpu, 256, 0)
+    assert (plan.cfg.BLOCK_N, plan.cfg.num_stages, plan.page_tiles, plan.num_splits) == \
+        (128, _decode.FEW_TILES_CONFIG[2], True, 16)
     plan = _decode._plan(1, 16, 8, 256, bf16, 1, 32768, cpu, 16, 0)
-    assert (plan.cfg.BLOCK_N, plan.page_tiles) == (16, True)
+    base = _decode.default_decode_config(2, 256, bf16)
+    assert (plan.cfg.BLOCK_N, plan.cfg.num_stages, plan.page_tiles) == (16, base.num_stages, True)
 
 
 def test_config_override_fields_and_split_pin(monkeypatch):

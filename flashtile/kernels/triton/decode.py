@@ -379,14 +379,19 @@ MIN_BLOCKS_PER_SPLIT = 4      # never fewer key blocks per split than this
 # caches 4k-128k, contiguous and paged (b1 4k 16.5 -> 15.7 us, 128k 137.8 -> 135.4; cuDNN 16.5 / 136.1)
 FEW_TILES_WAVES = 1.0
 FEW_TILES_CONFIG = (128, 4, 3)
-# Paged caches whose pages hold fewer keys than SMALL_PAGE_TILES, under a 128-key tile, with splits of at least
-# GATHER_MIN_TILES such tiles: the tile gathers its rows (one block-table entry per row, 2 stages) instead of
-# shrinking to one page per tile. H200, bf16 d128, nheads 32 / 8, graph replay (BENCHMARKS.md §4 nineteenth
-# session), gathering / one page per tile, us: page 16, batch 1 32k 74.5 / 103.9, 128k 247.2 / 381.1, batch 8 4k
-# 55.8 / 96.4, 32k 296.2 / 658.7, batch 64 4k 308.5 / 404.1, but batch 1 4k (4 tiles per split) 27.9 / 22.1;
-# page 32: 1.09-1.55x slower gathering at batch 1 and 64 (faster at batch 8 only), page 64: slower
+# Paged caches whose pages hold fewer keys than the 128-key tile (pages of 16 / 32 / 64): pages below
+# SMALL_PAGE_TILES keys keep the 128-key tile and gather its rows (one block-table entry per row) where each split
+# has at least GATHER_MIN_TILES such tiles; other small pages (and short splits) shrink the tile to one page. Either
+# way with SMALL_PAGE_STAGES stages and splits for TARGET_WAVES waves, also where few tiles would take one wave:
+# both tiles are latency-bound (a dependent block-table read per tile or row, or a short copy) and run best with
+# two waves of programs in flight. H200, bf16 d128, nheads 32 / 8, graph replay, best of 3 (BENCHMARKS.md §4,
+# twentieth session), us, this rule / the nineteenth session's (one wave and 2 stages where few tiles, else 2
+# stages): page 16 b1 32k 56.0 / 74.7, 128k 157.5 / 247.6, b2 32k 88.9 / 138.7, b8 32k 293.8 / 296.7, b1 4k (one
+# page per tile) 19.0 / 22.1; page 32 b1 128k 146.1 / 227.3, b8 32k 276.5 / 400.2, b64 32k 1953 / 2072; page 64 b64
+# 32k 1946 / 2413. 4 stages: 0.98-1.01x at page 16 / 32 for batch <= 8, 1.06-1.3x slower at batch 64 and page 64
 SMALL_PAGE_TILES = 32
 GATHER_MIN_TILES = 8
+SMALL_PAGE_STAGES = 3
 
 
 def _block_m(rows: int) -> int:
@@ -526,26 +531,27 @@ def _plan(seqlen_q: int, nheads: int, nheads_k: int, head_dim: int, dtype: torch
     cfg = decode_config(seqlen_q * group, head_dim, dtype, few_tiles=few_tiles)
     m_blocks = cdiv(max(seqlen_q * group, 1), cfg.BLOCK_M)
 
-    def splits(cfg):
+    def splits(cfg, waves):
         n = num_splits if num_splits > 0 else int(CONFIG_OVERRIDE.get("num_splits", 0))
         if n <= 0:
-            n = num_splits_heuristic(m_blocks * batch * nheads_k, max_seqlen_k, cfg.BLOCK_N, device,
-                                     waves=FEW_TILES_WAVES if few_tiles else TARGET_WAVES)
+            n = num_splits_heuristic(m_blocks * batch * nheads_k, max_seqlen_k, cfg.BLOCK_N, device, waves=waves)
         return max(1, min(int(n), MAX_SPLITS, cdiv(max(max_seqlen_k, 1), cfg.BLOCK_N)))
 
+    waves = FEW_TILES_WAVES if few_tiles else TARGET_WAVES
     if (page_size and "BLOCK_N" not in CONFIG_OVERRIDE and "decode" not in CONFIG_OVERRIDE
             and not page_tiles_ok(page_size, cfg.BLOCK_N) and page_size >= 16 and page_size & (page_size - 1) == 0):
-        if cfg.BLOCK_N >= 128 and page_size < SMALL_PAGE_TILES:
-            # pages below SMALL_PAGE_TILES under a 128-key tile: where splits are long enough, the tile gathers
-            # its rows (two stages) ...
-            gather = dataclasses.replace(cfg, num_stages=2)
-            n = splits(gather)
-            if cdiv(cdiv(max(max_seqlen_k, 1), cfg.BLOCK_N), n) >= GATHER_MIN_TILES:
-                return DecodePlan(gather, m_blocks, n, False)
-        # ... else (other small power-of-two pages) the key tile shrinks to one page so each tile stays inside a
-        # page (one block-table read, contiguous rows) rather than gathering rows one by one
+        if cfg.BLOCK_N >= 128:
+            # pages smaller than the 128-key tile (SMALL_PAGE_TILES and the constants above): SMALL_PAGE_STAGES
+            # stages and two waves of splits, gathering 128-key tiles from pages below SMALL_PAGE_TILES keys ...
+            cfg, waves = dataclasses.replace(cfg, num_stages=SMALL_PAGE_STAGES), TARGET_WAVES
+            if page_size < SMALL_PAGE_TILES:
+                n = splits(cfg, waves)
+                if cdiv(cdiv(max(max_seqlen_k, 1), cfg.BLOCK_N), n) >= GATHER_MIN_TILES:
+                    return DecodePlan(cfg, m_blocks, n, False)
+        # ... else (other small power-of-two pages, short splits) the key tile shrinks to one page so each tile stays
+        # inside a page (one block-table read, contiguous rows) rather than gathering rows one by one
         cfg = dataclasses.replace(cfg, BLOCK_N=min(cfg.BLOCK_N, page_size))
-    return DecodePlan(cfg, m_blocks, splits(cfg), page_tiles_ok(page_size, cfg.BLOCK_N))
+    return DecodePlan(cfg, m_blocks, splits(cfg, waves), page_tiles_ok(page_size, cfg.BLOCK_N))
 
 
 _plan_memo = functools.lru_cache(maxsize=4096)(_plan)
