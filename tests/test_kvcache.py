@@ -477,6 +477,24 @@ def test_small_pages_plan(monkeypatch):
     assert (plan.cfg.BLOCK_N, plan.cfg.num_stages, plan.page_tiles) == (16, base.num_stages, True)
 
 
+def test_page_vec_plan(monkeypatch):
+    """plan_decode's PAGE_VEC (132-SM GPU, interpreter tiles off): one-page-per-tile splits of >= PAGE_VEC_MIN_BLOCK_N
+    keys per tile reading <= PAGE_VEC_MAX block-table entries load them before the key loop (a power of two >= the
+    entries, one more for a split starting inside a page); longer splits, 32-key tiles, the row gather and
+    contiguous caches do not."""
+    monkeypatch.setattr(_decode, "interpreting", lambda: False)
+    monkeypatch.setattr(_decode, "multiprocessors", lambda device: 132)
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    for page, batch, cache, vec in ((256, 1, 4096, 4), (256, 1, 32768, 16), (256, 2, 32768, 32), (256, 8, 4096, 8),
+                                    (256, 64, 4096, 32), (64, 8, 4096, 32), (256, 1, 131072, 0), (256, 8, 32768, 0),
+                                    (32, 1, 4096, 0), (16, 1, 32768, 0), (0, 1, 4096, 0)):
+        plan = _decode._plan(1, 32, 8, 128, bf16, batch, cache, cpu, page, 0)
+        assert plan.page_vec == vec, (page, batch, cache, plan.page_vec)
+        if vec:   # the split's tiles read at most vec entries
+            tiles = -(-cache // plan.cfg.BLOCK_N // plan.num_splits)
+            assert -(-tiles * plan.cfg.BLOCK_N // page) + 1 <= vec
+
+
 def test_config_override_fields_and_split_pin(monkeypatch):
     """CONFIG_OVERRIDE: single fields replace the default's, "num_splits" pins the automatic choice,
     "page_tiles": False turns the paged fast path off."""
@@ -537,7 +555,19 @@ def test_paged_fast_path_matches_gather_and_contiguous(page, block_n, dtype, lef
               cache_leftpad=None if lp is None else lp.to(torch.int32).to(DEVICE), num_splits=num_splits,
               return_softmax_lse=True)
     monkeypatch.setattr(_decode, "CONFIG_OVERRIDE", {"BLOCK_N": block_n, "use_tma": use_tma})
+    page_vecs = []
+    monkeypatch.setattr(_decode, "PAGE_VEC_MIN_BLOCK_N", 16)   # the interpreter's small tiles take it too
+    launch = _decode.relaunch.launch
+    monkeypatch.setattr(_decode.relaunch, "launch", lambda kern, grid, args, kwargs: (
+        page_vecs.append(kwargs["PAGE_VEC"]) if "PAGE_VEC" in kwargs else None, launch(kern, grid, args, kwargs))[1])
     fast = flash_attn_with_kvcache(q, k_cache, v_cache, block_table=table, **kw)
+    # the split's block-table entries loaded before the key loop (PAGE_VEC) or each one a tile ahead: same result
+    assert (page_vecs[-1] > 0) is (page % block_n == 0), page_vecs
+    monkeypatch.setattr(_decode, "PAGE_VEC_MAX", 0)
+    ahead = flash_attn_with_kvcache(q, k_cache, v_cache, block_table=table, **kw)
+    assert page_vecs[-1] == 0
+    monkeypatch.undo()   # (the launch spy and the setting; CONFIG_OVERRIDE is set again below)
+    monkeypatch.setattr(_decode, "CONFIG_OVERRIDE", {"BLOCK_N": block_n, "use_tma": use_tma})
     contig = flash_attn_with_kvcache(q, k_log, v_log, **kw)
     _decode.CONFIG_OVERRIDE["page_tiles"] = False
     gather = flash_attn_with_kvcache(q, k_cache, v_cache, block_table=table, **kw)
@@ -545,7 +575,7 @@ def test_paged_fast_path_matches_gather_and_contiguous(page, block_n, dtype, lef
     assert _decode.page_tiles_ok(page, block_n) is (page % block_n == 0)
     if use_tma:
         assert _decode._cache_descriptor(k_cache, block_n, d) is not None, "the TMA path must be exercised"
-    for name, other in (("gather", gather), ("contiguous", contig)):
+    for name, other in (("gather", gather), ("contiguous", contig), ("one-tile-ahead entry", ahead)):
         assert torch.equal(fast[0], other[0]) and torch.equal(fast[1], other[1]), \
             f"paged (page {page}, BLOCK_N {block_n}) differs from the {name} result"
     ref = reference(c, q, k_log.double(), v_log.double(), seqlens, lp, None, None, alibi, upcast=True)

@@ -25,7 +25,8 @@ paged tile is addressed one of two ways:
 
 - one page per tile (PAGE_TILES): when BLOCK_N divides page_size and the tile's first position
   leftpad + start_n is a multiple of BLOCK_N, the whole tile lies in one page: ONE block-table entry is loaded
-  per tile (a scalar) and the tile is BLOCK_N consecutive rows of that page, addressed (and, with USE_TMA,
+  per tile (a scalar, one tile ahead; or, with PAGE_VEC, all of a short split's entries before its key loop) and
+  the tile is BLOCK_N consecutive rows of that page, addressed (and, with USE_TMA,
   copied) exactly like a contiguous cache's tile. The host turns this on when page_size % BLOCK_N == 0; with
   cache_leftpad the kernel checks leftpad[b] % BLOCK_N per batch element and falls back to the gather for
   the elements where it is not 0.
@@ -124,19 +125,25 @@ def _load_kv(desc, HEAD, rows, row, head_col, valid, offs_d, head_dim,
 def _decode_tile(acc, l_i, m_i, page, start_n, row, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
                  PAGED: tl.constexpr, PAGE_TILES: tl.constexpr, USE_TMA: tl.constexpr, HAS_LEFT: tl.constexpr,
                  HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DOT_PREC: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
+                 BLOCK_N: tl.constexpr, PAGE_VEC: tl.constexpr):
     """One step j of the inner loop (FA2 Alg. 1 lines 7-10) for the key block starting at start_n. row: what
     every step of the program reads, as decode_kernel packs it. page: this tile's block-table entry (paged
     one-page-per-tile); the next tile's is requested here and returned, so that its latency overlaps this
-    tile's work instead of stalling the next tile's copy."""
+    tile's work instead of stalling the next tile's copy. PAGE_VEC > 0: the split's entries were loaded before
+    the loop (row's pages_vec, PAGE_VEC of them from the split's first page on) and this tile's is picked out of
+    them, so no step waits on a read made by the step before."""
     (q, K_head, V_head, desc_k, desc_v, BT_ROW, cb, head_col, offs_n, offs_d, qi, leftpad, seqlen_q, seqlen_k,
      stride_kp, stride_kn, stride_vp, stride_vn, page_size, head_dim, score_scale, softcap_log2, slope2,
-     window_left, window_right, last_page) = row
+     window_left, window_right, last_page, pages_vec, first_page) = row
     cols = start_n + offs_n                      # key index within the sequence (after left padding)
     valid = cols < seqlen_k
     next_page = page
     if PAGED and PAGE_TILES:
-        next_page = _page_entry(BT_ROW, leftpad + start_n + BLOCK_N, page_size, last_page)
+        if PAGE_VEC > 0:
+            i = (leftpad + start_n) // page_size - first_page
+            page = tl.sum(tl.where(tl.arange(0, PAGE_VEC) == i, pages_vec, 0), axis=0)
+        else:
+            next_page = _page_entry(BT_ROW, leftpad + start_n + BLOCK_N, page_size, last_page)
     tile_row, k_rows, v_rows = _tile_rows(BT_ROW, cb, page, leftpad + start_n, offs_n, valid, page_size, stride_kp,
                                           stride_kn, stride_vp, stride_vn, MASKED, PAGED, PAGE_TILES)
     k = _load_kv(desc_k, K_head, k_rows, tile_row, head_col, valid, offs_d, head_dim, MASKED, EVEN_D, USE_TMA)
@@ -159,19 +166,20 @@ def _decode_tile(acc, l_i, m_i, page, start_n, row, MASKED: tl.constexpr, EVEN_D
 @triton.jit
 def _attend_split(acc, l_i, m_i, page, row, s_lo, f_lo, f_hi, s_hi, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
                   PAGED: tl.constexpr, PAGE_TILES: tl.constexpr, USE_TMA: tl.constexpr, HAS_LEFT: tl.constexpr,
-                  HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DOT_PREC: tl.constexpr):
+                  HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DOT_PREC: tl.constexpr,
+                  PAGE_VEC: tl.constexpr):
     """Alg. 1 line 6: the split's key blocks, [s_lo, f_lo) masked | [f_lo, f_hi) unmasked | [f_hi, s_hi) masked.
     The three ranges are consecutive, so the block-table entry each step prefetches is the next step's; page:
     the first tile's entry (paged one-page-per-tile)."""
     for start_n in range(s_lo, f_lo, BLOCK_N):
         acc, l_i, m_i, page = _decode_tile(acc, l_i, m_i, page, start_n, row, True, EVEN_D, PAGED, PAGE_TILES,
-                                           USE_TMA, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DOT_PREC, BLOCK_N)
+                                           USE_TMA, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DOT_PREC, BLOCK_N, PAGE_VEC)
     for start_n in range(f_lo, f_hi, BLOCK_N):
         acc, l_i, m_i, page = _decode_tile(acc, l_i, m_i, page, start_n, row, False, EVEN_D, PAGED, PAGE_TILES,
-                                           USE_TMA, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DOT_PREC, BLOCK_N)
+                                           USE_TMA, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DOT_PREC, BLOCK_N, PAGE_VEC)
     for start_n in range(f_hi, s_hi, BLOCK_N):
         acc, l_i, m_i, page = _decode_tile(acc, l_i, m_i, page, start_n, row, True, EVEN_D, PAGED, PAGE_TILES,
-                                           USE_TMA, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DOT_PREC, BLOCK_N)
+                                           USE_TMA, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DOT_PREC, BLOCK_N, PAGE_VEC)
     return acc, l_i, m_i
 
 
@@ -190,7 +198,7 @@ def decode_kernel(
     HAS_SEQLENS: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     SPLIT: tl.constexpr, FUSED_COMBINE: tl.constexpr, COMBINE_RG: tl.constexpr, COMBINE_CHUNK: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, PAGE_VEC: tl.constexpr = 0,
 ):
     pid_m = tl.program_id(0)
     bhk = tl.program_id(1)
@@ -265,23 +273,31 @@ def decode_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     # what every tile step reads (one tuple: each call names only the key range and the tile's flags)
+    page = 0
+    pages_vec = 0
+    first_page = 0
+    if PAGED and PAGE_TILES:
+        if PAGE_VEC > 0:
+            first_page = (leftpad + s_lo) // page_size
+            # the split's block-table entries at once (the host sized PAGE_VEC to its pages): every tile's
+            # entry is known before the loop, as a contiguous cache's tile positions are
+            pages_vec = tl.load(BT_ROW + tl.minimum(first_page + tl.arange(0, PAGE_VEC), last_page))
+        else:
+            page = _page_entry(BT_ROW, leftpad + s_lo, page_size, last_page)
     row = (q, K_head, V_head, present(desc_k), present(desc_v), BT_ROW, cb, head_col, offs_n, offs_d, qi, leftpad,
            seqlen_q, seqlen_k, stride_kp, stride_kn, stride_vp, stride_vn, page_size, head_dim, score_scale,
-           softcap_log2, slope2, window_left, window_right, last_page)
-    page = 0
-    if PAGED and PAGE_TILES:
-        page = _page_entry(BT_ROW, leftpad + s_lo, page_size, last_page)
+           softcap_log2, slope2, window_left, window_right, last_page, pages_vec, first_page)
     if PAGE_TILES and HAS_LEFTPAD:
         # a tile starts at cache position leftpad + (multiple of BLOCK_N): in one page iff leftpad is aligned
         if leftpad % BLOCK_N == 0:
             acc, l_i, m_i = _attend_split(acc, l_i, m_i, page, row, s_lo, f_lo, f_hi, s_hi, BLOCK_N, EVEN_D, PAGED,
-                                          True, USE_TMA, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DOT_PREC)
+                                          True, USE_TMA, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DOT_PREC, PAGE_VEC)
         else:
             acc, l_i, m_i = _attend_split(acc, l_i, m_i, page, row, s_lo, f_lo, f_hi, s_hi, BLOCK_N, EVEN_D, PAGED,
-                                          False, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DOT_PREC)
+                                          False, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DOT_PREC, 0)
     else:
         acc, l_i, m_i = _attend_split(acc, l_i, m_i, page, row, s_lo, f_lo, f_hi, s_hi, BLOCK_N, EVEN_D, PAGED,
-                                      PAGE_TILES, USE_TMA, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DOT_PREC)
+                                      PAGE_TILES, USE_TMA, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DOT_PREC, PAGE_VEC)
 
     # Alg. 1 lines 12-13: O = O~ / l, lse2 = m + log2 l; a row that saw no key: O = 0, lse = -inf
     empty = l_i == 0.0
@@ -392,6 +408,15 @@ FEW_TILES_CONFIG = (128, 4, 3)
 SMALL_PAGE_TILES = 32
 GATHER_MIN_TILES = 8
 SMALL_PAGE_STAGES = 3
+# One-page-per-tile splits of tiles of at least PAGE_VEC_MIN_BLOCK_N keys reading at most PAGE_VEC_MAX block-table
+# entries load them all before the key loop (decode_kernel's PAGE_VEC) instead of each tile's one tile ahead (0:
+# off). H200, bf16 d128, graph replay, best of 5 (BENCHMARKS.md §4, twentieth session), before the loop / one ahead,
+# us: page 256 b1 4k (4 entries) 16.0 / 16.6 (cuDNN 16.5), 32k (16) 48.7 / 49.0 (48.9), b2 32k (32) 78.2 / 78.9,
+# b64 4k (32) 250.9 / 252.0; page 64 b8 4k 48.6 / 49.3. Not taken: 64 entries (b1 128k 136.5 / 136.3, page 64
+# 139.3 / 139.0: picking the entry out of the vector costs each tile more) and 32-key tiles (page 32 b1 4k 17.9 /
+# 17.6, 32k 52.2 / 51.5)
+PAGE_VEC_MAX = 32
+PAGE_VEC_MIN_BLOCK_N = 64
 
 
 def _block_m(rows: int) -> int:
@@ -509,6 +534,7 @@ class DecodePlan:
     m_blocks: int
     num_splits: int
     page_tiles: bool     # paged cache through the one-page-per-tile path (else the per-row gather)
+    page_vec: int = 0    # one-page-per-tile splits: block-table entries loaded before the key loop (0: one ahead)
 
 
 def plan_decode(seqlen_q: int, nheads: int, nheads_k: int, head_dim: int, dtype: torch.dtype, batch: int,
@@ -551,7 +577,18 @@ def _plan(seqlen_q: int, nheads: int, nheads_k: int, head_dim: int, dtype: torch
         # ... else (other small power-of-two pages, short splits) the key tile shrinks to one page so each tile stays
         # inside a page (one block-table read, contiguous rows) rather than gathering rows one by one
         cfg = dataclasses.replace(cfg, BLOCK_N=min(cfg.BLOCK_N, page_size))
-    return DecodePlan(cfg, m_blocks, splits(cfg, waves), page_tiles_ok(page_size, cfg.BLOCK_N))
+    n = splits(cfg, waves)
+    page_tiles = page_tiles_ok(page_size, cfg.BLOCK_N)
+    return DecodePlan(cfg, m_blocks, n, page_tiles, _page_vec(page_size, cfg.BLOCK_N, max_seqlen_k, n) if page_tiles else 0)
+
+
+def _page_vec(page_size: int, block_n: int, max_seqlen_k: int, num_splits: int) -> int:
+    """PAGE_VEC of a one-page-per-tile launch: a power of two >= the block-table entries a split's tiles read (its
+    first tile may start inside a page), or 0 (each tile's entry loaded one tile ahead) beyond PAGE_VEC_MAX or below
+    PAGE_VEC_MIN_BLOCK_N keys per tile."""
+    tiles = cdiv(cdiv(max(max_seqlen_k, 1), block_n), num_splits)
+    need = next_pow2(max(2, cdiv(tiles * block_n, page_size) + 1))
+    return need if need <= PAGE_VEC_MAX and block_n >= PAGE_VEC_MIN_BLOCK_N else 0
 
 
 _plan_memo = functools.lru_cache(maxsize=4096)(_plan)
@@ -720,7 +757,7 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         HAS_SEQLENS=has_seqlens, HAS_BATCH_IDX=cache_batch_idx is not None,
         HAS_LEFTPAD=leftpad is not None, HAS_LEFT=params.window_left >= 0, HAS_RIGHT=params.window_right >= 0,
         SOFTCAP=params.softcap > 0, ALIBI=alibi is not None, SPLIT=split, FUSED_COMBINE=fused,
-        COMBINE_RG=combine_rg, COMBINE_CHUNK=combine_chunk, DOT_PREC=_dot_precision(q.dtype),
+        COMBINE_RG=combine_rg, COMBINE_CHUNK=combine_chunk, DOT_PREC=_dot_precision(q.dtype), PAGE_VEC=plan.page_vec,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     if split and not fused:
         _combine.combine_splits(o_part, lse_part, out, lse, seqlen_rows=total_rows if varlen else sq,
