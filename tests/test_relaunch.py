@@ -107,3 +107,18 @@ def test_relaunch_falls_back(kern, monkeypatch):
     for _ in range(2):
         relaunch.launch(other, (1, ), (x, 32, 0.5, None, ()), dict(BLOCK=64))
     assert [c[0] for c in other.calls] == ["dispatch", "dispatch"]
+
+
+def test_args_key_equals_per_argument_keys(monkeypatch):
+    """_args_key (ints from a cache, tensors inline) gives what _arg_key gives argument by argument, for every kind
+    of argument, and its int cache stays bounded."""
+    base = torch.empty(64, dtype=torch.float16)
+    args = (1, 0, 16, 17, -16, 2 ** 31, -2 ** 31 - 1, True, False, 1.0, None, base, base[1:], torch.empty(3),
+            (1, base[1:], (16, None)), torch.nn.Parameter(torch.empty(2)))
+    for _ in range(2):   # the second time the ints come from the cache
+        assert relaunch._args_key(args) == tuple(map(relaunch._arg_key, args))
+    assert relaunch._args_key((True,)) != relaunch._args_key((1,))   # a bool is not the int 1
+    monkeypatch.setattr(relaunch, "_INT_KEYS", {})
+    monkeypatch.setattr(relaunch, "_MAX_ENTRIES", 8)
+    keys = relaunch._args_key(tuple(range(100)))
+    assert keys == tuple(map(relaunch._arg_key, range(100))) and len(relaunch._INT_KEYS) == 8
