@@ -39,7 +39,7 @@ def _arg_key(x):
     t = type(x)
     if t is int:
         return int, x == 1, x % 16 == 0, -_INT32 <= x < _INT32
-    if t is torch.Tensor:
+    if t is torch.Tensor:   # (_args_key spells this and the int case out inline: keep them the same)
         return x.dtype, x.data_ptr() % 16 == 0
     if x is None or t is float or t is bool:
         return t, x if t is bool else None

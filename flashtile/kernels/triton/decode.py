@@ -170,7 +170,7 @@ def _attend_split(acc, l_i, m_i, page, row, s_lo, f_lo, f_hi, s_hi, BLOCK_N: tl.
                   PAGE_VEC: tl.constexpr):
     """Alg. 1 line 6: the split's key blocks, [s_lo, f_lo) masked | [f_lo, f_hi) unmasked | [f_hi, s_hi) masked.
     The three ranges are consecutive, so the block-table entry each step prefetches is the next step's; page:
-    the first tile's entry (paged one-page-per-tile)."""
+    the first tile's entry (paged one-page-per-tile without PAGE_VEC; with it the steps read row's pages_vec)."""
     for start_n in range(s_lo, f_lo, BLOCK_N):
         acc, l_i, m_i, page = _decode_tile(acc, l_i, m_i, page, start_n, row, True, EVEN_D, PAGED, PAGE_TILES,
                                            USE_TMA, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DOT_PREC, BLOCK_N, PAGE_VEC)
@@ -572,23 +572,29 @@ def _plan(seqlen_q: int, nheads: int, nheads_k: int, head_dim: int, dtype: torch
             cfg, waves = dataclasses.replace(cfg, num_stages=SMALL_PAGE_STAGES), TARGET_WAVES
             if page_size < SMALL_PAGE_TILES:
                 n = splits(cfg, waves)
-                if cdiv(cdiv(max(max_seqlen_k, 1), cfg.BLOCK_N), n) >= GATHER_MIN_TILES:
+                if _tiles_per_split(max_seqlen_k, cfg.BLOCK_N, n) >= GATHER_MIN_TILES:
                     return DecodePlan(cfg, m_blocks, n, False)
         # ... else (other small power-of-two pages, short splits) the key tile shrinks to one page so each tile stays
         # inside a page (one block-table read, contiguous rows) rather than gathering rows one by one
         cfg = dataclasses.replace(cfg, BLOCK_N=min(cfg.BLOCK_N, page_size))
     n = splits(cfg, waves)
     page_tiles = page_tiles_ok(page_size, cfg.BLOCK_N)
-    return DecodePlan(cfg, m_blocks, n, page_tiles, _page_vec(page_size, cfg.BLOCK_N, max_seqlen_k, n) if page_tiles else 0)
+    return DecodePlan(cfg, m_blocks, n, page_tiles, _page_vec(page_size, cfg.BLOCK_N, max_seqlen_k, n, page_tiles))
 
 
-def _page_vec(page_size: int, block_n: int, max_seqlen_k: int, num_splits: int) -> int:
-    """PAGE_VEC of a one-page-per-tile launch: a power of two >= the block-table entries a split's tiles read (its
-    first tile may start inside a page), or 0 (each tile's entry loaded one tile ahead) beyond PAGE_VEC_MAX or below
-    PAGE_VEC_MIN_BLOCK_N keys per tile."""
-    tiles = cdiv(cdiv(max(max_seqlen_k, 1), block_n), num_splits)
-    need = next_pow2(max(2, cdiv(tiles * block_n, page_size) + 1))
-    return need if need <= PAGE_VEC_MAX and block_n >= PAGE_VEC_MIN_BLOCK_N else 0
+def _tiles_per_split(max_seqlen_k: int, block_n: int, num_splits: int) -> int:
+    """The most key tiles one of num_splits splits visits (the kernel's blocks_per_split at max_seqlen_k keys)."""
+    return cdiv(cdiv(max(max_seqlen_k, 1), block_n), num_splits)
+
+
+def _page_vec(page_size: int, block_n: int, max_seqlen_k: int, num_splits: int, page_tiles: bool) -> int:
+    """PAGE_VEC of a launch: for the one-page-per-tile path, a power of two >= the block-table entries a split's
+    tiles read (its first tile may start inside a page); 0 (each tile's entry loaded one tile ahead) beyond
+    PAGE_VEC_MAX, below PAGE_VEC_MIN_BLOCK_N keys per tile, and off that path."""
+    if not page_tiles or block_n < PAGE_VEC_MIN_BLOCK_N:
+        return 0
+    need = next_pow2(max(2, cdiv(_tiles_per_split(max_seqlen_k, block_n, num_splits) * block_n, page_size) + 1))
+    return need if need <= PAGE_VEC_MAX else 0
 
 
 _plan_memo = functools.lru_cache(maxsize=4096)(_plan)
