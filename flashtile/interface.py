@@ -113,6 +113,58 @@ def validate(q, k, v, *, dropout_p, softmax_scale, causal, window_size, softcap,
     return AttnArgs(float(softmax_scale), left, right, float(softcap), float(dropout_p))
 
 
+def signature(args) -> tuple:
+    """What argument checks read of their arguments: each tensor's shape, strides, dtype and device; anything else's
+    type and value (None as itself). A tensor subclass gives an unhashable part (a list), as does an unhashable value
+    (a list window_size, say): then there is no key."""
+    T = torch.Tensor
+    return tuple([x if x is None else (x.shape, x.stride(), x.dtype, x.device) if type(x) is T
+                  else [] if isinstance(x, T) else (type(x), x) for x in args])
+
+
+MEMO_MAX = 1024   # entries per memo of memoised()
+
+
+def memoised(cache: dict, args: tuple, check, remember=None):
+    """check(*args), remembered in cache per signature(args): a training or decode loop repeats one signature, and
+    argument checks cost more host time than the lookup (BENCHMARKS.md section 1c). Only what passed is remembered
+    (remember(result) is what is kept and returned, if given); no memo for an unhashable signature or while
+    torch.compile traces (no global state for the tracer)."""
+    try:
+        if torch.compiler.is_compiling():
+            raise TypeError
+        key = signature(args)
+        hit = cache.get(key)   # TypeError if unhashable
+    except TypeError:
+        key = hit = None
+    if hit is None:
+        hit = check(*args)
+        if key is not None:
+            if remember is not None:
+                hit = remember(hit)
+            if len(cache) >= MEMO_MAX:
+                cache.clear()
+            cache[key] = hit
+    return hit
+
+
+def _validate_positional(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, cu_seqlens_q,
+                         cu_seqlens_k) -> AttnArgs:
+    return validate(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                    softcap=softcap, alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+
+
+# argument signature -> AttnArgs of validate() calls that passed (validated)
+_VALIDATED: dict = {}
+
+
+def validated(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, cu_seqlens_q=None,
+              cu_seqlens_k=None) -> AttnArgs:
+    """validate(...), memoised on the arguments' signature (it reads nothing else of them)."""
+    return memoised(_VALIDATED, (q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                 cu_seqlens_q, cu_seqlens_k), _validate_positional)
+
+
 def validate_bias_mask(q, k, attn_bias, attn_mask):
     """Check attn_bias / attn_mask of a dense (batch, seqlen, nheads, headdim) call; return them as 4-D views
     broadcastable to (batch, nheads, seqlen_q, seqlen_k) (leading size-1 dimensions added, nothing copied)."""
@@ -422,9 +474,8 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
                deterministic, return_attn_probs, cu_seqlens_q=None, cu_seqlens_k=None,
                max_seqlen_q=None, max_seqlen_k=None, attn_bias=None, attn_mask=None, block_mask=None,
                score_mod=None, mask_mod=None, return_lse=False):
-    a = validate(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
-                 window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                 cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    a = validated(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, cu_seqlens_q,
+                  cu_seqlens_k)
     if cu_seqlens_q is None:
         max_seqlen_q, max_seqlen_k = q.shape[1], k.shape[1]
     extra = ()

@@ -8,13 +8,16 @@ k/v into the cache (rotating k) and rotate q (kernels/triton/rotary.py) -> split
 """
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from .interface import AttnArgs, _check_device, _check_tensor, _fail, _output, _output_like, validate
+from .interface import (AttnArgs, _check_device, _check_tensor, _fail, _output, _output_like, memoised,
+                        validate)
 from .kernels.triton import decode as _decode
 from .kernels.triton import rotary as _rotary
 from .kernels.triton.launch import AttnParams
@@ -129,39 +132,21 @@ class _Shapes:
     capacity: int
     page: int
     seqlen_new: int
+    params: AttnParams   # the kernels' scalar arguments (from args)
+    token: Optional[int] = None   # the memoised signature's, unique (flash_decode's sig); None: not memoised
 
 
 # argument signature -> _Shapes of calls that passed the checks (_checked_shapes)
 _SHAPES: dict = {}
-_SHAPES_MAX = 1024
-
-
-def _signature(args) -> tuple:
-    """What the checks read of the arguments: each tensor's shape, strides, dtype and device; anything else's type
-    and value (None as itself). A tensor subclass gives an unhashable part (a list), as does an unhashable value (a
-    list window_size, say): then there is no key."""
-    T = torch.Tensor
-    return tuple([x if x is None else (x.shape, x.stride(), x.dtype, x.device) if type(x) is T
-                  else [] if isinstance(x, T) else (type(x), x) for x in args])
+_TOKENS = itertools.count()   # _Shapes.token: one per _Shapes remembered, never reused
 
 
 def _checked_shapes(*args) -> _Shapes:
-    """_check_shapes(*args), memoised on the arguments' _signature: a decode loop repeats one signature, and the
-    checks cost more host time than the lookup (BENCHMARKS.md §1c). Only calls that passed are remembered."""
-    try:
-        if torch.compiler.is_compiling():   # no global state for the tracer
-            raise TypeError
-        key = _signature(args)
-        shapes = _SHAPES.get(key)   # TypeError if unhashable
-    except TypeError:
-        key = shapes = None
-    if shapes is None:
-        shapes = _check_shapes(*args)
-        if key is not None:
-            if len(_SHAPES) >= _SHAPES_MAX:
-                _SHAPES.clear()
-            _SHAPES[key] = shapes
-    return shapes
+    """_check_shapes(*args), memoised on the arguments' signature (interface.memoised): a decode loop repeats one
+    signature, and the checks cost more host time than the lookup (BENCHMARKS.md §1c). A remembered _Shapes gets a
+    token of its own, by which flash_decode knows the signature again."""
+    return memoised(_SHAPES, args, _check_shapes,
+                    lambda shapes: dataclasses.replace(shapes, token=next(_TOKENS)))
 
 
 def _check_shapes(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, no_seqlens, cache_batch_idx, cache_leftpad,
@@ -222,7 +207,8 @@ def _check_shapes(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, no_seqlens,
         _fail("num_splits", num_splits, "an int >= 0 (0: chosen automatically)")
     if not isinstance(return_softmax_lse, bool):
         _fail("return_softmax_lse", return_softmax_lse, "a bool", TypeError)
-    return _Shapes(a, capacity, page, seqlen_new)
+    return _Shapes(a, capacity, page, seqlen_new, AttnParams(a.softmax_scale, a.window_left, a.window_right,
+                                                             a.softcap))
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
@@ -313,10 +299,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         # ---- split-KV attention over the cache ----
         out = _output_like(q)
         lse = _output((batch, nheads, seqlen_q), device, torch.float32)
-        params = AttnParams(a.softmax_scale, a.window_left, a.window_right, a.softcap)
-        _decode.flash_decode(q_attn, k_cache, v_cache, out, lse, seqlens_k, params,
+        # (the signature's token and static_end determine every argument but the tensors' data: q_attn, out, lse
+        # and seqlens_k take their shapes from the checked arguments)
+        _decode.flash_decode(q_attn, k_cache, v_cache, out, lse, seqlens_k, shapes.params,
                              cache_batch_idx=cache_batch_idx, leftpad=cache_leftpad, block_table=block_table,
                              alibi=alibi_slopes, num_splits=num_splits,
                              max_seqlen_k=capacity if static_end is None else static_end,
-                             seqlen_k_static=static_end)
+                             seqlen_k_static=static_end,
+                             sig=None if shapes.token is None else (shapes.token, static_end))
     return (out, lse) if return_softmax_lse else out

@@ -17,6 +17,7 @@ import torch
 
 import flashtile  # noqa: F401  (sets TRITON_INTERPRET on CPU-only machines)
 from attn_utils import DEVICE, assert_within_rule, rand_alibi
+from launch_utils import StandInKernel, fast_launches, same_arguments
 from flashtile.kernels.triton import decode as _decode
 from flashtile.kvcache import flash_attn_with_kvcache
 from flashtile.reference.dense import attention_ref
@@ -721,6 +722,61 @@ def test_shape_checks_memoised_per_signature(monkeypatch):
     with pytest.raises(TypeError, match="rotary_cos"):   # not a tensor: checked without the memo
         flash_attn_with_kvcache(**args, k=args["q"][:, :, :2], v=args["q"][:, :, :2], cache_seqlens=_i32([1, 2]),
                                 rotary_cos=[[1.0] * 8] * 32, rotary_sin=[[0.0] * 8] * 32)
+
+
+@pytest.mark.parametrize("paged,int_seqlens,num_splits", [(False, True, 0), (False, False, 3), (True, False, 1),
+                                                          (True, True, 0)])
+def test_decode_template_launches_what_the_slow_path_does(paged, int_seqlens, num_splits, monkeypatch):
+    """A decode loop's steps repeat one signature: after its first launch flash_decode keeps a template (the
+    compiled kernel bound to every argument but the tensors) and later steps launch through it, with exactly the
+    arguments relaunch.launch would pass (compared against a launch with the templates off); a tensor of another
+    16-byte alignment goes back through Triton's dispatch; a signature change makes another template. The compiled
+    kernel is a stand-in (no GPU needed: the launches are recorded, not run)."""
+    from flashtile.kernels import relaunch
+    kern = StandInKernel(_decode.decode_kernel)
+    monkeypatch.setattr(_decode, "decode_kernel", kern)
+    monkeypatch.setattr(_decode, "_TEMPLATES", {})
+    launches = fast_launches(monkeypatch)
+    b, h, hk, d, cap = 2, 8, 2, 32, 96
+    if paged:
+        k_cache = torch.randn(12, 16, hk, d, dtype=fp16, device=DEVICE)
+        table = torch.randperm(12, dtype=torch.int32, device=DEVICE)[:b * 6].reshape(b, 6)
+    else:
+        k_cache, table = torch.randn(b, cap, hk, d, dtype=fp16, device=DEVICE), None
+    v_cache = torch.randn_like(k_cache)
+    seqlens = 77 if int_seqlens else torch.tensor([77, 40], dtype=torch.int32, device=DEVICE)
+
+    def step(q):
+        return flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table,
+                                       num_splits=num_splits)
+
+    q = torch.randn(b, 1, h, d, dtype=fp16, device=DEVICE)
+    step(torch.randn_like(q))
+    assert [c[0] for c in kern.calls] == ["dispatch"] and len(_decode._TEMPLATES) == 1
+    n = len(launches)
+    step(q)
+    assert kern.calls[-1][0] == "run" and len(_decode._TEMPLATES) == 1 and len(launches) == n   # the template's
+    templated = kern.calls[-1]
+    monkeypatch.setattr(_decode, "_TEMPLATES", {})
+    monkeypatch.setattr(relaunch, "bind", lambda *a: None)   # templates off: relaunch.launch's own direct call
+    step(q)
+    assert kern.calls[-1][0] == "run" and not _decode._TEMPLATES
+    assert templated[1] == kern.calls[-1][1]
+    same_arguments(templated[2], kern.calls[-1][2], shared=(q, k_cache, v_cache, table, seqlens))
+    monkeypatch.undo()
+    monkeypatch.setattr(_decode, "decode_kernel", kern)
+    monkeypatch.setattr(_decode, "_TEMPLATES", {})
+    fast_launches(monkeypatch)
+    step(q)
+    step(q)
+    n = len(kern.calls)
+    buf = torch.randn(b * h * d + 1, dtype=fp16, device=DEVICE)
+    step(buf[1:].view(b, 1, h, d))   # q 2 bytes off 16-byte alignment: Triton specializes on it
+    assert kern.calls[n][0] == "dispatch" and kern.calls[-1][0] == "dispatch"
+    step(torch.randn(b, 1, h, d, dtype=fp16, device=DEVICE))
+    assert kern.calls[-1][0] == "run"
+    step(torch.randn(b, 2, h, d, dtype=fp16, device=DEVICE))   # seqlen_q 2: another signature, another template
+    assert kern.calls[-1][0] == "dispatch" and len(_decode._TEMPLATES) == 2
 
 
 def test_rotary_table_too_short_raises():

@@ -122,3 +122,29 @@ def test_args_key_equals_per_argument_keys(monkeypatch):
     monkeypatch.setattr(relaunch, "_MAX_ENTRIES", 8)
     keys = relaunch._args_key(tuple(range(100)))
     assert keys == tuple(map(relaunch._arg_key, range(100))) and len(relaunch._INT_KEYS) == 8
+
+
+def test_bound_launches_with_the_bound_arguments(kern, monkeypatch):
+    """bind: None before the key was compiled (or without a fast path); then a Bound that calls the compiled kernel
+    with the live arguments, the bound ones and the parameters after them in order - as launch() would - and
+    refuses (False, nothing launched) live arguments of another key, another current device or a launch hook."""
+    buf = torch.empty(64)
+    x, y = buf[:16], buf[16:32]
+    args, kw = (x, 48, 0.25, None, (x, 9)), dict(BLOCK=64, num_warps=4)
+    assert relaunch.bind(kern, args, kw, 1) is None
+    relaunch.launch(kern, (3, ), args, kw)
+    relaunch.launch(kern, (3, ), (y, *args[1:]), kw)
+    reference = kern.calls[-1]
+    bound = relaunch.bind(kern, args, kw, 1)
+    assert bound((3, 1, 1), (y, ))
+    assert kern.calls[-1] == reference and reference[0] == "compiled"
+    for live in ((buf[1:17], ), (x.half(), ), (None, )):
+        assert not bound((3, 1, 1), live)
+    monkeypatch.setattr(relaunch, "current_device", lambda: 1)
+    assert not bound((3, 1, 1), (x, ))
+    monkeypatch.setattr(relaunch, "current_device", lambda: 0)
+    monkeypatch.setattr(relaunch, "_no_launch_hooks", lambda: False)
+    assert not bound((3, 1, 1), (x, ))
+    assert kern.calls[-1] == reference
+    monkeypatch.setattr(relaunch, "FAST_LAUNCH", False)
+    assert relaunch.bind(kern, args, kw, 1) is None

@@ -23,6 +23,8 @@ from triton import knobs as _knobs
 from triton.runtime.jit import JITFunction
 
 FAST_LAUNCH = os.environ.get("FLASHTILE_FAST_LAUNCH", "1") != "0"
+# bind() on: callers keep launch templates (Bound); off (FLASHTILE_BIND=0), every call goes through launch()
+BIND = os.environ.get("FLASHTILE_BIND", "1") != "0"
 # key -> compiled kernel
 _COMPILED: dict = {}
 _MAX_ENTRIES = 4096
@@ -122,24 +124,34 @@ def _getter(keys):
     return operator.itemgetter(*keys) if keys else (lambda d: ())
 
 
+def _lookup(kernel, args: tuple, kwargs: dict):
+    """(key, values of the parameters after the positional ones, the key's compiled kernel or None) of a launch, or
+    None where there is no fast path (FAST_LAUNCH off, no compiled JIT function, a parameter without a value, an
+    unhashable value)."""
+    info = _param_info(kernel) if FAST_LAUNCH else None
+    plan = _plan(info, len(args), tuple(kwargs)) if info is not None else None
+    if plan is None:
+        return None
+    rest, runtime, consts, options, fill = plan
+    merged = {**kwargs, **fill} if fill else kwargs
+    try:
+        key = (kernel, current_device(), _args_key(args), _args_key(runtime(merged)), consts(merged),
+               options(kwargs))
+        entry = _COMPILED.get(key)
+    except TypeError:   # an unhashable value
+        return None
+    return key, rest(merged), entry
+
+
 def launch(kernel, grid, args: tuple, kwargs: dict):
     """kernel[grid](*args, **kwargs), through the compiled kernel directly when this key was launched before.
     args: the first parameters in order; kwargs: the rest (constexpr or not, parameters with defaults may be left
     out) and the launch options (num_warps, num_stages, maxnreg, ...). Returns what kernel[grid] returns on the
     slow path, None on the fast one."""
-    info = _param_info(kernel) if FAST_LAUNCH else None
-    plan = _plan(info, len(args), tuple(kwargs)) if info is not None else None
-    if plan is None:
+    found = _lookup(kernel, args, kwargs)
+    if found is None:
         return kernel[grid](*args, **kwargs)
-    rest, runtime, consts, options, fill = plan
-    merged = {**kwargs, **fill} if fill else kwargs
-    try:
-        device = current_device()
-        key = (kernel, device, _args_key(args), _args_key(runtime(merged)), consts(merged),
-               options(kwargs))
-        entry = _COMPILED.get(key)
-    except TypeError:   # an unhashable value: no fast path for this call
-        return kernel[grid](*args, **kwargs)
+    key, rest, entry = found
     if entry is None:
         compiled = kernel[grid](*args, **kwargs)
         if hasattr(compiled, "run") and not hasattr(compiled, "result") and len(_COMPILED) < _MAX_ENTRIES:
@@ -149,11 +161,49 @@ def launch(kernel, grid, args: tuple, kwargs: dict):
     if _no_launch_hooks():
         # what CompiledKernel[grid](...) does, less the launch-hook metadata it builds for every launch (Triton 3.6
         # keeps empty hook chains, never None) and its device / stream lookups
-        entry.run(g[0], g[1], g[2], raw_stream(device), entry.function, entry.packed_metadata, None, None, None,
-                  *args, *rest(merged))
+        entry.run(g[0], g[1], g[2], raw_stream(key[1]), entry.function, entry.packed_metadata, None, None, None,
+                  *args, *rest)
     else:
-        entry[g[:3]](*args, *rest(merged))
+        entry[g[:3]](*args, *rest)
     return None
+
+
+class Bound:
+    """A compiled kernel with its arguments after the first n_live fixed (bind): a caller that launches one kernel
+    with the same arguments call after call but for a few tensors (a decode step's q, outputs and cache) skips
+    launch()'s key over every argument and its parameter plan. Calling it checks the live arguments' keys (dtype
+    and 16-byte alignment of a tensor, a descriptor's block...) and the device against those it was bound with."""
+    __slots__ = ("entry", "device", "live_key", "tail")
+
+    def __init__(self, entry, device, live_key, tail):
+        self.entry, self.device, self.live_key, self.tail = entry, device, live_key, tail
+
+    def __call__(self, grid, live: tuple, trusted: int = 0) -> bool:
+        """Launch on grid (three ints) with these live arguments; False (nothing launched) where they or the device
+        differ from the bound ones or a launch hook is registered: the caller then goes through launch().
+        trusted: the first live arguments whose keys are not checked (the caller made them with the bound ones'
+        key: TMA descriptors from the bound descriptors' fields, whose layouts are costly to compare)."""
+        if (_args_key(live[trusted:]) != self.live_key[trusted:] or current_device() != self.device
+                or not _no_launch_hooks()):
+            return False
+        e = self.entry
+        e.run(grid[0], grid[1], grid[2], raw_stream(self.device), e.function, e.packed_metadata, None, None, None,
+              *live, *self.tail)
+        return True
+
+
+def bind(kernel, args: tuple, kwargs: dict, n_live: int):
+    """A Bound for launches of kernel with these arguments but for args[:n_live], after launch(kernel, grid, args,
+    kwargs) compiled it; None where launch() has no fast path for them (the interpreter, no CUDA device, a key not
+    compiled, BIND off). The caller vouches that nothing it binds (args[n_live:], kwargs) changes while it uses the
+    Bound."""
+    found = _lookup(kernel, args, kwargs) if BIND and _compiles(kernel) else None
+    if found is None:
+        return None
+    key, rest, entry = found
+    if entry is None:
+        return None
+    return Bound(entry, key[1], _args_key(args[:n_live]), (*args[n_live:], *rest))
 
 
 def _no_launch_hooks() -> bool:

@@ -684,13 +684,60 @@ def _cache_descriptor(t: torch.Tensor, block_n: int, block_d: int):
     return row_descriptor(TensorDescriptor, t, (block_n, block_d))
 
 
+# decode_kernel's first _TEMPLATE_LIVE parameters are the tensors (and TMA descriptors) a decode step changes; the
+# rest are ints, floats and constexprs fixed by the problem
+_TEMPLATE_LIVE = 16
+# (caller's signature, plan, fused combine) -> _Template of a launch flash_decode made before
+_TEMPLATES: dict = {}
+_TEMPLATES_MAX = 256
+
+
+@dataclass(frozen=True)
+class _Template:
+    """How flash_decode launched a problem (its caller's signature) before: the compiled kernel bound to every
+    argument but the tensors (relaunch.Bound), the grid, and how to make the per-call tensors. A decode step of a
+    loop repeats one signature; the template spares it the launch's argument list, its key and the plan's
+    derivations (BENCHMARKS.md section 1c)."""
+    bound: relaunch.Bound
+    grid: tuple
+    part_shape: Optional[tuple]   # o_part's shape of a split launch (lse_part's is its first three), else None
+    parts: Optional[tuple]        # (o_part, lse_part) placeholders of an unsplit launch
+    n_counters: int               # ticket counters of the fused combine (0: none)
+    tma_block: Optional[tuple]    # block of the cache's TMA descriptors; None: pointer loads
+    placeholder_i32: torch.Tensor
+
+    def launch(self, q, k_cache, v_cache, out, lse, seqlens_k, cu_seqlens_q, cache_batch_idx, leftpad, block_table,
+               alibi) -> bool:
+        """The launch flash_decode's slow path makes for these tensors; False (nothing launched) where the bound
+        kernel does not take them (another alignment, device, a launch hook: relaunch.Bound)."""
+        device = q.device
+        dummy = seqlens_k if seqlens_k is not None else self.placeholder_i32
+        counters = tickets(device, self.n_counters) if self.n_counters else dummy
+        if self.part_shape is not None:
+            o_part = torch.empty(self.part_shape, device=device, dtype=torch.float32)
+            lse_part = torch.empty(self.part_shape[:3], device=device, dtype=torch.float32)
+        else:
+            o_part, lse_part = self.parts
+        desc_k = desc_v = None
+        if self.tma_block is not None:
+            desc_k = row_descriptor(TensorDescriptor, k_cache, self.tma_block)
+            desc_v = row_descriptor(TensorDescriptor, v_cache, self.tma_block)
+            if desc_k is None or desc_v is None:
+                return False
+        return self.bound(self.grid, (
+            q, k_cache, v_cache, out, lse, o_part, lse_part, counters, desc_k, desc_v,
+            dummy if cu_seqlens_q is None else cu_seqlens_q, dummy,
+            dummy if cache_batch_idx is None else cache_batch_idx, dummy if leftpad is None else leftpad,
+            dummy if block_table is None else block_table, alibi))
+
+
 def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                  lse: torch.Tensor, seqlens_k: Optional[torch.Tensor], params: AttnParams, *,
                  cu_seqlens_q: Optional[torch.Tensor] = None, max_seqlen_q: Optional[int] = None,
                  cache_batch_idx: Optional[torch.Tensor] = None, leftpad: Optional[torch.Tensor] = None,
                  block_table: Optional[torch.Tensor] = None, alibi: Optional[torch.Tensor] = None,
                  num_splits: int = 0, max_seqlen_k: Optional[int] = None,
-                 seqlen_k_static: Optional[int] = None) -> int:
+                 seqlen_k_static: Optional[int] = None, sig=None) -> int:
     """out[...] = attention of q over the cache; lse[...] its natural-log LSE (-inf for rows with no key).
 
     q / out: (batch, seqlen_q, nheads, d), or packed (total_q, nheads, d) with cu_seqlens_q / max_seqlen_q.
@@ -721,6 +768,13 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if batch == 0 or total_rows == 0:
         return num_splits
     split = num_splits > 1
+    fused = split and fuse_combine(num_splits, 2 * batch * max_seqlen_k * nheads_k * head_dim * k_cache.element_size(),
+                                   q.device)
+    key = (sig, plan, fused) if sig is not None and not CONFIG_OVERRIDE else None
+    tpl = _TEMPLATES.get(key) if key is not None else None
+    if tpl is not None and tpl.launch(q, k_cache, v_cache, out, lse, seqlens_k, cu_seqlens_q, cache_batch_idx,
+                                      leftpad, block_table, alibi):
+        return num_splits
     score_scale, softcap_log2 = params.score_args()
     block_d = _block_d(head_dim)
     desc_k = desc_v = None
@@ -732,8 +786,6 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     use_tma = desc_k is not None
     # stands in for absent int32 pointers (never dereferenced: their flags are off)
     dummy_i32 = seqlens_k if has_seqlens else _placeholder(q.device, torch.int32, 1)
-    fused = split and fuse_combine(num_splits, 2 * batch * max_seqlen_k * nheads_k * head_dim * k_cache.element_size(),
-                                   q.device)
     counters = tickets(q.device, plan.m_blocks * batch * nheads_k) if fused else dummy_i32
     # (unused without the fused combine: fixed there, so that split counts share one compiled kernel)
     combine_rg, combine_chunk = _combine_shape(min(cfg.BLOCK_M, sq * group), num_splits, block_d) if fused else (1, 2)
@@ -744,7 +796,7 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         o_part, lse_part = _placeholder(q.device, torch.float32, 4), _placeholder(q.device, torch.float32, 3)
     lse_sb, lse_sh = (lse.stride(0), lse.stride(1)) if lse.dim() == 3 else (0, lse.stride(0))
     grid = (plan.m_blocks, batch * nheads_k, num_splits)
-    relaunch.launch(decode_kernel, grid, (
+    args = (
         q, k_cache, v_cache, out, lse, o_part, lse_part, counters, desc_k, desc_v,
         cu_seqlens_q if varlen else dummy_i32, dummy_i32,
         cache_batch_idx if cache_batch_idx is not None else dummy_i32,
@@ -757,14 +809,26 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         block_table.stride(0) if paged else 0,
         0 if alibi is None or alibi.dim() == 1 else alibi.stride(0),
         nheads_k, group, sq, 0 if has_seqlens else int(seqlen_k_static), head_dim, k_cache.shape[1],
-        score_scale, softcap_log2, params.window_left, params.window_right, num_splits), dict(
+        score_scale, softcap_log2, params.window_left, params.window_right, num_splits)
+    kwargs = dict(
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_D=block_d, EVEN_D=block_d == head_dim,
         IS_VARLEN_Q=varlen, PAGED=paged, PAGE_TILES=paged and plan.page_tiles, USE_TMA=use_tma,
         HAS_SEQLENS=has_seqlens, HAS_BATCH_IDX=cache_batch_idx is not None,
         HAS_LEFTPAD=leftpad is not None, HAS_LEFT=params.window_left >= 0, HAS_RIGHT=params.window_right >= 0,
         SOFTCAP=params.softcap > 0, ALIBI=alibi is not None, SPLIT=split, FUSED_COMBINE=fused,
         COMBINE_RG=combine_rg, COMBINE_CHUNK=combine_chunk, DOT_PREC=_dot_precision(q.dtype), PAGE_VEC=plan.page_vec,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    relaunch.launch(decode_kernel, grid, args, kwargs)
+    if key is not None and (not split or fused):   # (a separate combine launch is not templated)
+        bound = relaunch.bind(decode_kernel, args, kwargs, _TEMPLATE_LIVE)
+        if bound is not None:
+            if len(_TEMPLATES) >= _TEMPLATES_MAX:
+                _TEMPLATES.clear()
+            _TEMPLATES[key] = _Template(bound, grid, tuple(o_part.shape) if split else None,
+                                        None if split else (o_part, lse_part),
+                                        plan.m_blocks * batch * nheads_k if fused else 0,
+                                        (cfg.BLOCK_N, block_d) if use_tma else None,
+                                        _placeholder(q.device, torch.int32, 1))
     if split and not fused:
         _combine.combine_splits(o_part, lse_part, out, lse, seqlen_rows=total_rows if varlen else sq,
                                 chunk=int(CONFIG_OVERRIDE.get("combine_chunk", 0)))
