@@ -160,6 +160,7 @@ class _FakeDescriptor:
     """Stands in for Gluon's TensorDescriptor on a machine without a GPU: keeps what fa3.bwd builds it from."""
     def __init__(self, base, shape, strides, block, layout=None):
         self.base, self.shape, self.strides, self.block_shape, self.layout = base, shape, strides, block, layout
+        self.padding = "zero"
 
 
 @pytest.mark.parametrize("d", sorted(fa3.BWD_CONFIGS))
@@ -188,12 +189,61 @@ def test_bwd_launch_follows_the_tables(d, causal, monkeypatch):
         assert kernel is kernels.fa3_bwd_kernel and grid == (1024 // block_n, 2 * 2)
         assert (kw["BLOCK_M"], kw["BLOCK_N"], kw["STAGES"], kw["CAUSAL"]) == (block_m, block_n, stages, causal)
         assert kw["PINGPONG"] is turns and kw["DKV_TMA"] is (tma_longest > 0)
-        dk_out, dv_out = args[9], args[10]
+        dk_out, dv_out = args[7], args[8]
         if tma_longest:
             assert isinstance(dk_out, _FakeDescriptor) and dk_out.block_shape == [block_n // 2, d]
             assert dk_out.base.data_ptr() == grads[1].data_ptr() and dv_out.base.data_ptr() == grads[2].data_ptr()
         else:
             assert dk_out is grads[1] and dv_out is grads[2]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_launch_templates_pass_what_the_slow_path_passes(causal, monkeypatch):
+    """A repeated forward / backward of one problem launches through its template (relaunch.Bound; the descriptors
+    rebuilt from the first call's fields) with exactly the arguments relaunch.launch passes (compared against a
+    call with templates off); a changed config table (other launch options) goes the slow way again. The kernels
+    are stand-ins: launches are recorded, not run."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from launch_utils import StandInKernel, fast_launches, same_arguments
+    from flashtile.kernels.gluon import _fa3_bwd, _fa3_fwd
+    fwd_kern, bwd_kern = StandInKernel(_fa3_fwd.fa3_fwd_kernel), StandInKernel(_fa3_bwd.fa3_bwd_kernel)
+    kernels = type("kernels", (), {"fa3_fwd_kernel": fwd_kern, "fa3_bwd_kernel": bwd_kern})
+    monkeypatch.setattr(fa3, "_kernels", lambda index: (kernels, kernels, _FakeDescriptor))
+    monkeypatch.setattr(fa3, "_device_index", lambda t: 0)
+    monkeypatch.setattr(fa3, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(fa3, "_FWD_TEMPLATES", {})
+    monkeypatch.setattr(fa3, "_BWD_TEMPLATES", {})
+    launches = fast_launches(monkeypatch)
+    params = CAUSAL if causal else FULL
+    q, k, v = _qkv(b=2, sq=1024, sk=1024, h=4, hk=2, d=128)
+    out, lse, dout, delta = torch.empty_like(q), torch.empty(2, 4, 1024), torch.randn_like(q), torch.randn(2, 4, 1024)
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+
+    def fwd(*qkv):
+        fa3.fwd(*qkv, out, lse, params)
+        return fwd_kern.calls[-1]
+
+    def bwd(*qkv):
+        fa3.bwd(dout, *qkv, lse, delta, *grads, params)
+        return bwd_kern.calls[-1]
+
+    for call, templates in ((fwd, "_FWD_TEMPLATES"), (bwd, "_BWD_TEMPLATES")):
+        assert call(*_qkv(b=2, sq=1024, sk=1024, h=4, hk=2, d=128))[0] == "dispatch"
+        assert len(getattr(fa3, templates)) == 1
+        n = len(launches)
+        templated = call(q, k, v)
+        assert templated[0] == "run" and len(launches) == n   # (through the template, not relaunch.launch)
+        monkeypatch.setattr(fa3, templates, {})
+        with monkeypatch.context() as m:
+            m.setattr(fa3.relaunch, "bind", lambda *a: None)   # templates off: relaunch.launch's direct call
+            reference = call(q, k, v)
+        assert reference[0] == "run" and not getattr(fa3, templates)
+        assert templated[1] == reference[1]
+        same_arguments(templated[2], reference[2], shared=(q, k, v, out, lse, dout, delta, *grads))
+    with monkeypatch.context() as m:   # another table entry: other launch options, not the template's
+        m.setitem(fa3.BWD_PINGPONG, (128, causal), not fa3.BWD_PINGPONG.get((128, causal), False))
+        assert bwd(q, k, v)[0] == "dispatch"
+    assert bwd(q, k, v)[0] == "run"
 
 
 def test_bwd_dkv_tma_rule(monkeypatch):

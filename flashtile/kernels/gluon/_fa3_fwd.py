@@ -383,8 +383,8 @@ def _v_operand(v_bufs, i, FP8: gl.constexpr):
 
 
 @gluon.jit
-def fa3_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b, stride_lse_h, q_scale_ptr, k_scale_ptr,
-                   v_scale_ptr, counter_ptr, seqlen_q, seqlen_k, n_bh, nheads, group, qk_scale, HEAD_D: gl.constexpr,
+def fa3_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, counter_ptr,
+                   stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, n_bh, nheads, group, qk_scale, HEAD_D: gl.constexpr,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                    NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr, PINGPONG: gl.constexpr, FP8: gl.constexpr,
                    CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):

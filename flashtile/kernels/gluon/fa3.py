@@ -190,14 +190,15 @@ def tma_ready(x: torch.Tensor) -> torch.Tensor:
 
 
 _row_descriptor = None   # launch.row_descriptor, imported at the first use (launch imports this module)
+descriptor_fields = descriptor_from = None   # launch's, likewise
 
 
 def _desc(TensorDescriptor, t, rows, cols, dtype):
     """A TMA descriptor over t viewed as (batch * seqlen, nheads * head_dim) (launch.tma_row_view), blocks (rows,
     cols); None where t is no such view."""
-    global _row_descriptor
+    global _row_descriptor, descriptor_fields, descriptor_from
     if _row_descriptor is None:
-        from ..triton.launch import row_descriptor
+        from ..triton.launch import descriptor_fields, descriptor_from, row_descriptor
         _row_descriptor = row_descriptor
     return _row_descriptor(TensorDescriptor, t, (rows, cols), _smem_layout(rows, cols, dtype))
 
@@ -226,12 +227,50 @@ def fwd_config(head_dim: int, seqlen_q: int, causal: bool):
     return (*CONFIGS[head_dim], PINGPONG.get(head_dim, (True, True))[causal])
 
 
+# fa3_fwd_kernel's first _FWD_LIVE parameters are the descriptors and tensors a call changes (q, k, v, out, lse, the
+# descales, the tile counter); the rest are sizes, strides and the scale, fixed by the problem
+_FWD_LIVE = 9
+# (q / k / v shapes, dtype, device, lse strides, softmax_scale, causal) -> _FwdTemplate of a bf16 / fp16 launch seen
+# before
+_FWD_TEMPLATES: dict = {}
+_FWD_TEMPLATES_MAX = 256
+
+
+class _FwdTemplate:
+    """How _launch_fwd launched a problem before: the compiled kernel bound to every argument but the live ones
+    (relaunch.Bound), the launch options it was bound with (a call whose options differ, after a change of the
+    config tables, goes the slow way) and the q, k, v, out descriptors' fields (launch.descriptor_fields): a
+    repeated call skips relaunch's key over every argument and the descriptors' geometry checks (host time,
+    BENCHMARKS.md section 1c)."""
+    __slots__ = ("bound", "kwargs", "cls", "fields")
+
+    def __init__(self, bound, kwargs, cls, fields):
+        self.bound, self.kwargs, self.cls, self.fields = bound, kwargs, cls, fields
+
+    def launch(self, grid, q, k, v, out, lse, scales, counter) -> bool:
+        descs = [descriptor_from(self.cls, f, t) for f, t in zip(self.fields, (q, k, v, out))]
+        if None in descs:
+            return False
+        # (the descriptors have the bound ones' class, block and layout and the base dtype of the key's q)
+        return self.bound(grid, (*descs, lse, *scales, counter), trusted=4)
+
+
 def _launch_fwd(q, k, v, out, lse, scales, softmax_scale, causal, num_wg, block_n, stages, pingpong, fp8):
     """fa3_fwd_kernel over (batch, seqlen, nheads, d) q, k and v (fp8: V^T (batch, nheads_k, d, seqlen_k) and the
     three descale tensors; else unused pointers)."""
     kern, _, TensorDescriptor = _kernels(_device_index(q))
     batch, sq, nheads, head_dim = q.shape
     sk, nheads_k = k.shape[1], k.shape[2]
+    n_tiles = -(-sq // (num_wg * WG_ROWS)) * batch * nheads   # (not triton.cdiv: ~2 us of host time per call)
+    programs = min(n_tiles, _sm_count(_device_index(q))) if PERSISTENT else n_tiles
+    kwargs = dict(HEAD_D=head_dim, BLOCK_M=WG_ROWS, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, NUM_WG=num_wg,
+                  Q_BUFS=q_buffers(head_dim, num_wg, block_n, stages, q.element_size(), fp8), PINGPONG=pingpong,
+                  FP8=fp8, **_regs(head_dim, fp8, num_wg))
+    counter = tickets(q.device, 1)
+    key = None if fp8 else (q.shape, k.shape, v.shape, q.dtype, q.device, lse.stride(), softmax_scale, causal)
+    tpl = _FWD_TEMPLATES.get(key) if key is not None else None
+    if tpl is not None and tpl.kwargs == kwargs and tpl.launch((programs, 1, 1), q, k, v, out, lse, scales, counter):
+        return
 
     def desc(t, rows):
         return _desc(TensorDescriptor, t, rows, head_dim, t.dtype)
@@ -242,14 +281,16 @@ def _launch_fwd(q, k, v, out, lse, scales, softmax_scale, causal, num_wg, block_
                                   _smem_layout(head_dim, block_n, v.dtype))
     else:
         v_desc = desc(v, block_n)
-    n_tiles = -(-sq // (num_wg * WG_ROWS)) * batch * nheads   # (not triton.cdiv: ~2 us of host time per call)
-    programs = min(n_tiles, _sm_count(_device_index(q))) if PERSISTENT else n_tiles
-    relaunch.launch(kern.fa3_fwd_kernel, (programs, ), (
-        desc(q, WG_ROWS), desc(k, block_n), v_desc, desc(out, WG_ROWS), lse, lse.stride(0), lse.stride(1),
-        *scales, tickets(q.device, 1), sq, sk, batch * nheads, nheads, nheads // nheads_k, softmax_scale * LOG2E),
-        dict(HEAD_D=head_dim, BLOCK_M=WG_ROWS, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, NUM_WG=num_wg,
-             Q_BUFS=q_buffers(head_dim, num_wg, block_n, stages, q.element_size(), fp8), PINGPONG=pingpong,
-             FP8=fp8, **_regs(head_dim, fp8, num_wg)))
+    descs = (desc(q, WG_ROWS), desc(k, block_n), v_desc, desc(out, WG_ROWS))
+    args = (*descs, lse, *scales, counter, lse.stride(0), lse.stride(1), sq, sk, batch * nheads, nheads,
+            nheads // nheads_k, softmax_scale * LOG2E)
+    relaunch.launch(kern.fa3_fwd_kernel, (programs, ), args, kwargs)
+    if key is not None and out.is_contiguous():
+        bound = relaunch.bind(kern.fa3_fwd_kernel, args, kwargs, _FWD_LIVE)
+        if bound is not None:
+            if len(_FWD_TEMPLATES) >= _FWD_TEMPLATES_MAX:
+                _FWD_TEMPLATES.clear()
+            _FWD_TEMPLATES[key] = _FwdTemplate(bound, kwargs, TensorDescriptor, [descriptor_fields(d) for d in descs])
 
 
 @functools.lru_cache(maxsize=None)
@@ -311,6 +352,27 @@ def bwd_dq_tile(block_m: int, head_dim: int):
     return (WG_ROWS, head_dim) if block_m == 2 * WG_ROWS else (block_m, head_dim // 2)
 
 
+# fa3_bwd_kernel's first _BWD_LIVE parameters are the descriptors and tensors a call changes (k, v, q, dO, the dQ
+# accumulator, lse, delta, dK and dV); the rest are sizes, strides and scales, fixed by the problem
+_BWD_LIVE = 9
+# (shapes, dtype, device, lse / dK / dV strides, scale, causal) -> _BwdTemplate of a backward launch seen before
+_BWD_TEMPLATES: dict = {}
+
+
+class _BwdTemplate(_FwdTemplate):
+    """_FwdTemplate's counterpart for the backward: the bound kernel, its launch options, and the fields of the
+    k, v, q, dO, dQ-accumulator descriptors (and of dK, dV's when they are stored by TMA)."""
+    __slots__ = ()
+
+    def launch(self, grid, tensors, lse, delta, dk, dv) -> bool:
+        descs = [descriptor_from(self.cls, f, t) for f, t in zip(self.fields, tensors)]
+        if None in descs:
+            return False
+        dkv = descs[5:] or [dk, dv]
+        # (descriptors from the bound ones' fields over tensors of the key's dtype: their keys are the bound ones)
+        return self.bound(grid, (*descs[:5], lse, delta, *dkv), trusted=5)
+
+
 def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params) -> None:
     """dq, dk, dv of attention(q, k, v) by the Gluon FA3 backward, from the forward's lse (natural log) and
     delta = rowsum(dout o out) (- dlse), both (batch, nheads, seqlen_q) float32 with equal strides. Call only where
@@ -326,6 +388,17 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params) -> None:
     dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     dq_tile = bwd_dq_tile(block_m, head_dim)
     dkv_tma = bwd_dkv_tma(sq, causal)
+    grid = (sk // block_n, batch * nheads_k, 1)
+    kwargs = dict(HEAD_D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, DKV_TMA=dkv_tma,
+                  P_LAYOUT=_smem_layout(block_m, block_n // 2, q.dtype),
+                  PINGPONG=BWD_PINGPONG.get((head_dim, causal), False), num_warps=4, maxnreg=MAXNREG)
+    key = (q.shape, k.shape, v.shape, q.dtype, q.device, lse.stride(), dk.stride(), dv.stride(), params.softmax_scale,
+           causal, dq_tile)
+    tpl = _BWD_TEMPLATES.get(key)
+    if tpl is not None and tpl.kwargs == kwargs and tpl.launch(grid, (k, v, q, dout, dq_acc, dk, dv), lse, delta,
+                                                               dk, dv):
+        dq.copy_(dq_acc)
+        return
 
     def desc(t, rows, cols):
         return _desc(TensorDescriptor, t, rows, cols, t.dtype)
@@ -342,16 +415,19 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params) -> None:
             dkv.append((g, g_desc))
         (dk_out, dk_desc), (dv_out, dv_desc) = dkv
 
-    relaunch.launch(kern.fa3_bwd_kernel, (sk // block_n, batch * nheads_k), (
-        desc(k, block_n, head_dim), desc(v, block_n, head_dim), desc(q, block_m, head_dim),
-        desc(dout, block_m, head_dim), desc(dq_acc, *dq_tile),
-        lse, delta, lse.stride(0), lse.stride(1),
-        *((dk_desc, dv_desc) if dkv_tma else (dk, dv)),
-        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        sq, sk, nheads_k, nheads // nheads_k, params.softmax_scale, params.softmax_scale * LOG2E),
-        dict(HEAD_D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
-             DKV_TMA=dkv_tma, P_LAYOUT=_smem_layout(block_m, block_n // 2, q.dtype),
-             PINGPONG=BWD_PINGPONG.get((head_dim, causal), False), num_warps=4, maxnreg=MAXNREG))
+    descs = (desc(k, block_n, head_dim), desc(v, block_n, head_dim), desc(q, block_m, head_dim),
+             desc(dout, block_m, head_dim), desc(dq_acc, *dq_tile))
+    args = (*descs, lse, delta, *((dk_desc, dv_desc) if dkv_tma else (dk, dv)), lse.stride(0), lse.stride(1),
+            dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+            sq, sk, nheads_k, nheads // nheads_k, params.softmax_scale, params.softmax_scale * LOG2E)
+    relaunch.launch(kern.fa3_bwd_kernel, grid[:2], args, kwargs)
+    if dk_out is dk and dv_out is dv:   # (not through copies: their descriptors are over per-call buffers)
+        bound = relaunch.bind(kern.fa3_bwd_kernel, args, kwargs, _BWD_LIVE)
+        if bound is not None:
+            if len(_BWD_TEMPLATES) >= _FWD_TEMPLATES_MAX:
+                _BWD_TEMPLATES.clear()
+            _BWD_TEMPLATES[key] = _BwdTemplate(bound, kwargs, TensorDescriptor, [
+                descriptor_fields(d) for d in (*descs, *((dk_desc, dv_desc) if dkv_tma else ()))])
     dq.copy_(dq_acc)
     for out, grad in ((dk_out, dk), (dv_out, dv)):
         if out is not grad:

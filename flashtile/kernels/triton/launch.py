@@ -96,16 +96,31 @@ def row_descriptor(cls, t: torch.Tensor, block, layout=None):
     # id cannot be reused by another object while the entry lives
     key = (cls, t.shape, t.stride(), t.dtype, tuple(block), id(layout))
     fields = _ROW_DESC_FIELDS.get(key)
-    if fields is not None and t.data_ptr() % 16 == 0:
-        desc = object.__new__(cls)
-        vars(desc).update(fields, base=t)
-        return desc
+    if fields is not None:
+        desc = descriptor_from(cls, fields, t)
+        if desc is not None:
+            return desc
     view = tma_row_view(t)
     if view is None:
         return None
     desc = cls(view, list(view.shape), list(view.stride()), list(block), *(() if layout is None else (layout, )))
     if len(_ROW_DESC_FIELDS) < 4096:
-        _ROW_DESC_FIELDS[key] = {name: val for name, val in vars(desc).items() if name != "base"}
+        _ROW_DESC_FIELDS[key] = descriptor_fields(desc)
+    return desc
+
+
+def descriptor_fields(desc) -> dict:
+    """A row descriptor's fields but its base (which holds no tensor, so they may be kept)."""
+    return {name: val for name, val in vars(desc).items() if name != "base"}
+
+
+def descriptor_from(cls, fields: dict, t: torch.Tensor):
+    """A descriptor of class cls with these fields (descriptor_fields of one over a tensor of t's shape, strides
+    and dtype) over t, or None where t's base is not 16-byte aligned."""
+    if t.data_ptr() % 16:
+        return None
+    desc = object.__new__(cls)
+    vars(desc).update(fields, base=t)
     return desc
 
 
