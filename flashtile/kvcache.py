@@ -52,6 +52,8 @@ def check_index_tensor(name: str, t, shape, device) -> None:
         _fail(f"{name}.shape", tuple(t.shape), want)
     if t.device != device:
         _fail(f"{name}.device", t.device, f"the device of q ({device})")
+    if t.dim() == 1 and t.numel() > 1 and t.stride(0) != 1:   # the kernels read element b at offset b
+        _fail(f"{name}.stride(0)", t.stride(0), "1 (contiguous)")
 
 
 def check_paged_cache(k_cache, v_cache, block_table, batch: int, device) -> int:
@@ -281,30 +283,28 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
     # ---- append (+ rotary) ----
     q_attn = q
+    # the signature's token and static_end determine every argument of the launches below but the tensors' data
+    # (q_attn, out, lse take their shapes from the checked arguments): repeated calls reuse the launches' templates
+    sig = None if shapes.token is None else (shapes.token, static_end)
     with torch.no_grad():
         if k is not None:
             _rotary.append_kv(k, v, k_cache, v_cache, cache_seqlens, cos=rotary_cos, sin=rotary_sin,
                               interleaved=rotary_interleaved, leftpad=cache_leftpad, cache_batch_idx=cache_batch_idx,
-                              block_table=block_table)
+                              block_table=block_table, sig=sig)
         if rotary_cos is not None:
             pos0 = cache_seqlens if cache_leftpad is None else cache_seqlens - cache_leftpad
             local = a.window_left >= 0 or a.window_right >= 0   # causal is window_right = 0
             q_attn = _rotary.rotary_q(q, rotary_cos, rotary_sin, pos0.to(torch.int32), per_row=local,
                                       interleaved=rotary_interleaved)
-        if static_end is not None:
-            seqlens_k = None
-        else:
-            seqlens_k = (cache_seqlens + seqlen_new).to(torch.int32) if seqlen_new else cache_seqlens
+        # the appended tokens count in the decode launch (seqlens_add), not by a kernel adding them to the tensor
+        seqlens_k = None if static_end is not None else cache_seqlens
 
         # ---- split-KV attention over the cache ----
         out = _output_like(q)
         lse = _output((batch, nheads, seqlen_q), device, torch.float32)
-        # (the signature's token and static_end determine every argument but the tensors' data: q_attn, out, lse
-        # and seqlens_k take their shapes from the checked arguments)
         _decode.flash_decode(q_attn, k_cache, v_cache, out, lse, seqlens_k, shapes.params,
                              cache_batch_idx=cache_batch_idx, leftpad=cache_leftpad, block_table=block_table,
                              alibi=alibi_slopes, num_splits=num_splits,
                              max_seqlen_k=capacity if static_end is None else static_end,
-                             seqlen_k_static=static_end,
-                             sig=None if shapes.token is None else (shapes.token, static_end))
+                             seqlen_k_static=static_end, seqlens_add=seqlen_new, sig=sig)
     return (out, lse) if return_softmax_lse else out

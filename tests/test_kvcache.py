@@ -663,6 +663,10 @@ BAD = [
                                   v_cache=torch.randn(3, 32, 2, 16, dtype=fp16, device=DEVICE)), "k_cache.shape[0]"),
     ("batch-idx-range", dict(cache_batch_idx=_i32([0, 2])), "cache_batch_idx"),
     ("batch-idx-int64", dict(cache_batch_idx=torch.tensor([0, 1], device=DEVICE)), "cache_batch_idx.dtype"),
+    ("seqlens-strided", dict(cache_seqlens=_i32([3, 9, 4, 9])[::2]), "cache_seqlens.stride(0)"),
+    ("leftpad-strided", dict(cache_seqlens=_i32([3, 4]), cache_leftpad=_i32([0, 9, 1, 9])[::2]),
+     "cache_leftpad.stride(0)"),
+    ("batch-idx-strided", dict(cache_batch_idx=_i32([0, 9, 1, 9])[::2]), "cache_batch_idx.stride(0)"),
     ("leftpad-above-seqlens", dict(cache_seqlens=_i32([3, 4]), cache_leftpad=_i32([4, 0])), "cache_leftpad"),
     ("rotary-without-k", dict(rotary_cos=torch.ones(32, 8, dtype=fp16, device=DEVICE),
                               rotary_sin=torch.ones(32, 8, dtype=fp16, device=DEVICE)), "k"),
@@ -724,19 +728,28 @@ def test_shape_checks_memoised_per_signature(monkeypatch):
                                 rotary_cos=[[1.0] * 8] * 32, rotary_sin=[[0.0] * 8] * 32)
 
 
-@pytest.mark.parametrize("paged,int_seqlens,num_splits", [(False, True, 0), (False, False, 3), (True, False, 1),
-                                                          (True, True, 0)])
-def test_decode_template_launches_what_the_slow_path_does(paged, int_seqlens, num_splits, monkeypatch):
-    """A decode loop's steps repeat one signature: after its first launch flash_decode keeps a template (the
-    compiled kernel bound to every argument but the tensors) and later steps launch through it, with exactly the
-    arguments relaunch.launch would pass (compared against a launch with the templates off); a tensor of another
-    16-byte alignment goes back through Triton's dispatch; a signature change makes another template. The compiled
-    kernel is a stand-in (no GPU needed: the launches are recorded, not run)."""
+@pytest.mark.parametrize("paged,int_seqlens,num_splits,append", [(False, True, 0, False), (False, False, 3, False),
+                                                                 (True, False, 1, False), (True, True, 0, False),
+                                                                 (False, False, 0, True), (True, True, 3, True)])
+def test_decode_template_launches_what_the_slow_path_does(paged, int_seqlens, num_splits, append, monkeypatch):
+    """A decode loop's steps repeat one signature: after its first launch flash_decode (and the append of new
+    tokens) keep a template (the compiled kernel bound to every argument but the tensors) and later steps launch
+    through it, with exactly the arguments relaunch.launch would pass (compared against a launch with the templates
+    off); a tensor of another 16-byte alignment goes back through Triton's dispatch; a signature change makes
+    another template. The compiled kernels are stand-ins (no GPU needed: the launches are recorded, not run)."""
     from flashtile.kernels import relaunch
-    kern = StandInKernel(_decode.decode_kernel)
-    monkeypatch.setattr(_decode, "decode_kernel", kern)
-    monkeypatch.setattr(_decode, "_TEMPLATES", {})
-    launches = fast_launches(monkeypatch)
+    from flashtile.kernels.triton import rotary
+    kern, akern = StandInKernel(_decode.decode_kernel), StandInKernel(rotary.append_kv_kernel)
+    kernels = (kern, akern) if append else (kern, )
+
+    def stand_ins():
+        monkeypatch.setattr(_decode, "decode_kernel", kern)
+        monkeypatch.setattr(rotary, "append_kv_kernel", akern)
+        monkeypatch.setattr(_decode, "_TEMPLATES", {})
+        monkeypatch.setattr(rotary, "_APPEND_BOUNDS", relaunch.Bounds())
+        return fast_launches(monkeypatch)
+
+    launches = stand_ins()
     b, h, hk, d, cap = 2, 8, 2, 32, 96
     if paged:
         k_cache = torch.randn(12, 16, hk, d, dtype=fp16, device=DEVICE)
@@ -745,28 +758,30 @@ def test_decode_template_launches_what_the_slow_path_does(paged, int_seqlens, nu
         k_cache, table = torch.randn(b, cap, hk, d, dtype=fp16, device=DEVICE), None
     v_cache = torch.randn_like(k_cache)
     seqlens = 77 if int_seqlens else torch.tensor([77, 40], dtype=torch.int32, device=DEVICE)
+    new = dict(k=torch.randn(b, 1, hk, d, dtype=fp16, device=DEVICE),
+               v=torch.randn(b, 1, hk, d, dtype=fp16, device=DEVICE)) if append else {}
 
     def step(q):
         return flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table,
-                                       num_splits=num_splits)
+                                       num_splits=num_splits, **new)
 
     q = torch.randn(b, 1, h, d, dtype=fp16, device=DEVICE)
     step(torch.randn_like(q))
-    assert [c[0] for c in kern.calls] == ["dispatch"] and len(_decode._TEMPLATES) == 1
+    assert all([c[0] for c in x.calls] == ["dispatch"] for x in kernels) and len(_decode._TEMPLATES) == 1
     n = len(launches)
     step(q)
-    assert kern.calls[-1][0] == "run" and len(_decode._TEMPLATES) == 1 and len(launches) == n   # the template's
-    templated = kern.calls[-1]
+    assert all(x.calls[-1][0] == "run" for x in kernels) and len(launches) == n   # the templates' launches
+    templated = [x.calls[-1] for x in kernels]
     monkeypatch.setattr(_decode, "_TEMPLATES", {})
+    monkeypatch.setattr(rotary, "_APPEND_BOUNDS", relaunch.Bounds())
     monkeypatch.setattr(relaunch, "bind", lambda *a: None)   # templates off: relaunch.launch's own direct call
     step(q)
-    assert kern.calls[-1][0] == "run" and not _decode._TEMPLATES
-    assert templated[1] == kern.calls[-1][1]
-    same_arguments(templated[2], kern.calls[-1][2], shared=(q, k_cache, v_cache, table, seqlens))
+    assert len(launches) == n + len(kernels) and not _decode._TEMPLATES
+    for x, t in zip(kernels, templated):
+        assert x.calls[-1][0] == "run" and t[1] == x.calls[-1][1]
+        same_arguments(t[2], x.calls[-1][2], shared=(q, k_cache, v_cache, table, seqlens, *new.values()))
     monkeypatch.undo()
-    monkeypatch.setattr(_decode, "decode_kernel", kern)
-    monkeypatch.setattr(_decode, "_TEMPLATES", {})
-    fast_launches(monkeypatch)
+    stand_ins()
     step(q)
     step(q)
     n = len(kern.calls)

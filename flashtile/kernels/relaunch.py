@@ -206,6 +206,27 @@ def bind(kernel, args: tuple, kwargs: dict, n_live: int):
     return Bound(entry, key[1], _args_key(args[:n_live]), (*args[n_live:], *rest))
 
 
+class Bounds:
+    """One call site's Bound launches, per caller signature (a hashable that determines every argument but the live
+    ones: the caller's promise, as for bind): launch() runs the signature's Bound, bind() keeps a new one after a
+    slow launch. At most `limit` signatures (then it starts over)."""
+
+    def __init__(self, limit: int = 256):
+        self.entries: dict = {}
+        self.limit = limit
+
+    def launch(self, sig, grid, live: tuple) -> bool:
+        bound = self.entries.get(sig)
+        return bound is not None and bound(grid, live)
+
+    def bind(self, sig, kernel, args: tuple, kwargs: dict, n_live: int) -> None:
+        bound = bind(kernel, args, kwargs, n_live)
+        if bound is not None:
+            if len(self.entries) >= self.limit:
+                self.entries.clear()
+            self.entries[sig] = bound
+
+
 def _no_launch_hooks() -> bool:
     """Whether no launch enter / exit hook is registered with Triton (a profiler's, e.g. proton's)."""
     rt = _knobs.runtime

@@ -212,9 +212,10 @@ def decode_kernel(
     leftpad = 0
     if HAS_LEFTPAD:
         leftpad = tl.load(LEFTPAD + b)
-    # visible keys: cache positions [leftpad, seqlens_k[b]) (or [leftpad, seqlen_k_static) for every b)
+    # visible keys: cache positions [leftpad, seqlens_k[b] + seqlen_k_static) (the tokens just appended counted in
+    # the launch, not by a kernel adding them to the tensor), or [leftpad, seqlen_k_static) for every b
     if HAS_SEQLENS:
-        seqlen_k = tl.load(SEQLENS_K + b) - leftpad
+        seqlen_k = tl.load(SEQLENS_K + b) + seqlen_k_static - leftpad
     else:
         seqlen_k = seqlen_k_static - leftpad
     cb = b
@@ -737,15 +738,15 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  cache_batch_idx: Optional[torch.Tensor] = None, leftpad: Optional[torch.Tensor] = None,
                  block_table: Optional[torch.Tensor] = None, alibi: Optional[torch.Tensor] = None,
                  num_splits: int = 0, max_seqlen_k: Optional[int] = None,
-                 seqlen_k_static: Optional[int] = None, sig=None) -> int:
+                 seqlen_k_static: Optional[int] = None, seqlens_add: int = 0, sig=None) -> int:
     """out[...] = attention of q over the cache; lse[...] its natural-log LSE (-inf for rows with no key).
 
     q / out: (batch, seqlen_q, nheads, d), or packed (total_q, nheads, d) with cu_seqlens_q / max_seqlen_q.
     lse: (batch, nheads, seqlen_q) or (nheads, total_q) float32.
     k_cache / v_cache: (batch_cache, capacity, nheads_k, d), or (num_blocks, page_size, nheads_k, d) with
     block_table (batch, max_blocks) int32. seqlens_k (batch,) int32: batch element b sees cache positions
-    [leftpad[b], seqlens_k[b]); or seqlens_k None and seqlen_k_static: the same end position for every batch
-    element (no tensor, no kernel to fill one). cache_batch_idx (batch,) int32: cache row of each batch element.
+    [leftpad[b], seqlens_k[b] + seqlens_add); or seqlens_k None and seqlen_k_static: the same end position for
+    every batch element (no tensor, no kernel to fill one). cache_batch_idx (batch,) int32: cache row of each batch element.
     Inputs are already validated. Returns the number of splits used.
     """
     varlen = cu_seqlens_q is not None
@@ -808,7 +809,7 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
         block_table.stride(0) if paged else 0,
         0 if alibi is None or alibi.dim() == 1 else alibi.stride(0),
-        nheads_k, group, sq, 0 if has_seqlens else int(seqlen_k_static), head_dim, k_cache.shape[1],
+        nheads_k, group, sq, int(seqlens_add) if has_seqlens else int(seqlen_k_static), head_dim, k_cache.shape[1],
         score_scale, softcap_log2, params.window_left, params.window_right, num_splits)
     kwargs = dict(
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_D=block_d, EVEN_D=block_d == head_dim,

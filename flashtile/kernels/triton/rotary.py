@@ -140,12 +140,20 @@ def rotary_q(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos0: torch.
     return out
 
 
+# append_kv's launches per caller signature (flash_attn_with_kvcache's): append_kv_kernel's first ten parameters
+# are the tensors, the rest strides, sizes and constexprs the signature fixes
+_APPEND_BOUNDS = relaunch.Bounds()
+
+
 def append_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               cache_seqlens: torch.Tensor, *, cos: Optional[torch.Tensor] = None, sin: Optional[torch.Tensor] = None,
               interleaved: bool = True, leftpad: Optional[torch.Tensor] = None,
-              cache_batch_idx: Optional[torch.Tensor] = None, block_table: Optional[torch.Tensor] = None) -> None:
+              cache_batch_idx: Optional[torch.Tensor] = None, block_table: Optional[torch.Tensor] = None,
+              sig=None) -> None:
     """Write k, v (batch, seqlen_new, nheads_k, d) into the caches in place at positions cache_seqlens[b] + i,
-    rotating k when cos/sin are given (position cache_seqlens[b] - leftpad[b] + i)."""
+    rotating k when cos/sin are given (position cache_seqlens[b] - leftpad[b] + i). sig: None, or a hashable that
+    determines everything of the call but the tensors' data (decode.flash_decode's contract): a repeated one
+    launches through relaunch.Bounds."""
     batch, seqlen_new, nheads_k, head_dim = k.shape
     if k.numel() == 0:
         return
@@ -154,14 +162,21 @@ def append_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     paged = block_table is not None
     block_h, block_d, block_r = _blocks(nheads_k, head_dim, rotary_half)
     dummy = cache_seqlens
-    relaunch.launch(append_kv_kernel, (batch * seqlen_new, cdiv(nheads_k, block_h)), (
-        k, v, k_cache, v_cache, cos if rotary else k, sin if rotary else k, cache_seqlens,
-        leftpad if leftpad is not None else dummy, cache_batch_idx if cache_batch_idx is not None else dummy,
-        block_table if paged else dummy,
+    grid = (batch * seqlen_new, cdiv(nheads_k, block_h), 1)
+    live = (k, v, k_cache, v_cache, cos if rotary else k, sin if rotary else k, cache_seqlens,
+            leftpad if leftpad is not None else dummy, cache_batch_idx if cache_batch_idx is not None else dummy,
+            block_table if paged else dummy)
+    if sig is not None and _APPEND_BOUNDS.launch(sig, grid, live):
+        return
+    args = (
+        *live,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), block_table.stride(0) if paged else 0,
         cos.stride(0) if rotary else 0, sin.stride(0) if rotary else 0,
-        seqlen_new, nheads_k, head_dim, rotary_half, k_cache.shape[1] if paged else 1), dict(
-        ROTARY=rotary, INTERLEAVED=interleaved, PAGED=paged, HAS_BATCH_IDX=cache_batch_idx is not None,
-        HAS_LEFTPAD=leftpad is not None, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_R=block_r, num_warps=4))
+        seqlen_new, nheads_k, head_dim, rotary_half, k_cache.shape[1] if paged else 1)
+    kwargs = dict(ROTARY=rotary, INTERLEAVED=interleaved, PAGED=paged, HAS_BATCH_IDX=cache_batch_idx is not None,
+                  HAS_LEFTPAD=leftpad is not None, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_R=block_r, num_warps=4)
+    relaunch.launch(append_kv_kernel, grid[:2], args, kwargs)
+    if sig is not None:
+        _APPEND_BOUNDS.bind(sig, append_kv_kernel, args, kwargs, len(live))
