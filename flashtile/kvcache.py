@@ -2,7 +2,7 @@
 paged K/V and split-KV (flash-decoding). Forward only (inference), like flash-attn.
 
 Flow: validate everything (shapes, dtypes, devices - remembered per argument signature, so a decode loop checks
-them once - then the values of the index tensors) -> append the new
+them once, and its launches reuse that signature's templates - then the values of the index tensors) -> append the new
 k/v into the cache (rotating k) and rotate q (kernels/triton/rotary.py) -> split-KV attention over the cache
 (kernels/triton/decode.py, merged by combine.py).
 """

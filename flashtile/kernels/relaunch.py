@@ -11,6 +11,11 @@ with, minus its launch-hook metadata when no hook is registered). A key not seen
 compiles the kernel or finds it in Triton's cache, and so does everything under the interpreter. Changing Triton's
 debug / instrumentation knobs after a first launch is not seen. FLASHTILE_FAST_LAUNCH=0 (or FAST_LAUNCH = False)
 turns it off.
+
+A caller that launches one problem again and again (a decode loop, a training step) goes further: bind() returns the
+compiled kernel bound to every argument but the leading live ones (Bound), whose call checks only the live
+arguments' keys; the caller keys its Bounds on a signature of its own that fixes the rest (Bounds, or the
+templates of decode.py and gluon/fa3.py). FLASHTILE_BIND=0 (or BIND = False) turns bind() off.
 """
 from __future__ import annotations
 
