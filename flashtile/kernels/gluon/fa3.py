@@ -269,7 +269,9 @@ def _launch_fwd(q, k, v, out, lse, scales, softmax_scale, causal, num_wg, block_
     counter = tickets(q.device, 1)
     key = None if fp8 else (q.shape, k.shape, v.shape, q.dtype, q.device, lse.stride(), softmax_scale, causal)
     tpl = _FWD_TEMPLATES.get(key) if key is not None else None
-    if tpl is not None and tpl.kwargs == kwargs and tpl.launch((programs, 1, 1), q, k, v, out, lse, scales, counter):
+    # (q, k, v are contiguous - eligible() - and out must be: the template's descriptors have their first geometry)
+    if (tpl is not None and tpl.kwargs == kwargs and out.is_contiguous()
+            and tpl.launch((programs, 1, 1), q, k, v, out, lse, scales, counter)):
         return
 
     def desc(t, rows):
