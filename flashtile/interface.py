@@ -18,6 +18,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch.utils import _python_dispatch
 
+from .kernels import relaunch
 from .kernels.gluon import fa3
 from .kernels.triton import launch
 
@@ -125,10 +126,10 @@ def signature(args) -> tuple:
 MEMO_MAX = 1024   # entries per memo of memoised()
 
 
-def memoised(cache: dict, args: tuple, check, remember=None):
+def memoised(cache: dict, args: tuple, check, keep=None):
     """check(*args), remembered in cache per signature(args): a training or decode loop repeats one signature, and
     argument checks cost more host time than the lookup (BENCHMARKS.md section 1c). Only what passed is remembered
-    (remember(result) is what is kept and returned, if given); no memo for an unhashable signature or while
+    (keep(result) is what is kept and returned, if given); no memo for an unhashable signature or while
     torch.compile traces (no global state for the tracer)."""
     try:
         if torch.compiler.is_compiling():
@@ -140,11 +141,7 @@ def memoised(cache: dict, args: tuple, check, remember=None):
     if hit is None:
         hit = check(*args)
         if key is not None:
-            if remember is not None:
-                hit = remember(hit)
-            if len(cache) >= MEMO_MAX:
-                cache.clear()
-            cache[key] = hit
+            hit = relaunch.remember(cache, key, hit if keep is None else keep(hit), MEMO_MAX)
     return hit
 
 

@@ -728,21 +728,28 @@ def test_shape_checks_memoised_per_signature(monkeypatch):
                                 rotary_cos=[[1.0] * 8] * 32, rotary_sin=[[0.0] * 8] * 32)
 
 
-@pytest.mark.parametrize("paged,int_seqlens,num_splits,append", [(False, True, 0, False), (False, False, 3, False),
-                                                                 (True, False, 1, False), (True, True, 0, False),
-                                                                 (False, False, 0, True), (True, True, 3, True)])
-def test_decode_template_launches_what_the_slow_path_does(paged, int_seqlens, num_splits, append, monkeypatch):
+@pytest.mark.parametrize("paged,int_seqlens,num_splits,append,tma", [
+    (False, True, 0, False, False), (False, False, 3, False, True), (True, False, 1, False, True),
+    (True, True, 0, False, False), (False, False, 0, True, False), (True, True, 3, True, True)])
+def test_decode_template_launches_what_the_slow_path_does(paged, int_seqlens, num_splits, append, tma, monkeypatch):
     """A decode loop's steps repeat one signature: after its first launch flash_decode (and the append of new
     tokens) keep a template (the compiled kernel bound to every argument but the tensors) and later steps launch
     through it, with exactly the arguments relaunch.launch would pass (compared against a launch with the templates
     off); a tensor of another 16-byte alignment goes back through Triton's dispatch; a signature change makes
-    another template. The compiled kernels are stand-ins (no GPU needed: the launches are recorded, not run)."""
+    another template. The compiled kernels are stand-ins (no GPU needed: the launches are recorded, not run); tma:
+    the K/V tiles by TMA descriptors (the GPU's default), which the template rebuilds from the first call's fields."""
+    import functools
     from flashtile.kernels import relaunch
     from flashtile.kernels.triton import rotary
+    real_config = _decode.default_decode_config
     kern, akern = StandInKernel(_decode.decode_kernel), StandInKernel(rotary.append_kv_kernel)
     kernels = (kern, akern) if append else (kern, )
 
     def stand_ins():
+        if tma:   # (plans memoised in a memo of the test's own)
+            monkeypatch.setattr(_decode, "default_decode_config",
+                                lambda *a, **k: dataclasses.replace(real_config(*a, **k), use_tma=True))
+            monkeypatch.setattr(_decode, "_plan_memo", functools.lru_cache(maxsize=None)(_decode._plan))
         monkeypatch.setattr(_decode, "decode_kernel", kern)
         monkeypatch.setattr(rotary, "append_kv_kernel", akern)
         monkeypatch.setattr(_decode, "_TEMPLATES", {})
@@ -777,6 +784,7 @@ def test_decode_template_launches_what_the_slow_path_does(paged, int_seqlens, nu
     monkeypatch.setattr(relaunch, "bind", lambda *a: None)   # templates off: relaunch.launch's own direct call
     step(q)
     assert len(launches) == n + len(kernels) and not _decode._TEMPLATES
+    assert (templated[0][2][8] is not None) is tma   # (decode_kernel's desc_k)
     for x, t in zip(kernels, templated):
         assert x.calls[-1][0] == "run" and t[1] == x.calls[-1][1]
         same_arguments(t[2], x.calls[-1][2], shared=(q, k_cache, v_cache, table, seqlens, *new.values()))

@@ -211,14 +211,25 @@ def bind(kernel, args: tuple, kwargs: dict, n_live: int):
     return Bound(entry, key[1], _args_key(args[:n_live]), (*args[n_live:], *rest))
 
 
+TEMPLATES_MAX = 256   # entries per call site's memo of launch templates (remember)
+
+
+def remember(memo: dict, key, value, limit: int = TEMPLATES_MAX):
+    """memo[key] = value, the memo starting over when it holds `limit` entries (a loop repeats a few keys; a
+    workload of ever new ones must not grow it without bound). Returns value."""
+    if len(memo) >= limit:
+        memo.clear()
+    memo[key] = value
+    return value
+
+
 class Bounds:
     """One call site's Bound launches, per caller signature (a hashable that determines every argument but the live
     ones: the caller's promise, as for bind): launch() runs the signature's Bound, bind() keeps a new one after a
-    slow launch. At most `limit` signatures (then it starts over)."""
+    slow launch (remember's bound on their number)."""
 
-    def __init__(self, limit: int = 256):
+    def __init__(self):
         self.entries: dict = {}
-        self.limit = limit
 
     def launch(self, sig, grid, live: tuple) -> bool:
         bound = self.entries.get(sig)
@@ -227,9 +238,7 @@ class Bounds:
     def bind(self, sig, kernel, args: tuple, kwargs: dict, n_live: int) -> None:
         bound = bind(kernel, args, kwargs, n_live)
         if bound is not None:
-            if len(self.entries) >= self.limit:
-                self.entries.clear()
-            self.entries[sig] = bound
+            remember(self.entries, sig, bound)
 
 
 def _no_launch_hooks() -> bool:

@@ -233,7 +233,6 @@ _FWD_LIVE = 9
 # (q / k / v shapes, dtype, device, lse strides, softmax_scale, causal) -> _FwdTemplate of a bf16 / fp16 launch seen
 # before
 _FWD_TEMPLATES: dict = {}
-_FWD_TEMPLATES_MAX = 256
 
 
 class _FwdTemplate:
@@ -290,9 +289,8 @@ def _launch_fwd(q, k, v, out, lse, scales, softmax_scale, causal, num_wg, block_
     if key is not None and out.is_contiguous():
         bound = relaunch.bind(kern.fa3_fwd_kernel, args, kwargs, _FWD_LIVE)
         if bound is not None:
-            if len(_FWD_TEMPLATES) >= _FWD_TEMPLATES_MAX:
-                _FWD_TEMPLATES.clear()
-            _FWD_TEMPLATES[key] = _FwdTemplate(bound, kwargs, TensorDescriptor, [descriptor_fields(d) for d in descs])
+            relaunch.remember(_FWD_TEMPLATES, key, _FwdTemplate(bound, kwargs, TensorDescriptor,
+                                                                [descriptor_fields(d) for d in descs]))
 
 
 @functools.lru_cache(maxsize=None)
@@ -426,10 +424,8 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params) -> None:
     if dk_out is dk and dv_out is dv:   # (not through copies: their descriptors are over per-call buffers)
         bound = relaunch.bind(kern.fa3_bwd_kernel, args, kwargs, _BWD_LIVE)
         if bound is not None:
-            if len(_BWD_TEMPLATES) >= _FWD_TEMPLATES_MAX:
-                _BWD_TEMPLATES.clear()
-            _BWD_TEMPLATES[key] = _BwdTemplate(bound, kwargs, TensorDescriptor, [
-                descriptor_fields(d) for d in (*descs, *((dk_desc, dv_desc) if dkv_tma else ()))])
+            relaunch.remember(_BWD_TEMPLATES, key, _BwdTemplate(bound, kwargs, TensorDescriptor, [
+                descriptor_fields(d) for d in (*descs, *((dk_desc, dv_desc) if dkv_tma else ()))]))
     dq.copy_(dq_acc)
     for out, grad in ((dk_out, dk), (dv_out, dv)):
         if out is not grad:

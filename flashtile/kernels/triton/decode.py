@@ -52,7 +52,8 @@ import triton.language as tl
 
 from .. import relaunch
 from . import combine as _combine
-from .launch import AttnParams, _block_d, _dot_precision, _rows, cdiv, interpreting, next_pow2, row_descriptor
+from .launch import (AttnParams, _block_d, _dot_precision, _rows, cdiv, descriptor_fields, descriptor_from,
+                     interpreting, next_pow2, row_descriptor)
 from .mods import key_range, load_rows, online_softmax_step, present, scores_log2, seq_bounds, visible
 
 try:  # host-side TMA descriptors (triton >= 3.4; the interpreter emulates them)
@@ -690,7 +691,6 @@ def _cache_descriptor(t: torch.Tensor, block_n: int, block_d: int):
 _TEMPLATE_LIVE = 16
 # (caller's signature, plan, fused combine) -> _Template of a launch flash_decode made before
 _TEMPLATES: dict = {}
-_TEMPLATES_MAX = 256
 
 
 @dataclass(frozen=True)
@@ -704,7 +704,7 @@ class _Template:
     part_shape: Optional[tuple]   # o_part's shape of a split launch (lse_part's is its first three), else None
     parts: Optional[tuple]        # (o_part, lse_part) placeholders of an unsplit launch
     n_counters: int               # ticket counters of the fused combine (0: none)
-    tma_block: Optional[tuple]    # block of the cache's TMA descriptors; None: pointer loads
+    tma_fields: Optional[tuple]   # k / v cache TMA descriptors' fields (launch.descriptor_fields); None: pointers
     placeholder_i32: torch.Tensor
 
     def launch(self, q, k_cache, v_cache, out, lse, seqlens_k, cu_seqlens_q, cache_batch_idx, leftpad, block_table,
@@ -720,9 +720,9 @@ class _Template:
         else:
             o_part, lse_part = self.parts
         desc_k = desc_v = None
-        if self.tma_block is not None:
-            desc_k = row_descriptor(TensorDescriptor, k_cache, self.tma_block)
-            desc_v = row_descriptor(TensorDescriptor, v_cache, self.tma_block)
+        if self.tma_fields is not None:   # (the caches have the first call's geometry: the signature says so)
+            desc_k = descriptor_from(TensorDescriptor, self.tma_fields[0], k_cache)
+            desc_v = descriptor_from(TensorDescriptor, self.tma_fields[1], v_cache)
             if desc_k is None or desc_v is None:
                 return False
         return self.bound(self.grid, (
@@ -823,13 +823,11 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if key is not None and (not split or fused):   # (a separate combine launch is not templated)
         bound = relaunch.bind(decode_kernel, args, kwargs, _TEMPLATE_LIVE)
         if bound is not None:
-            if len(_TEMPLATES) >= _TEMPLATES_MAX:
-                _TEMPLATES.clear()
-            _TEMPLATES[key] = _Template(bound, grid, tuple(o_part.shape) if split else None,
-                                        None if split else (o_part, lse_part),
-                                        plan.m_blocks * batch * nheads_k if fused else 0,
-                                        (cfg.BLOCK_N, block_d) if use_tma else None,
-                                        _placeholder(q.device, torch.int32, 1))
+            relaunch.remember(_TEMPLATES, key, _Template(
+                bound, grid, tuple(o_part.shape) if split else None, None if split else (o_part, lse_part),
+                plan.m_blocks * batch * nheads_k if fused else 0,
+                (descriptor_fields(desc_k), descriptor_fields(desc_v)) if use_tma else None,
+                _placeholder(q.device, torch.int32, 1)))
     if split and not fused:
         _combine.combine_splits(o_part, lse_part, out, lse, seqlen_rows=total_rows if varlen else sq,
                                 chunk=int(CONFIG_OVERRIDE.get("combine_chunk", 0)))
