@@ -1,7 +1,8 @@
 """Compiles the Gluon FA3 kernels (flashtile/kernels/gluon/_fa3_fwd.py, _fa3_bwd.py) for sm_90 on a machine
-without a GPU. Arguments `fwd|fwdshort|bwd|fp8,<head_dim>,<causal 0|1>,<bf16|fp16>[,<seqlen>]` (fwdshort: the
+without a GPU. Arguments `fwd|fwdshort|bwd|fp8|paged,<head_dim>,<causal 0|1>,<bf16|fp16>[,<seqlen>]` (fwdshort: the
 forward's config at sequences of that length, default 1: fa3.SHORT_CONFIGS; bwd: the backward at that query length,
-default 1024: fa3.bwd_dkv_tma; fp8: e4m3 inputs, that output dtype);
+default 1024: fa3.bwd_dkv_tma; fp8: e4m3 inputs, that output dtype; paged: the paged decode (gluon/_decode.py) for
+pages of <seqlen> keys, printing `ok paged ... page=<keys> shared=<bytes> wgmma=<count> tma=<count>`);
 prints one line per variant:
 `ok <kind> d<head_dim> causal=<0|1> <dtype> shared=<bytes> wgmma=<count> reduce=<count> arrives=<count>
 unsynced=<count> e4m3_mma=<count> shfl_idx=<count>` (reduce: TMA reduce-add instructions, the backward's dQ;
@@ -24,7 +25,7 @@ from triton.runtime.jit import mangle_type  # noqa: E402
 from flashtile.kernels.gluon import _fa3_bwd, _fa3_fwd, fa3  # noqa: E402
 
 
-def _compile(kernel, runtime: dict, consts: dict, maxnreg: int = fa3.MAXNREG):
+def _compile(kernel, runtime: dict, consts: dict, maxnreg=fa3.MAXNREG):
     signature, constexprs = {}, {}
     for i, p in enumerate(kernel.params):
         if p.name in consts:
@@ -35,7 +36,7 @@ def _compile(kernel, runtime: dict, consts: dict, maxnreg: int = fa3.MAXNREG):
         else:
             signature[p.name] = mangle_type(runtime[p.name])
     return triton.compile(GluonASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=4, maxnreg=maxnreg))
+                          options=dict(num_warps=4, **({} if maxnreg is None else dict(maxnreg=maxnreg))))
 
 
 def _desc(t, rows, cols):
@@ -110,12 +111,37 @@ def compile_bwd(head_dim: int, causal: bool, dtype: torch.dtype, seqlen: int = 1
     return _compile(_fa3_bwd.fa3_bwd_kernel, runtime, consts)
 
 
+def compile_paged(head_dim: int, causal: bool, dtype: torch.dtype, page: int):
+    """The paged decode (gluon/_decode.py) as paged.decode_paged launches it for pages of `page` keys (its
+    PAGE_CONFIGS entry); causal launches write split partials, the others the output (both epilogues compiled)."""
+    from flashtile.kernels.gluon import _decode, paged
+    block_n, stages = paged.PAGE_CONFIGS[page]
+    cache = torch.randn(64 * page, 8 * head_dim, dtype=dtype)
+    q = torch.randn(2, 1, 32, head_dim, dtype=dtype)
+    out = torch.empty(3, 2, 32, head_dim) if causal else torch.empty_like(q)
+    lse = torch.empty(3, 2, 32) if causal else torch.empty(2, 32, 1)
+    i32 = torch.zeros(2, dtype=torch.int32)
+    runtime = dict(q_ptr=q, k_desc=_desc(cache, page, head_dim), v_desc=_desc(cache, page, head_dim), o_ptr=out,
+                   lse_ptr=lse, bt_ptr=i32, seqlens_ptr=i32, score_scale=0.1)
+    runtime.update({p.name: 1 for p in _decode.paged_decode_kernel.params if p.name.startswith("stride")
+                    or p.name in ("nheads_k", "group", "seqlen_q", "seqlen_k_static", "num_splits")})
+    consts = dict(HEAD_D=head_dim, PAGE=page, BLOCK_N=block_n, STAGES=stages, HAS_SEQLENS=True, CAUSAL=causal,
+                  SPLIT=causal)
+    return _compile(_decode.paged_decode_kernel, runtime, consts, maxnreg=None)
+
+
 if __name__ == "__main__":
     for spec in sys.argv[1:]:
         kind, d, causal, dt, *seqlen = spec.split(",")   # seqlen: fwdshort's (default 1)
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dt]
         short_len = int(seqlen[0]) if seqlen else 1
         bwd_len = int(seqlen[0]) if seqlen else 1024
+        if kind == "paged":   # the fifth field: the page size
+            ck = compile_paged(int(d), causal == "1", dtype, int(seqlen[0]))
+            print(f"ok paged d{d} causal={causal} {dt} page={seqlen[0]} shared={ck.metadata.shared} "
+                  f"wgmma={ck.asm['ptx'].count('wgmma.mma_async')} "
+                  f"tma={ck.asm['ptx'].count('cp.async.bulk.tensor')}", flush=True)
+            continue
         ck = {"fwd": compile_fwd, "bwd": lambda d, c, t: compile_bwd(d, c, t, seqlen=bwd_len), "fp8": compile_fp8,
               "fwdshort": lambda d, c, t: compile_fwd(d, c, t, seqlen=short_len)}[kind](int(d), causal == "1", dtype)
         ptx = ck.asm["ptx"].splitlines()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import flashtile
-from flashtile.kernels.gluon import fa3
+from flashtile.kernels.gluon import fa3, paged
 from flashtile.kernels.triton import launch
 from flashtile.kernels.triton.launch import AttnParams
 
@@ -139,6 +139,9 @@ def test_kernels_compile_for_sm90():
     # full attention past fa3.BWD_DKV_TMA's length: dK / dV by register stores (no problem takes them today)
     specs += [f"bwd,{d},0,bf16,{fa3.BWD_DKV_TMA[False] + 64}" for d in sorted(fa3.BWD_CONFIGS)]
     specs += [f"fp8,{d},{c},bf16" for d in sorted(fa3.FP8_CONFIGS) for c in (0, 1)] + ["fp8,128,0,fp16"]
+    # the paged decode (gluon/_decode.py), every page size of its table, both epilogues, both head dims
+    specs += [f"paged,{d},{c},{dt},{page}" for page in sorted(paged.PAGE_CONFIGS) for d, c, dt in
+              ((128, 0, "bf16"), (64, 1, "fp16"))]
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT))
     res = subprocess.run([sys.executable, str(ROOT / "tests" / "fa3_compile_check.py"), *specs], env=env,
                          capture_output=True, text=True, timeout=900)
@@ -147,6 +150,14 @@ def test_kernels_compile_for_sm90():
     assert len(lines) == len(specs), res.stdout
     for ln in lines:
         fields = dict(f.split("=") for f in ln.split()[3:] if "=" in f)
+        if ln.split()[1] == "paged":
+            # TMA copies and wgmmas; pages of 16 take 64-key tiles so that two programs share an SM (228 KiB of
+            # shared memory, 1 KiB reserved per program: paged.PAGE_CONFIGS)
+            assert int(fields["wgmma"]) > 0 and int(fields["tma"]) > 0, ln
+            assert 0 < int(fields["shared"]) <= 227 * 1024, ln
+            if fields["page"] == "16":
+                assert 2 * (int(fields["shared"]) + 1024) <= 228 * 1024, ln
+            continue
         assert int(fields["wgmma"]) > 0 and 0 < int(fields["shared"]) <= 227 * 1024, ln
         assert int(fields["arrives"]) > 0 and int(fields["unsynced"]) == 0, ln
         assert (int(fields["reduce"]) > 0) == (ln.split()[1] == "bwd"), ln

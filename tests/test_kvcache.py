@@ -811,3 +811,34 @@ def test_rotary_table_too_short_raises():
     with pytest.raises(ValueError, match=re.escape("rotary_cos.shape[1]")):
         big = torch.ones(40, 9, dtype=fp16, device=DEVICE)
         flash_attn_with_kvcache(**args, k=k, v=k.clone(), rotary_cos=big, rotary_sin=big, cache_seqlens=3)
+
+
+def test_gluon_paged_decode_takes_only_what_it_computes(monkeypatch):
+    """flashtile.kernels.gluon.paged.eligible: the Gluon paged decode takes pages of its table (16 / 32 keys), fp16 /
+    bf16, head dims 64 / 128, at most 64 packed rows, no mask or the causal one; every other call (and every call
+    with OVERRIDE["on"] False) goes to the Triton kernel. On the CPU decode_paged declines (None)."""
+    from flashtile.kernels.gluon import paged
+    from flashtile.kernels.triton.launch import AttnParams
+
+    def ok(page=16, dtype=bf16, d=128, rows=4, params=None, **kw):
+        q = torch.empty(2, 1, 32, d, dtype=dtype)
+        k = torch.empty(64, page, 8, d, dtype=dtype)
+        args = dict(alibi=None, leftpad=None, cu_seqlens_q=None, cache_batch_idx=None)
+        args.update(kw)
+        return paged.eligible(q, k, page, rows, params or AttnParams(0.1), **args)
+
+    assert ok() and ok(page=32) and ok(dtype=fp16, d=64) and ok(rows=64)
+    assert ok(params=AttnParams(0.1, window_right=0))                       # causal
+    assert not ok(page=64) and not ok(page=256) and not ok(page=8)
+    assert not ok(dtype=fp32) and not ok(d=256) and not ok(rows=65)
+    assert not ok(params=AttnParams(0.1, softcap=5.0)) and not ok(params=AttnParams(0.1, 10, 0))
+    t = torch.zeros(2, dtype=torch.int32)
+    for arg in ("alibi", "leftpad", "cu_seqlens_q", "cache_batch_idx"):
+        assert not ok(**{arg: t}), arg
+    monkeypatch.setattr(paged, "OVERRIDE", {"on": False})
+    assert not ok()
+    monkeypatch.setattr(paged, "OVERRIDE", {})
+    q = torch.randn(1, 1, 8, 64, dtype=bf16)
+    kc = torch.randn(4, 16, 2, 64, dtype=bf16)
+    assert paged.decode_paged(q, kc, kc, q, None, None, 16, torch.zeros(1, 4, dtype=torch.int32), AttnParams(0.1),
+                              0, lambda n: 1) is None

@@ -107,6 +107,71 @@ def test_decode_paths_and_configs_gpu(block_n, warps, stages, use_tma, seed, mon
         torch.testing.assert_close(l_, res["paged", key[1]][1], rtol=1e-5, atol=1e-5)
 
 
+# The Gluon paged decode (flashtile/kernels/gluon/paged.py: pages of 16 / 32 read as TMA boxes under one barrier per
+# stage): pages, GQA, causal s_q > 1, appended tokens with rotary, splits, fp16 / bf16, d64 / d128
+GLUON_PAGED_CASES = [
+    KCase(2, 1, 32, 8, 128, bf16, capacity=8192, seqlen_new=1, causal=True, page=16),
+    KCase(3, 4, 32, 8, 128, bf16, capacity=4096, seqlen_new=4, causal=True, rotary_dim=128, page=16, num_splits=3),
+    KCase(2, 2, 16, 2, 64, fp16, capacity=8192, seqlen_new=2, page=32),
+    KCase(3, 1, 32, 4, 128, bf16, capacity=20000, page=32, num_splits=1),
+    KCase(2, 1, 16, 2, 128, fp16, capacity=16384, seqlen_new=1, rotary_dim=64, interleaved=False, page=16),
+]
+
+
+@pytest.mark.parametrize("c", GLUON_PAGED_CASES, ids=lambda c: c.id)
+def test_gluon_paged_decode_gpu(c, seed, monkeypatch):
+    """The Gluon paged decode against float64 (run_case's oracle, cache checks included) and against the Triton
+    decode kernel on the same inputs; the Gluon kernel must have run."""
+    from flashtile.kernels.gluon import paged as _paged
+    ran = []
+    decode_paged = _paged.decode_paged
+    monkeypatch.setattr(_paged, "decode_paged", lambda *a, **k: ran.append(decode_paged(*a, **k)) or ran[-1])
+    torch.manual_seed(seed)   # (run_case draws q and the caches from the global generator: the same inputs twice)
+    gluon = run_case(c, seed)
+    assert ran and ran[-1] is not None, "the Gluon paged decode did not run"
+    monkeypatch.setattr(_paged, "OVERRIDE", {"on": False})
+    torch.manual_seed(seed)
+    triton_ = run_case(c, seed)
+    tol = 1.6e-2 if c.dtype == bf16 else 2e-3   # one rounding of the output apart
+    torch.testing.assert_close(gluon[0].float(), triton_[0].float(), rtol=0, atol=tol)
+    torch.testing.assert_close(gluon[1], triton_[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("page", [16, 32])
+def test_gluon_paged_decode_ignores_slots_past_the_end(page, seed):
+    """Cache slots past each sequence's end hold NaN (never written): the output stays finite and equal to the
+    float64 reference over the visible keys, lengths not multiples of the tile, one empty sequence."""
+    torch.manual_seed(seed)
+    b, cap, h, hk, d = 4, 3000 // page * page, 32, 8, 128
+    q = torch.randn(b, 1, h, d, dtype=bf16, device="cuda")
+    k = torch.randn(b, cap, hk, d, dtype=bf16, device="cuda")
+    v = torch.randn_like(k)
+    per = cap // page
+    perm = torch.randperm(b * per, device="cuda")
+    kp = torch.empty(b * per, page, hk, d, dtype=bf16, device="cuda")
+    vp = torch.empty_like(kp)
+    kp[perm], vp[perm] = k.reshape(b * per, page, hk, d), v.reshape(b * per, page, hk, d)
+    table = perm.view(b, per).to(torch.int32)
+    lens = torch.tensor([cap - 5, 1000, 129, 0], dtype=torch.int32, device="cuda")
+    pos = torch.arange(cap, device="cuda")
+    for i in range(b):
+        tail = pos[pos >= lens[i]]
+        kp[table[i, tail // page].long(), tail % page] = float("nan")
+        vp[table[i, tail // page].long(), tail % page] = float("nan")
+    out, lse = flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lens, block_table=table, return_softmax_lse=True)
+    for i in range(b):
+        n = int(lens[i])
+        if n == 0:
+            assert (out[i] == 0).all() and (lse[i] == float("-inf")).all()
+            continue
+        kk = k[i, :n].double().repeat_interleave(h // hk, 1)
+        vv = v[i, :n].double().repeat_interleave(h // hk, 1)
+        s = torch.einsum("qhd,khd->hqk", q[i].double(), kk) * d ** -0.5
+        torch.testing.assert_close(out[i].double(), torch.einsum("hqk,khd->qhd", s.softmax(-1), vv), rtol=0,
+                                   atol=1.6e-2)
+        torch.testing.assert_close(lse[i].double(), s.logsumexp(-1), rtol=0, atol=1e-4)
+
+
 GPU_VARLEN_CASES = [
     VCase((1000, 0, 3000, 517), (1000, 0, 3000, 517), 16, 2, 128, bf16, causal=True),
     VCase((2048, 1, 777), (4096, 100, 777), 8, 8, 64, fp16, window=(256, 0), softcap=20.0, alibi="bh"),

@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 
 from .. import relaunch
+from ..gluon import paged as _gluon_paged
 from . import combine as _combine
 from .launch import (AttnParams, _block_d, _dot_precision, _rows, cdiv, descriptor_fields, descriptor_from,
                      interpreting, next_pow2, row_descriptor)
@@ -763,6 +764,16 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     page_size = k_cache.shape[1] if paged else 0
     if max_seqlen_k is None:
         max_seqlen_k = block_table.shape[1] * page_size if paged else k_cache.shape[1]
+    if (paged and batch > 0 and total_rows > 0 and q.is_cuda
+            and _gluon_paged.eligible(q, k_cache, page_size, sq * group, params, alibi=alibi, leftpad=leftpad,
+                                      cu_seqlens_q=cu_seqlens_q, cache_batch_idx=cache_batch_idx)):
+        # pages smaller than the key tile: the Gluon kernel reads a tile's pages as TMA boxes under one barrier
+        n = _gluon_paged.decode_paged(
+            q, k_cache, v_cache, out, lse, seqlens_k, int(seqlens_add) if has_seqlens else int(seqlen_k_static),
+            block_table, params, num_splits, lambda block_n: num_splits_heuristic(
+                cdiv(sq * group, _block_m(sq * group)) * batch * nheads_k, max_seqlen_k, block_n, q.device))
+        if n is not None:
+            return n
     plan = plan_decode(sq, nheads, nheads_k, head_dim, q.dtype, batch, max_seqlen_k, q.device,
                        page_size=page_size, num_splits=num_splits)
     cfg, num_splits = plan.cfg, plan.num_splits

@@ -1,0 +1,191 @@
+"""Split-KV decode over a paged KV cache with pages smaller than the key tile (pages of 16 / 32 keys), in Gluon.
+
+Triton's decode kernel (kernels/triton/decode.py) reads such pages by a per-row gather: a block-table entry and a
+256-byte pointer load per key row, which reads 84-90% of the HBM ceiling where a contiguous cache's TMA tiles read
+96-102% (BENCHMARKS.md §4: random pages themselves cost <= 1%). Reading each page as a TMA box through tl.dot's
+pipeline was slower still: Triton waits for every box on its own barrier. This kernel owns its barriers: a
+BLOCK_N-key tile of K (and of V) is BLOCK_N / PAGE TMA boxes of (PAGE, HEAD_D) copied into one stage's buffer and
+counted by ONE mbarrier with the tile's bytes, so a stage costs one wait whatever the page size.
+
+Grid (batch * nheads_k, num_splits), one warpgroup per program (paged.PAGE_CONFIGS sizes the tiles and stages:
+pages of 16 take 64-key tiles so that two programs share an SM). As in the Triton kernel, the tile packs the GQA
+group's query heads and the seqlen_q query rows into its M rows (row r -> query r // group, head hk * group +
+r % group; at most 64 rows, wgmma's M), each program runs FA2's Algorithm 1 lines 6-10 over its split's key
+tiles (a STAGES-deep ring of K / V buffers refilled STAGES - 1 tiles ahead; a tile's block-table entries are read
+at the start of the step that issues its copies, which waits for them only after S_j and its softmax), and
+writes the final O and LSE (one split) or its split's normalised O_s and log2-sum-exp (combine.py merges them).
+Bottom-right causal alignment as in the dense path; keys past seqlens_k[b] are masked (their V rows zeroed in
+shared memory, the cache slots past a sequence's end need not hold finite values).
+
+Imported only on a CUDA device of compute capability 9.x (flashtile.kernels.gluon.fa3 decides).
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
+LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
+
+
+@gluon.jit
+def _tile_pages(bt_row, j, last_page, PAGES: gl.constexpr):
+    """Block-table entries of key tile j's PAGES pages, as a tuple (clamped to the last visible key's page)."""
+    pages = ()
+    for p in gl.static_range(PAGES):
+        pages = pages + (gl.load(bt_row + gl.minimum(j * PAGES + p, last_page)), )
+    return pages
+
+
+@gluon.jit
+def _issue(k_desc, v_desc, k_buf, v_buf, k_bar, v_bar, pages, col, PAGE: gl.constexpr, PAGES: gl.constexpr):
+    """The TMA copies of one key tile: each page's (PAGE, HEAD_D) box of K (and of V) into its rows of the stage's
+    buffer, all counted by the stage's one barrier per tensor."""
+    mbarrier.expect(k_bar, PAGES * k_desc.block_type.nbytes)
+    for p in gl.static_range(PAGES):
+        tma_load(k_desc, [pages[p] * PAGE, col], k_bar, k_buf.slice(p * PAGE, PAGE, dim=0))
+    mbarrier.expect(v_bar, PAGES * v_desc.block_type.nbytes)
+    for p in gl.static_range(PAGES):
+        tma_load(v_desc, [pages[p] * PAGE, col], v_bar, v_buf.slice(p * PAGE, PAGE, dim=0))
+
+
+@gluon.jit
+def paged_decode_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, bt_ptr, seqlens_ptr,
+                        stride_qb, stride_qm, stride_qh, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h,
+                        stride_ps, stride_pm, stride_ph, stride_lps, stride_lpm, stride_bt,
+                        nheads_k, group, seqlen_q, seqlen_k_static, num_splits, score_scale,
+                        HEAD_D: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                        HAS_SEQLENS: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr):
+    """q (batch, seqlen_q, nheads, HEAD_D); k_desc / v_desc over the cache's (num_pages * PAGE, nheads_k * HEAD_D)
+    view with (PAGE, HEAD_D) boxes; bt (batch, >= pages) int32; seqlens_k (batch,) int32 (HAS_SEQLENS, plus
+    seqlen_k_static) or seqlen_k_static for every batch element. SPLIT: o_ptr / lse_ptr are the float32 partials
+    (num_splits, batch * seqlen_q, nheads, HEAD_D) / (num_splits, batch * seqlen_q, nheads), log2 units; else the
+    output (its strides) and the (batch, nheads, seqlen_q) natural-log LSE. score_scale: softmax_scale * log2 e."""
+    BLOCK_M: gl.constexpr = 64                    # wgmma's M: the packed (query, head) rows, padded
+    PAGES: gl.constexpr = BLOCK_N // PAGE
+    dtype: gl.constexpr = k_desc.dtype
+    INSTR_K: gl.constexpr = 256 // dtype.primitive_bitwidth
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, INSTR_K])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_D, INSTR_K])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout,
+                                                 k_width=32 // dtype.primitive_bitwidth)
+    io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    bhk = gl.program_id(0)
+    split = gl.program_id(1)
+    b = bhk // nheads_k
+    hk = bhk % nheads_k
+    seqlen_k = seqlen_k_static
+    if HAS_SEQLENS:
+        seqlen_k = gl.load(seqlens_ptr + b) + seqlen_k_static
+    n_rows = seqlen_q * group
+    # this split's key tiles (flash-decoding): [j_lo, j_hi) of the sequence's cdiv(seqlen_k, BLOCK_N)
+    n_tiles = gl.cdiv(seqlen_k, BLOCK_N)
+    per_split = gl.cdiv(n_tiles, num_splits)
+    j_lo = gl.minimum(split * per_split, n_tiles)
+    j_hi = gl.minimum(j_lo + per_split, n_tiles)
+    bt_row = bt_ptr + b.to(gl.int64) * stride_bt
+    last_page = gl.maximum(seqlen_k - 1, 0) // PAGE
+    col = hk * HEAD_D
+
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_D],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_D], dtype))
+    k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+
+    # the first STAGES - 1 tiles' copies in flight before anything else (Alg. 1 line 6's loads, run ahead)
+    for t in gl.static_range(STAGES - 1):
+        if j_lo + t < j_hi:
+            _issue(k_desc, v_desc, k_bufs.index(t), v_bufs.index(t), k_ready.index(t), v_ready.index(t),
+                   _tile_pages(bt_row, j_lo + t, last_page, PAGES), col, PAGE, PAGES)
+
+    # Alg. 1 line 4: Q_i, the packed rows (padding rows 0, never stored)
+    r_io = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, io_layout))
+    d_io = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, io_layout))
+    q_off = (b.to(gl.int64) * stride_qb + (r_io // group).to(gl.int64) * stride_qm
+             + (hk * group + r_io % group).to(gl.int64) * stride_qh)
+    r_ok = r_io < n_rows
+    io_ok = gl.expand_dims(r_ok, 1) & gl.expand_dims(d_io < HEAD_D, 0)
+    q = gl.load(q_ptr + gl.expand_dims(q_off, 1) + gl.expand_dims(d_io, 0), mask=io_ok, other=0.0)
+    q_smem.store(q)
+    fence_async_shared()
+
+    # Alg. 1 line 5
+    rows = gl.arange(0, BLOCK_M, layout=s_rows)
+    diag = rows // group + (seqlen_k - seqlen_q)      # each row's last visible key (bottom-right causal)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=s_rows)
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=s_rows)
+    acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, layout=o_layout)
+    s_init = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    for j in range(j_lo, j_hi):
+        it = j - j_lo
+        s = it % STAGES
+        # the block-table entries of the tile STAGES - 1 ahead, read now: their latency passes behind S_j and its
+        # softmax, after which its copies go into the buffer tile j - 1 freed
+        ahead = j + STAGES - 1
+        nxt = _tile_pages(bt_row, ahead, last_page, PAGES)
+        phase = (it // STAGES) & 1
+        k_buf = k_bufs.index(s)
+        v_buf = v_bufs.index(s)
+        # Alg. 1 line 8: S = Q K_j^T, in log2 units, masked past the keys (and the causal diagonal)
+        mbarrier.wait(k_ready.index(s), phase)
+        qk = warpgroup_mma(q_smem, k_buf.permute((1, 0)), s_init, use_acc=False)
+        cols = j * BLOCK_N + cols0
+        keep = gl.expand_dims(cols < seqlen_k, 0)
+        if CAUSAL:
+            keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(diag, 1))
+        s2 = gl.where(keep, qk * score_scale, float("-inf"))
+        # Alg. 1 line 9: running max m_i (a row that saw no key yet is exponentiated against 0), P~, l_i
+        m_new = gl.maximum(m_i, gl.max(s2, axis=1))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(s2 - gl.expand_dims(m_use, 1))
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        if ahead < j_hi:
+            sa = (it + STAGES - 1) % STAGES
+            _issue(k_desc, v_desc, k_bufs.index(sa), v_bufs.index(sa), k_ready.index(sa), v_ready.index(sa),
+                   nxt, col, PAGE, PAGES)
+        mbarrier.wait(v_ready.index(s), phase)
+        if (j + 1) * BLOCK_N > seqlen_k:
+            # the sequence's last tile: cache slots past its end may hold anything (0 x NaN is NaN): zeroed
+            r_kv = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, io_layout))
+            v_t = v_buf.load(io_layout)
+            v_buf.store(gl.where(gl.expand_dims(r_kv < seqlen_k, 1), v_t, 0.0))
+            fence_async_shared()
+        # Alg. 1 line 10: O~ = diag(alpha) O~ + P~ V_j
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_buf, acc)
+
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(k_ready.index(i))
+        mbarrier.invalidate(v_ready.index(i))
+
+    # Alg. 1 lines 12-13: O = O~ / l, lse = m + log2 l; a row that saw no key: O = 0, lse = -inf
+    empty = l_i == 0.0
+    l_safe = gl.where(empty, 1.0, l_i)
+    lse2 = gl.where(empty, float("-inf"), m_i + gl.log2(l_safe))
+    out = gl.convert_layout(acc / gl.expand_dims(gl.convert_layout(l_safe, o_rows), 1), io_layout)
+    qi = r_io // group
+    h = (hk * group + r_io % group).to(gl.int64)
+    lse_io = gl.convert_layout(lse2, gl.SliceLayout(1, io_layout))
+    if SPLIT:
+        row_p = b.to(gl.int64) * seqlen_q + qi
+        o_off = split.to(gl.int64) * stride_ps + row_p * stride_pm + h * stride_ph
+        gl.store(o_ptr + gl.expand_dims(o_off, 1) + gl.expand_dims(d_io, 0), out, mask=io_ok)
+        gl.store(lse_ptr + split.to(gl.int64) * stride_lps + row_p * stride_lpm + h, lse_io, mask=r_ok)
+    else:
+        o_off = b.to(gl.int64) * stride_ob + qi.to(gl.int64) * stride_om + h * stride_oh
+        gl.store(o_ptr + gl.expand_dims(o_off, 1) + gl.expand_dims(d_io, 0), out.to(o_ptr.dtype.element_ty),
+                 mask=io_ok)
+        gl.store(lse_ptr + b.to(gl.int64) * stride_lse_b + h * stride_lse_h + qi, lse_io * LN2, mask=r_ok)

@@ -1,0 +1,98 @@
+"""Host side of the Gluon paged decode (_decode.paged_decode_kernel): which decode calls it takes, and its launch.
+
+triton/decode.flash_decode hands a call here first (decode_paged); everything this kernel does not cover goes on
+to the Triton decode kernel, which covers every case.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+from .. import relaunch
+from . import fa3
+
+# page size (keys) -> (BLOCK_N keys per tile, STAGES) of the pages this kernel reads: 64-key tiles and 3 stages (104
+# KB of shared memory at d128: two programs per SM). H200, bf16 d128, nheads 32 / 8, graph replay (BENCHMARKS.md §4,
+# twenty-second session), us, this config / 128-key tiles (one program per SM) / the Triton kernel's gather: pages
+# of 16 b8 32k 268.7 / 279.4 / 295.2, b64 4k 259.2 / 278.5 / 308.9, b1 32k 51.1 / 54.9 / 56.1, b1 128k 144.1 / 152.6
+# / 157.5 (cuDNN on a contiguous cache 261.1 / 255.1 / 49.7 / 140.1); 4 or 6 stages of 64 keys (one program per SM)
+# slower still. Pages of 32 (against the Triton kernel's one-page tiles): b8 32k 265.4 / 259.9 / 275.0, b64 32k
+# 1946.4 / 1959.9 / 1991.9; the 128-key tiles' grid had b1 4k 18.2, b8 4k 53.1, b64 128k 8519.6 (cuDNN 16.6, 48.6,
+# 7642.8). Pages of 64 stay with the Triton kernel's one-page TMA tiles: 128-key tiles here were slower at batch 1
+# and b8 4k (b1 32k 53.1 / Triton 50.6, b8 4k 53.1 / 49.0), faster only at b8 128k and b64 32k (985.5 / 994.8,
+# 1919.7 / 1945.2).
+PAGE_CONFIGS = {16: (64, 3), 32: (64, 3)}
+HEAD_DIMS = (64, 128)
+MAX_ROWS = 64          # seqlen_q x (nheads / nheads_k): wgmma's M
+# Benchmarks pin the path here: "on": False sends every call to the Triton kernel; "block_n", "stages",
+# "num_splits" replace the table's / the split rule's choice. Empty in normal use.
+OVERRIDE: dict = {}
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(device_index: int):
+    """The kernel module and Gluon's TensorDescriptor, or None where Gluon cannot run (not Hopper, no Gluon)."""
+    if fa3._kernels(device_index) is None:
+        return None
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from . import _decode
+    return _decode, TensorDescriptor
+
+
+def eligible(q: torch.Tensor, k_cache: torch.Tensor, page_size: int, rows: int, params, *, alibi, leftpad,
+             cu_seqlens_q, cache_batch_idx) -> bool:
+    """Whether the kernel computes this paged decode call (its features and shapes; device not checked)."""
+    if OVERRIDE.get("on") is False or page_size not in PAGE_CONFIGS or q.dim() != 4 or rows > MAX_ROWS:
+        return False
+    if q.dtype not in (torch.float16, torch.bfloat16) or k_cache.dtype != q.dtype or q.shape[-1] not in HEAD_DIMS:
+        return False
+    if alibi is not None or leftpad is not None or cu_seqlens_q is not None or cache_batch_idx is not None:
+        return False
+    # masks: none, or the bottom-right causal one (window (-1, 0))
+    return params.softcap == 0 and params.window_left < 0 and params.window_right in (-1, 0)
+
+
+def decode_paged(q, k_cache, v_cache, out, lse, seqlens_k: Optional[torch.Tensor], seqlen_k_static: int,
+                 block_table, params, num_splits: int, splits_for) -> Optional[int]:
+    """out, lse of the paged decode by the Gluon kernel; the split count used, or None where the kernel does not
+    take the call (the caller runs the Triton kernel). splits_for(block_n): the caller's split rule (num_splits
+    <= 0: automatic) for tiles of block_n keys."""
+    if not (fa3.enabled() and q.is_cuda):
+        return None
+    kern = _kernel(fa3._device_index(q))
+    if kern is None:
+        return None
+    mod, TensorDescriptor = kern
+    batch, sq, nheads, head_dim = q.shape
+    nheads_k, page = k_cache.shape[-2], k_cache.shape[1]
+    k_desc = fa3._desc(TensorDescriptor, k_cache, page, head_dim, q.dtype)
+    v_desc = fa3._desc(TensorDescriptor, v_cache, page, head_dim, q.dtype) if k_desc is not None else None
+    if v_desc is None:
+        return None
+    block_n, stages = PAGE_CONFIGS[page]
+    block_n = int(OVERRIDE.get("block_n", block_n))
+    n = int(OVERRIDE.get("num_splits", 0)) or (num_splits if num_splits > 0 else splits_for(block_n))
+    n = max(1, min(n, -(-block_table.shape[1] * page // block_n)))
+    split = n > 1
+    if split:
+        o_part = torch.empty(n, batch * sq, nheads, head_dim, device=q.device, dtype=torch.float32)
+        lse_part = torch.empty(n, batch * sq, nheads, device=q.device, dtype=torch.float32)
+        dst, dst_lse = o_part, lse_part
+    else:
+        dst, dst_lse = out, lse
+    score_scale, _ = params.score_args()
+    args = (q, k_desc, v_desc, dst, dst_lse, block_table, seqlens_k if seqlens_k is not None else block_table,
+            q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
+            lse.stride(0), lse.stride(1),
+            o_part.stride(0) if split else 0, o_part.stride(1) if split else 0, o_part.stride(2) if split else 0,
+            lse_part.stride(0) if split else 0, lse_part.stride(1) if split else 0, block_table.stride(0),
+            nheads_k, nheads // nheads_k, sq, int(seqlen_k_static), n, score_scale)
+    kwargs = dict(HEAD_D=head_dim, PAGE=page, BLOCK_N=block_n, STAGES=int(OVERRIDE.get("stages", stages)),
+                  HAS_SEQLENS=seqlens_k is not None, CAUSAL=params.window_right == 0, SPLIT=split, num_warps=4)
+    relaunch.launch(mod.paged_decode_kernel, (batch * nheads_k, n), args, kwargs)
+    if split:
+        from ..triton import combine
+        combine.combine_splits(o_part, lse_part, out, lse, seqlen_rows=sq)
+    return n
