@@ -113,20 +113,21 @@ def compile_bwd(head_dim: int, causal: bool, dtype: torch.dtype, seqlen: int = 1
 
 def compile_paged(head_dim: int, causal: bool, dtype: torch.dtype, page: int):
     """The paged decode (gluon/_decode.py) as paged.decode_paged launches it for pages of `page` keys (its
-    PAGE_CONFIGS entry); causal launches write split partials, the others the output (both epilogues compiled)."""
+    PAGE_CONFIGS entry); causal launches write split partials and merge them (the fused combine), the others the
+    output (both epilogues compiled)."""
     from flashtile.kernels.gluon import _decode, paged
     block_n, stages = paged.PAGE_CONFIGS[page]
     cache = torch.randn(64 * page, 8 * head_dim, dtype=dtype)
     q = torch.randn(2, 1, 32, head_dim, dtype=dtype)
-    out = torch.empty(3, 2, 32, head_dim) if causal else torch.empty_like(q)
-    lse = torch.empty(3, 2, 32) if causal else torch.empty(2, 32, 1)
     i32 = torch.zeros(2, dtype=torch.int32)
-    runtime = dict(q_ptr=q, k_desc=_desc(cache, page, head_dim), v_desc=_desc(cache, page, head_dim), o_ptr=out,
-                   lse_ptr=lse, bt_ptr=i32, seqlens_ptr=i32, score_scale=0.1)
+    part, lse_part = torch.empty(3, 2, 32, head_dim), torch.empty(3, 2, 32)
+    runtime = dict(q_ptr=q, k_desc=_desc(cache, page, head_dim), v_desc=_desc(cache, page, head_dim), o_ptr=q,
+                   lse_ptr=torch.empty(2, 32, 1), o_part_ptr=part if causal else q, lse_part_ptr=lse_part if causal else q,
+                   sem_ptr=i32 if causal else q, bt_ptr=i32, seqlens_ptr=i32, score_scale=0.1)
     runtime.update({p.name: 1 for p in _decode.paged_decode_kernel.params if p.name.startswith("stride")
                     or p.name in ("nheads_k", "group", "seqlen_q", "seqlen_k_static", "num_splits")})
     consts = dict(HEAD_D=head_dim, PAGE=page, BLOCK_N=block_n, STAGES=stages, HAS_SEQLENS=True, CAUSAL=causal,
-                  SPLIT=causal)
+                  SPLIT=causal, FUSED=causal)
     return _compile(_decode.paged_decode_kernel, runtime, consts, maxnreg=None)
 
 

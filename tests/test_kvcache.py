@@ -841,4 +841,4 @@ def test_gluon_paged_decode_takes_only_what_it_computes(monkeypatch):
     q = torch.randn(1, 1, 8, 64, dtype=bf16)
     kc = torch.randn(4, 16, 2, 64, dtype=bf16)
     assert paged.decode_paged(q, kc, kc, q, None, None, 16, torch.zeros(1, 4, dtype=torch.int32), AttnParams(0.1),
-                              0, lambda n: 1) is None
+                              0, lambda n: 1, None, lambda n: True) is None

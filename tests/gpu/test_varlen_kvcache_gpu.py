@@ -172,6 +172,62 @@ def test_gluon_paged_decode_ignores_slots_past_the_end(page, seed):
         torch.testing.assert_close(lse[i].double(), s.logsumexp(-1), rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("num_splits", [1, 0])
+def test_gluon_paged_decode_template_gpu(num_splits, seed, monkeypatch):
+    """A decode loop's later steps launch the Gluon paged decode through its template (the compiled kernel bound to
+    every argument but the tensors, descriptors rebuilt from the first call's fields): bitwise the output of the
+    slow path, one split and several (the fused combine's tickets reset for the next step)."""
+    from flashtile.kernels.gluon import paged as _paged
+    monkeypatch.setattr(_paged, "_TEMPLATES", {})
+    torch.manual_seed(seed)
+    b, page, h, hk, d = 2, 16, 32, 8, 128
+    kp = torch.randn(b * 300, page, hk, d, dtype=bf16, device="cuda")
+    vp = torch.randn_like(kp)
+    table = torch.randperm(b * 300, device="cuda").view(b, 300).to(torch.int32)
+    lens = torch.tensor([4000, 1234], dtype=torch.int32, device="cuda")
+
+    def step(q):
+        return flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lens, block_table=table, num_splits=num_splits,
+                                       return_softmax_lse=True)
+
+    step(torch.randn(b, 1, h, d, dtype=bf16, device="cuda"))
+    assert len(_paged._TEMPLATES) == 1
+    used = []
+    launch = _paged._Template.launch
+    monkeypatch.setattr(_paged._Template, "launch", lambda self, *a: used.append(launch(self, *a)) or used[-1])
+    qs = [torch.randn(b, 1, h, d, dtype=bf16, device="cuda") for _ in range(3)]
+    fast = [step(q) for q in qs]
+    assert used == [True] * 3
+    monkeypatch.setattr(_paged, "_TEMPLATES", {})
+    monkeypatch.setattr(_decode.relaunch, "bind", lambda *a: None)   # templates off
+    for q, (o, l_) in zip(qs, fast):
+        o2, l2 = step(q)
+        assert torch.equal(o, o2) and torch.equal(l_, l2)
+
+
+def test_gluon_paged_decode_separate_combine_gpu(seed, monkeypatch):
+    """The Gluon paged decode's splits merged in its launch (the default in eager calls) and by combine.py's kernel
+    (decode.fuse_combine's choice in captured graphs of many splits) agree, and with the Triton kernel."""
+    from flashtile.kernels.gluon import paged as _paged
+    torch.manual_seed(seed)
+    b, page, h, hk, d = 3, 16, 32, 8, 128
+    kp = torch.randn(b * 200, page, hk, d, dtype=bf16, device="cuda")
+    vp = torch.randn_like(kp)
+    table = torch.randperm(b * 200, device="cuda").view(b, 200).to(torch.int32)
+    lens = torch.tensor([3200, 77, 1500], dtype=torch.int32, device="cuda")
+    q = torch.randn(b, 2, h, d, dtype=bf16, device="cuda")
+    res = {}
+    for name, cfg, ov in (("fused", {}, {}), ("separate", {"fused_combine": False}, {}),
+                          ("triton", {}, {"on": False})):
+        monkeypatch.setattr(_decode, "CONFIG_OVERRIDE", cfg)
+        monkeypatch.setattr(_paged, "OVERRIDE", ov)
+        res[name] = flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lens, block_table=table, causal=True,
+                                            num_splits=5, return_softmax_lse=True)
+    for name in ("separate", "triton"):
+        torch.testing.assert_close(res[name][0].float(), res["fused"][0].float(), rtol=0, atol=1.6e-2)
+        torch.testing.assert_close(res[name][1], res["fused"][1], rtol=1e-5, atol=1e-5)
+
+
 GPU_VARLEN_CASES = [
     VCase((1000, 0, 3000, 517), (1000, 0, 3000, 517), 16, 2, 128, bf16, causal=True),
     VCase((2048, 1, 777), (4096, 100, 777), 8, 8, 64, fp16, window=(256, 0), softcap=20.0, alibi="bh"),

@@ -13,7 +13,9 @@ group's query heads and the seqlen_q query rows into its M rows (row r -> query 
 r % group; at most 64 rows, wgmma's M), each program runs FA2's Algorithm 1 lines 6-10 over its split's key
 tiles (a STAGES-deep ring of K / V buffers refilled STAGES - 1 tiles ahead; a tile's block-table entries are read
 at the start of the step that issues its copies, which waits for them only after S_j and its softmax), and
-writes the final O and LSE (one split) or its split's normalised O_s and log2-sum-exp (combine.py merges them).
+writes the final O and LSE (one split) or its split's normalised O_s and log2-sum-exp, which the last split of
+the (batch, K/V head) to finish merges (FUSED: a ticket counter, as the Triton kernel's FUSED_COMBINE, where
+decode.fuse_combine says so) or combine.py's kernel merges.
 Bottom-right causal alignment as in the dense path; keys past seqlens_k[b] are masked (their V rows zeroed in
 shared memory, the cache slots past a sequence's end need not hold finite values).
 
@@ -24,6 +26,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+# a CTA-wide bar.sync: Triton 3.6's Gluon (the GPU image's) names it thread_barrier, later releases barrier
+thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 
@@ -50,17 +54,72 @@ def _issue(k_desc, v_desc, k_buf, v_buf, k_bar, v_bar, pages, col, PAGE: gl.cons
 
 
 @gluon.jit
-def paged_decode_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, bt_ptr, seqlens_ptr,
+def _merge_splits(o_ptr, lse_ptr, o_part_ptr, lse_part_ptr, b, hk, n_rows, group, seqlen_q, num_splits,
+                  stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, stride_ps, stride_pm, stride_ph,
+                  stride_lps, stride_lpm, HEAD_D: gl.constexpr):
+    """Flash-decoding's combine of one (batch, K/V head) tile's rows: O = sum_s w_s O_s / sum_s w_s, lse = log
+    sum_s 2^lse2_s, w_s = 2^(lse2_s - max), as the online-softmax update over (lse2_s, O_s) pairs. RG rows and
+    CHUNK splits at a time (one (RG, CHUNK, HEAD_D) load per step, so a step waits for memory once, not once per
+    split); a row no split saw: O = 0, lse = -inf."""
+    RG: gl.constexpr = 4
+    CHUNK: gl.constexpr = 16
+    L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 1, 32], [1, 4, 1], [2, 1, 0])   # (row, split, d)
+    LS: gl.constexpr = gl.SliceLayout(2, L3)        # (row, split)
+    LO: gl.constexpr = gl.SliceLayout(1, L3)        # (row, d)
+    d3 = gl.expand_dims(gl.expand_dims(gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, LO)), 0), 1)   # (1, 1, d)
+    for r0 in range(0, n_rows, RG):
+        rr = r0 + gl.arange(0, RG, layout=gl.SliceLayout(1, LS))
+        row_p = b.to(gl.int64) * seqlen_q + rr // group
+        h = (hk * group + rr % group).to(gl.int64)
+        m_c = gl.full([RG], float("-inf"), gl.float32, layout=gl.SliceLayout(1, LS))
+        l_c = gl.zeros([RG], gl.float32, layout=gl.SliceLayout(1, LS))
+        acc = gl.zeros([RG, HEAD_D], gl.float32, layout=LO)
+        for s0 in range(0, num_splits, CHUNK):
+            ss = s0 + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, LS))
+            ok = gl.expand_dims(rr < n_rows, 1) & gl.expand_dims(ss < num_splits, 0)
+            lse_t = gl.load(lse_part_ptr + gl.expand_dims(ss.to(gl.int64) * stride_lps, 0)
+                            + gl.expand_dims(row_p * stride_lpm + h, 1), mask=ok, other=float("-inf"))
+            o_off = (gl.expand_dims(gl.expand_dims(row_p * stride_pm + h * stride_ph, 1), 2)
+                     + gl.expand_dims(gl.expand_dims(ss.to(gl.int64) * stride_ps, 0), 2) + d3)
+            o_t = gl.load(o_part_ptr + o_off, mask=gl.expand_dims(ok, 2) & (d3 < HEAD_D), other=0.0)
+            m_new = gl.maximum(m_c, gl.max(lse_t, axis=1))
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_c - m_use)
+            w = gl.exp2(lse_t - gl.expand_dims(m_use, 1))
+            l_c = l_c * alpha + gl.sum(w, axis=1)
+            acc = (acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, LO)), 1)
+                   + gl.sum(o_t * gl.expand_dims(w, 2), axis=1))
+            m_c = m_new
+        empty = l_c == 0.0
+        l_c = gl.where(empty, 1.0, l_c)
+        lse = gl.where(empty, float("-inf"), (m_c + gl.log2(l_c)) * LN2)
+        ro = r0 + gl.arange(0, RG, layout=gl.SliceLayout(1, LO))
+        ro_ok = gl.expand_dims(ro < n_rows, 1) & (gl.expand_dims(gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, LO)),
+                                                                0) < HEAD_D)
+        out_off = (b.to(gl.int64) * stride_ob + (ro // group).to(gl.int64) * stride_om
+                   + (hk * group + ro % group).to(gl.int64) * stride_oh)
+        gl.store(o_ptr + gl.expand_dims(out_off, 1)
+                 + gl.expand_dims(gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, LO)), 0),
+                 (acc / gl.expand_dims(gl.convert_layout(l_c, gl.SliceLayout(1, LO)), 1)).to(o_ptr.dtype.element_ty),
+                 mask=ro_ok)
+        gl.store(lse_ptr + b.to(gl.int64) * stride_lse_b + h * stride_lse_h + rr // group, lse, mask=rr < n_rows)
+
+
+@gluon.jit
+def paged_decode_kernel(k_desc, v_desc, q_ptr, o_ptr, lse_ptr, o_part_ptr, lse_part_ptr, sem_ptr, bt_ptr, seqlens_ptr,
                         stride_qb, stride_qm, stride_qh, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h,
                         stride_ps, stride_pm, stride_ph, stride_lps, stride_lpm, stride_bt,
                         nheads_k, group, seqlen_q, seqlen_k_static, num_splits, score_scale,
                         HEAD_D: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                        HAS_SEQLENS: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr):
-    """q (batch, seqlen_q, nheads, HEAD_D); k_desc / v_desc over the cache's (num_pages * PAGE, nheads_k * HEAD_D)
-    view with (PAGE, HEAD_D) boxes; bt (batch, >= pages) int32; seqlens_k (batch,) int32 (HAS_SEQLENS, plus
-    seqlen_k_static) or seqlen_k_static for every batch element. SPLIT: o_ptr / lse_ptr are the float32 partials
-    (num_splits, batch * seqlen_q, nheads, HEAD_D) / (num_splits, batch * seqlen_q, nheads), log2 units; else the
-    output (its strides) and the (batch, nheads, seqlen_q) natural-log LSE. score_scale: softmax_scale * log2 e."""
+                        HAS_SEQLENS: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr,
+                        FUSED: gl.constexpr):
+    """q / o (batch, seqlen_q, nheads, HEAD_D), lse (batch, nheads, seqlen_q) natural log; k_desc / v_desc over the
+    cache's (num_pages * PAGE, nheads_k * HEAD_D) view with (PAGE, HEAD_D) boxes; bt (batch, >= pages) int32;
+    seqlens_k (batch,) int32 (HAS_SEQLENS, plus seqlen_k_static) or seqlen_k_static for every batch element.
+    SPLIT: each split stores its float32 partials (o_part (num_splits, batch * seqlen_q, nheads, HEAD_D), lse_part
+    (num_splits, batch * seqlen_q, nheads), log2 units); FUSED: the last split of a (batch, K/V head) to finish (a
+    ticket in sem (batch * nheads_k,) int32, zero between launches) merges them into o and lse and resets its
+    ticket (else combine.py's kernel merges them). score_scale: softmax_scale * log2 e. (The parameters a decode step changes come first: paged.LIVE.)"""
     BLOCK_M: gl.constexpr = 64                    # wgmma's M: the packed (query, head) rows, padded
     PAGES: gl.constexpr = BLOCK_N // PAGE
     dtype: gl.constexpr = k_desc.dtype
@@ -179,13 +238,27 @@ def paged_decode_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, bt_ptr, seqlens_p
     qi = r_io // group
     h = (hk * group + r_io % group).to(gl.int64)
     lse_io = gl.convert_layout(lse2, gl.SliceLayout(1, io_layout))
+    o_off = b.to(gl.int64) * stride_ob + qi.to(gl.int64) * stride_om + h * stride_oh
+    lse_off = b.to(gl.int64) * stride_lse_b + h * stride_lse_h + qi
     if SPLIT:
         row_p = b.to(gl.int64) * seqlen_q + qi
-        o_off = split.to(gl.int64) * stride_ps + row_p * stride_pm + h * stride_ph
-        gl.store(o_ptr + gl.expand_dims(o_off, 1) + gl.expand_dims(d_io, 0), out, mask=io_ok)
-        gl.store(lse_ptr + split.to(gl.int64) * stride_lps + row_p * stride_lpm + h, lse_io, mask=r_ok)
+        part = row_p * stride_pm + h * stride_ph
+        lpart = row_p * stride_lpm + h
+        gl.store(o_part_ptr + split.to(gl.int64) * stride_ps + gl.expand_dims(part, 1) + gl.expand_dims(d_io, 0), out,
+                 mask=io_ok)
+        gl.store(lse_part_ptr + split.to(gl.int64) * stride_lps + lpart, lse_io, mask=r_ok)
+        # flash-decoding's combine by the last split to finish (one launch): every thread's partial stores before
+        # the ticket (bar.sync, then acq_rel at GPU scope publishes them); the last one merges the splits'
+        # partials with the online-softmax rule (Alg. 1 line 9 over (lse_s, O_s) pairs) and resets the ticket
+        if FUSED:
+            thread_barrier()
+            ticket = gl.atomic_add(sem_ptr + bhk, 1, sem="acq_rel", scope="gpu")
+            if ticket == num_splits - 1:
+                _merge_splits(o_ptr, lse_ptr, o_part_ptr, lse_part_ptr, b, hk, n_rows, group, seqlen_q, num_splits,
+                              stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, stride_ps, stride_pm,
+                              stride_ph, stride_lps, stride_lpm, HEAD_D)
+                gl.store(sem_ptr + bhk, 0)
     else:
-        o_off = b.to(gl.int64) * stride_ob + qi.to(gl.int64) * stride_om + h * stride_oh
         gl.store(o_ptr + gl.expand_dims(o_off, 1) + gl.expand_dims(d_io, 0), out.to(o_ptr.dtype.element_ty),
                  mask=io_ok)
-        gl.store(lse_ptr + b.to(gl.int64) * stride_lse_b + h * stride_lse_h + qi, lse_io * LN2, mask=r_ok)
+        gl.store(lse_ptr + lse_off, lse_io * LN2, mask=r_ok)

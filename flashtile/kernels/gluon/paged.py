@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 from .. import relaunch
+from ..triton.launch import descriptor_fields, descriptor_from
 from . import fa3
 
 # page size (keys) -> (BLOCK_N keys per tile, STAGES) of the pages this kernel reads: 64-key tiles and 3 stages (104
@@ -55,10 +56,13 @@ def eligible(q: torch.Tensor, k_cache: torch.Tensor, page_size: int, rows: int, 
 
 
 def decode_paged(q, k_cache, v_cache, out, lse, seqlens_k: Optional[torch.Tensor], seqlen_k_static: int,
-                 block_table, params, num_splits: int, splits_for) -> Optional[int]:
+                 block_table, params, num_splits: int, splits_for, tickets, fuse, sig=None) -> Optional[int]:
     """out, lse of the paged decode by the Gluon kernel; the split count used, or None where the kernel does not
     take the call (the caller runs the Triton kernel). splits_for(block_n): the caller's split rule (num_splits
-    <= 0: automatic) for tiles of block_n keys."""
+    <= 0: automatic) for tiles of block_n keys; tickets(n): n zeroed int32 ticket counters for this stream
+    (decode.tickets); fuse(n): whether n splits merge in the launch (decode.gluon_fuse_combine) rather than by
+    combine.py's kernel. sig: the caller's argument signature (kvcache's token), which with the split count
+    determines every launch argument but the live ones: a repeated signature reuses its launch template."""
     if not (fa3.enabled() and q.is_cuda):
         return None
     kern = _kernel(fa3._device_index(q))
@@ -67,32 +71,75 @@ def decode_paged(q, k_cache, v_cache, out, lse, seqlens_k: Optional[torch.Tensor
     mod, TensorDescriptor = kern
     batch, sq, nheads, head_dim = q.shape
     nheads_k, page = k_cache.shape[-2], k_cache.shape[1]
-    k_desc = fa3._desc(TensorDescriptor, k_cache, page, head_dim, q.dtype)
-    v_desc = fa3._desc(TensorDescriptor, v_cache, page, head_dim, q.dtype) if k_desc is not None else None
-    if v_desc is None:
-        return None
     block_n, stages = PAGE_CONFIGS[page]
     block_n = int(OVERRIDE.get("block_n", block_n))
     n = int(OVERRIDE.get("num_splits", 0)) or (num_splits if num_splits > 0 else splits_for(block_n))
     n = max(1, min(n, -(-block_table.shape[1] * page // block_n)))
     split = n > 1
-    if split:
-        o_part = torch.empty(n, batch * sq, nheads, head_dim, device=q.device, dtype=torch.float32)
-        lse_part = torch.empty(n, batch * sq, nheads, device=q.device, dtype=torch.float32)
-        dst, dst_lse = o_part, lse_part
-    else:
-        dst, dst_lse = out, lse
+    fused = split and fuse(n)
+    key = (sig, n, fused) if sig is not None and not OVERRIDE else None
+    tpl = _TEMPLATES.get(key) if key is not None else None
+    if tpl is not None and tpl.launch(q, k_cache, v_cache, out, lse, block_table, seqlens_k, tickets):
+        return n
+    k_desc = fa3._desc(TensorDescriptor, k_cache, page, head_dim, q.dtype)
+    v_desc = fa3._desc(TensorDescriptor, v_cache, page, head_dim, q.dtype) if k_desc is not None else None
+    if v_desc is None:
+        return None
+    o_part, lse_part, sem = _parts(q, n, tickets if fused else None, batch * nheads_k)
     score_scale, _ = params.score_args()
-    args = (q, k_desc, v_desc, dst, dst_lse, block_table, seqlens_k if seqlens_k is not None else block_table,
+    args = (k_desc, v_desc, q, out, lse, o_part, lse_part, sem, block_table,
+            seqlens_k if seqlens_k is not None else block_table,
             q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
-            lse.stride(0), lse.stride(1),
-            o_part.stride(0) if split else 0, o_part.stride(1) if split else 0, o_part.stride(2) if split else 0,
-            lse_part.stride(0) if split else 0, lse_part.stride(1) if split else 0, block_table.stride(0),
+            lse.stride(0), lse.stride(1), *(o_part.stride()[:3] if split else (0, 0, 0)),
+            *(lse_part.stride()[:2] if split else (0, 0)), block_table.stride(0),
             nheads_k, nheads // nheads_k, sq, int(seqlen_k_static), n, score_scale)
     kwargs = dict(HEAD_D=head_dim, PAGE=page, BLOCK_N=block_n, STAGES=int(OVERRIDE.get("stages", stages)),
-                  HAS_SEQLENS=seqlens_k is not None, CAUSAL=params.window_right == 0, SPLIT=split, num_warps=4)
-    relaunch.launch(mod.paged_decode_kernel, (batch * nheads_k, n), args, kwargs)
-    if split:
+                  HAS_SEQLENS=seqlens_k is not None, CAUSAL=params.window_right == 0, SPLIT=split, FUSED=fused,
+                  num_warps=4)
+    grid = (batch * nheads_k, n)
+    relaunch.launch(mod.paged_decode_kernel, grid, args, kwargs)
+    if split and not fused:
         from ..triton import combine
         combine.combine_splits(o_part, lse_part, out, lse, seqlen_rows=sq)
+    elif key is not None:   # (a separate combine launch is not templated)
+        bound = relaunch.bind(mod.paged_decode_kernel, args, kwargs, LIVE)
+        if bound is not None:
+            relaunch.remember(_TEMPLATES, key, _Template(bound, (*grid, 1), TensorDescriptor, descriptor_fields(k_desc),
+                                                         descriptor_fields(v_desc), n))
     return n
+
+
+def _parts(q, n, tickets, n_tiles):
+    """(o_part, lse_part, ticket counters) of a launch of n splits over n_tiles (batch, K/V head) tiles;
+    placeholders (never read) for one split, and for the counters without the fused combine (tickets None)."""
+    batch, sq, nheads, head_dim = q.shape
+    if n == 1:
+        return q, q, q
+    return (torch.empty(n, batch * sq, nheads, head_dim, device=q.device, dtype=torch.float32),
+            torch.empty(n, batch * sq, nheads, device=q.device, dtype=torch.float32),
+            q if tickets is None else tickets(n_tiles))
+
+
+# paged_decode_kernel's first LIVE parameters are the descriptors and tensors a decode step changes
+LIVE = 10
+# (caller's signature, split count) -> _Template of a launch decode_paged made before
+_TEMPLATES: dict = {}
+
+
+class _Template:
+    """How decode_paged launched a signature before: the compiled kernel bound to every argument but the live ones
+    (relaunch.Bound), the grid, the cache descriptors' fields and the split count; a decode loop's later steps skip
+    the launch's key over every argument and the descriptors' checks (host time, BENCHMARKS.md §1c)."""
+    __slots__ = ("bound", "grid", "cls", "k_fields", "v_fields", "n")
+
+    def __init__(self, bound, grid, cls, k_fields, v_fields, n):
+        self.bound, self.grid, self.cls, self.k_fields, self.v_fields, self.n = bound, grid, cls, k_fields, v_fields, n
+
+    def launch(self, q, k_cache, v_cache, out, lse, block_table, seqlens_k, tickets) -> bool:
+        k_desc = descriptor_from(self.cls, self.k_fields, k_cache)
+        v_desc = descriptor_from(self.cls, self.v_fields, v_cache)
+        if k_desc is None or v_desc is None:
+            return False
+        o_part, lse_part, sem = _parts(q, self.n, tickets, self.grid[0])
+        return self.bound(self.grid, (k_desc, v_desc, q, out, lse, o_part, lse_part, sem, block_table,
+                                      seqlens_k if seqlens_k is not None else block_table), trusted=2)

@@ -662,6 +662,19 @@ def fuse_combine(num_splits: int, kv_bytes: int, device: torch.device) -> bool:
     return num_splits <= FUSED_MAX_SPLITS or (kv_bytes <= EAGER_FUSED_BYTES and not _capturing(device))
 
 
+def gluon_fuse_combine(kv_bytes: int, device: torch.device) -> bool:
+    """Whether the Gluon paged decode's splits merge in its launch (the last split to finish merges, serially at
+    the launch's tail) rather than by combine.py's kernel: CONFIG_OVERRIDE["fused_combine"] if set, else only in
+    eager calls reading at most EAGER_FUSED_BYTES, which are bound by host time (one launch instead of two). H200,
+    bf16 d128, nheads 32 / 8, graph replay (BENCHMARKS.md §4, twenty-second session), us, pages of 16 / 32, fused
+    / separate: b1 4k 17.4 / 16.3, 17.0 / 16.1; b8 4k 52.1 / 50.8, 51.7 / 50.5; b8 32k 267.2 / 267.1, 264.2 /
+    265.3; b64 4k 260.6 / 260.9; eager b1 4k 95.1 us with the fused combine and the launch template against 169.2
+    with two launches."""
+    if "fused_combine" in CONFIG_OVERRIDE:
+        return bool(CONFIG_OVERRIDE["fused_combine"])
+    return kv_bytes <= EAGER_FUSED_BYTES and not _capturing(device)
+
+
 def _combine_shape(rows: int, num_splits: int, block_d: int):
     """(COMBINE_RG, COMBINE_CHUNK) of the fused combine: the separate kernel's splits per step, and as many of the
     tile's `rows` per step as combine.CHUNK_ELEMS allows."""
@@ -771,7 +784,10 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         n = _gluon_paged.decode_paged(
             q, k_cache, v_cache, out, lse, seqlens_k, int(seqlens_add) if has_seqlens else int(seqlen_k_static),
             block_table, params, num_splits, lambda block_n: num_splits_heuristic(
-                cdiv(sq * group, _block_m(sq * group)) * batch * nheads_k, max_seqlen_k, block_n, q.device))
+                cdiv(sq * group, _block_m(sq * group)) * batch * nheads_k, max_seqlen_k, block_n, q.device),
+            lambda n: tickets(q.device, n),
+            lambda n: gluon_fuse_combine(2 * batch * max_seqlen_k * nheads_k * head_dim * k_cache.element_size(),
+                                         q.device), sig=sig)
         if n is not None:
             return n
     plan = plan_decode(sq, nheads, nheads_k, head_dim, q.dtype, batch, max_seqlen_k, q.device,
