@@ -122,8 +122,9 @@ def compile_paged(head_dim: int, causal: bool, dtype: torch.dtype, page: int):
     i32 = torch.zeros(2, dtype=torch.int32)
     part, lse_part = torch.empty(3, 2, 32, head_dim), torch.empty(3, 2, 32)
     runtime = dict(q_ptr=q, k_desc=_desc(cache, page, head_dim), v_desc=_desc(cache, page, head_dim), o_ptr=q,
-                   lse_ptr=torch.empty(2, 32, 1), o_part_ptr=part if causal else q, lse_part_ptr=lse_part if causal else q,
-                   sem_ptr=i32 if causal else q, bt_ptr=i32, seqlens_ptr=i32, score_scale=0.1)
+                   lse_ptr=torch.empty(2, 32, 1), o_part_ptr=part if causal else q,
+                   lse_part_ptr=lse_part if causal else q, sem_ptr=i32 if causal else q, bt_ptr=i32,
+                   seqlens_ptr=i32, score_scale=0.1)
     runtime.update({p.name: 1 for p in _decode.paged_decode_kernel.params if p.name.startswith("stride")
                     or p.name in ("nheads_k", "group", "seqlen_q", "seqlen_k_static", "num_splits")})
     consts = dict(HEAD_D=head_dim, PAGE=page, BLOCK_N=block_n, STAGES=stages, HAS_SEQLENS=True, CAUSAL=causal,

@@ -842,3 +842,18 @@ def test_gluon_paged_decode_takes_only_what_it_computes(monkeypatch):
     kc = torch.randn(4, 16, 2, 64, dtype=bf16)
     assert paged.decode_paged(q, kc, kc, q, None, None, 16, torch.zeros(1, 4, dtype=torch.int32), AttnParams(0.1),
                               0, lambda n: 1, None, lambda n: True) is None
+
+
+def test_gluon_fuse_combine_rule(monkeypatch):
+    """decode.gluon_fuse_combine: the Gluon paged decode merges its splits in its launch only in eager calls reading
+    at most EAGER_FUSED_BYTES of K/V (host-bound: one launch instead of two), by combine.py's kernel otherwise;
+    CONFIG_OVERRIDE["fused_combine"] decides where set."""
+    cpu = torch.device("cpu")
+    assert _decode.gluon_fuse_combine(_decode.EAGER_FUSED_BYTES, cpu)
+    assert not _decode.gluon_fuse_combine(_decode.EAGER_FUSED_BYTES + 1, cpu)
+    monkeypatch.setattr(_decode, "_capturing", lambda device: True)
+    assert not _decode.gluon_fuse_combine(1 << 20, cpu)
+    monkeypatch.setattr(_decode, "CONFIG_OVERRIDE", {"fused_combine": True})
+    assert _decode.gluon_fuse_combine(1 << 40, cpu)
+    monkeypatch.setattr(_decode, "CONFIG_OVERRIDE", {"fused_combine": False})
+    assert not _decode.gluon_fuse_combine(1, cpu)

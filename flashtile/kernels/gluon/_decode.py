@@ -119,7 +119,8 @@ def paged_decode_kernel(k_desc, v_desc, q_ptr, o_ptr, lse_ptr, o_part_ptr, lse_p
     SPLIT: each split stores its float32 partials (o_part (num_splits, batch * seqlen_q, nheads, HEAD_D), lse_part
     (num_splits, batch * seqlen_q, nheads), log2 units); FUSED: the last split of a (batch, K/V head) to finish (a
     ticket in sem (batch * nheads_k,) int32, zero between launches) merges them into o and lse and resets its
-    ticket (else combine.py's kernel merges them). score_scale: softmax_scale * log2 e. (The parameters a decode step changes come first: paged.LIVE.)"""
+    ticket (else combine.py's kernel merges them). score_scale: softmax_scale * log2 e. The parameters a decode step
+    changes come first (paged.LIVE)."""
     BLOCK_M: gl.constexpr = 64                    # wgmma's M: the packed (query, head) rows, padded
     PAGES: gl.constexpr = BLOCK_N // PAGE
     dtype: gl.constexpr = k_desc.dtype

@@ -122,7 +122,7 @@ def _parts(q, n, tickets, n_tiles):
 
 # paged_decode_kernel's first LIVE parameters are the descriptors and tensors a decode step changes
 LIVE = 10
-# (caller's signature, split count) -> _Template of a launch decode_paged made before
+# (caller's signature, split count, fused combine) -> _Template of a launch decode_paged made before
 _TEMPLATES: dict = {}
 
 

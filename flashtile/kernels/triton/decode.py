@@ -662,6 +662,11 @@ def fuse_combine(num_splits: int, kv_bytes: int, device: torch.device) -> bool:
     return num_splits <= FUSED_MAX_SPLITS or (kv_bytes <= EAGER_FUSED_BYTES and not _capturing(device))
 
 
+# CONFIG_OVERRIDE keys the Gluon paged decode honours (num_splits, fused_combine) or that do not concern it
+# (combine_chunk); any other pins the Triton kernel's launch, which then takes the call
+_GLUON_OVERRIDES = {"num_splits", "fused_combine", "combine_chunk"}
+
+
 def gluon_fuse_combine(kv_bytes: int, device: torch.device) -> bool:
     """Whether the Gluon paged decode's splits merge in its launch (the last split to finish merges, serially at
     the launch's tail) rather than by combine.py's kernel: CONFIG_OVERRIDE["fused_combine"] if set, else only in
@@ -777,14 +782,14 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     page_size = k_cache.shape[1] if paged else 0
     if max_seqlen_k is None:
         max_seqlen_k = block_table.shape[1] * page_size if paged else k_cache.shape[1]
-    if (paged and batch > 0 and total_rows > 0 and q.is_cuda
+    if (paged and batch > 0 and total_rows > 0 and q.is_cuda and not CONFIG_OVERRIDE.keys() - _GLUON_OVERRIDES
             and _gluon_paged.eligible(q, k_cache, page_size, sq * group, params, alibi=alibi, leftpad=leftpad,
                                       cu_seqlens_q=cu_seqlens_q, cache_batch_idx=cache_batch_idx)):
         # pages smaller than the key tile: the Gluon kernel reads a tile's pages as TMA boxes under one barrier
         n = _gluon_paged.decode_paged(
             q, k_cache, v_cache, out, lse, seqlens_k, int(seqlens_add) if has_seqlens else int(seqlen_k_static),
-            block_table, params, num_splits, lambda block_n: num_splits_heuristic(
-                cdiv(sq * group, _block_m(sq * group)) * batch * nheads_k, max_seqlen_k, block_n, q.device),
+            block_table, params, num_splits, lambda block_n: int(CONFIG_OVERRIDE.get("num_splits", 0)) or
+            num_splits_heuristic(batch * nheads_k, max_seqlen_k, block_n, q.device),
             lambda n: tickets(q.device, n),
             lambda n: gluon_fuse_combine(2 * batch * max_seqlen_k * nheads_k * head_dim * k_cache.element_size(),
                                          q.device), sig=sig)
