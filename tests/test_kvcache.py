@@ -857,3 +857,68 @@ def test_gluon_fuse_combine_rule(monkeypatch):
     assert _decode.gluon_fuse_combine(1 << 40, cpu)
     monkeypatch.setattr(_decode, "CONFIG_OVERRIDE", {"fused_combine": False})
     assert not _decode.gluon_fuse_combine(1, cpu)
+
+
+@pytest.mark.parametrize("num_splits,fused", [(1, False), (3, True), (3, False)])
+def test_gluon_paged_template_launches_what_the_slow_path_does(num_splits, fused, monkeypatch):
+    """decode_paged's host logic without a GPU (the Gluon kernel a stand-in that records its launches): the first
+    call of a signature dispatches and keeps a template; later calls launch through it with exactly the arguments
+    of a slow-path launch (templates off); splits not merged in the launch go to combine.py's kernel and are not
+    templated; a new signature makes a new template."""
+    pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    import types
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from flashtile.kernels import relaunch
+    from flashtile.kernels.gluon import _decode as gluon_decode, fa3, paged
+    from flashtile.kernels.triton import combine
+    from flashtile.kernels.triton.launch import AttnParams
+    kern = StandInKernel(gluon_decode.paged_decode_kernel)
+    monkeypatch.setattr(paged, "_kernel", lambda index: (types.SimpleNamespace(paged_decode_kernel=kern),
+                                                         TensorDescriptor))
+    monkeypatch.setattr(paged, "_on_gpu", lambda q: True)
+    monkeypatch.setattr(fa3, "_device_index", lambda t: 0)
+    monkeypatch.setattr(paged, "_TEMPLATES", {})
+    combined = []
+    monkeypatch.setattr(combine, "combine_splits", lambda *a, **k: combined.append(a))
+    launches = fast_launches(monkeypatch)
+    b, h, hk, d, page = 2, 8, 2, 64, 16
+    k_cache = torch.randn(30, page, hk, d, dtype=fp16)
+    v_cache = torch.randn_like(k_cache)
+    table = torch.randperm(30, dtype=torch.int32)[:b * 12].reshape(b, 12)   # 192 keys: three 64-key tiles
+    seqlens = torch.tensor([177, 40], dtype=torch.int32)
+    tickets = []
+    state = {"fused": fused}
+
+    def step(q, sig="sig"):
+        out, lse = torch.empty_like(q), torch.empty(b, h, 1)
+        return paged.decode_paged(q, k_cache, v_cache, out, lse, seqlens, 0, table, AttnParams(0.125), num_splits,
+                                  lambda n: 1, lambda n: tickets.append(n) or torch.zeros(n, dtype=torch.int32),
+                                  lambda n: state["fused"], sig=sig)
+
+    q = torch.randn(b, 1, h, d, dtype=fp16)
+    assert step(torch.randn_like(q)) == num_splits
+    assert kern.calls[-1][0] == "dispatch" and len(launches) == 1
+    assert kern.calls[-1][3]["SPLIT"] == (num_splits > 1) and kern.calls[-1][3]["FUSED"] == fused
+    assert kern.calls[-1][3]["BLOCK_N"] == paged.PAGE_CONFIGS[page][0] and kern.calls[-1][1] == (b * hk, num_splits)
+    templated = not (num_splits > 1 and not fused)
+    assert len(paged._TEMPLATES) == int(templated) and len(combined) == int(not templated)
+    step(q)
+    if not templated:
+        assert len(launches) == 2 and len(combined) == 2
+        return
+    assert kern.calls[-1][0] == "run" and len(launches) == 1   # through the template: no relaunch.launch
+    fast = kern.calls[-1]
+    assert tickets == ([b * hk] * 2 if fused else [])
+    if fused:   # the same signature with the merge moved to combine.py's kernel (a captured graph): not the template
+        state["fused"] = False
+        step(q)
+        assert len(launches) == 2 and kern.calls[-1][3]["FUSED"] is False and len(combined) == 1
+        state["fused"] = True
+        launches.pop()
+    monkeypatch.setattr(paged, "_TEMPLATES", {})
+    monkeypatch.setattr(relaunch, "bind", lambda *a: None)   # templates off: relaunch.launch's own direct call
+    step(q)
+    assert kern.calls[-1][0] == "run" and len(launches) == 2 and not paged._TEMPLATES
+    assert fast[1] == kern.calls[-1][1]
+    same_arguments(fast[2], kern.calls[-1][2], shared=(q, k_cache, v_cache, table, seqlens))
+    monkeypatch.undo()

@@ -32,6 +32,10 @@ MAX_ROWS = 64          # seqlen_q x (nheads / nheads_k): wgmma's M
 OVERRIDE: dict = {}
 
 
+def _on_gpu(q: torch.Tensor) -> bool:
+    return q.is_cuda
+
+
 @functools.lru_cache(maxsize=None)
 def _kernel(device_index: int):
     """The kernel module and Gluon's TensorDescriptor, or None where Gluon cannot run (not Hopper, no Gluon)."""
@@ -63,7 +67,7 @@ def decode_paged(q, k_cache, v_cache, out, lse, seqlens_k: Optional[torch.Tensor
     (decode.tickets); fuse(n): whether n splits merge in the launch (decode.gluon_fuse_combine) rather than by
     combine.py's kernel. sig: the caller's argument signature (kvcache's token), which with the split count
     determines every launch argument but the live ones: a repeated signature reuses its launch template."""
-    if not (fa3.enabled() and q.is_cuda):
+    if not (fa3.enabled() and _on_gpu(q)):
         return None
     kern = _kernel(fa3._device_index(q))
     if kern is None:
