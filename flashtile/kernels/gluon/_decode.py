@@ -54,6 +54,19 @@ def _issue(k_desc, v_desc, k_buf, v_buf, k_bar, v_bar, pages, col, PAGE: gl.cons
 
 
 @gluon.jit
+def _online_softmax_step(m_i, l_i, s):
+    """FA2 Alg. 1 line 9 for a (rows, n) tile s in log2 units, as triton/mods.online_softmax_step (which Gluon
+    cannot call): (m_new, P~ = exp2(s - m_new), alpha = exp2(m_i - m_new), l_new = alpha l_i + rowsum(P~)); a row
+    that has seen no finite score yet (m_new = -inf) is exponentiated against 0, so P~ = 0 and alpha = 1, not NaN.
+    Used by the key loop (s: scores) and by the merge of the splits (s: their lse2 values, P~: their weights)."""
+    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_use)
+    p = gl.exp2(s - gl.expand_dims(m_use, 1))
+    return m_new, p, alpha, l_i * alpha + gl.sum(p, axis=1)
+
+
+@gluon.jit
 def _merge_splits(o_ptr, lse_ptr, o_part_ptr, lse_part_ptr, b, hk, n_rows, group, seqlen_q, num_splits,
                   stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, stride_ps, stride_pm, stride_ph,
                   stride_lps, stride_lpm, HEAD_D: gl.constexpr):
@@ -82,14 +95,9 @@ def _merge_splits(o_ptr, lse_ptr, o_part_ptr, lse_part_ptr, b, hk, n_rows, group
             o_off = (gl.expand_dims(gl.expand_dims(row_p * stride_pm + h * stride_ph, 1), 2)
                      + gl.expand_dims(gl.expand_dims(ss.to(gl.int64) * stride_ps, 0), 2) + d3)
             o_t = gl.load(o_part_ptr + o_off, mask=gl.expand_dims(ok, 2) & (d3 < HEAD_D), other=0.0)
-            m_new = gl.maximum(m_c, gl.max(lse_t, axis=1))
-            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m_c - m_use)
-            w = gl.exp2(lse_t - gl.expand_dims(m_use, 1))
-            l_c = l_c * alpha + gl.sum(w, axis=1)
+            m_c, w, alpha, l_c = _online_softmax_step(m_c, l_c, lse_t)
             acc = (acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, LO)), 1)
                    + gl.sum(o_t * gl.expand_dims(w, 2), axis=1))
-            m_c = m_new
         empty = l_c == 0.0
         l_c = gl.where(empty, 1.0, l_c)
         lse = gl.where(empty, float("-inf"), (m_c + gl.log2(l_c)) * LN2)
@@ -205,13 +213,8 @@ def paged_decode_kernel(k_desc, v_desc, q_ptr, o_ptr, lse_ptr, o_part_ptr, lse_p
         if CAUSAL:
             keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(diag, 1))
         s2 = gl.where(keep, qk * score_scale, float("-inf"))
-        # Alg. 1 line 9: running max m_i (a row that saw no key yet is exponentiated against 0), P~, l_i
-        m_new = gl.maximum(m_i, gl.max(s2, axis=1))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(s2 - gl.expand_dims(m_use, 1))
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
+        # Alg. 1 line 9: running max m_i, P~, l_i
+        m_i, p, alpha, l_i = _online_softmax_step(m_i, l_i, s2)
         if ahead < j_hi:
             sa = (it + STAGES - 1) % STAGES
             _issue(k_desc, v_desc, k_bufs.index(sa), v_bufs.index(sa), k_ready.index(sa), v_ready.index(sa),

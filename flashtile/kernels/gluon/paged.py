@@ -60,11 +60,11 @@ def eligible(q: torch.Tensor, k_cache: torch.Tensor, page_size: int, rows: int, 
 
 
 def decode_paged(q, k_cache, v_cache, out, lse, seqlens_k: Optional[torch.Tensor], seqlen_k_static: int,
-                 block_table, params, num_splits: int, splits_for, tickets, fuse, sig=None) -> Optional[int]:
+                 block_table, params, num_splits: int, splits_for, tickets, fuse: bool, sig=None) -> Optional[int]:
     """out, lse of the paged decode by the Gluon kernel; the split count used, or None where the kernel does not
     take the call (the caller runs the Triton kernel). splits_for(block_n): the caller's split rule (num_splits
     <= 0: automatic) for tiles of block_n keys; tickets(n): n zeroed int32 ticket counters for this stream
-    (decode.tickets); fuse(n): whether n splits merge in the launch (decode.gluon_fuse_combine) rather than by
+    (decode.tickets); fuse: whether splits merge in the launch (decode.gluon_fuse_combine) rather than by
     combine.py's kernel. sig: the caller's argument signature (kvcache's token), which with the split count
     determines every launch argument but the live ones: a repeated signature reuses its launch template."""
     if not (fa3.enabled() and _on_gpu(q)):
@@ -80,7 +80,7 @@ def decode_paged(q, k_cache, v_cache, out, lse, seqlens_k: Optional[torch.Tensor
     n = int(OVERRIDE.get("num_splits", 0)) or (num_splits if num_splits > 0 else splits_for(block_n))
     n = max(1, min(n, -(-block_table.shape[1] * page // block_n)))
     split = n > 1
-    fused = split and fuse(n)
+    fused = split and fuse
     key = (sig, n, fused) if sig is not None and not OVERRIDE else None
     tpl = _TEMPLATES.get(key) if key is not None else None
     if tpl is not None and tpl.launch(q, k_cache, v_cache, out, lse, block_table, seqlens_k, tickets):

@@ -782,6 +782,7 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     page_size = k_cache.shape[1] if paged else 0
     if max_seqlen_k is None:
         max_seqlen_k = block_table.shape[1] * page_size if paged else k_cache.shape[1]
+    kv_bytes = 2 * batch * max_seqlen_k * nheads_k * head_dim * k_cache.element_size()   # (the most K / V read)
     if (paged and batch > 0 and total_rows > 0 and q.is_cuda and not CONFIG_OVERRIDE.keys() - _GLUON_OVERRIDES
             and _gluon_paged.eligible(q, k_cache, page_size, sq * group, params, alibi=alibi, leftpad=leftpad,
                                       cu_seqlens_q=cu_seqlens_q, cache_batch_idx=cache_batch_idx)):
@@ -790,9 +791,7 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
             q, k_cache, v_cache, out, lse, seqlens_k, int(seqlens_add) if has_seqlens else int(seqlen_k_static),
             block_table, params, num_splits, lambda block_n: int(CONFIG_OVERRIDE.get("num_splits", 0)) or
             num_splits_heuristic(batch * nheads_k, max_seqlen_k, block_n, q.device),
-            lambda n: tickets(q.device, n),
-            lambda n: gluon_fuse_combine(2 * batch * max_seqlen_k * nheads_k * head_dim * k_cache.element_size(),
-                                         q.device), sig=sig)
+            lambda n: tickets(q.device, n), gluon_fuse_combine(kv_bytes, q.device), sig=sig)
         if n is not None:
             return n
     plan = plan_decode(sq, nheads, nheads_k, head_dim, q.dtype, batch, max_seqlen_k, q.device,
@@ -801,8 +800,7 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if batch == 0 or total_rows == 0:
         return num_splits
     split = num_splits > 1
-    fused = split and fuse_combine(num_splits, 2 * batch * max_seqlen_k * nheads_k * head_dim * k_cache.element_size(),
-                                   q.device)
+    fused = split and fuse_combine(num_splits, kv_bytes, q.device)
     key = (sig, plan, fused) if sig is not None and not CONFIG_OVERRIDE else None
     tpl = _TEMPLATES.get(key) if key is not None else None
     if tpl is not None and tpl.launch(q, k_cache, v_cache, out, lse, seqlens_k, cu_seqlens_q, cache_batch_idx,
