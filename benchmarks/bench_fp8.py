@@ -284,8 +284,11 @@ def main():
     ap.add_argument("--seqlens", default="1024,2048,4096,8192,16384")
     ap.add_argument("--accuracy-shape", default="4,4096,16,128", help="b,n,h,d")
     ap.add_argument("--accuracy-seqlens", default="1024,2048,4096,8192,16384")
-    ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--rep", type=int, default=30)
+    # do_bench warm-up / repetition ms, as flashtile bench and the sweeps: with 10 / 30 the twenty-third session's
+    # grid read the d128 FP8 kernel 6-8% lower and flashtile bf16 up to 11% higher than with 25 / 100 in the same
+    # session (BENCHMARKS.md section 5), the eighth session's "grid reads 10% lower" as well
+    ap.add_argument("--warmup", type=int, default=25)
+    ap.add_argument("--rep", type=int, default=100)
     ap.add_argument("--skip", default="", help="comma list of sections to skip: checks,accuracy,speed")
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")

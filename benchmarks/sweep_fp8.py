@@ -22,7 +22,7 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from flashtile.fp8 import FP8_DTYPE, FP8Config, _block_d, attention_fp8, quantize_fp8  # noqa: E402
+from flashtile.fp8 import FP8_DTYPE, FP8Config, _block_d, attention_fp8, quant_group, quantize_fp8  # noqa: E402
 from flashtile.kernels.triton import fp8 as K  # noqa: E402
 from flashtile.reference import fp8_emulation as E  # noqa: E402
 
@@ -76,8 +76,10 @@ def quant_call(x, block, w, inc, mma, soft, tr):
         ystr = (y.stride(0), y.stride(1), y.stride(2), 1)
     signs = E.hadamard_signs(d, 0, device=x.device)
     def fn():
-        K.quant_fp8_kernel[(nblk, b * h)](x, y, scale, signs, scale, x.stride(0), x.stride(1), x.stride(2), *ystr,
-            scale.stride(0), scale.stride(1), h, n, d, 1.0 / math.sqrt(d), BLOCK=block, BLOCK_D=bd, INCOHERENT=inc,
+        group = quant_group(nblk, b * h, x.device)
+        K.quant_fp8_kernel[(triton.cdiv(nblk, group), b * h)](
+            x, y, scale, signs, scale, x.stride(0), x.stride(1), x.stride(2), *ystr, scale.stride(0),
+            scale.stride(1), h, n, d, 1.0 / math.sqrt(d), BLOCK=block, BLOCK_D=bd, INCOHERENT=inc, GROUP=group,
             PER_TENSOR=False, WRITE_Y=True, FWHT_MMA=mma, SOFT_ROUND=soft, num_warps=w)
         return y
     return fn

@@ -29,6 +29,7 @@ import torch
 from .interface import _output
 from .kernels.gluon import fa3 as _fa3
 from .kernels.triton import fp8 as _k
+from .kernels.triton.decode import multiprocessors
 from .kernels.triton.launch import TensorDescriptor, cdiv, interpreting, kv_descriptor, next_pow2
 from .kernels.triton.mods import LOG2E
 from .reference.fp8_emulation import hadamard_signs
@@ -171,6 +172,35 @@ def gluon_key_order(vt: torch.Tensor) -> torch.Tensor:
     return vt.reshape(*vt.shape[:-1], n // 32, 2, 2, 4, 2).transpose(-3, -2).reshape(vt.shape)
 
 
+# The quantizer's row blocks per program (quant_fp8_kernel's GROUP), at most: diag(signs) H is built once per
+# program. A power of two, halved while the launch would have fewer programs than QUANT_MIN_PROGRAMS_PER_SM per
+# multiprocessor: one program often fills an SM's shared memory, so a group that leaves e.g. 160 programs on 132
+# SMs runs two waves (d256 K blocks, groups of 7: 108 us against 72 with groups of 8, BENCHMARKS.md section 5)
+QUANT_GROUP = 8
+QUANT_MIN_PROGRAMS_PER_SM = 0.5
+# Software-pipeline depth of the quantizer's block loop: None = the deepest of 3, 2, 1 whose input tiles and H
+# fit QUANT_SMEM bytes of shared memory (an int pins it: benchmarks)
+QUANT_STAGES = None
+QUANT_SMEM = 200 * 1024
+
+
+def quant_group(nblk: int, heads: int, device: torch.device) -> int:
+    """Row blocks per quantizer program for nblk blocks of each of `heads` (batch * head) rows."""
+    group = QUANT_GROUP
+    while group > 1 and (group >= 2 * nblk
+                         or cdiv(nblk, group) * heads < QUANT_MIN_PROGRAMS_PER_SM * multiprocessors(device)):
+        group //= 2
+    return group
+
+
+def quant_stages(block: int, block_d: int, elem: int, h_on_tensor_cores: bool) -> int:
+    """quant_fp8_kernel's num_stages for (block, block_d) tiles of elem-byte inputs (QUANT_STAGES)."""
+    if QUANT_STAGES is not None:
+        return QUANT_STAGES
+    h_bytes = block_d * block_d * elem if h_on_tensor_cores else 0
+    return next((s for s in (3, 2) if s * block * block_d * elem + h_bytes <= QUANT_SMEM), 1)
+
+
 def _quant_one(x, block, per_tensor, signs, transpose, key_perm=False):
     """One tensor -> (e4m3 tensor, descale (batch, nheads, nblocks) float32). key_perm: V^T in the Gluon
     kernel's key order (FP8Tensors.v_key_perm; needs transpose and seqlen % 32 == 0)."""
@@ -193,7 +223,8 @@ def _quant_one(x, block, per_tensor, signs, transpose, key_perm=False):
         return y, scale
     if x.stride(-1) != 1:
         x = x.contiguous()
-    grid = (nblk, b * h)
+    group = quant_group(nblk, b * h, x.device)
+    grid = (cdiv(nblk, group), b * h)
     # 4 warps, 8 for the largest tiles (H200, per tensor of 16k tokens x 2048: d128 with H on the tensor
     # cores 68 us with 4 warps vs 86 with 8; d256 132 vs 110; without the rotation 31-35 us either way, the
     # speed of torch's own fp8 cast)
@@ -202,8 +233,10 @@ def _quant_one(x, block, per_tensor, signs, transpose, key_perm=False):
     common = (x.stride(0), x.stride(1), x.stride(2), *ystr, scale.stride(0), scale.stride(1),
               h, n, d, 1.0 / math.sqrt(d))
     assert not key_perm or (transpose and n % 32 == 0 and block % 32 == 0)
-    meta = dict(BLOCK=block, BLOCK_D=bd, INCOHERENT=incoherent, FWHT_MMA=_fwht_mma(x.dtype),
-                SOFT_ROUND=interpreting(), KEY_PERM=key_perm, num_warps=warps)
+    mma = _fwht_mma(x.dtype)
+    meta = dict(BLOCK=block, BLOCK_D=bd, INCOHERENT=incoherent, FWHT_MMA=mma, SOFT_ROUND=interpreting(),
+                KEY_PERM=key_perm, GROUP=group, num_warps=warps,
+                num_stages=quant_stages(block, bd, x.element_size(), incoherent and mma))
     amax = scale
     if per_tensor:  # pass 1: block amaxes (after the rotation) -> the tensor's amax
         _k.quant_fp8_kernel[grid](x, y, scale, sig, scale, *common, PER_TENSOR=False, WRITE_Y=False, **meta)

@@ -237,6 +237,45 @@ def test_kernel_accuracy_ordering_small(seed):
     assert r[(True, True)] < r[(False, False)], r
 
 
+@pytest.mark.parametrize("fwht_mma", [False, True])
+@pytest.mark.parametrize("block_quant,incoherent", MODES)
+def test_quantizer_groups_of_blocks_write_what_single_blocks_do(seed, block_quant, incoherent, fwht_mma,
+                                                                monkeypatch):
+    """quant_fp8_kernel with GROUP row blocks per program (H built once per program; the last program of a head
+    gets fewer blocks) writes the same bytes and descales as one block per program, for Q, K and V^T in the
+    Gluon key order, block and per-tensor scales (the per-tensor pass's amaxes are grouped the same way)."""
+    monkeypatch.setattr(fp8_mod, "FWHT_MMA", fwht_mma)
+    q, k, v = _qkv(2, 300, 224, 3, 3, 32, outliers=True)      # 5 Q blocks of 64 (last ragged), 7 K / V of 32
+
+    def run(group):
+        monkeypatch.setattr(fp8_mod, "quant_group", lambda nblk, heads, device: min(group, nblk))
+        return quantize_fp8(q, k, v, block_quant=block_quant, incoherent=incoherent, hadamard_seed=seed % 1000,
+                            block_m=64, block_n=32, v_key_perm=True)
+    one, grouped = run(1), run(3)
+    for name in ("q", "k", "v", "q_scale", "k_scale", "v_scale"):
+        a, b = getattr(one, name), getattr(grouped, name)
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b), name
+
+
+def test_quantizer_launch_rules(monkeypatch):
+    """Blocks per quantizer program: QUANT_GROUP, halved while a head would get two or more groups' worth less
+    than its blocks or the launch fewer than QUANT_MIN_PROGRAMS_PER_SM programs per SM. Pipeline depth: 3 where
+    three input tiles and H fit QUANT_SMEM, else 2, else 1 (d256 K blocks: a 64 KB tile beside a 128 KB H)."""
+    monkeypatch.setattr(fp8_mod, "QUANT_GROUP", 8)
+    monkeypatch.setattr(fp8_mod, "QUANT_MIN_PROGRAMS_PER_SM", 0.5)
+    cpu = torch.device("cpu")                                   # multiprocessors() reads 8 SMs: >= 4 programs
+    assert fp8_mod.quant_group(256, 512, cpu) == 8              # many blocks: the cap
+    assert fp8_mod.quant_group(64, 1, cpu) == 8                 # 8 programs of 8
+    assert fp8_mod.quant_group(16, 1, cpu) == 4                 # 4 programs of 4, not 2 of 8
+    assert fp8_mod.quant_group(3, 512, cpu) == 4                # one program covers a head's 3 blocks
+    assert fp8_mod.quant_group(2, 1, cpu) == 1                  # too few blocks to group
+    assert [fp8_mod.quant_stages(blk, d, 2, True) for blk, d in ((128, 128), (64, 256), (128, 256))] == [3, 2, 1]
+    assert fp8_mod.quant_stages(128, 256, 2, False) == 3
+    monkeypatch.setattr(fp8_mod, "QUANT_STAGES", 1)
+    assert fp8_mod.quant_stages(64, 64, 2, True) == 1
+
+
 def test_quantizer_writes_v_in_the_gluon_key_order(seed):
     """quantize_fp8(v_key_perm=True) (the Gluon kernel's V^T, kernels/triton/fp8.key_perm) stores the same bytes
     as the torch permutation the pre-quantized path applies (fp8.gluon_key_order), a permutation of the keys

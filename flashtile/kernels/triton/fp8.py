@@ -1,16 +1,17 @@
 """FP8 (e4m3) attention forward as in FlashAttention-3 §3.3 (seed 001): a fused quantization kernel and
 an attention kernel over its tiles. The math is written out in flashtile/reference/fp8_emulation.py.
 
-quant_fp8_kernel: one program per (block of BLOCK rows, batch * head) of Q, K or V: load the tile, optionally
-  apply the incoherent transform x -> x diag(s) H / sqrt(d), take the block's amax, store descale = amax / 448
-  and e4m3(x * 448 / amax); V can be written transposed, (batch, nheads_k, d, seqlen_pad), so that the P V
+quant_fp8_kernel: one program per GROUP blocks of BLOCK rows of one (batch, head) of Q, K or V: load a block,
+  optionally apply the incoherent transform x -> x diag(s) H / sqrt(d), take the block's amax, store descale =
+  amax / 448 and e4m3(x * 448 / amax); V can be written transposed, (batch, nheads_k, d, seqlen_pad), so that the P V
   product's B operand is K-major in memory (FP8 wgmma accepts only K-major operands, FA3 §3.3 "layout").
   H is applied one of two ways: fwht_rows, the fast Walsh-Hadamard transform (log2 d butterfly stages on the
   register tile, O(d log d) adds), or fwht_rows_mma, one tensor-core product with the +-1 matrix (O(d^2)
   multiply-adds, but on the tensor cores). Each butterfly stage regroups the tile's columns, which Triton does
-  through shared memory, so on an H200 the product is the faster (per tensor of 16k tokens x 2048, H200:
-  d64 37 vs 88 us, d128 68 vs 116, d256 110 vs 133; no rotation 31-35 us); the launcher takes it wherever
-  tl.dot accepts the input dtype.
+  through shared memory, so on an H200 the product is the faster (per tensor of 16k tokens x 2048, H200, one
+  block per program: d64 37 vs 88 us, d128 68 vs 116, d256 110 vs 133; no rotation 31-35 us); the launcher
+  takes it wherever tl.dot accepts the input dtype. With GROUP blocks per program (fp8.quant_group) the matrix
+  is built once per program: Q, K and V^T of 16k tokens x 2048 in 129 us at d128 (was 238), 205 at d256 (335).
 attn_fwd_fp8_kernel: FA2's forward loop (fwd.py) on e4m3 tiles; the per-block scales enter as one scalar
   per S tile (folded into the softmax scale) and one per-row factor per V tile (folded into the rescale
   of the accumulator), so block quantization costs no extra work per element.
@@ -87,17 +88,22 @@ def fwht_rows(x, BLOCK: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def fwht_rows_mma(x, signs, BLOCK_D: tl.constexpr):
-    """x diag(signs) H_D on the tensor cores: x (BLOCK, D) in its 16-bit input dtype times the +-1 matrix
-    diag(signs) H (H[i, j] = (-1)^popcount(i & j), built in registers), fp32 accumulate. Every product is
-    exact; only the fp32 summation order differs from the butterflies."""
+def signed_hadamard(signs, BLOCK_D: tl.constexpr):
+    """The +-1 matrix diag(signs) H_D (H[i, j] = (-1)^popcount(i & j)), built in registers (float32)."""
     i = tl.arange(0, BLOCK_D)
     v = i[:, None] & i[None, :]
     v = v ^ (v >> 4)
     v = v ^ (v >> 2)
     v = v ^ (v >> 1)                                         # bit 0: parity of popcount(i & j), i, j < 256
-    h = tl.where((v & 1) == 0, 1.0, -1.0) * signs[:, None]
-    return tl.dot(x, h.to(x.dtype))
+    return tl.where((v & 1) == 0, 1.0, -1.0) * signs[:, None]
+
+
+@triton.jit
+def fwht_rows_mma(x, h):
+    """x diag(signs) H_D on the tensor cores: x (BLOCK, D) in its 16-bit input dtype times h = signed_hadamard()
+    in that dtype (+-1 and 0: exact), fp32 accumulate. Every product is exact; only the fp32 summation order
+    differs from the butterflies."""
+    return tl.dot(x, h)
 
 
 @triton.jit
@@ -115,7 +121,7 @@ def quant_fp8_kernel(
     nheads, seqlen, head_dim, inv_sqrt_d,
     BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, INCOHERENT: tl.constexpr,
     PER_TENSOR: tl.constexpr, WRITE_Y: tl.constexpr, FWHT_MMA: tl.constexpr = False, SOFT_ROUND: tl.constexpr = True,
-    KEY_PERM: tl.constexpr = False,
+    KEY_PERM: tl.constexpr = False, GROUP: tl.constexpr = 1,
 ):
     """Y = e4m3(T(X) * 448 / amax), SCALE[b, h, blk] = amax / 448, T the optional incoherent transform.
 
@@ -123,42 +129,51 @@ def quant_fp8_kernel(
     (a 1-element tensor, the tensor-wide amax found by a first launch with WRITE_Y=False, which only
     stores the block amaxes into SCALE). Y's strides are free, so V can be written transposed
     (stride_yn = 1, stride_yd = seqlen_pad). KEY_PERM (V^T for the Gluon kernel, seqlen % 32 == 0): within each
-    32 rows, row 16h + 8i + 2q + e is stored at 16h + 4q + 2i + e (key_perm)."""
-    pid_n = tl.program_id(0)
+    32 rows, row 16h + 8i + 2q + e is stored at 16h + 4q + 2i + e (key_perm).
+    A program quantizes GROUP consecutive blocks of one (batch, head): diag(signs) H is built once per GROUP
+    blocks (building it costs about as much as a block's product) and the loop loads the next block while this
+    one is quantized."""
+    pid_g = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // nheads
     h = bh % nheads
     offs_r = tl.arange(0, BLOCK)                             # rows relative to the block: int32 offsets
-    offs_n = pid_n * BLOCK + offs_r
     offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_n[:, None] < seqlen) & (offs_d[None, :] < head_dim)
     b64 = tl.cast(b, tl.int64)
-    n0 = tl.cast(pid_n * BLOCK, tl.int64)
-    x_blk = X + b64 * stride_xb + tl.cast(h, tl.int64) * stride_xh + n0 * stride_xn
-    x = tl.load(x_blk + offs_r[:, None] * stride_xn + offs_d[None, :], mask=mask, other=0.0)
+    x_head = X + b64 * stride_xb + tl.cast(h, tl.int64) * stride_xh
+    y_head = Y + b64 * stride_yb + tl.cast(h, tl.int64) * stride_yh
     if INCOHERENT:
         signs = tl.load(SIGNS + offs_d, mask=offs_d < head_dim, other=0.0)
         if FWHT_MMA:
-            x = fwht_rows_mma(x, signs, BLOCK_D) * inv_sqrt_d
+            hmat = signed_hadamard(signs, BLOCK_D).to(X.dtype.element_ty)
+    first = pid_g * GROUP
+    for pid_n in range(first, tl.minimum(first + GROUP, tl.cdiv(seqlen, BLOCK))):
+        offs_n = pid_n * BLOCK + offs_r
+        mask = (offs_n[:, None] < seqlen) & (offs_d[None, :] < head_dim)
+        n0 = tl.cast(pid_n * BLOCK, tl.int64)
+        x = tl.load(x_head + n0 * stride_xn + offs_r[:, None] * stride_xn + offs_d[None, :], mask=mask, other=0.0)
+        if INCOHERENT:
+            if FWHT_MMA:
+                x = fwht_rows_mma(x, hmat) * inv_sqrt_d
+            else:
+                x = fwht_rows(x.to(tl.float32) * signs[None, :], BLOCK, BLOCK_D) * inv_sqrt_d
         else:
-            x = fwht_rows(x.to(tl.float32) * signs[None, :], BLOCK, BLOCK_D) * inv_sqrt_d
-    else:
-        x = x.to(tl.float32)
-    if PER_TENSOR:
-        amax = tl.load(AMAX_IN)
-    else:
-        amax = tl.max(tl.max(tl.abs(x), 1), 0)
-    amax = tl.maximum(amax, 9.5367431640625e-07)
-    # IEEE divisions (Triton's `/` on fp32 is approximate on NVIDIA): the same bits as the torch emulation
-    if WRITE_Y:
-        inv = tl.math.div_rn(amax * 0.0 + 448.0, amax)
-        y = to_e4m3(x * inv, SOFT_ROUND)
-        y_blk = Y + b64 * stride_yb + tl.cast(h, tl.int64) * stride_yh + n0 * stride_yn
-        rows = key_perm(offs_r) if KEY_PERM else offs_r
-        tl.store(y_blk + rows[:, None] * stride_yn + offs_d[None, :] * stride_yd, y, mask=mask)
-        tl.store(SCALE + b * stride_sb + h * stride_sh + pid_n, tl.math.div_rn(amax, amax * 0.0 + 448.0))
-    else:
-        tl.store(SCALE + b * stride_sb + h * stride_sh + pid_n, amax)
+            x = x.to(tl.float32)
+        if PER_TENSOR:
+            amax = tl.load(AMAX_IN)
+        else:
+            amax = tl.max(tl.max(tl.abs(x), 1), 0)
+        amax = tl.maximum(amax, 9.5367431640625e-07)
+        # IEEE divisions (Triton's `/` on fp32 is approximate on NVIDIA): the same bits as the torch emulation
+        if WRITE_Y:
+            inv = tl.math.div_rn(amax * 0.0 + 448.0, amax)
+            y = to_e4m3(x * inv, SOFT_ROUND)
+            rows = key_perm(offs_r) if KEY_PERM else offs_r
+            y_blk = y_head + n0 * stride_yn
+            tl.store(y_blk + rows[:, None] * stride_yn + offs_d[None, :] * stride_yd, y, mask=mask)
+            tl.store(SCALE + b * stride_sb + h * stride_sh + pid_n, tl.math.div_rn(amax, amax * 0.0 + 448.0))
+        else:
+            tl.store(SCALE + b * stride_sb + h * stride_sh + pid_n, amax)
 
 
 @triton.jit
