@@ -285,7 +285,7 @@ def main():
     ap.add_argument("--accuracy-shape", default="4,4096,16,128", help="b,n,h,d")
     ap.add_argument("--accuracy-seqlens", default="1024,2048,4096,8192,16384")
     # do_bench warm-up / repetition ms, as flashtile bench and the sweeps: with 10 / 30 the twenty-third session's
-    # grid read the d128 FP8 kernel 6-8% lower and flashtile bf16 up to 11% higher than with 25 / 100 in the same
+    # grid read the d128 FP8 kernel up to 7% lower and flashtile bf16 up to 14% higher than with 25 / 100 in the same
     # session (BENCHMARKS.md section 5), the eighth session's "grid reads 10% lower" as well
     ap.add_argument("--warmup", type=int, default=25)
     ap.add_argument("--rep", type=int, default=100)
