@@ -20,7 +20,10 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from .interface import _attention, _fail
+from .api.errors import fail
+from .api.usermods import aux
+from .interface import check_device, dense_attention
+from .kernels.triton.launch import SparseLists
 
 
 def _lists(sel: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -71,22 +74,22 @@ class BlockMask:
     def __repr__(self):
         return f"BlockMask(shape={self.shape}, BLOCK_SIZE={self.BLOCK_SIZE}, density={self.density():.3f})"
 
-    def _kernel_args(self, q: torch.Tensor, k: torch.Tensor):
-        """(element mask, the 8 tile lists + block size) for flashtile::fwd / bwd, after checking that this
+    def kernel_args(self, q: torch.Tensor, k: torch.Tensor):
+        """(element mask or None, the tile lists as launch.SparseLists) for the kernels, after checking that this
         block mask fits q (batch, seqlen_q, nheads, d) and k (batch, seqlen_k, nheads_k, d)."""
         B, H, Q, KV = self.shape
         if (Q, KV) != (q.shape[1], k.shape[1]):
-            _fail("block_mask.shape[2:] (Q_LEN, KV_LEN)", (Q, KV),
+            fail("block_mask.shape[2:] (Q_LEN, KV_LEN)", (Q, KV),
                   f"(seqlen_q, seqlen_k) = {(q.shape[1], k.shape[1])}")
         if B not in (1, q.shape[0]):
-            _fail("block_mask.shape[0] (B)", B, f"1 or the batch size {q.shape[0]}")
+            fail("block_mask.shape[0] (B)", B, f"1 or the batch size {q.shape[0]}")
         if H not in (1, q.shape[2]):
-            _fail("block_mask.shape[1] (H)", H, f"1 or nheads = {q.shape[2]}")
+            fail("block_mask.shape[1] (H)", H, f"1 or nheads = {q.shape[2]}")
         if self.kv_num_blocks.device != q.device:
-            _fail("block_mask device", self.kv_num_blocks.device, f"the device of q ({q.device})")
+            fail("block_mask device", self.kv_num_blocks.device, f"the device of q ({q.device})")
         lists = (self.kv_num_blocks, self.kv_indices, self.full_kv_num_blocks, self.full_kv_indices,
                  self.q_num_blocks, self.q_indices, self.full_q_num_blocks, self.full_q_indices)
-        return self.mask, (*lists, self.BLOCK_SIZE)
+        return self.mask, SparseLists(self.BLOCK_SIZE, *lists)
 
 
 def create_block_mask(mask_fn: Callable, B: Optional[int], H: Optional[int], Q_LEN: int, KV_LEN: int,
@@ -100,9 +103,9 @@ def create_block_mask(mask_fn: Callable, B: Optional[int], H: Optional[int], Q_L
     H = 1 if H is None else H
     for name, val in (("B", B), ("H", H), ("Q_LEN", Q_LEN), ("KV_LEN", KV_LEN)):
         if not isinstance(val, int) or val < 1:
-            _fail(name, val, "a positive int")
+            fail(name, val, "a positive int")
     if not isinstance(BLOCK_SIZE, int) or BLOCK_SIZE < 16 or BLOCK_SIZE & (BLOCK_SIZE - 1):
-        _fail("BLOCK_SIZE", BLOCK_SIZE, "a power of two >= 16")
+        fail("BLOCK_SIZE", BLOCK_SIZE, "a power of two >= 16")
     from .flex import MaskMod
     if isinstance(mask_fn, MaskMod):
         if mask_fn.check is not None:
@@ -110,17 +113,16 @@ def create_block_mask(mask_fn: Callable, B: Optional[int], H: Optional[int], Q_L
         count, _ = _mask_mod_counts(mask_fn, B, H, Q_LEN, KV_LEN, BLOCK_SIZE, device, False)
         return _classify(count, (B, H, Q_LEN, KV_LEN), BLOCK_SIZE, None, mask_fn)
     if not callable(mask_fn):
-        _fail("mask_fn", type(mask_fn).__name__, "a callable (b, h, q_idx, kv_idx) -> bool tensor or a MaskMod",
-              TypeError)
+        fail("mask_fn", type(mask_fn).__name__, "a callable (b, h, q_idx, kv_idx) -> bool tensor or a MaskMod")
     ar = lambda n: torch.arange(n, device=device)  # noqa: E731
     mask = mask_fn(ar(B).view(B, 1, 1, 1), ar(H).view(1, H, 1, 1), ar(Q_LEN).view(1, 1, Q_LEN, 1),
                    ar(KV_LEN).view(1, 1, 1, KV_LEN))
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
-        _fail("mask_fn(...)", type(mask).__name__ if not isinstance(mask, torch.Tensor) else mask.dtype,
+        fail("mask_fn(...)", type(mask).__name__ if not isinstance(mask, torch.Tensor) else mask.dtype,
               "a bool tensor")
     mask = mask[(None,) * max(0, 4 - mask.dim())]
     if mask.dim() != 4 or any(n not in (1, m) for n, m in zip(mask.shape, (B, H, Q_LEN, KV_LEN))):
-        _fail("mask_fn(...).shape", tuple(mask.shape), f"broadcastable to {(B, H, Q_LEN, KV_LEN)}")
+        fail("mask_fn(...).shape", tuple(mask.shape), f"broadcastable to {(B, H, Q_LEN, KV_LEN)}")
     # keep batch / head dimensions mask_fn ignored at size 1; sequence dimensions at full size
     mask = mask.expand(mask.shape[0], mask.shape[1], Q_LEN, KV_LEN).contiguous()
     bs = BLOCK_SIZE
@@ -152,21 +154,19 @@ def _mask_mod_counts(mask_mod, B, H, Q_LEN, KV_LEN, bs, device, dense: bool):
     """(visible pairs per tile (B, H, n_q_blocks, n_kv_blocks) int32, the dense bool mask or None) of a MaskMod,
     evaluated by kernels.triton.blockmask.classify_tiles_kernel."""
     from .kernels.triton.blockmask import classify_tiles_kernel
-    from .interface import _check_device
-    from .flex import _aux
     probe = torch.empty(0, device=device)
     device = probe.device                        # "cuda" -> "cuda:0", as tensors report it
     for i, c in enumerate(mask_mod.captured):
         if isinstance(c, torch.Tensor) and c.device != device:
-            _fail(f"mask_fn.captured[{i}].device", c.device, f"the device argument ({device})")
-    _check_device(probe)
+            fail(f"mask_fn.captured[{i}].device", c.device, f"the device argument ({device})")
+    check_device(probe)
     nq, nk = -(-Q_LEN // bs), -(-KV_LEN // bs)
     count = torch.full((B, H, nq, nk), -1, dtype=torch.int32, device=device)   # poisoned: every tile is written
     out = torch.empty((B, H, Q_LEN, KV_LEN) if dense else (0, 0, 0, 0), dtype=torch.bool, device=device)
-    aux, _ = _aux(mask_mod, [c for c in mask_mod.captured if isinstance(c, torch.Tensor)], 0)
+    mask_aux, _ = aux(mask_mod, [c for c in mask_mod.captured if isinstance(c, torch.Tensor)], 0)
     sub = min(bs, 32)
     classify_tiles_kernel[(nq, nk, B * H)](
-        count, out.view(torch.int8), aux, Q_LEN, KV_LEN, H, *count.stride()[:3], *out.stride()[:3],
+        count, out.view(torch.int8), mask_aux, Q_LEN, KV_LEN, H, *count.stride()[:3], *out.stride()[:3],
         MASK_MOD=mask_mod.fn, BLOCK=bs, SUB=sub, WRITE_DENSE=dense, num_warps=4)
     return count, (out if dense else None)
 
@@ -179,7 +179,7 @@ def blocksparse_attn_func(q, k, v, block_mask: BlockMask, dropout_p=0.0, softmax
     to its density. Arguments and returns as flashtile.flash_attn_func (q (batch, seqlen_q, nheads, headdim)
     etc.); attn_bias as there (gradients included). The kernels' tiles are shrunk to divide BLOCK_SIZE."""
     if not isinstance(block_mask, BlockMask):
-        _fail("block_mask", type(block_mask).__name__, "a flashtile.blocksparse.BlockMask (create_block_mask)",
-              TypeError)
-    return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                      deterministic, return_attn_probs, attn_bias=attn_bias, block_mask=block_mask)
+        fail("block_mask", type(block_mask).__name__, "a flashtile.blocksparse.BlockMask (create_block_mask)")
+    out, lse, probs = dense_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                      deterministic, return_attn_probs, attn_bias=attn_bias, block_mask=block_mask)
+    return out if probs is None else (out, lse, probs)

@@ -31,15 +31,15 @@ window (-inf) -> softmax. A row that sees no key outputs 0 and lse = -inf.
 """
 from __future__ import annotations
 
-import itertools
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Optional, Sequence
 
 import torch
 import triton
 import triton.language as tl
 
-from .interface import _attention, _fail
-from .kernels.triton.launch import UserMods
+from .api import checks
+from .api.errors import fail
+from .interface import dense_attention
 
 
 try:  # @triton.jit gives an InterpretedFunction under TRITON_INTERPRET=1
@@ -56,21 +56,21 @@ def _check_fn(name: str, fn, optional: bool = False):
     if fn is None and optional:
         return
     if not _is_jit(fn):
-        _fail(name, type(fn).__name__, "a @triton.jit function", TypeError)
+        fail(name, type(fn).__name__, "a @triton.jit function")
 
 
 def _check_captured(name: str, captured) -> tuple:
     if not isinstance(captured, (tuple, list)):
-        _fail(name, type(captured).__name__, "a tuple of tensors, ints and floats", TypeError)
+        fail(name, type(captured).__name__, "a tuple of tensors, ints and floats")
     for i, c in enumerate(captured):
         if isinstance(c, bool) or not isinstance(c, (torch.Tensor, int, float)):
-            _fail(f"{name}[{i}]", type(c).__name__, "a torch.Tensor, int or float", TypeError)
+            fail(f"{name}[{i}]", type(c).__name__, "a torch.Tensor, int or float")
     return tuple(captured)
 
 
 def _check_hook(name: str, check):
     if check is not None and not callable(check):
-        _fail(name, type(check).__name__, "None or a callable (batch, nheads, seqlen_q, seqlen_k)", TypeError)
+        fail(name, type(check).__name__, "None or a callable (batch, nheads, seqlen_q, seqlen_k)")
     return check
 
 
@@ -105,85 +105,22 @@ class ScoreMod:
         return f"ScoreMod({self.fn.__name__}, {len(self.captured)} captured)"
 
 
-# --------------------------------------------------------------------------------------------------
-# Passing the mods through the flashtile::fwd / bwd custom ops: the functions and non-tensor values stay
-# here under an integer key; the captured tensors travel as op inputs (so autograd sees them).
-# --------------------------------------------------------------------------------------------------
-_REGISTRY: Dict[int, Tuple[Optional[ScoreMod], Optional[MaskMod]]] = {}
-_KEYS: Dict[Tuple[int, int], int] = {}
-_NEXT = itertools.count(1)
-
-
-def _tensors(mod) -> List[torch.Tensor]:
-    return [] if mod is None else [c for c in mod.captured if isinstance(c, torch.Tensor)]
-
-
-def register(score_mod: Optional[ScoreMod], mask_mod: Optional[MaskMod]) -> Tuple[int, List[torch.Tensor]]:
-    """(key, captured tensors: score_mod's, then mask_mod's) for the custom ops; the pair is kept alive here."""
-    ids = (id(score_mod), id(mask_mod))
-    key = _KEYS.get(ids)
-    if key is None or _REGISTRY[key] != (score_mod, mask_mod):
-        key = next(_NEXT)
-        _KEYS[ids] = key
-        _REGISTRY[key] = (score_mod, mask_mod)
-    return key, _tensors(score_mod) + _tensors(mask_mod)
-
-
-def _aux(mod, tensors: List[torch.Tensor], start: int) -> Tuple[Optional[tuple], int]:
-    """mod.captured with its tensors replaced by tensors[start:] (the op's own inputs); None if nothing."""
-    if mod is None or not mod.captured:
-        return None, start
-    out = []
-    for c in mod.captured:
-        if isinstance(c, torch.Tensor):
-            out.append(tensors[start])
-            start += 1
-        else:
-            out.append(c)
-    return tuple(out), start
-
-
-def user_mods(key: int, tensors: List[torch.Tensor], grad_buffers: Optional[List[Optional[torch.Tensor]]] = None
-              ) -> UserMods:
-    """The kernels' view of registered mods. grad_buffers (backward): per captured tensor of the score_mod, a
-    float32 buffer receiving its gradient, or None."""
-    score_mod, mask_mod = _REGISTRY[key]
-    score_aux, n = _aux(score_mod, tensors, 0)
-    mask_aux, _ = _aux(mask_mod, tensors, n)
-    aux_grad = None
-    if score_aux is not None and grad_buffers is not None:
-        buffers = iter(grad_buffers)
-        aux_grad = []
-        for c, a in zip(score_mod.captured, score_aux):
-            g = next(buffers) if isinstance(c, torch.Tensor) else None
-            aux_grad.append(a if g is None else g)
-        aux_grad = tuple(aux_grad)
-    if score_mod is None:
-        return UserMods(mask_mod=mask_mod.fn if mask_mod else None, mask_aux=mask_aux)
-    return UserMods(score_mod.fn, score_mod.grad_fn, score_mod.captured_grad_fn, score_aux,
-                    mask_mod.fn if mask_mod else None, mask_aux, aux_grad)
-
-
-def n_score_tensors(key: int) -> int:
-    return len(_tensors(_REGISTRY[key][0]))
-
-
 def _validate_mods(q, k, score_mod, mask_mod):
     if score_mod is not None and not isinstance(score_mod, ScoreMod):
-        _fail("score_mod", type(score_mod).__name__, "a flashtile.flex.ScoreMod or None", TypeError)
+        fail("score_mod", type(score_mod).__name__, "a flashtile.flex.ScoreMod or None")
     if mask_mod is not None and not isinstance(mask_mod, MaskMod):
-        _fail("mask_mod", type(mask_mod).__name__, "a flashtile.flex.MaskMod or None", TypeError)
+        fail("mask_mod", type(mask_mod).__name__, "a flashtile.flex.MaskMod or None")
     for name, mod in (("score_mod", score_mod), ("mask_mod", mask_mod)):
         for i, c in enumerate(() if mod is None else mod.captured):
             if isinstance(c, torch.Tensor) and c.device != q.device:
-                _fail(f"{name}.captured[{i}].device", c.device, f"the device of q ({q.device})")
+                fail(f"{name}.captured[{i}].device", c.device, f"the device of q ({q.device})")
     for mod in (score_mod, mask_mod):
         if mod is not None and mod.check is not None:
             mod.check(q.shape[0], q.shape[2], q.shape[1], k.shape[1])
     if score_mod is not None and score_mod.captured_grad_fn is None:
         for i, c in enumerate(score_mod.captured):
             if isinstance(c, torch.Tensor) and c.requires_grad and torch.is_grad_enabled():
-                _fail(f"score_mod.captured[{i}].requires_grad", True,
+                fail(f"score_mod.captured[{i}].requires_grad", True,
                       "False, or a ScoreMod with captured_grad_fn (Triton cannot differentiate score_mod by itself)")
 
 
@@ -200,17 +137,18 @@ def flex_attention(q, k, v, score_mod: Optional[ScoreMod] = None, block_mask=Non
     seqlen_q) float32, differentiable) with return_lse."""
     for name, t in (("q", q), ("k", k)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            _fail(f"{name}.shape", tuple(getattr(t, "shape", ())), "(batch, seqlen, nheads, headdim)")
+            fail(f"{name}.shape", tuple(getattr(t, "shape", ())), "(batch, seqlen, nheads, headdim)")
     _validate_mods(q, k, score_mod, mask_mod)
     from .blocksparse import BlockMask
     if block_mask is not None and not isinstance(block_mask, BlockMask):
-        _fail("block_mask", type(block_mask).__name__, "a flashtile.blocksparse.BlockMask or None", TypeError)
+        fail("block_mask", type(block_mask).__name__, "a flashtile.blocksparse.BlockMask or None")
     if block_mask is not None and block_mask.mask_mod is not None:
         if mask_mod is not None and mask_mod is not block_mask.mask_mod:
-            _fail("mask_mod", mask_mod, "None (or the block mask's own mask_mod) with a block mask built from a MaskMod")
+            fail("mask_mod", mask_mod, "None (or the block mask's own mask_mod) with a block mask built from a MaskMod")
         mask_mod = block_mask.mask_mod
-    return _attention(q, k, v, 0.0, softmax_scale, causal, window_size, 0.0, None, False, False,
-                      block_mask=block_mask, score_mod=score_mod, mask_mod=mask_mod, return_lse=return_lse)
+    out, lse, _ = dense_attention(q, k, v, 0.0, softmax_scale, causal, window_size, block_mask=block_mask,
+                                  score_mod=score_mod, mask_mod=mask_mod)
+    return (out, lse) if checks.flag("return_lse", return_lse) else out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -240,13 +178,13 @@ def document_mask(document_ids: torch.Tensor, causal: bool = True) -> MaskMod:
     document_ids: int32, (seqlen,) shared by the batch or (batch, seqlen), one id per token (self-attention:
     seqlen_q = seqlen_k = seqlen)."""
     if not isinstance(document_ids, torch.Tensor) or document_ids.dtype != torch.int32 or document_ids.dim() not in (1, 2):
-        _fail("document_ids", getattr(document_ids, "dtype", type(document_ids).__name__),
-              "an int32 tensor of shape (seqlen,) or (batch, seqlen)", TypeError)
+        fail("document_ids", getattr(document_ids, "dtype", type(document_ids).__name__),
+              "an int32 tensor of shape (seqlen,) or (batch, seqlen)")
     ids = document_ids.contiguous()
 
     def check(batch, nheads, seqlen_q, seqlen_k):
         if ids.shape[-1] < max(seqlen_q, seqlen_k) or (ids.dim() == 2 and ids.shape[0] != batch):
-            _fail("document_ids.shape", tuple(ids.shape),
+            fail("document_ids.shape", tuple(ids.shape),
                   f"(seqlen,) or ({batch}, seqlen) with seqlen >= {max(seqlen_q, seqlen_k)}")
     return MaskMod(_document, (ids, 0 if ids.dim() == 1 else ids.stride(0), ids.shape[-1], int(bool(causal))),
                    check)
@@ -262,11 +200,11 @@ def prefix_lm_mask(prefix_lengths: torch.Tensor) -> MaskMod:
     """Prefix-LM: bidirectional inside the first prefix_lengths[b] tokens, causal after.
     prefix_lengths: int32 (batch,)."""
     if not isinstance(prefix_lengths, torch.Tensor) or prefix_lengths.dtype != torch.int32 or prefix_lengths.dim() != 1:
-        _fail("prefix_lengths", getattr(prefix_lengths, "dtype", type(prefix_lengths).__name__),
-              "an int32 tensor of shape (batch,)", TypeError)
+        fail("prefix_lengths", getattr(prefix_lengths, "dtype", type(prefix_lengths).__name__),
+              "an int32 tensor of shape (batch,)")
     def check(batch, nheads, seqlen_q, seqlen_k):
         if prefix_lengths.shape[0] != batch:
-            _fail("prefix_lengths.shape", tuple(prefix_lengths.shape), f"({batch},) (the batch size)")
+            fail("prefix_lengths.shape", tuple(prefix_lengths.shape), f"({batch},) (the batch size)")
     return MaskMod(_prefix_lm, (prefix_lengths.contiguous(),), check)
 
 
@@ -279,9 +217,9 @@ def sliding_window_mask(window: int, num_sinks: int = 0) -> MaskMod:
     """Causal sliding window of `window` keys (q_idx - window < kv_idx <= q_idx) plus the first num_sinks keys
     (attention sinks, StreamingLLM), which every later query sees."""
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
-        _fail("window", window, "an int >= 1")
+        fail("window", window, "an int >= 1")
     if not isinstance(num_sinks, int) or isinstance(num_sinks, bool) or num_sinks < 0:
-        _fail("num_sinks", num_sinks, "an int >= 0")
+        fail("num_sinks", num_sinks, "an int >= 0")
     return MaskMod(_sliding_sinks, (window, num_sinks))
 
 
@@ -301,13 +239,12 @@ def _alibi_captured_grad(dscore, score, b, h, q_idx, kv_idx, aux, aux_grad):
 def alibi_score(slopes: torch.Tensor) -> ScoreMod:
     """ALiBi: score - slopes[h] * |q_idx - kv_idx|. slopes: float32 (nheads,); may require grad."""
     if not isinstance(slopes, torch.Tensor) or slopes.dtype != torch.float32 or slopes.dim() != 1:
-        _fail("slopes", getattr(slopes, "dtype", type(slopes).__name__), "a float32 tensor of shape (nheads,)",
-              TypeError)
+        fail("slopes", getattr(slopes, "dtype", type(slopes).__name__), "a float32 tensor of shape (nheads,)")
     if slopes.stride(0) != 1:
-        _fail("slopes.stride(0)", slopes.stride(0), "1")
+        fail("slopes.stride(0)", slopes.stride(0), "1")
     def check(batch, nheads, seqlen_q, seqlen_k):
         if slopes.shape[0] != nheads:
-            _fail("slopes.shape", tuple(slopes.shape), f"({nheads},) (nheads)")
+            fail("slopes.shape", tuple(slopes.shape), f"({nheads},) (nheads)")
     return ScoreMod(_alibi, None, _alibi_captured_grad, (slopes,), check)
 
 
@@ -326,7 +263,7 @@ def _softcap_grad(dscore, score, b, h, q_idx, kv_idx, aux):
 def softcap_score(cap: float) -> ScoreMod:
     """cap * tanh(score / cap) (Gemma 2 / Grok logit soft-capping)."""
     if not isinstance(cap, (int, float)) or isinstance(cap, bool) or not 0 < cap < float("inf"):
-        _fail("cap", cap, "a finite float > 0")
+        fail("cap", cap, "a finite float > 0")
     return ScoreMod(_softcap, _softcap_grad, None, (float(cap),))
 
 
@@ -355,14 +292,14 @@ def relative_position_bias(table: torch.Tensor, max_distance: int) -> ScoreMod:
     without log buckets). table: (nheads, 2 * max_distance + 1), float; may require grad (its gradient is
     accumulated with one atomic add per visible score)."""
     if not isinstance(max_distance, int) or isinstance(max_distance, bool) or max_distance < 0:
-        _fail("max_distance", max_distance, "an int >= 0")
+        fail("max_distance", max_distance, "an int >= 0")
     if (not isinstance(table, torch.Tensor) or table.dim() != 2 or table.shape[1] != 2 * max_distance + 1
             or not table.is_floating_point()):
-        _fail("table.shape", tuple(getattr(table, "shape", ())), f"(nheads, {2 * max_distance + 1}), floating point")
+        fail("table.shape", tuple(getattr(table, "shape", ())), f"(nheads, {2 * max_distance + 1}), floating point")
     if table.stride(1) != 1:
-        _fail("table.stride(1)", table.stride(1), "1")
+        fail("table.stride(1)", table.stride(1), "1")
     def check(batch, nheads, seqlen_q, seqlen_k):
         if table.shape[0] != nheads:
-            _fail("table.shape", tuple(table.shape), f"({nheads}, {2 * max_distance + 1})")
+            fail("table.shape", tuple(table.shape), f"({nheads}, {2 * max_distance + 1})")
     return ScoreMod(_relpos, None, _relpos_captured_grad, (table, table.stride(0), max_distance), check)
 

@@ -26,7 +26,10 @@ from typing import Optional
 
 import torch
 
-from .interface import _output
+from .api import checks
+from .api import problem as P
+from .api.errors import fail
+from .interface import check_device, output as _output
 from .kernels.gluon import fa3 as _fa3
 from .kernels.triton import fp8 as _k
 from .kernels.triton.decode import multiprocessors
@@ -102,43 +105,19 @@ class FP8Tensors:
     v_key_perm: bool = False
 
 
-def _fail(arg, value, expected, exc=ValueError):
-    raise exc(f"flash_attn_fp8_func: {arg}={value}, expected {expected}")
-
-
 def _check_qkv(q, k, v):
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            _fail(name, type(t).__name__, "a torch.Tensor", TypeError)
-        if t.dim() != 4:
-            _fail(f"{name}.shape", tuple(t.shape), "4 dims (batch, seqlen, nheads, headdim)")
-        if t.dtype not in _FLOAT_IN + (FP8_DTYPE,):
-            _fail(f"{name}.dtype", t.dtype, "torch.float16, torch.bfloat16 or torch.float8_e4m3fn", TypeError)
-    if not (q.dtype == k.dtype == v.dtype):
-        _fail("dtypes", (q.dtype, k.dtype, v.dtype), "q, k and v of one dtype", TypeError)
-    if not (q.device == k.device == v.device):
-        _fail("devices", (q.device, k.device, v.device), "q, k and v on one device")
-    b, _, h, d = q.shape
-    if k.shape[0] != b or v.shape[0] != b:
-        _fail("batch", (b, k.shape[0], v.shape[0]), "the same batch for q, k, v")
-    if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
-        _fail("v.shape", tuple(v.shape), f"seqlen_k and nheads_k of k.shape={tuple(k.shape)}")
-    if k.shape[3] != d or v.shape[3] != d:
-        _fail("headdim", (d, k.shape[3], v.shape[3]), "one head dim for q, k, v")
+    """The shape rules of flash_attn_func (the one validator) with FP8's dtypes, and FP8's head dims."""
+    P.qkv(q, k, v, 4, _FLOAT_IN + (FP8_DTYPE,), "torch.float16, torch.bfloat16 or torch.float8_e4m3fn")
+    d = q.shape[-1]
     if d % 8 or d > 256:
-        _fail("headdim", d, "a multiple of 8, at most 256")
-    if k.shape[2] == 0 or h % k.shape[2]:
-        _fail("nheads", (h, k.shape[2]), "nheads divisible by nheads_k (GQA)")
-    if q.device.type == "cpu" and not interpreting():
-        raise RuntimeError("flash_attn_fp8_func: CPU tensors run through the Triton interpreter; set "
-                           "TRITON_INTERPRET=1 before importing flashtile")
+        fail("q.shape[-1] (headdim)", d, "a multiple of 8, at most 256")
+    check_device(q)
 
 
 def _check_incoherent(d):
     if d & (d - 1) or d < 16:
-        raise ValueError(f"flash_attn_fp8_func: incoherent=True needs headdim a power of two (16..256, e.g. "
-                         f"64, 128, 256) for the Walsh-Hadamard transform, got headdim={d}; pass "
-                         f"incoherent=False")
+        fail("q.shape[-1] (headdim)", d, "a power of two (16..256, e.g. 64, 128, 256) with incoherent=True (the "
+             "Walsh-Hadamard transform); or pass incoherent=False")
 
 
 def _block_d(d):
@@ -258,12 +237,11 @@ def quantize_fp8(q, k, v, *, block_quant: bool = True, incoherent: bool = True, 
     and the blocks are its tiles."""
     _check_qkv(q, k, v)
     if q.dtype not in _FLOAT_IN:
-        _fail("q.dtype", q.dtype, "torch.float16 or torch.bfloat16 to quantize", TypeError)
-    for name, val in (("block_quant", block_quant), ("incoherent", incoherent), ("transpose_v", transpose_v)):
-        if not isinstance(val, bool):
-            _fail(name, val, "a bool", TypeError)
-    if not isinstance(hadamard_seed, int) or isinstance(hadamard_seed, bool):
-        _fail("hadamard_seed", hadamard_seed, "an int", TypeError)
+        fail("q.dtype", q.dtype, "torch.float16 or torch.bfloat16 to quantize")
+    block_quant = checks.flag("block_quant", block_quant)
+    incoherent = checks.flag("incoherent", incoherent)
+    transpose_v = checks.flag("transpose_v", transpose_v)
+    hadamard_seed = checks.integer("hadamard_seed", hadamard_seed)
     d = q.shape[-1]
     if incoherent:
         _check_incoherent(d)
@@ -273,10 +251,10 @@ def quantize_fp8(q, k, v, *, block_quant: bool = True, incoherent: bool = True, 
     if v_key_perm is None:
         v_key_perm = cfg.gluon and (block_m, block_n) == (cfg.BLOCK_M, cfg.BLOCK_N)
     if v_key_perm and not (transpose_v and k.shape[1] % 32 == 0 and block_n % 32 == 0):
-        _fail("v_key_perm", v_key_perm, "False unless transpose_v, seqlen_k % 32 == 0 and block_n % 32 == 0")
+        fail("v_key_perm", v_key_perm, "False unless transpose_v, seqlen_k % 32 == 0 and block_n % 32 == 0")
     for name, val in (("block_m", block_m), ("block_n", block_n)):
         if val < 16 or val & (val - 1):
-            _fail(name, val, "a power of two >= 16")
+            fail(name, val, "a power of two >= 16")
     signs = _signs(d, hadamard_seed, q.device) if incoherent else None
     per_tensor = not block_quant
     q8, qs = _quant_one(q, block_m, per_tensor, signs, False)
@@ -288,15 +266,14 @@ def quantize_fp8(q, k, v, *, block_quant: bool = True, incoherent: bool = True, 
 def _scale_view(t: torch.Tensor, name: str, batch: int, nheads_k: int):
     """A descale given per (batch, nheads_k) or per tensor -> (tensor, stride_b, stride_h, stride_blk)."""
     if not isinstance(t, torch.Tensor):
-        _fail(name, type(t).__name__, "a torch.Tensor (float32, shape (batch, nheads_k) or one element)",
-              TypeError)
+        fail(name, type(t).__name__, "a torch.Tensor (float32, shape (batch, nheads_k) or one element)")
     if not t.is_floating_point() or t.dtype == FP8_DTYPE:
-        _fail(f"{name}.dtype", t.dtype, "a floating dtype (float32)", TypeError)
+        fail(f"{name}.dtype", t.dtype, "a floating dtype (float32)")
     t = t.to(torch.float32)
     if t.numel() == 1:
         return t.reshape(1), 0, 0, 0
     if tuple(t.shape) != (batch, nheads_k):
-        _fail(f"{name}.shape", tuple(t.shape), f"(batch, nheads_k) = {(batch, nheads_k)} or one element")
+        fail(f"{name}.shape", tuple(t.shape), f"(batch, nheads_k) = {(batch, nheads_k)} or one element")
     return t, t.stride(0), t.stride(1), 0
 
 
@@ -418,28 +395,25 @@ def flash_attn_fp8_func(q, k, v, softmax_scale=None, causal=False, block_quant=T
     (fp8 inputs: by a transpose copy); False reads V as it is (Triton transposes on chip).
     Returns out, or (out, lse) with return_lse (lse (batch, nheads, seqlen_q) float32, natural log).
     Backward raises NotImplementedError."""
+    q, k, v = P.contiguous_last(q, k, v)
     _check_qkv(q, k, v)
-    if not isinstance(causal, bool):
-        _fail("causal", causal, "a bool", TypeError)
-    if not isinstance(return_lse, bool):
-        _fail("return_lse", return_lse, "a bool", TypeError)
-    if not isinstance(transpose_v, bool):
-        _fail("transpose_v", transpose_v, "a bool", TypeError)
+    causal = checks.flag("causal", causal)
+    return_lse = checks.flag("return_lse", return_lse)
+    transpose_v = checks.flag("transpose_v", transpose_v)
     d = q.shape[-1]
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(d)
-    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not softmax_scale > 0 \
-            or not math.isfinite(softmax_scale):
-        _fail("softmax_scale", softmax_scale, "a positive finite float or None")
+    elif checks.real("softmax_scale", softmax_scale, "a positive finite float or None") <= 0:
+        fail("softmax_scale", softmax_scale, "a positive finite float or None")
     fp8_in = q.dtype == FP8_DTYPE
     descales = (q_descale, k_descale, v_descale)
     if not fp8_in and any(x is not None for x in descales):
-        _fail("q_descale/k_descale/v_descale", "given", "None for float16/bfloat16 inputs (they are quantized "
+        fail("q_descale/k_descale/v_descale", "given", "None for float16/bfloat16 inputs (they are quantized "
               "here); descales go with float8_e4m3fn inputs")
     if out_dtype is None:
         out_dtype = torch.bfloat16 if fp8_in else q.dtype
     if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        _fail("out_dtype", out_dtype, "torch.bfloat16, torch.float16 or torch.float32", TypeError)
+        fail("out_dtype", out_dtype, "torch.bfloat16, torch.float16 or torch.float32")
     b, sq, h, _ = q.shape
     hk = k.shape[2]
     cfg = kernel_config(q, k, causal, out_dtype, transpose_v)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from .interface import _fail
+from .api import checks
+from .api.errors import fail
 
 
 class _IndexFirstAxis(torch.autograd.Function):
@@ -43,18 +44,17 @@ class _IndexPutFirstAxis(torch.autograd.Function):
 
 def _check_indices(indices, device):
     if not isinstance(indices, torch.Tensor):
-        _fail("indices", type(indices).__name__, "a torch.Tensor of int64 token indices", TypeError)
+        fail("indices", type(indices).__name__, "a torch.Tensor of int64 token indices")
     if indices.dtype not in (torch.int64, torch.int32) or indices.dim() != 1:
-        _fail("indices", f"{indices.dtype} tensor of shape {tuple(indices.shape)}", "a 1-D int64/int32 tensor",
-              TypeError)
+        fail("indices", f"{indices.dtype} tensor of shape {tuple(indices.shape)}", "a 1-D int64/int32 tensor")
     if indices.device != device:
-        _fail("indices.device", indices.device, f"the device of the data ({device})")
+        fail("indices.device", indices.device, f"the device of the data ({device})")
 
 
 def index_first_axis(input: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """input[indices] along the first axis; the gradient is scattered back into zeros. input: (N, ...)."""
     if not isinstance(input, torch.Tensor) or input.dim() < 1:
-        _fail("input", type(input).__name__, "a tensor with at least 1 dimension", TypeError)
+        fail("input", type(input).__name__, "a tensor with at least 1 dimension")
     _check_indices(indices, input.device)
     return _IndexFirstAxis.apply(input, indices.long())
 
@@ -63,7 +63,7 @@ def index_put_first_axis(values: torch.Tensor, indices: torch.Tensor, first_axis
     """A zero tensor (first_axis_dim, ...) with values placed at rows indices (the inverse of index_first_axis)."""
     _check_indices(indices, values.device)
     if values.shape[0] != indices.shape[0]:
-        _fail("values.shape[0]", values.shape[0], f"len(indices) = {indices.shape[0]}")
+        fail("values.shape[0]", values.shape[0], f"len(indices) = {indices.shape[0]}")
     return _IndexPutFirstAxis.apply(values, indices.long(), int(first_axis_dim))
 
 
@@ -76,19 +76,19 @@ def unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor, unuse
     cu_seqlens (batch + 1,) int32, max_seqlen_in_batch int, used_seqlens_in_batch (batch,) int32).
     """
     if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() < 2:
-        _fail("hidden_states", getattr(hidden_states, "shape", type(hidden_states).__name__),
-              "a tensor (batch, seqlen, ...)", TypeError)
+        fail("hidden_states", getattr(hidden_states, "shape", type(hidden_states).__name__),
+              "a tensor (batch, seqlen, ...)")
     for name, m in (("attention_mask", attention_mask), ("unused_mask", unused_mask)):
         if m is None and name == "unused_mask":
             continue
         if not isinstance(m, torch.Tensor):
-            _fail(name, type(m).__name__, "a torch.Tensor (batch, seqlen)", TypeError)
+            fail(name, type(m).__name__, "a torch.Tensor (batch, seqlen)")
         if tuple(m.shape) != tuple(hidden_states.shape[:2]):
-            _fail(f"{name}.shape", tuple(m.shape), f"(batch, seqlen) = {tuple(hidden_states.shape[:2])}")
+            fail(f"{name}.shape", tuple(m.shape), f"(batch, seqlen) = {tuple(hidden_states.shape[:2])}")
         if m.device != hidden_states.device:
-            _fail(f"{name}.device", m.device, f"the device of hidden_states ({hidden_states.device})")
+            fail(f"{name}.device", m.device, f"the device of hidden_states ({hidden_states.device})")
         if m.dtype.is_floating_point or m.dtype.is_complex:
-            _fail(f"{name}.dtype", m.dtype, "bool or an integer dtype (1 = token)", TypeError)
+            fail(f"{name}.dtype", m.dtype, "bool or an integer dtype (1 = token)")
     all_masks = attention_mask.bool() if unused_mask is None else (attention_mask.bool() | unused_mask.bool())
     seqlens_in_batch = all_masks.sum(dim=-1, dtype=torch.int32)
     used_seqlens_in_batch = attention_mask.bool().sum(dim=-1, dtype=torch.int32)
@@ -101,8 +101,6 @@ def unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor, unuse
 
 def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:
     """hidden_states (total, ...) packed -> (batch, seqlen, ...) with zeros at padding positions."""
-    for name, val in (("batch", batch), ("seqlen", seqlen)):
-        if isinstance(val, bool) or not isinstance(val, int) or val < 0:
-            _fail(name, val, "an int >= 0", TypeError if not isinstance(val, int) else ValueError)
+    batch, seqlen = checks.integer("batch", batch, 0), checks.integer("seqlen", seqlen, 0)
     output = index_put_first_axis(hidden_states, indices, batch * seqlen)
     return output.view(batch, seqlen, *hidden_states.shape[1:])

@@ -56,8 +56,11 @@ def same_arguments(a, b, shared=()):
     shared = {id(t) for t in shared}
     for i, (x, y) in enumerate(zip(a, b)):
         if hasattr(x, "block_shape"):
-            fields = lambda d: {n: v for n, v in vars(d).items() if n != "base"}   # noqa: E731
-            assert type(x) is type(y) and fields(x) == fields(y), i
+            # (a template's descriptors are runtime.DescriptorType's: their geometry is held by their class)
+            kind = lambda d: getattr(d, "descriptor_class", type(d))   # noqa: E731
+            fields = lambda d: {n: getattr(d, n) for n in ("shape", "strides", "block_shape", "layout", "padding")  # noqa: E731
+                                if hasattr(d, n)}
+            assert kind(x) is kind(y) and fields(x) == fields(y), i
             x, y = x.base, y.base
         if isinstance(x, torch.Tensor):
             assert (x.shape, x.stride(), x.dtype) == (y.shape, y.stride(), y.dtype), i

@@ -146,6 +146,5 @@ def test_bad_block_mask_arguments():
     bm = create_block_mask(causal, None, None, 64, 64, BLOCK_SIZE=32, device=DEVICE)
     assert isinstance(bm, BlockMask)
     with pytest.raises(ValueError, match="attn_mask"):
-        from flashtile.interface import _attention
-        _attention(q, k, v, 0.0, None, False, (-1, -1), 0.0, None, False, False,
-                   attn_mask=torch.ones(64, 64, dtype=torch.bool), block_mask=bm)
+        from flashtile.interface import dense_attention
+        dense_attention(q, k, v, attn_mask=torch.ones(64, 64, dtype=torch.bool), block_mask=bm)

@@ -18,6 +18,7 @@ import torch
 import flashtile  # noqa: F401  (sets TRITON_INTERPRET on CPU-only machines)
 from attn_utils import DEVICE, assert_within_rule, rand_alibi
 from launch_utils import StandInKernel, fast_launches, same_arguments
+from flashtile.kernels import runtime
 from flashtile.kernels.triton import decode as _decode
 from flashtile.kvcache import flash_attn_with_kvcache
 from flashtile.reference.dense import attention_ref
@@ -299,12 +300,12 @@ def test_fused_combine_matches_combine_kernel_and_resets_its_tickets(num_splits,
     monkeypatch.setattr(_decode, "CONFIG_OVERRIDE", {"fused_combine": False})
     sep = run()
     monkeypatch.setattr(_decode, "CONFIG_OVERRIDE", {"fused_combine": True})
-    monkeypatch.setattr(_decode, "_TICKETS", {})
+    monkeypatch.setattr(runtime, "_TICKETS", {})
     for _ in range(2):
         fused = run()
         torch.testing.assert_close(fused[0], sep[0], rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(fused[1], sep[1], rtol=1e-6, atol=1e-6)
-        (tickets,) = _decode._TICKETS.values()
+        (tickets,) = runtime._TICKETS.values()
         assert int(tickets.abs().sum()) == 0
     ref, ref_lse, _ = attention_ref(q[:1].double(), kc[:1].double(), vc[:1].double(), causal=True)
     torch.testing.assert_close(fused[0][:1].double(), ref, rtol=1e-4, atol=1e-4)
@@ -315,29 +316,29 @@ def test_ticket_counters_are_unused_slices_of_one_zeroed_pool(monkeypatch):
     """New ticket counters (a stream seen for the first time, or more tiles than before) are unused slices of the
     device's zero-filled pool: no fill runs for them, so none is captured into a CUDA graph whose capture stream
     asks for counters. torch.zeros runs only to make a pool."""
-    monkeypatch.setattr(_decode, "_TICKETS", {})
-    monkeypatch.setattr(_decode, "_TICKET_POOL", {})
+    monkeypatch.setattr(runtime, "_TICKETS", {})
+    monkeypatch.setattr(runtime, "_TICKET_POOL", {})
     fills = []
     real_zeros = torch.zeros
-    monkeypatch.setattr(_decode.torch, "zeros", lambda *a, **k: fills.append(a) or real_zeros(*a, **k))
+    monkeypatch.setattr(runtime.torch, "zeros", lambda *a, **k: fills.append(a) or real_zeros(*a, **k))
     dev = torch.device(DEVICE)
-    first = _decode.tickets(dev, 10)
+    first = runtime.tickets(dev, 10)
     assert len(fills) == 1 and first.numel() == 1024 and int(first.abs().sum()) == 0
-    assert _decode.tickets(dev, 1000) is first                      # enough counters: the same ones
+    assert runtime.tickets(dev, 1000) is first                      # enough counters: the same ones
     first[:3] = 7                                                    # (as if a launch were still using them)
-    grown = _decode.tickets(dev, 3000)
+    grown = runtime.tickets(dev, 3000)
     assert len(fills) == 1 and grown.numel() == 3000 and int(grown.abs().sum()) == 0
     assert grown.data_ptr() >= first.data_ptr() + 4 * first.numel()  # past every counter handed out
-    big = _decode.tickets(dev, _decode.TICKET_POOL_SIZE)             # more than the pool has left: a new pool
-    assert len(fills) == 2 and big.numel() == _decode.TICKET_POOL_SIZE and int(big.abs().sum()) == 0
+    big = runtime.tickets(dev, runtime.TICKET_POOL_SIZE)             # more than the pool has left: a new pool
+    assert len(fills) == 2 and big.numel() == runtime.TICKET_POOL_SIZE and int(big.abs().sum()) == 0
     # inside a CUDA graph capture no pool is made (the graph would re-zero it under other streams' counters): the
     # counters get a fill of their own, and the pool stays as it was
-    pool_before = _decode._TICKET_POOL[(dev.type, dev.index)]
-    monkeypatch.setattr(_decode, "_capturing", lambda device: True)
-    monkeypatch.setattr(_decode, "_TICKETS", {})
-    own = _decode.tickets(dev, _decode.TICKET_POOL_SIZE)
-    assert len(fills) == 3 and own.numel() == _decode.TICKET_POOL_SIZE and int(own.abs().sum()) == 0
-    assert _decode._TICKET_POOL[(dev.type, dev.index)] is pool_before and own.data_ptr() != pool_before[0].data_ptr()
+    pool_before = runtime._TICKET_POOL[(dev.type, dev.index)]
+    monkeypatch.setattr(runtime, "_capturing", lambda device: True)
+    monkeypatch.setattr(runtime, "_TICKETS", {})
+    own = runtime.tickets(dev, runtime.TICKET_POOL_SIZE)
+    assert len(fills) == 3 and own.numel() == runtime.TICKET_POOL_SIZE and int(own.abs().sum()) == 0
+    assert runtime._TICKET_POOL[(dev.type, dev.index)] is pool_before and own.data_ptr() != pool_before[0].data_ptr()
 
 
 def test_plan_decode_is_memoised_unless_a_config_is_pinned(monkeypatch):
@@ -670,7 +671,7 @@ BAD = [
     ("leftpad-above-seqlens", dict(cache_seqlens=_i32([3, 4]), cache_leftpad=_i32([4, 0])), "cache_leftpad"),
     ("rotary-without-k", dict(rotary_cos=torch.ones(32, 8, dtype=fp16, device=DEVICE),
                               rotary_sin=torch.ones(32, 8, dtype=fp16, device=DEVICE)), "k"),
-    ("num-splits-negative", dict(num_splits=-1), "num_splits"),
+    ("num-splits-float", dict(num_splits=1.5), "num_splits"),
     ("heads-not-divisible", dict(k_cache=torch.randn(2, 32, 3, 16, dtype=fp16, device=DEVICE),
                                  v_cache=torch.randn(2, 32, 3, 16, dtype=fp16, device=DEVICE)), "k.shape[-2]"),
     ("paged-with-batch-idx", dict(block_table=_i32([[0], [1]]), cache_batch_idx=_i32([0, 1])), "cache_batch_idx"),
@@ -691,15 +692,16 @@ def test_bad_arguments_raise_naming_argument(what, override, name, monkeypatch):
 
 
 def test_shape_checks_memoised_per_signature(monkeypatch):
-    """The shape / dtype / device checks run once per argument signature (kvcache._checked_shapes): a repeated call
+    """The shape / dtype / device checks run once per argument signature (api.problem.kvcache): a repeated call
     skips them, any change of what they read (a shape, a stride, a dtype, a scalar's value or type) checks again,
     and a call that failed them is not remembered."""
     from flashtile import kvcache
+    from flashtile.api import problem
     from flashtile.kernels.triton import rotary
     monkeypatch.setattr(kvcache, "_SHAPES", {})
     calls = []
-    real = kvcache._check_shapes
-    monkeypatch.setattr(kvcache, "_check_shapes", lambda *a: calls.append(1) or real(*a))
+    real = problem.kvcache
+    monkeypatch.setattr(problem, "kvcache", lambda *a: calls.append(1) or real(*a))
     monkeypatch.setattr(_decode, "flash_decode", lambda *a, **k: None)
     monkeypatch.setattr(rotary, "append_kv", lambda *a, **k: None)
     args = _base()
@@ -718,7 +720,9 @@ def test_shape_checks_memoised_per_signature(monkeypatch):
             pass
         assert len(calls) == 2 + i, change
     n = len(calls)
-    for bad in (dict(k_cache=kt, v_cache=kt), dict(num_splits=-1), dict(return_softmax_lse=1), dict(num_splits=True)):
+    for bad in (dict(k_cache=kt, v_cache=kt), dict(alibi_slopes=torch.ones(3, device=DEVICE)),
+                dict(cache_leftpad=torch.zeros(2, dtype=torch.int64, device=DEVICE)),
+                dict(q=torch.randn(2, 1, 4, 8, dtype=fp16, device=DEVICE))):
         for _ in range(2):   # refused each time: the failing check is not memoised
             with pytest.raises(ERRORS):
                 flash_attn_with_kvcache(**{**args, **bad}, cache_seqlens=5)

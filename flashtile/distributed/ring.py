@@ -28,7 +28,12 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .. import interface as _interface  # registers torch.ops.flashtile.{fwd,bwd}
+import dataclasses
+
+from .. import interface as _interface
+from ..api import problem as P
+from ..api.errors import fail
+from ..api.problem import Problem
 
 LAYOUTS = ("zigzag", "contiguous")
 _TAG_KV, _TAG_DKV = 11, 12
@@ -40,14 +45,14 @@ _INF = math.inf
 # --------------------------------------------------------------------------------------------------
 def _check_layout(layout):
     if layout not in LAYOUTS:
-        raise ValueError(f"flashtile: layout = {layout!r}; expected one of {LAYOUTS}")
+        fail("layout", layout, f"one of {LAYOUTS}")
 
 
 def _check_world(rank, world_size):
     if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"flashtile: world_size = {world_size!r}; expected an int >= 1")
+        fail("world_size", world_size, "an int >= 1")
     if not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"flashtile: rank = {rank!r}; expected an int in [0, {world_size})")
+        fail("rank", rank, f"an int in [0, {world_size})")
 
 
 def _num_chunks(layout: str, world_size: int) -> int:
@@ -72,14 +77,14 @@ def shard_sequence(x: torch.Tensor, rank: int, world_size: int, layout: str = "z
     _check_layout(layout)
     _check_world(rank, world_size)
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"flashtile: x = {type(x).__name__}; expected a torch.Tensor")
+        fail("x", type(x).__name__, "a torch.Tensor")
     if not -x.dim() <= dim < x.dim():
-        raise ValueError(f"flashtile: dim = {dim}; expected a dimension of x (x.dim() = {x.dim()})")
+        fail("dim", dim, f"a dimension of x (x.dim() = {x.dim()})")
     n = _num_chunks(layout, world_size)
     s = x.shape[dim]
     if s % n != 0:
-        raise ValueError(f"flashtile: x.shape[{dim}] (seqlen) = {s}; expected a multiple of {n} "
-                         f"({'2 * ' if layout == 'zigzag' else ''}world_size for layout={layout!r})")
+        fail(f"x.shape[{dim}] (seqlen)", s, f"a multiple of {n} ({'2 * ' if layout == 'zigzag' else ''}world_size for "
+             f"layout={layout!r})")
     parts = [x.narrow(dim, start, length) for start, length in shard_chunks(rank, world_size, layout, s // world_size)]
     return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)).contiguous()
 
@@ -89,19 +94,18 @@ def unshard_sequence(shards: Sequence[torch.Tensor], world_size: int, layout: st
     """Inverse of shard_sequence: `shards[r]` is rank r's shard; returns the full-sequence tensor."""
     _check_layout(layout)
     if not isinstance(shards, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in shards):
-        raise TypeError("flashtile: shards must be a list or tuple of torch.Tensor")
+        fail("shards", type(shards).__name__, "a list or tuple of torch.Tensor")
     _check_world(0, world_size)
     if len(shards) != world_size:
-        raise ValueError(f"flashtile: len(shards) = {len(shards)}; expected world_size = {world_size}")
+        fail("len(shards)", len(shards), f"world_size = {world_size}")
     s_local = shards[0].shape[dim]
     for r, t in enumerate(shards):
         if t.shape != shards[0].shape:
-            raise ValueError(f"flashtile: shards[{r}].shape = {tuple(t.shape)}; expected {tuple(shards[0].shape)} "
-                             "(all shards alike)")
+            fail(f"shards[{r}].shape", tuple(t.shape), f"{tuple(shards[0].shape)} (all shards alike)")
     if layout == "contiguous":
         return torch.cat(list(shards), dim=dim)
     if s_local % 2 != 0:
-        raise ValueError(f"flashtile: shards[0].shape[{dim}] = {s_local}; expected an even length for layout='zigzag'")
+        fail(f"shards[0].shape[{dim}]", s_local, "an even length for layout='zigzag'")
     c = s_local // 2
     chunks = [None] * (2 * world_size)
     for r, t in enumerate(shards):
@@ -293,14 +297,20 @@ def _check_group_shapes(ring: _Ring, q, k):
     dist.all_gather(every, mine, group=ring.group)
     shapes = [tuple(t.tolist()) for t in every]
     if any(s != shapes[0] for s in shapes):
-        raise ValueError("flashtile: q/k shard shapes differ across the ranks of group (rank: q.shape + k.shape "
-                         f"= {dict(enumerate(shapes))}); every rank must hold an equal shard of the sequence")
+        fail("q/k shard shapes across the ranks of group (rank: q.shape + k.shape)", dict(enumerate(shapes)),
+             "equal shapes: every rank must hold an equal shard of the sequence")
 
 
 # --------------------------------------------------------------------------------------------------
 # Forward / backward passes
 # --------------------------------------------------------------------------------------------------
-def _ring_forward(ring: _Ring, q, k, v, plans, scale, softcap, deterministic):
+def _block(p: Problem, c) -> Problem:
+    """The problem of one (query chunk, key chunk) block call of a plan: its lengths and window."""
+    params = dataclasses.replace(p.params, window_left=c.window_left, window_right=c.window_right)
+    return dataclasses.replace(p, seqlen_q=c.q1 - c.q0, seqlen_k=c.k1 - c.k0, params=params)
+
+
+def _ring_forward(ring: _Ring, q, k, v, plans, p: Problem):
     b, s, h, d = q.shape
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full((b, h, s), -_INF, dtype=torch.float32, device=q.device)
@@ -310,10 +320,8 @@ def _ring_forward(ring: _Ring, q, k, v, plans, scale, softcap, deterministic):
             kv_next = torch.empty_like(kv)
             reqs = ring.shift(kv, kv_next, _TAG_KV)  # posted before the compute it hides behind
         for c in plans[step]:
-            blk_out, blk_lse, _, _ = torch.ops.flashtile.fwd(
-                q[:, c.q0:c.q1], kv[0][:, c.k0:c.k1], kv[1][:, c.k0:c.k1], None, None, None,
-                c.q1 - c.q0, c.k1 - c.k0, 0.0, scale, c.window_left, c.window_right, softcap, False,
-                deterministic, [])
+            blk_out, blk_lse, _, _ = _interface.forward(_block(p, c), q[:, c.q0:c.q1], kv[0][:, c.k0:c.k1],
+                                                        kv[1][:, c.k0:c.k1])
             m_out, m_lse = merge_attention(out[:, c.q0:c.q1], lse[:, :, c.q0:c.q1], blk_out, blk_lse)
             out[:, c.q0:c.q1] = m_out
             lse[:, :, c.q0:c.q1] = m_lse
@@ -323,10 +331,9 @@ def _ring_forward(ring: _Ring, q, k, v, plans, scale, softcap, deterministic):
     return out.to(q.dtype), lse
 
 
-def _ring_backward(ring: _Ring, dout, q, k, v, out, lse, plans, scale, softcap, deterministic):
+def _ring_backward(ring: _Ring, dout, q, k, v, out, lse, plans, p: Problem):
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kv = torch.stack([k, v])
-    rng_state = torch.zeros(2, dtype=torch.int64)
     # (requests, buffer being sent, buffer being received) of the dK/dV transfer in flight; the send buffer
     # is referenced until its transfer is waited on, so its memory cannot be reused while NCCL reads it
     dkv_flight = None
@@ -338,10 +345,9 @@ def _ring_backward(ring: _Ring, dout, q, k, v, out, lse, plans, scale, softcap, 
         for c in plans[step]:
             # global out and lse: P = exp(S - lse_global), D = rowsum(dO * O_global) -> exactly this
             # block's share of dQ and of the shard's dK, dV
-            dq_b, dk_b, dv_b = torch.ops.flashtile.bwd(
-                dout[:, c.q0:c.q1], q[:, c.q0:c.q1], kv[0][:, c.k0:c.k1], kv[1][:, c.k0:c.k1],
-                out[:, c.q0:c.q1], lse[:, :, c.q0:c.q1].contiguous(), rng_state, None, None, None,
-                c.q1 - c.q0, c.k1 - c.k0, 0.0, scale, c.window_left, c.window_right, softcap, deterministic, [])
+            dq_b, dk_b, dv_b = _interface.backward(
+                _block(p, c), dout[:, c.q0:c.q1], q[:, c.q0:c.q1], kv[0][:, c.k0:c.k1], kv[1][:, c.k0:c.k1],
+                out[:, c.q0:c.q1], lse[:, :, c.q0:c.q1].contiguous(), None)
             dq[:, c.q0:c.q1] += dq_b
             dkv[0][:, c.k0:c.k1] += dk_b
             dkv[1][:, c.k0:c.k1] += dv_b
@@ -363,19 +369,18 @@ def _ring_backward(ring: _Ring, dout, q, k, v, out, lse, plans, scale, softcap, 
 
 class RingFlashAttnFunc(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring, plans, scale, softcap, deterministic):
-        out, lse = _ring_forward(ring, q, k, v, plans, scale, softcap, deterministic)
+    def forward(ctx, q, k, v, ring, plans, p):
+        out, lse = _ring_forward(ring, q, k, v, plans, p)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.plans, ctx.scale, ctx.softcap, ctx.deterministic = ring, plans, scale, softcap, deterministic
+        ctx.ring, ctx.plans, ctx.p = ring, plans, p
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(ctx.ring, dout, q, k, v, out, lse, ctx.plans, ctx.scale, ctx.softcap,
-                                    ctx.deterministic)
-        return dq, dk, dv, None, None, None, None, None
+        dq, dk, dv = _ring_backward(ctx.ring, dout, q, k, v, out, lse, ctx.plans, ctx.p)
+        return dq, dk, dv, None, None, None
 
 
 def ring_flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, causal: bool = False,
@@ -394,18 +399,24 @@ def ring_flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grou
         raise RuntimeError("flashtile: ring_flash_attn_func needs an initialised torch.distributed process group "
                            "(dist.init_process_group)")
     _check_layout(layout)
-    a = _interface.validate(q, k, v, dropout_p=0.0, softmax_scale=softmax_scale, causal=causal,
-                            window_size=window_size, softcap=softcap, alibi_slopes=None)
+    window_size, causal, deterministic, return_softmax_lse = P.scalars(
+        window_size, ("causal", causal), ("deterministic", deterministic), ("return_softmax_lse", return_softmax_lse))
+    P.qkv(q, k, v, 4)
+    _interface.check_device(q)
     if k.shape[1] != q.shape[1]:
-        raise ValueError(f"flashtile: k.shape[1] (seqlen_local of k) = {k.shape[1]}; expected q's seqlen_local "
-                         f"{q.shape[1]} (q and k/v are shards of the same sequence)")
+        fail("k.shape[1] (seqlen_local of k)", k.shape[1], f"q's seqlen_local {q.shape[1]} (q and k/v are shards of "
+             "the same sequence)")
     ring = _Ring.of(group)
     if layout == "zigzag" and q.shape[1] % 2 != 0:
-        raise ValueError(f"flashtile: q.shape[1] (seqlen_local) = {q.shape[1]}; expected an even length for "
-                         f"layout='zigzag' (global seqlen {q.shape[1] * ring.world} must be divisible by "
-                         f"2 * world_size = {2 * ring.world})")
+        fail("q.shape[1] (seqlen_local)", q.shape[1], f"an even length for layout='zigzag' (global seqlen "
+             f"{q.shape[1] * ring.world} must be divisible by 2 * world_size = {2 * ring.world})")
+    # the window acts on global positions: normalised against the global length
+    n = q.shape[1] * ring.world
+    params = P.attn_params(q.shape[-1], n, n, 0.0, softmax_scale, causal, window_size, softcap)
+    p = Problem(P.DENSE, q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3], q.dtype, params,
+                deterministic=deterministic)
     if ring.world > 1:
         _check_group_shapes(ring, q, k)
-    plans = ring_plan(ring.rank, ring.world, layout, q.shape[1], a.window_left, a.window_right)
-    out, lse = RingFlashAttnFunc.apply(q, k, v, ring, plans, a.softmax_scale, a.softcap, bool(deterministic))
+    plans = ring_plan(ring.rank, ring.world, layout, q.shape[1], params.window_left, params.window_right)
+    out, lse = RingFlashAttnFunc.apply(q, k, v, ring, plans, p)
     return (out, lse) if return_softmax_lse else out

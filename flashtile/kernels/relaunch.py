@@ -52,8 +52,9 @@ def _arg_key(x):
         return t, x if t is bool else None
     if t is tuple:
         return tuple(map(_arg_key, x))
-    if hasattr(x, "block_shape"):   # a TMA descriptor (triton.tools' or Gluon's)
-        return t, x.base.dtype, tuple(x.block_shape), getattr(x, "layout", None), x.padding
+    if hasattr(x, "block_shape"):   # a TMA descriptor (triton.tools' or Gluon's; runtime.DescriptorType's as its class)
+        return (getattr(x, "descriptor_class", t), x.base.dtype, tuple(x.block_shape), getattr(x, "layout", None),
+                x.padding)
     return t, x   # anything else by value (must be hashable)
 
 

@@ -16,8 +16,8 @@ import os
 import torch
 
 from .. import relaunch
-from ..triton.decode import tickets
-from ..triton.mods import LOG2E
+from ..params import LOG2E
+from ..runtime import DescriptorType, descriptor_fields, row_descriptor, tickets
 
 SMEM_LIMIT = 227 * 1024 - 1024   # an SM's shared memory per block, less room for the mbarriers
 # the forward runs persistent (at most one program per SM, each drawing tile after tile from a counter of the
@@ -144,7 +144,7 @@ def eligible(q, k, v, params, alibi=None, cu_seqlens_q=None, bias=None, mask=Non
         return False
     if sparse is not None or mods is not None:
         return False
-    if params.dropout_p > 0 or params.softcap > 0 or params.window_left >= 0 or params.window_right > 0:
+    if params.dropout_p > 0 or params.softcap > 0 or params.is_local:
         return False
     if not params.softmax_scale > 0:   # the kernel takes max(S) * scale for max(S * scale), and masks with -inf
         return False
@@ -153,7 +153,7 @@ def eligible(q, k, v, params, alibi=None, cu_seqlens_q=None, bias=None, mask=Non
         return False
     if not tma_aligned(q, k, v):
         return False   # TMA needs 16-byte aligned bases (the row strides are: head_dim x nheads x 2 bytes)
-    causal = params.window_right == 0
+    causal = params.is_causal
     if backward:
         block_m, block_n = BWD_CONFIGS[head_dim][:2]
     else:   # the forward's last tile may end after any of its warpgroups' 64 rows
@@ -189,18 +189,10 @@ def tma_ready(x: torch.Tensor) -> torch.Tensor:
     return x if x.data_ptr() % 16 == 0 else x.clone()
 
 
-_row_descriptor = None   # launch.row_descriptor, imported at the first use (launch imports this module)
-descriptor_fields = descriptor_from = None   # launch's, likewise
-
-
 def _desc(TensorDescriptor, t, rows, cols, dtype):
     """A TMA descriptor over t viewed as (batch * seqlen, nheads * head_dim) (launch.tma_row_view), blocks (rows,
     cols); None where t is no such view."""
-    global _row_descriptor, descriptor_fields, descriptor_from
-    if _row_descriptor is None:
-        from ..triton.launch import descriptor_fields, descriptor_from, row_descriptor
-        _row_descriptor = row_descriptor
-    return _row_descriptor(TensorDescriptor, t, (rows, cols), _smem_layout(rows, cols, dtype))
+    return row_descriptor(TensorDescriptor, t, (rows, cols), _smem_layout(rows, cols, dtype))
 
 
 def _gluon_language():
@@ -212,7 +204,7 @@ def fwd(q, k, v, out, lse, params) -> None:
     """out = attention(q, k, v), lse = its row log-sum-exp (natural log), by the Gluon FA3 kernel. Call only
     where supports() said yes; out and lse contiguous."""
     head_dim = q.shape[-1]
-    causal = params.window_right == 0
+    causal = params.is_causal
     num_wg, block_n, stages, pingpong = fwd_config(head_dim, q.shape[1], causal)
     _launch_fwd(q, k, v, out, lse, (lse, lse, lse), params.softmax_scale, causal, num_wg, block_n, stages,
                 pingpong, fp8=False)
@@ -241,13 +233,15 @@ class _FwdTemplate:
     config tables, goes the slow way) and the q, k, v, out descriptors' fields (launch.descriptor_fields): a
     repeated call skips relaunch's key over every argument and the descriptors' geometry checks (host time,
     BENCHMARKS.md section 1c)."""
-    __slots__ = ("bound", "kwargs", "cls", "fields")
+    __slots__ = ("bound", "kwargs", "descs")
 
     def __init__(self, bound, kwargs, cls, fields):
-        self.bound, self.kwargs, self.cls, self.fields = bound, kwargs, cls, fields
+        self.bound, self.kwargs = bound, kwargs
+        self.descs = [DescriptorType(cls, f) for f in fields]
 
     def launch(self, grid, q, k, v, out, lse, scales, counter) -> bool:
-        descs = [descriptor_from(self.cls, f, t) for f, t in zip(self.fields, (q, k, v, out))]
+        d = self.descs
+        descs = (d[0](q), d[1](k), d[2](v), d[3](out))
         if None in descs:
             return False
         # (the descriptors have the bound ones' class, block and layout and the base dtype of the key's q)
@@ -365,7 +359,7 @@ class _BwdTemplate(_FwdTemplate):
     __slots__ = ()
 
     def launch(self, grid, tensors, lse, delta, dk, dv) -> bool:
-        descs = [descriptor_from(self.cls, f, t) for f, t in zip(self.fields, tensors)]
+        descs = [d(t) for d, t in zip(self.descs, tensors)]
         if None in descs:
             return False
         dkv = descs[5:] or [dk, dv]
@@ -373,19 +367,21 @@ class _BwdTemplate(_FwdTemplate):
         return self.bound(grid, (*descs[:5], lse, delta, *dkv), trusted=5)
 
 
-def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params) -> None:
+def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None) -> None:
     """dq, dk, dv of attention(q, k, v) by the Gluon FA3 backward, from the forward's lse (natural log) and
     delta = rowsum(dout o out) (- dlse), both (batch, nheads, seqlen_q) float32 with equal strides. Call only where
-    supports(..., backward=True) said yes; dout is made contiguous here, dk / dv may be strided."""
+    supports(..., backward=True) said yes; dout is made contiguous here, dk / dv may be strided. dq_acc: a zeroed
+    float32 accumulator of q's shape, contiguous (None: made here)."""
     _, kern, TensorDescriptor = _kernels(_device_index(q))
     batch, sq, nheads, head_dim = q.shape
     sk, nheads_k = k.shape[1], k.shape[2]
     block_m, block_n, stages = BWD_CONFIGS[head_dim]
-    causal = params.window_right == 0
+    causal = params.is_causal
     dout = tma_ready(dout)
     assert lse.stride() == delta.stride() and lse.stride(2) == 1
     assert dk.stride(-1) == 1 and dv.stride(-1) == 1
-    dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
+    if dq_acc is None:
+        dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     dq_tile = bwd_dq_tile(block_m, head_dim)
     dkv_tma = bwd_dkv_tma(sq, causal)
     grid = (sk // block_n, batch * nheads_k, 1)
@@ -430,3 +426,58 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params) -> None:
     for out, grad in ((dk_out, dk), (dv_out, dv)):
         if out is not grad:
             grad.copy_(out)
+
+
+class ForwardPlan:
+    """fwd() of one problem (shapes, dtype, device, LSE strides, scale, causal) called again and again (a training
+    loop): what fwd() derives from the problem is derived once, and a call launches the template fwd() left
+    (_FwdTemplate), checking only the config it was made with (benchmark sweeps change the tables). Call only where
+    supports() said yes for these tensors."""
+    __slots__ = ("key", "cfg", "grid", "tpl")
+
+    def __init__(self, q, k, v, lse, softmax_scale: float, causal: bool):
+        head_dim, sq = q.shape[-1], q.shape[1]
+        self.cfg = fwd_config(head_dim, sq, causal)
+        n_tiles = -(-sq // (self.cfg[0] * WG_ROWS)) * q.shape[0] * q.shape[2]
+        self.grid = (min(n_tiles, _sm_count(_device_index(q))) if PERSISTENT else n_tiles, 1, 1)
+        self.key = (q.shape, k.shape, v.shape, q.dtype, q.device, lse.stride(), softmax_scale, causal)
+        self.tpl = None
+
+    def __call__(self, q, k, v, out, lse, params) -> bool:
+        """False (nothing launched) where this call cannot take the kernel: Gluon turned off, or a tensor not
+        contiguous or not 16-byte aligned."""
+        if not (enabled() and tma_aligned(q, k, v, out)):
+            return False
+        tpl = self.tpl
+        if (tpl is None or self.cfg != fwd_config(q.shape[-1], q.shape[1], self.key[-1])
+                or not tpl.launch(self.grid, q, k, v, out, lse, (lse, lse, lse), tickets(q.device, 1))):
+            fwd(q, k, v, out, lse, params)
+            self.tpl = _FWD_TEMPLATES.get(self.key)
+        return True
+
+
+class BackwardPlan:
+    """bwd() of one problem called again and again: the template bwd() left (_BwdTemplate) is launched directly,
+    with the config it was made with checked. Call only where supports(..., backward=True) said yes."""
+    __slots__ = ("key", "grid", "tpl", "cfg")
+
+    def __init__(self, q, k, v, lse, dk, dv, softmax_scale: float, causal: bool):
+        batch, sq, nheads, head_dim = q.shape
+        self.cfg = (BWD_CONFIGS[head_dim], bwd_dkv_tma(sq, causal), BWD_PINGPONG.get((head_dim, causal), False))
+        block_m, block_n, _ = self.cfg[0]
+        self.grid = (k.shape[1] // block_n, batch * k.shape[2], 1)
+        self.key = (q.shape, k.shape, v.shape, q.dtype, q.device, lse.stride(), dk.stride(), dv.stride(),
+                    softmax_scale, causal, bwd_dq_tile(block_m, head_dim))
+        self.tpl = None
+
+    def __call__(self, dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc) -> None:
+        """dq_acc: zeroed, float32, q's shape, contiguous; dq is filled from it here. dout contiguous and aligned."""
+        tpl, causal = self.tpl, self.key[9]
+        head_dim, sq = q.shape[-1], q.shape[1]
+        if (tpl is not None and self.cfg == (BWD_CONFIGS[head_dim], bwd_dkv_tma(sq, causal),
+                                             BWD_PINGPONG.get((head_dim, causal), False))
+                and tpl.launch(self.grid, (k, v, q, dout, dq_acc, dk, dv), lse, delta, dk, dv)):
+            dq.copy_(dq_acc)
+            return
+        bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc)
+        self.tpl = _BWD_TEMPLATES.get(self.key)

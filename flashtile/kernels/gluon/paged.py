@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from .. import relaunch
-from ..triton.launch import descriptor_fields, descriptor_from
+from ..runtime import descriptor_fields, descriptor_from
 from . import fa3
 
 # page size (keys) -> (BLOCK_N keys per tile, STAGES) of the pages this kernel reads: 64-key tiles and 3 stages (104
@@ -56,7 +56,7 @@ def eligible(q: torch.Tensor, k_cache: torch.Tensor, page_size: int, rows: int, 
     if alibi is not None or leftpad is not None or cu_seqlens_q is not None or cache_batch_idx is not None:
         return False
     # masks: none, or the bottom-right causal one (window (-1, 0))
-    return params.softcap == 0 and params.window_left < 0 and params.window_right in (-1, 0)
+    return params.softcap == 0 and not params.has_left and params.window_right in (-1, 0)
 
 
 def decode_paged(q, k_cache, v_cache, out, lse, seqlens_k: Optional[torch.Tensor], seqlen_k_static: int,
@@ -98,7 +98,7 @@ def decode_paged(q, k_cache, v_cache, out, lse, seqlens_k: Optional[torch.Tensor
             *(lse_part.stride()[:2] if split else (0, 0)), block_table.stride(0),
             nheads_k, nheads // nheads_k, sq, int(seqlen_k_static), n, score_scale)
     kwargs = dict(HEAD_D=head_dim, PAGE=page, BLOCK_N=block_n, STAGES=int(OVERRIDE.get("stages", stages)),
-                  HAS_SEQLENS=seqlens_k is not None, CAUSAL=params.window_right == 0, SPLIT=split, FUSED=fused,
+                  HAS_SEQLENS=seqlens_k is not None, CAUSAL=params.is_causal, SPLIT=split, FUSED=fused,
                   num_warps=4)
     grid = (batch * nheads_k, n)
     relaunch.launch(mod.paged_decode_kernel, grid, args, kwargs)

@@ -22,10 +22,13 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def attn_bwd_preprocess_kernel(O, DO, Delta, CU_SEQLENS_Q,
+def attn_bwd_preprocess_kernel(O, DO, Delta, DQ_ACC, CU_SEQLENS_Q,
                                stride_ob, stride_om, stride_oh, stride_dob, stride_dom, stride_doh,
-                               stride_lse_b, stride_lse_h, nheads, seqlen_q_static, head_dim,
-                               BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, IS_VARLEN: tl.constexpr):
+                               stride_lse_b, stride_lse_h, stride_dqb, stride_dqm, stride_dqh, nheads, seqlen_q_static,
+                               head_dim, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, IS_VARLEN: tl.constexpr,
+                               ZERO_DQ: tl.constexpr):
+    """FA2 Alg. 2 line 4: D_i = rowsum(dO_i o O_i) for BLOCK_M rows of one (batch, head). ZERO_DQ: the same rows of
+    the float32 dQ accumulator (a backward that adds dQ_i into it) are zeroed here, so no separate fill runs."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // nheads
@@ -44,6 +47,9 @@ def attn_bwd_preprocess_kernel(O, DO, Delta, CU_SEQLENS_Q,
                  mask=mask, other=0.0).to(tl.float32)
     tl.store(Delta + tl.cast(b, tl.int64) * stride_lse_b + tl.cast(h, tl.int64) * stride_lse_h + rows, tl.sum(o * do, 1),
              mask=offs_m < seqlen_q)
+    if ZERO_DQ:
+        tl.store(DQ_ACC + tl.cast(b, tl.int64) * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqm
+                 + offs_d[None, :], tl.zeros([BLOCK_M, BLOCK_D], tl.float32), mask=mask)
 
 
 @triton.jit

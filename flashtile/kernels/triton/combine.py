@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from .. import relaunch
-from .launch import next_pow2
+from ..runtime import next_pow2
 from .mods import online_softmax_step
 
 

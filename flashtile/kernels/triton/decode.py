@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 
 from .. import relaunch
+from ..runtime import _capturing, _device_props, multiprocessors, tickets  # noqa: F401
 from ..gluon import paged as _gluon_paged
 from . import combine as _combine
 from .launch import (AttnParams, _block_d, _dot_precision, _rows, cdiv, descriptor_fields, descriptor_from,
@@ -458,19 +459,6 @@ def decode_config(rows: int, head_dim: int, dtype: torch.dtype, few_tiles: bool 
     return dataclasses.replace(cfg, **fields) if fields else cfg
 
 
-@functools.lru_cache(maxsize=None)
-def _device_props(device_index: int):
-    p = torch.cuda.get_device_properties(device_index)
-    return p.multi_processor_count, p.major
-
-
-def multiprocessors(device: torch.device) -> int:
-    """SM count of a CUDA device; 8 on the CPU (so that the interpreter tests exercise splitting)."""
-    if device.type != "cuda":
-        return 8
-    return _device_props(device.index if device.index is not None else torch.cuda.current_device())[0]
-
-
 def num_splits_heuristic(tiles: int, max_seqlen_k: int, block_n: int, device: torch.device,
                          sms: Optional[int] = None, waves: Optional[float] = None) -> int:
     """Number of key splits for `tiles` = m_blocks * batch * nheads_k programs per split over up to
@@ -603,54 +591,11 @@ def _page_vec(page_size: int, block_n: int, max_seqlen_k: int, num_splits: int, 
 _plan_memo = functools.lru_cache(maxsize=4096)(_plan)
 
 
-# (device index, stream) -> int32 ticket counters of the fused combine, one per tile, zero between launches (the
-# last split of a tile resets its counter): launches on one stream run in order, so each stream has its own
-_TICKETS: dict = {}
-# (device type, index) -> [a zero-filled int32 tensor, how many of its counters were handed out]: new counters are
-# slices of it, so a stream first seen while a CUDA graph is captured (torch.cuda.graph's capture stream) gets
-# zeroed counters without a fill kernel in the graph, which would run again at every replay
-_TICKET_POOL: dict = {}
-TICKET_POOL_SIZE = 1 << 16
-
-
-def tickets(device: torch.device, n: int) -> torch.Tensor:
-    """At least n zeroed ticket counters for launches on the current stream of `device`."""
-    stream = 0
-    if device.type == "cuda":
-        # (the raw handle: torch.cuda.current_stream builds a Stream object, ~5 us of host time)
-        stream = relaunch.raw_stream(device.index if device.index is not None else relaunch.current_device())
-    key = (device.type, device.index, stream)
-    t = _TICKETS.get(key)
-    if t is None or t.numel() < n:
-        t = _zeroed_counters(device, max(n, 2 * (t.numel() if t is not None else 0), 1024))
-        _TICKETS[key] = t
-    return t
-
-
 @functools.lru_cache(maxsize=None)
 def _placeholder(device: torch.device, dtype: torch.dtype, dims: int) -> torch.Tensor:
     """A one-element tensor of `dims` dimensions passed where the kernel takes a pointer it never reads (its flag
     is off): made once per device, not allocated on every call."""
     return torch.empty((1,) * dims, device=device, dtype=dtype)
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-def _zeroed_counters(device: torch.device, n: int) -> torch.Tensor:
-    """n int32 counters never handed out before, hence still zero: the next slice of the device's pool (a new pool,
-    zero-filled, when this one cannot hold them). While a CUDA graph is captured a new pool is not made: its fill
-    would be replayed with the graph over counters later handed to other streams, so the counters get a fill of
-    their own (the graph re-zeroes only them)."""
-    pool = _TICKET_POOL.get((device.type, device.index))
-    if pool is None or pool[1] + n > pool[0].numel():
-        if _capturing(device):
-            return torch.zeros(n, dtype=torch.int32, device=device)
-        pool = [torch.zeros(max(TICKET_POOL_SIZE, n), dtype=torch.int32, device=device), 0]
-        _TICKET_POOL[(device.type, device.index)] = pool
-    pool[1] += n
-    return pool[0][pool[1] - n:pool[1]]
 
 
 def fuse_combine(num_splits: int, kv_bytes: int, device: torch.device) -> bool:
@@ -845,7 +790,7 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_D=block_d, EVEN_D=block_d == head_dim,
         IS_VARLEN_Q=varlen, PAGED=paged, PAGE_TILES=paged and plan.page_tiles, USE_TMA=use_tma,
         HAS_SEQLENS=has_seqlens, HAS_BATCH_IDX=cache_batch_idx is not None,
-        HAS_LEFTPAD=leftpad is not None, HAS_LEFT=params.window_left >= 0, HAS_RIGHT=params.window_right >= 0,
+        HAS_LEFTPAD=leftpad is not None, HAS_LEFT=params.has_left, HAS_RIGHT=params.has_right,
         SOFTCAP=params.softcap > 0, ALIBI=alibi is not None, SPLIT=split, FUSED_COMBINE=fused,
         COMBINE_RG=combine_rg, COMBINE_CHUNK=combine_chunk, DOT_PREC=_dot_precision(q.dtype), PAGE_VEC=plan.page_vec,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)

@@ -6,7 +6,6 @@ dense (batch, seqlen, nheads, headdim) and varlen/packed (total_tokens, nheads, 
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -17,30 +16,9 @@ from .. import relaunch
 from ..gluon import fa3 as _fa3
 from . import bwd as _bwd
 from . import fwd as _fwd
-from .mods import LOG2E
-
-
-@dataclass(frozen=True)
-class AttnParams:
-    """Everything about an attention call that is not a tensor (validated and normalised)."""
-    softmax_scale: float
-    window_left: int = -1        # -1: unbounded
-    window_right: int = -1       # -1: unbounded; causal is window_right = 0
-    softcap: float = 0.0
-    dropout_p: float = 0.0
-    seed: int = 0
-    rng_offset: int = 0
-
-    def score_args(self):
-        """(score_scale, softcap_log2) as mods.scores_log2 expects them."""
-        if self.softcap > 0:
-            return self.softmax_scale / self.softcap, self.softcap * LOG2E
-        return self.softmax_scale * LOG2E, 0.0
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
+from ..params import AttnParams  # noqa: F401  (the launchers' scalar arguments)
+from ..runtime import (TensorDescriptor, cdiv, descriptor_fields, descriptor_from, interpreting,  # noqa: F401
+                       next_pow2, row_descriptor, tma_row_view)
 
 
 def _rows(t: torch.Tensor):
@@ -55,73 +33,6 @@ def _lse_strides(lse: torch.Tensor):
     if lse.dim() == 3:
         return lse.stride(0), lse.stride(1)
     return 0, lse.stride(0)
-
-
-try:  # host-side TMA descriptors (triton >= 3.4; the interpreter emulates them)
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # pragma: no cover - older triton
-    TensorDescriptor = None
-
-
-def tma_row_view(t: torch.Tensor) -> Optional[torch.Tensor]:
-    """t, (batch, seqlen, nheads, headdim) or (tokens, nheads, headdim), as the 2-D view (rows, nheads * headdim)
-    that TMA tiles, rows at one stride; None where it is no such view or its strides / base are not 16-byte
-    aligned (a TMA requirement): e.g. a (batch, nheads, seqlen, d) tensor seen transposed. Slices of packed
-    (q, k, v) tensors are such views."""
-    head_dim, nheads = t.shape[-1], t.shape[-2]
-    if t.stride(-1) != 1 or t.stride(-2) != head_dim:
-        return None
-    row_stride = t.stride(-3)
-    if row_stride < nheads * head_dim or (t.dim() == 4 and t.shape[0] > 1 and t.stride(0) != t.shape[1] * row_stride):
-        return None
-    if t.data_ptr() % 16 or (row_stride * t.element_size()) % 16:
-        return None
-    rows = t.shape[0] * t.shape[1] if t.dim() == 4 else t.shape[0]
-    return t.as_strided((rows, nheads * head_dim), (row_stride, 1))
-
-
-# (descriptor class, shape, strides, dtype, block, id(layout)) -> the fields, base aside, of a descriptor built and
-# checked for that geometry (row_descriptor)
-_ROW_DESC_FIELDS: dict = {}
-
-
-def row_descriptor(cls, t: torch.Tensor, block, layout=None):
-    """A TMA descriptor of class cls (triton.tools' TensorDescriptor, or Gluon's, which takes the shared-memory
-    layout) over tma_row_view(t), blocks `block`; None where t is no such view. Host time: building and checking
-    one (the row view, the class's checks) costs ~10 us of Python and a launch builds two to seven; a geometry
-    seen before (same class, shape, strides, dtype, block and layout) reuses the checked fields and only the base
-    changes (its 16-byte alignment checked here): the launchers read nothing of the base but its data_ptr() and
-    dtype, which the view shares with t."""
-    # the layout by identity (hashing it costs more than the rest of the key): the cached fields hold it, so its
-    # id cannot be reused by another object while the entry lives
-    key = (cls, t.shape, t.stride(), t.dtype, tuple(block), id(layout))
-    fields = _ROW_DESC_FIELDS.get(key)
-    if fields is not None:
-        desc = descriptor_from(cls, fields, t)
-        if desc is not None:
-            return desc
-    view = tma_row_view(t)
-    if view is None:
-        return None
-    desc = cls(view, list(view.shape), list(view.stride()), list(block), *(() if layout is None else (layout, )))
-    if len(_ROW_DESC_FIELDS) < 4096:
-        _ROW_DESC_FIELDS[key] = descriptor_fields(desc)
-    return desc
-
-
-def descriptor_fields(desc) -> dict:
-    """A row descriptor's fields but its base (which holds no tensor, so they may be kept)."""
-    return {name: val for name, val in vars(desc).items() if name != "base"}
-
-
-def descriptor_from(cls, fields: dict, t: torch.Tensor):
-    """A descriptor of class cls with these fields (descriptor_fields of one over a tensor of t's shape, strides
-    and dtype) over t, or None where t's base is not 16-byte aligned."""
-    if t.data_ptr() % 16:
-        return None
-    desc = object.__new__(cls)
-    vars(desc).update(fields, base=t)
-    return desc
 
 
 def kv_descriptor(t: torch.Tensor, block_n: int, block_d: int):
@@ -139,18 +50,6 @@ def kv_descriptor(t: torch.Tensor, block_n: int, block_d: int):
 def _dot_precision(dtype: torch.dtype) -> str:
     # fp32 inputs get true fp32 products (flashtile's fp32 promise), not TF32.
     return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def cdiv(a: int, b: int) -> int:
-    """ceil(a / b) of host ints. Host code uses these two helpers, not triton.cdiv / triton.next_power_of_2,
-    which newer Triton wraps as constexpr functions at a few microseconds per call: grid sizes and the decode
-    split heuristic call them on every launch."""
-    return -(-int(a) // int(b))
-
-
-def next_pow2(x: int) -> int:
-    """The smallest power of two >= x (1 for x <= 1), of a host int."""
-    return 1 << max(int(x) - 1, 0).bit_length()
 
 
 def _block_d(head_dim: int) -> int:
@@ -259,7 +158,7 @@ def bwd_config(head_dim: int, dtype: torch.dtype, causal: bool = False, seqlen: 
 def _flags(params: AttnParams, alibi, cu_q, head_dim, dtype):
     return dict(
         BLOCK_D=_block_d(head_dim), IS_VARLEN=cu_q is not None,
-        HAS_LEFT=params.window_left >= 0, HAS_RIGHT=params.window_right >= 0,
+        HAS_LEFT=params.has_left, HAS_RIGHT=params.has_right,
         SOFTCAP=params.softcap > 0, ALIBI=alibi is not None, DROPOUT=params.dropout_p > 0,
         DOT_PREC=_dot_precision(dtype),
     )
@@ -344,11 +243,11 @@ def _order_args(params: AttnParams, head_dim: int, kernel: str, n_blocks: int, n
     dQ pass whether its query blocks go last-first (the forward reverses under any right window by itself)."""
     schedule = _schedule(head_dim)
     group = 1
-    if params.window_right == 0 and params.window_left < 0 and schedule[kernel] > 0:
+    if params.is_causal and schedule[kernel] > 0:
         group = max(1, min(n_bh, schedule[kernel] // max(n_blocks, 1)))
     args = dict(head_group=group, GROUPED=group > 1)
     if kernel == "dq":
-        args["REVERSE"] = schedule["dq_reverse"] and params.window_right >= 0
+        args["REVERSE"] = schedule["dq_reverse"] and params.has_right
     return args
 
 
@@ -412,7 +311,7 @@ def _mod_flags(bias, mask, lists, params: Optional[AttnParams] = None, sq: int =
         # a block mask's full tiles need no per-element masking at all, unless causal / window masking applies
         # too or a sequence ends inside a block (then its last tiles read past the end)
         even = sq % lists.block_size == 0 and sk % lists.block_size == 0
-        window = params is not None and (params.window_left >= 0 or params.window_right >= 0)
+        window = params is not None and (params.has_left or params.has_right)
         flags.update(BLOCK_SPARSE=True, SPARSE_BLOCK=lists.block_size, SPARSE_FULL_MASKED=window or not even)
     return flags
 
@@ -438,7 +337,7 @@ def flash_fwd(q, k, v, out, lse, params: AttnParams, alibi: Optional[torch.Tenso
         _fa3.fwd(q, k, v, out, lse, params)   # Hopper: FlashAttention-3's warp-specialized kernel (Gluon)
         return
     from . import tuning  # imported here: tuning imports this module
-    causal, seqlen = params.window_right == 0, max(max_sq, max_sk)
+    causal, seqlen = params.lower_triangular, max(max_sq, max_sk)
     if sparse is None and tuning.needs_tuning("fwd", head_dim, q.dtype, causal, seqlen, q.device):
         # FLASHTILE_AUTOTUNE=1, key not cached: time the candidates on scratch outputs; the launch below uses the winner
         out_, lse_ = torch.empty_like(out), torch.empty_like(lse)
@@ -512,7 +411,7 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
             g.zero_()
         return
     from . import tuning  # imported here: tuning imports this module
-    causal, seqlen = params.window_right == 0, max(max_sq, max_sk)
+    causal, seqlen = params.lower_triangular, max(max_sq, max_sk)
     # Hopper: FlashAttention-3's warp-specialized backward (Gluon), from the same Delta (it adds dQ atomically)
     gluon_bwd = not deterministic and _fa3.supports(q, k, v, params, alibi, cu_seqlens_q, bias, mask, sparse, mods,
                                                     backward=True)
@@ -530,8 +429,8 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
     delta = torch.empty_like(lse)
     pre_m = 64 if not interpreting() else 32
     relaunch.launch(_bwd.attn_bwd_preprocess_kernel, (cdiv(max_sq, pre_m), batch * nheads), (
-        out, dout, delta, cu_seqlens_q, *_rows(out), *_rows(dout), *_lse_strides(lse), nheads, max_sq, head_dim),
-        dict(BLOCK_M=pre_m, BLOCK_D=flags["BLOCK_D"], IS_VARLEN=flags["IS_VARLEN"]))
+        out, dout, delta, None, cu_seqlens_q, *_rows(out), *_rows(dout), *_lse_strides(lse), 0, 0, 0, nheads, max_sq,
+        head_dim), dict(BLOCK_M=pre_m, BLOCK_D=flags["BLOCK_D"], IS_VARLEN=flags["IS_VARLEN"], ZERO_DQ=False))
     if dlse is not None:
         # a gradient arriving through the LSE output: d lse_i / d S_ij = P_ij, so dS_ij gains P_ij * dlse_i, i.e.
         # dS = P o (dP - (D - dlse)): folded into D, the kernels are unchanged

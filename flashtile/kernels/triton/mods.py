@@ -6,7 +6,7 @@ log2(e) so the softmax uses exp2, and the stored LSE is converted back to natura
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
+from ..params import LOG2E  # noqa: F401  (host code imports it from here)
 
 
 @triton.jit

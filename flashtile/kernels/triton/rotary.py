@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .. import relaunch
-from .launch import cdiv, next_pow2
+from ..runtime import cdiv, next_pow2
 
 
 @triton.jit
