@@ -39,7 +39,7 @@ def attention_flops(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, headd
 
     mode "fwd": 4 * sq * sk * d * h * b (QK^T and PV), x 0.5 when causal and sq == sk. When sq != sk the causal
     factor is the exact fraction of visible (query, key) pairs under bottom-right alignment.
-    mode "bwd": 2.5 x fwd. mode "fwd_bwd": 3.5 x fwd.
+    mode "bwd": 2.5 x fwd. mode "train" (or "fwd_bwd"): 3.5 x fwd.
     """
     for name, val in (("batch", batch), ("nheads", nheads), ("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k),
                       ("headdim", headdim)):
@@ -52,9 +52,9 @@ def attention_flops(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, headd
         else:  # query i sees keys j <= i + sk - sq: sum over i of clamp(i + sk - sq + 1, 0, sk)
             visible = sum(min(seqlen_k, max(0, i + seqlen_k - seqlen_q + 1)) for i in range(seqlen_q))
             flops *= visible / (seqlen_q * seqlen_k)
-    factor = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}.get(mode)
+    factor = {"fwd": 1.0, "bwd": 2.5, "train": 3.5, "fwd_bwd": 3.5}.get(mode)
     if factor is None:
-        raise ValueError(f"attention_flops: mode={mode!r}, expected 'fwd', 'bwd' or 'fwd_bwd'")
+        raise ValueError(f"attention_flops: mode={mode!r}, expected 'fwd', 'bwd', 'train' or 'fwd_bwd'")
     return flops * factor
 
 

@@ -42,6 +42,8 @@ def _cudnn_version() -> Optional[str]:
     major, rest = (v // 10000, v % 10000) if v >= 90000 else (v // 1000, v % 1000)
     return f"{major}.{rest // 100}.{rest % 100}"
 
+MODE_TITLES = {"fwd": "Forward", "bwd": "Backward", "train": "Training step (forward + backward)"}
+
 
 def _run(cmd: List[str], cwd=None) -> Optional[str]:
     try:
@@ -206,7 +208,7 @@ def speed_tables(result: dict) -> str:
                 rows.append([str(x) for x in key] + [_cell(get(p), "tflops") for p in providers]
                             + [_ratio(tf(p), tf(baseline)) for p in compare])
             header = ["headdim", "seqlen", "batch", "nheads"] + providers + [f"{p} / {baseline}" for p in compare]
-            title = f"### {'forward' if mode == 'fwd' else 'backward'}, {'causal' if causal else 'full'}, " \
+            title = f"### {MODE_TITLES[mode].lower()}, {'causal' if causal else 'full'}, " \
                     f"{s['dtype']}: TFLOP/s"
             parts.append(title + "\n\n" + _md_table(header, rows))
     return "\n\n".join(parts)
@@ -332,7 +334,7 @@ def speed_plots(result: dict, out_dir: Path) -> List[Path]:
                 ax.grid(True, alpha=0.3)
                 if ax.lines:
                     ax.legend(fontsize="small")
-            fig.suptitle(f"{'Forward' if mode == 'fwd' else 'Backward'}, {'causal' if causal else 'full'}, "
+            fig.suptitle(f"{MODE_TITLES[mode]}, {'causal' if causal else 'full'}, "
                          f"{s['dtype']}, {env.get('gpu', '')}")
             path = out_dir / f"tflops_{mode}_{'causal' if causal else 'full'}.png"
             fig.savefig(path, dpi=110)

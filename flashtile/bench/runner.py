@@ -46,7 +46,9 @@ MEMORY_BATCH = 2
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-MODES = ("fwd", "bwd")
+# fwd: the training forward; bwd: o.backward(do) alone; train: forward + backward in one timed call (a training
+# step's attention, host time included: at short sequences and small batches the call is host-bound)
+MODES = ("fwd", "bwd", "train")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -90,7 +92,7 @@ class BenchConfig:
     shapes: List[Shape]
     providers: List[str]
     causals: Tuple[bool, ...] = (False, True)
-    modes: Tuple[str, ...] = MODES
+    modes: Tuple[str, ...] = ("fwd", "bwd")
     dtype: torch.dtype = torch.bfloat16
     device: str = "cuda"
     warmup: float = 25.0  # ms of warm-up (do_bench)
@@ -230,27 +232,32 @@ def _bench_one(name: str, prov: Provider, attn, shape: Shape, causal: bool, inpu
         except Exception as e:
             records["fwd"] = rec("fwd", "oom" if measure.is_oom(e) else "error", measure.describe(e))
 
-    # Backward: one untimed backward, gradients checked, then o.backward(do) timed.
-    if "bwd" in cfg.modes:
+    # Backward: one untimed backward, gradients checked, then o.backward(do) timed (and the training step, forward
+    # + backward in one call)
+    if "bwd" in cfg.modes or "train" in cfg.modes:
         _, failed = _first_call(lambda: out.backward(do, retain_graph=True))
         grads = {"dq": q.grad, "dk": k.grad, "dv": v.grad}
         if failed is None and any(g is None for g in grads.values()):
             failed = ("skipped", "backward left a gradient of q, k or v unset")
+        passes = [m for m in ("bwd", "train") if m in cfg.modes]
         if failed is not None:
             status, reason = failed
-            records["bwd"] = rec("bwd", status, f"first backward: {reason}", errors=dict(errors))
+            records.update({m: rec(m, status, f"first backward: {reason}", errors=dict(errors)) for m in passes})
         else:
             gcheck = measure.compare(ref, {n: measure.from_layout(g, prov.layout) for n, g in grads.items()}, tol)
             errors.update(gcheck["errors"])
             if not gcheck["passed"]:
-                records["bwd"] = rec("bwd", "wrong", "gradients differ from the float64 reference", errors=errors)
+                records.update({m: rec(m, "wrong", "gradients differ from the float64 reference", errors=errors)
+                                for m in passes})
             else:
-                try:
-                    ms = timer(lambda: out.backward(do, retain_graph=True), cfg.warmup, cfg.rep,
-                               grad_to_none=[q, k, v])
-                    records["bwd"] = rec("bwd", "ok", ms=ms, errors=errors)
-                except Exception as e:
-                    records["bwd"] = rec("bwd", "oom" if measure.is_oom(e) else "error", measure.describe(e),
+                timed = {"bwd": lambda: out.backward(do, retain_graph=True),
+                         "train": lambda: attn(q, k, v, causal).backward(do)}
+                for m in passes:
+                    try:
+                        ms = timer(timed[m], cfg.warmup, cfg.rep, grad_to_none=[q, k, v])
+                        records[m] = rec(m, "ok", ms=ms, errors=errors)
+                    except Exception as e:
+                        records[m] = rec(m, "oom" if measure.is_oom(e) else "error", measure.describe(e),
                                          errors=errors)
     return [records[m] for m in cfg.modes]
 
@@ -315,7 +322,8 @@ def settings_of(cfg: BenchConfig, timer: str) -> dict:
             "check": "relative Frobenius error vs float64 flashtile.reference.dense.attention_ref on batch "
                      "{0, b-1} x heads {0, h-1}, chunked over query rows",
             "forward_timed": "attn(q, k, v, causal) with q, k, v requiring grad (training forward)",
-            "backward_timed": "o.backward(do, retain_graph=True), grad_to_none=[q, k, v]"}
+            "backward_timed": "o.backward(do, retain_graph=True), grad_to_none=[q, k, v]",
+            "train_timed": "attn(q, k, v, causal).backward(do), grad_to_none=[q, k, v] (one call, host time included)"}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -497,7 +505,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g.add_argument("--hidden", type=_positive_int, default=HIDDEN, help="for the default nheads (2048)")
     g.add_argument("--causal", choices=("both", "true", "false"), default=None,
                    help="masks to run (default: both; memory mode: false)")
-    g.add_argument("--mode", choices=("fwd", "bwd", "both"), default="both", help="passes to time (default both)")
+    g.add_argument("--mode", choices=("fwd", "bwd", "both", "train", "all"), default="both",
+                   help="passes to time: fwd, bwd, both (fwd and bwd), train (forward + backward in one timed call, "
+                        "host time included), all (default both)")
     g.add_argument("--dtype", choices=tuple(DTYPES), default=None,
                    help="input dtype (default bf16; fp16 on CPU, where the Triton interpreter's bf16 tl.dot is wrong)")
     g = parser.add_argument_group("measurement")
@@ -554,7 +564,8 @@ def build_config(args: argparse.Namespace) -> Tuple[BenchConfig, bool]:
 
     causal = args.causal or ("false" if memory else "both")
     causals = {"both": (False, True), "true": (True,), "false": (False,)}[causal]
-    modes = {"both": ("fwd", "bwd"), "fwd": ("fwd",), "bwd": ("bwd",)}[args.mode]
+    modes = {"both": ("fwd", "bwd"), "fwd": ("fwd",), "bwd": ("bwd",), "train": ("train",),
+             "all": ("fwd", "bwd", "train")}[args.mode]
 
     providers = args.providers or resolve_names(["all"])
     baseline = args.baseline

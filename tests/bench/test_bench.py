@@ -5,6 +5,7 @@ Providers that exist on the CPU: sdpa-math, eager, and flashtile (Triton interpr
 bf16 tl.dot is broken, see DESIGN.md).
 """
 import argparse
+import dataclasses
 import inspect
 import json
 import os
@@ -528,3 +529,22 @@ def test_default_out_dir_is_gpu_and_date_and_never_overwrites(tmp_path):
     first.mkdir()
     (first / "results.json").write_text("{}")
     assert report.default_out_dir(env, root=tmp_path) == tmp_path / "NVIDIA-H100-80GB-HBM3-2026-11-21-2"
+
+
+@pytest.mark.skipif(not HAS_FLASHTILE, reason="flashtile.flash_attn_func does not exist yet")
+def test_train_mode_times_forward_and_backward_in_one_call(tmp_path):
+    """--mode train: one timed call of attn(q, k, v).backward(do), checked like the backward, 3.5x the forward's
+    FLOPs, in its own report section."""
+    cfg = dataclasses.replace(cpu_config(["flashtile", "sdpa-math"], shapes=[Shape(1, 2, 64, 32)], causals=(True,),
+                                         baseline="sdpa-math", compare=["flashtile"]), modes=("fwd", "bwd", "train"))
+    result = runner.run_speed(cfg, progress=False)
+    for name in ("flashtile", "sdpa-math"):
+        recs = by(result["results"], provider=name)
+        assert [r["mode"] for r in recs] == ["fwd", "bwd", "train"]
+        assert all(r["status"] == "ok" and r["ms"] > 0 for r in recs), recs
+        fwd, train = recs[0], recs[2]
+        assert train["flops"] == 3.5 * fwd["flops"] and set(train["errors"]) == {"out", "dq", "dk", "dv"}
+    report.write_report(result, tmp_path, plots=False)
+    assert "### training step (forward + backward), causal" in (tmp_path / "results.md").read_text()
+    args = runner.add_bench_arguments(argparse.ArgumentParser()).parse_args(["--device", "cpu", "--mode", "all"])
+    assert runner.build_config(args)[0].modes == ("fwd", "bwd", "train")
