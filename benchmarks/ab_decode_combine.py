@@ -23,7 +23,7 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_decode as BD  # noqa: E402
-from flashtile import kvcache as _kvcache  # noqa: E402
+from flashtile.api import problem as _problem  # noqa: E402
 from flashtile.kernels.triton import decode as _decode  # noqa: E402
 from flashtile.kvcache import flash_attn_with_kvcache  # noqa: E402
 
@@ -37,7 +37,7 @@ def main():
     ap.add_argument("--out", default=".")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    _kvcache.CHECK_VALUES = False
+    _problem.CHECK_VALUES = False
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
     rows = []
     for batch, seqlen in POINTS:

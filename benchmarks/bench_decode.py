@@ -19,7 +19,7 @@ in GB/s, next to a read-only bandwidth ceiling measured in the same run: x.sum()
 Before timing, each provider's output is compared with SDPA's math backend (float32 upcast reference on a slice) and
 the max abs error is recorded; a provider whose error exceeds 2e-2 is marked FAIL and not timed.
 Value checks of the index tensors (a host-device sync per call) are turned off for timing
-(flashtile.kvcache.CHECK_VALUES = False), as a serving loop would. Every provider is timed twice: "eager" (each
+(flashtile.api.problem.CHECK_VALUES = False), as a serving loop would. Every provider is timed twice: "eager" (each
 call from Python, as a plain loop would) and "graph" (the call captured once in a CUDA graph and replayed: no
 Python/launch overhead, which at batch 1 with a 4k cache exceeds the kernel time).
 Prints a Markdown table; writes DIR/bench_decode.json. Budget: about 2-3 minutes on an H200.
@@ -36,7 +36,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashtile  # noqa: F401
-from flashtile import kvcache as _kvcache
+from flashtile.api import problem as _problem
 from flashtile.kernels.triton import decode as _decode
 from flashtile.kvcache import flash_attn_with_kvcache
 
@@ -131,7 +131,7 @@ def main():
     ap.add_argument("--caches", default=",".join(map(str, CACHES)))
     args = ap.parse_args()
     torch.manual_seed(0)
-    _kvcache.CHECK_VALUES = False
+    _problem.CHECK_VALUES = False
     dev = torch.cuda.get_device_name()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"# {dev} ({sms} SMs), torch {torch.__version__}, triton {triton.__version__}", flush=True)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashtile
-from flashtile import kvcache as _kvcache
+from flashtile.api import problem as _problem
 from flashtile.kernels.triton import launch as L
 
 
@@ -123,7 +123,7 @@ def main():
     ap.add_argument("--profile", type=int, default=0)
     ap.add_argument("--only", default="")
     args = ap.parse_args()
-    _kvcache.CHECK_VALUES = False
+    _problem.CHECK_VALUES = False
     print(torch.cuda.get_device_name(), torch.__version__)
     fns = dense_calls() + decode_calls()
     if args.only:

@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import flashtile  # noqa: E402
-from flashtile import kvcache as _kvcache  # noqa: E402
+from flashtile.api import problem as _problem  # noqa: E402
 from bench_decode import graphed, to_paged  # noqa: E402
 
 DTYPE = torch.bfloat16
@@ -86,7 +86,7 @@ def run_bwd(args):
 
 def run_decode(args):
     H, HK, D = 32, 8, 128
-    _kvcache.CHECK_VALUES = False
+    _problem.CHECK_VALUES = False
     for batch in args.batch:
         for s in args.cache:
             q = torch.randn(batch, 1, H, D, dtype=DTYPE, device="cuda")

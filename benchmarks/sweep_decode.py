@@ -170,8 +170,9 @@ def _precompile_task(task):
     try:
         import torch
         from flashtile import kvcache
+        from flashtile.api import problem
         from flashtile.kernels.triton import decode as dec
-        kvcache.CHECK_VALUES = False
+        problem.CHECK_VALUES = False
         seqlen = 16 * pdict["page"]
         q, k, v = make_contig(torch, pdict, 1, seqlen, device)
         table = None
@@ -213,14 +214,14 @@ def main(argv=None):
     import torch
     import triton
     import flashtile  # noqa: F401
-    from flashtile import kvcache
+    from flashtile.api import problem
     from flashtile.kernels.triton import decode as dec
     from flashtile.kvcache import flash_attn_with_kvcache as fa
 
     gpu = torch.cuda.is_available() and not args.small
     device = "cuda" if gpu else "cpu"
     p = setup(args)
-    kvcache.CHECK_VALUES = False
+    problem.CHECK_VALUES = False
     dt = getattr(torch, p["dtype"])
     H, HK, D = p["H"], p["HK"], p["D"]
     layouts = [x for x in args.layouts.split(",") if x]
