@@ -7,6 +7,8 @@ with flash-attn's bert_padding semantics. All autograd-friendly (gradients are g
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from .interface import _fail
@@ -101,8 +103,18 @@ def unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor, unuse
 
 def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:
     """hidden_states (total, ...) packed -> (batch, seqlen, ...) with zeros at padding positions."""
+    sizes = []
     for name, val in (("batch", batch), ("seqlen", seqlen)):
-        if isinstance(val, bool) or not isinstance(val, int) or val < 0:
-            _fail(name, val, "an int >= 0", TypeError if not isinstance(val, int) else ValueError)
+        # any integer flash-attn's (batch * seqlen) arithmetic takes: numpy ints, 0-d integer tensors (not bool)
+        try:
+            n = operator.index(val) if not isinstance(val, bool) else None
+        except TypeError:
+            n = None
+        if n is None:
+            _fail(name, val, "an int >= 0", TypeError)
+        if n < 0:
+            _fail(name, val, "an int >= 0")
+        sizes.append(n)
+    batch, seqlen = sizes
     output = index_put_first_axis(hidden_states, indices, batch * seqlen)
     return output.view(batch, seqlen, *hidden_states.shape[1:])
