@@ -257,6 +257,20 @@ def test_padding_helpers_reject_bad_arguments():
         pad_input(x.view(8, 3), torch.arange(8, device=DEVICE), 2, -1)
 
 
+def test_pad_input_takes_any_integer_sizes():
+    """flash-attn's pad_input only multiplies batch * seqlen: numpy ints and 0-d integer tensors work there too."""
+    import numpy as np
+    x = torch.randn(8, 3, device=DEVICE)
+    idx = torch.arange(8, device=DEVICE)
+    want = x.view(2, 4, 3)
+    assert torch.equal(pad_input(x, idx, np.int64(2), np.int32(4)), want)
+    assert torch.equal(pad_input(x, idx, torch.tensor(2), torch.tensor(4)), want)
+    with pytest.raises(ERRORS, match="batch"):
+        pad_input(x, idx, True, 8)
+    with pytest.raises(ERRORS, match="seqlen"):
+        pad_input(x, idx, 2, 4.0)
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_unpad_varlen_pad_matches_padded_dense(causal, seed):
     """The usual training recipe: right-padded batch -> unpad -> varlen -> pad, against dense attention on the
