@@ -157,6 +157,32 @@ def test_registry_names_aliases_and_duplicates():
         providers.register_provider("y", layout="hsbd", registry=reg)
 
 
+def test_available_providers_says_what_runs_here_and_why_not():
+    reg = {}
+
+    def refuses(device, dtype):
+        raise providers.ProviderUnavailable("needs a Hopper GPU")
+
+    def imports_missing(device, dtype):
+        import flashtile_no_such_module  # noqa: F401
+        return None
+
+    providers.register_provider("ok", devices=("cpu",), modules=("torch",), registry=reg)(lambda d, t: None)
+    providers.register_provider("refuses", devices=("cpu",), registry=reg)(refuses)
+    providers.register_provider("missing", devices=("cpu",), modules=("flashtile_no_such_module",),
+                                registry=reg)(imports_missing)
+    providers.register_provider("gpu-only", devices=("cuda",), modules=("flashtile_no_such_module",),
+                                registry=reg)(lambda d, t: None)
+    got = providers.available_providers("cpu", torch.float16, registry=reg)
+    assert got["ok"]["available"] and got["ok"]["importable"] and got["ok"]["reason"] is None
+    assert got["refuses"] == {**got["refuses"], "available": False, "importable": True, "reason": "needs a Hopper GPU"}
+    assert not got["missing"]["available"] and not got["missing"]["importable"]
+    assert "flashtile_no_such_module" in got["missing"]["reason"]
+    # ruled out by the device, and its module is absent: both said
+    assert not got["gpu-only"]["importable"]
+    assert "cuda only" in got["gpu-only"]["reason"] and "flashtile_no_such_module" in got["gpu-only"]["reason"]
+
+
 def test_fa3_fa4_tuple_outputs_are_unwrapped():
     t = torch.ones(1)
     assert providers._first((t, torch.zeros(1))) is t and providers._first(t) is t
