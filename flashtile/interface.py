@@ -1,6 +1,6 @@
 """The public API: one argument model, validated in one place, dispatched to the Triton kernels.
 
-Names, arguments and return values follow flash-attn 2.x (see DESIGN.md "Semantics to match"); the packed
+Names, arguments and return values follow flash-attn 2.x (see docs/semantics.md); the packed
 entry points are thin adapters over `flash_attn_func`. The kernels are wrapped as torch.library custom ops
 (`flashtile::fwd`, `flashtile::bwd`) with fake implementations, and autograd is a torch.autograd.Function
 around them, so models using flashtile compile under torch.compile(fullgraph=True) without graph breaks.
