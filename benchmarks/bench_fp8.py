@@ -3,7 +3,7 @@ grid against flashtile bf16 and cuDNN bf16, all in one run.
 
     PYTHONPATH=. python benchmarks/bench_fp8.py --out benchmarks/results/fp8-<gpu>-<date>.json
 
-What it measures (ANCHORS.md protocol: total tokens 16k, hidden 2048, headdim 64/128/256, causal and full,
+What it measures (the FA3 paper's §4.1 protocol, docs/performance.md: total tokens 16k, hidden 2048, headdim 64/128/256, causal and full,
 triton.testing.do_bench median, every provider in the same run):
   checks    the FP8 kernel's output against the pure-torch emulation (flashtile.reference.fp8_emulation, run
             on the CPU) at a small size; the attention kernel with the hardware e4m3 cast vs the fp32

@@ -2,7 +2,7 @@
 
 Usage (GPU machine, from the repo root):  PYTHONPATH=. python benchmarks/sweep_configs.py --out DIR
 Prints one line per (shape, causal, pass, provider/config) with TFLOP/s; writes DIR/sweep.json.
-FLOPs per ANCHORS.md: fwd 4*b*h*n^2*d (halved when causal), bwd 2.5x fwd.
+FLOPs as docs/performance.md (FA3 paper §4.1): fwd 4*b*h*n^2*d (halved when causal), bwd 2.5x fwd.
 """
 import argparse
 import dataclasses

@@ -16,7 +16,8 @@ import os
 import sys
 import time
 
-# NVLink multicast (NVLS) off before NCCL starts: required on the lab's multi-GPU machines
+# NVLink multicast (NVLS) off before NCCL starts: the ring's point-to-point exchanges do not use it, and on shared
+# multi-GPU hosts a program that sets it up can put the GPUs out of service for everyone
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")

@@ -7,6 +7,7 @@ interpreter at a small size (the interpreter is exact but slow: CPU timings say 
 from __future__ import annotations
 
 import math
+import sys
 import time
 
 import torch
@@ -50,8 +51,15 @@ def _measure(fn, device, repeats):
     return times[len(times) // 2], peak
 
 
-def run_demo(progress: bool = True) -> dict:
-    """Run the demo; returns a dict of what it measured (also printed)."""
+def run_demo(progress: bool = True, file=None) -> dict:
+    """Run the demo; returns a dict of what it measured, also printed to ``file`` (default sys.stdout) unless
+    progress is False."""
+    out_file = sys.stdout if file is None else file
+
+    def say(text: str) -> None:
+        if progress:
+            print(text, file=out_file, flush=True)
+
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     if cuda:
@@ -60,9 +68,10 @@ def run_demo(progress: bool = True) -> dict:
     else:
         b, n, h, d, dtype, repeats = 1, 128, 2, 64, torch.float16, 1
     causal = True
-    print(f"flashtile demo on {torch.cuda.get_device_name() if cuda else 'CPU (Triton interpreter)'}: "
+    say(f"flashtile demo on {torch.cuda.get_device_name() if cuda else 'CPU (Triton interpreter)'}: "
           f"batch {b}, seqlen {n}, heads {h}, headdim {d}, {str(dtype).split('.')[-1]}, causal")
-    gen = torch.Generator(device="cpu").manual_seed(int(time.time()))
+    seed = int(time.time())   # fresh inputs per run, recorded in the report so a run can be replayed
+    gen = torch.Generator(device="cpu").manual_seed(seed)
     q, k, v = (torch.randn(b, n, h, d, generator=gen).to(device, dtype).requires_grad_() for _ in range(3))
     do = torch.randn(b, n, h, d, generator=gen).to(device, dtype)
 
@@ -76,7 +85,7 @@ def run_demo(progress: bool = True) -> dict:
     std = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     so, _, _ = attention_ref(*std, causal=causal, upcast=False)
     so.backward(do)
-    report = {"device": device, "shape": [b, n, h, d], "dtype": str(dtype), "checks": {}}
+    report = {"device": device, "shape": [b, n, h, d], "dtype": str(dtype), "seed": seed, "checks": {}}
     ok_all = True
     for name, ours, std_t, r in [("out", out, so, ro)] + [
             (f"d{nm}", g, s.grad, rr.grad) for nm, g, s, rr in zip("qkv", grads, std, ref)]:
@@ -85,10 +94,10 @@ def run_demo(progress: bool = True) -> dict:
         ok = err <= 2 * std_err + 1e-5
         ok_all &= ok
         report["checks"][name] = {"max_err": err, "standard_err": std_err, "ok": ok}
-        print(f"  {name:4s} max|flashtile - fp64| = {err:.2e}   standard attention in {str(dtype).split('.')[-1]}:"
+        say(f"  {name:4s} max|flashtile - fp64| = {err:.2e}   standard attention in {str(dtype).split('.')[-1]}:"
               f" {std_err:.2e}   {'OK' if ok else 'FAIL'}")
     lse_err = (lse.double() - rl).abs().max().item()
-    print(f"  lse  max|flashtile - fp64| = {lse_err:.2e}")
+    say(f"  lse  max|flashtile - fp64| = {lse_err:.2e}")
     report["checks"]["lse"] = {"max_err": lse_err}
 
     # 2. side by side: fwd+bwd time and peak memory
@@ -101,22 +110,22 @@ def run_demo(progress: bool = True) -> dict:
 
     providers = {"flashtile": lambda q, k, v, c: flash_attn_func(q, k, v, causal=c),
                  "sdpa": _sdpa, "standard": _standard_attention}
-    print(f"  fwd+bwd, median of {repeats}:" + ("" if cuda else " (CPU interpreter: not a speed claim)"))
+    say(f"  fwd+bwd, median of {repeats}:" + ("" if cuda else " (CPU interpreter: not a speed claim)"))
     report["side_by_side"] = {}
     for name, fn in providers.items():
         step(fn)()  # warm-up / compile
         t, peak = _measure(step(fn), device, repeats)
         report["side_by_side"][name] = {"seconds": t, "peak_bytes": peak}
         mem = f"  peak {peak / 2**20:8.1f} MiB" if peak is not None else ""
-        print(f"    {name:10s} {t * 1e3:9.2f} ms{mem}")
+        say(f"    {name:10s} {t * 1e3:9.2f} ms{mem}")
 
     # 3. the IO model (counted by running the paper's algorithms through a counting HBM)
     from .io_report import gpt2_medium_counts
     io = gpt2_medium_counts()
-    print(f"  IO model (GPT-2 medium: N={io['N']}, d={io['d']}, M={io['M']} elements = 100 KB of fp16), HBM "
+    say(f"  IO model (GPT-2 medium: N={io['N']}, d={io['d']}, M={io['M']} elements = 100 KB of fp16), HBM "
           f"accesses counted as the algorithms run: standard attention {io['standard']:,}, FlashAttention-1 "
           f"{io['fa1']:,}: {io['ratio']:.2f}x fewer, forward + backward (`flashtile io` for the full study)")
     report["io"] = io
     report["ok"] = ok_all
-    print("demo " + ("passed" if ok_all else "FAILED"))
+    say("demo " + ("passed" if ok_all else "FAILED"))
     return report

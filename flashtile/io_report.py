@@ -3,7 +3,7 @@
 Every number here is counted, not computed from a formula: ``reference.io_model.count_hbm_accesses`` runs
 the papers' algorithms (standard attention = Alg. 0/3, FA1 = Alg. 2/4, FA2 = FA2 Alg. 1/2, block-sparse
 FA1 = Alg. 5) on zero inputs through an HBM object that counts every element loaded or stored. The claims
-checked (FA1 paper §3.2, appendix C; seeds 002/003):
+checked (FA1 paper §3.2, appendix C):
 
   * standard attention: Theta(Nd + N^2) accesses, forward and backward;
   * FlashAttention: Theta(N^2 d^2 / M) for d <= M <= Nd (Theorem 2), backward alike (Theorem 5);

@@ -1,14 +1,18 @@
-"""Every command in docs/*.md is real: cheap checks, nothing long is run.
+"""Every command in docs/*.md is real, and the repository stands alone: cheap checks, nothing long is run.
 
 From each ```bash block: a `flashtile <sub> ...` (or `python -m flashtile.cli <sub>`) command must name a
 subcommand the CLI's parser accepts (`flashtile.cli.main([sub, "--help"])` exits 0) and only options that
 subcommand's help lists; a `python examples/<script>` (or `torchrun ... examples/<script>`) must name an
 existing script whose source defines every option used; `python -m pytest <paths>` must name existing paths.
 From each ```python block: every `from flashtile... import ...` line must import.
+No file of the repository points outside it (a sibling folder, the papers' numbered notes it was written from, a
+design or anchors file that only exists beside the checkout): papers are cited by title, section and algorithm.
 """
 import importlib
+import os
 import re
 import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -17,7 +21,7 @@ import flashtile.cli
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted((ROOT / "docs").glob("*.md"))
-REQUIRED = {"design.md", "api.md", "performance.md"}
+REQUIRED = {"design.md", "api.md", "performance.md", "semantics.md"}
 
 
 def _blocks(lang: str):
@@ -112,3 +116,54 @@ def test_python_imports_in_docs_resolve():
         module = importlib.import_module(m.group(1))
         for attr in (a.strip().split(" as ")[0] for a in m.group(2).split("#")[0].strip("() ").split(",")):
             assert hasattr(module, attr), f"{name}: `{line}`: {m.group(1)} has no {attr}"
+
+
+# References to what lies outside the repository. Spelled in pieces so that this file does not match itself.
+OUTSIDE = [
+    (re.compile(r"\.\./" + "shared"), "a path into a sibling 'shared' folder"),
+    (re.compile("shared/" + "seeds"), "the seed documents' folder"),
+    (re.compile("ANCHORS" + r"\.md"), "an anchors file outside the repository (measurements go in BENCHMARKS.md)"),
+    (re.compile("DESIGN" + r"\.md"), "a design file outside the repository (the repository's is docs/design.md)"),
+    (re.compile(r"\bseeds?\s+0\d\d\b", re.I), "a numbered seed document (cite the paper by title and section)"),
+    (re.compile(r"\bthe " + r"lab's\b", re.I), "a lab's files or machines, which a reader of the repository lacks"),
+]
+SKIP_DIRS = {".git", "__pycache__", ".hypothesis", ".pytest_cache", "build", "dist"}
+
+
+def _repository_files():
+    """Tracked files plus new ones not ignored (git), or every file under the root where git is unavailable."""
+    try:
+        out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                             capture_output=True, check=True, timeout=60).stdout
+        return sorted({ROOT / name for name in out.decode().split("\0") if name and (ROOT / name).is_file()})
+    except (OSError, subprocess.SubprocessError):
+        files = []
+        for folder, dirs, names in os.walk(ROOT):
+            dirs[:] = [d for d in dirs if d not in SKIP_DIRS and not d.endswith(".egg-info")]
+            files += [Path(folder) / n for n in names]
+        return sorted(files)
+
+
+def test_no_file_points_outside_the_repository():
+    files = _repository_files()
+    assert any(f.name == "pyproject.toml" for f in files) and len(files) > 50, "file listing looks broken"
+    found = []
+    for path in files:
+        data = path.read_bytes()
+        if b"\0" in data[:8192]:   # binary (PNG)
+            continue
+        for lineno, line in enumerate(data.decode("utf-8", errors="replace").splitlines(), 1):
+            for pattern, what in OUTSIDE:
+                if pattern.search(line):
+                    found.append(f"{path.relative_to(ROOT)}:{lineno}: {what}: {line.strip()[:140]}")
+    assert not found, "the repository must stand alone; references to outside it:\n" + "\n".join(found)
+
+
+def test_the_outside_patterns_catch_what_they_should():
+    hits = ["see ../" + "shared/" + "seeds/000.txt", "the " + "lab's " + "ANCHORS" + ".md",
+            "DESIGN" + ".md 'Semantics'", "(seed " + "001 §3.3)", "seeds " + "002/003", "Seed " + "004, example 1"]
+    misses = ["docs/design.md", "seed 2856548130", "a fresh seed per case", "seeds 0 and 1", "shared memory"]
+    for text in hits:
+        assert any(p.search(text) for p, _ in OUTSIDE), text
+    for text in misses:
+        assert not any(p.search(text) for p, _ in OUTSIDE), text

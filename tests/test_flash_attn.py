@@ -1,7 +1,7 @@
 """FlashAttention-2 (Triton) through the public flash-attn 2.x API: a deliberately chosen feature matrix.
 
 Runs on the CPU through the Triton interpreter (fp16 and fp32 only: the interpreter's bf16 tl.dot is broken,
-see DESIGN.md) and, unchanged, on a GPU (where every case also runs in bf16). Every numeric check is the
+see docs/design.md, "Testing without a GPU") and, unchanged, on a GPU (where every case also runs in bf16). Every numeric check is the
 flash-attn tolerance rule against the float64 oracle (tests/attn_utils.py). Shapes are small on purpose; the
 realistic sizes live in tests/gpu/.
 

@@ -6,7 +6,7 @@ The oracle rebuilds what the cache must hold after the append (new k rotated in 
 element's visible keys [leftpad, cache_seqlens + seqlen_new) into a dense (1, seqlen_k, nheads_k, d) problem and
 runs attention_ref on it; out and lse follow the flash-attn tolerance rule (tests/attn_utils.py). The "std"
 side of the rule uses q / k rotated then rounded to the input dtype, as a same-precision implementation would.
-CPU runs use fp16/fp32 only (the interpreter's bf16 tl.dot is broken, see DESIGN.md).
+CPU runs use fp16/fp32 only (the interpreter's bf16 tl.dot is broken, see docs/design.md, "Testing without a GPU").
 """
 import dataclasses
 import re

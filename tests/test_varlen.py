@@ -4,7 +4,7 @@ paged (block_table) varlen forward, and refusal of malformed cu_seqlens before a
 Every numeric check is the flash-attn tolerance rule (tests/attn_utils.py) against the float64 oracle, applied
 sequence by sequence (each sequence pair is one dense attention problem with its own bottom-right alignment),
 or against padded dense attention with padding masks (test_unpad_varlen_pad_matches_padded_dense). CPU runs use
-fp16/fp32 only (the interpreter's bf16 tl.dot is broken, see DESIGN.md).
+fp16/fp32 only (the interpreter's bf16 tl.dot is broken, see docs/design.md, "Testing without a GPU").
 """
 import dataclasses
 import re

@@ -1,6 +1,6 @@
 """What the benchmark measures, each in one place: FLOPs, inputs, correctness against the oracle, time, memory.
 
-FLOPs (FA3 paper §4.1, ../../ANCHORS.md): forward = 4 * seqlen_q * seqlen_k * headdim * nheads * batch (two
+FLOPs (FA3 paper §4.1; docs/performance.md): forward = 4 * seqlen_q * seqlen_k * headdim * nheads * batch (two
 matmuls of 2 * sq * sk * d each), halved when causal; backward = 2.5 x forward (five matmuls instead of two).
 
 Correctness: every provider's output (and gradients, when the backward is timed) is compared with the float64

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
@@ -47,6 +48,9 @@ class Provider:
     description: str = ""
     devices: Tuple[str, ...] = ("cuda",)  # device types it may run on; others are skipped without a call
     tolerance: Optional[float] = None  # relative-error bound; None = measure.TOLERANCE[dtype]
+    # the modules the factory imports: available_providers says whether they import here even where the device
+    # rules the provider out before its factory runs (a CPU machine with flash-attn installed)
+    modules: Tuple[str, ...] = ()
 
     def make(self, device: torch.device, dtype: torch.dtype) -> AttnFn:
         """The provider's attention function for (device, dtype); raises ProviderUnavailable with a reason."""
@@ -66,8 +70,9 @@ ALIASES = {"sdpa-cudnn": "cudnn", "flash-attn": "fa2", "flex-attention": "flex",
 
 
 def register_provider(name: str, *, layout: str = "bshd", description: str = "", devices=("cuda",),
-                      tolerance: Optional[float] = None, registry: Dict[str, Provider] | None = None):
-    """Decorator: register ``factory(device, dtype) -> attn`` under ``name`` (in PROVIDERS by default)."""
+                      tolerance: Optional[float] = None, modules=(), registry: Dict[str, Provider] | None = None):
+    """Decorator: register ``factory(device, dtype) -> attn`` under ``name`` (in PROVIDERS by default); ``modules``:
+    the modules the factory imports."""
     if layout not in LAYOUTS:
         raise ValueError(f"register_provider: layout={layout!r}, expected one of {LAYOUTS}")
     registry = PROVIDERS if registry is None else registry
@@ -75,7 +80,7 @@ def register_provider(name: str, *, layout: str = "bshd", description: str = "",
     def deco(factory: Factory) -> Factory:
         if name in registry:
             raise ValueError(f"register_provider: a provider named {name!r} is already registered")
-        registry[name] = Provider(name, factory, layout, description, tuple(devices), tolerance)
+        registry[name] = Provider(name, factory, layout, description, tuple(devices), tolerance, tuple(modules))
         return factory
 
     return deco
@@ -102,6 +107,44 @@ def resolve_names(names, registry: Dict[str, Provider] | None = None) -> list[st
     return out
 
 
+def _import_failure(modules) -> Optional[str]:
+    """Why one of these modules does not import here, or None when they all do."""
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # noqa: BLE001 - a broken third-party install is as unusable as an absent one
+            return f"import {module} failed: {type(e).__name__}: {e}"
+    return None
+
+
+def available_providers(device=None, dtype: Optional[torch.dtype] = None,
+                        registry: Dict[str, Provider] | None = None) -> Dict[str, dict]:
+    """Which providers can run here, without running any: name -> {"available": bool, "importable": bool,
+    "reason": str | None, "layout": str, "description": str}.
+
+    available: the factory makes an attention function for ``device`` (default cuda when present, else cpu) and
+    ``dtype`` (default bf16 on cuda, fp16 on cpu, as ``flashtile bench``); importable: the provider's modules import
+    here, whatever the device; reason: why it is not available (None when it is).
+    """
+    registry = PROVIDERS if registry is None else registry
+    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
+    out = {}
+    for name, prov in registry.items():
+        import_error = _import_failure(prov.modules)
+        try:
+            prov.make(device, dtype)
+            reason = None
+        except Exception as e:  # ProviderUnavailable, or any surprise in a third-party factory
+            reason = str(e) if isinstance(e, ProviderUnavailable) else f"{type(e).__name__}: {e}"
+        if import_error is not None and (reason is None or "import" not in reason):
+            reason = import_error if reason is None else f"{reason}; {import_error}"
+        out[name] = {"available": reason is None, "importable": import_error is None, "reason": reason,
+                     "layout": prov.layout, "description": prov.description}
+    return out
+
+
 def _first(out):
     """FA3 and FA4 return (out, lse) in some versions; the benchmark needs only out."""
     return out[0] if isinstance(out, (tuple, list)) else out
@@ -110,7 +153,7 @@ def _first(out):
 # --------------------------------------------------------------------------------------------------------
 # flashtile
 # --------------------------------------------------------------------------------------------------------
-@register_provider("flashtile", layout="bshd", devices=("cuda", "cpu"),
+@register_provider("flashtile", layout="bshd", devices=("cuda", "cpu"), modules=("flashtile", ),
                    description="flashtile.flash_attn_func (Triton; on Hopper the FA3 Gluon forward where it applies; "
                                "on CPU through the Triton interpreter)")
 def _flashtile(device, dtype):
@@ -123,6 +166,7 @@ def _flashtile(device, dtype):
 
 
 @register_provider("flashtile-triton", layout="bshd", devices=("cuda", "cpu"),
+                   modules=("flashtile.kernels.gluon.fa3", ),
                    description="flashtile.flash_attn_func with the Gluon FA3 kernels (forward and backward) "
                                "turned off: Triton kernels only")
 def _flashtile_triton(device, dtype):
@@ -157,13 +201,14 @@ def _sdpa(backend_name: str) -> Factory:
     return factory
 
 
-register_provider("sdpa-flash", layout="bhsd", description="torch SDPA, FLASH_ATTENTION backend (FA2)")(
-    _sdpa("FLASH_ATTENTION"))
-register_provider("cudnn", layout="bhsd", description="torch SDPA, CUDNN_ATTENTION backend")(
-    _sdpa("CUDNN_ATTENTION"))
-register_provider("sdpa-efficient", layout="bhsd", description="torch SDPA, EFFICIENT_ATTENTION backend")(
-    _sdpa("EFFICIENT_ATTENTION"))
-register_provider("sdpa-math", layout="bhsd", devices=("cuda", "cpu"),
+_SDPA_MODULES = ("torch.nn.attention", )
+register_provider("sdpa-flash", layout="bhsd", description="torch SDPA, FLASH_ATTENTION backend (FA2)",
+                  modules=_SDPA_MODULES)(_sdpa("FLASH_ATTENTION"))
+register_provider("cudnn", layout="bhsd", description="torch SDPA, CUDNN_ATTENTION backend",
+                  modules=_SDPA_MODULES)(_sdpa("CUDNN_ATTENTION"))
+register_provider("sdpa-efficient", layout="bhsd", description="torch SDPA, EFFICIENT_ATTENTION backend",
+                  modules=_SDPA_MODULES)(_sdpa("EFFICIENT_ATTENTION"))
+register_provider("sdpa-math", layout="bhsd", devices=("cuda", "cpu"), modules=_SDPA_MODULES,
                   description="torch SDPA, MATH backend (unfused reference)")(_sdpa("MATH"))
 
 
@@ -209,7 +254,8 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
-@register_provider("flex", layout="bhsd", description="torch.compile(flex_attention), create_block_mask for causal")
+@register_provider("flex", layout="bhsd", description="torch.compile(flex_attention), create_block_mask for causal",
+                   modules=("torch.nn.attention.flex_attention", ))
 def _flex(device, dtype):
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -236,21 +282,24 @@ def _flex(device, dtype):
 # --------------------------------------------------------------------------------------------------------
 # flash-attn packages, when installed: FA2 (flash_attn), FA3 (flash_attn_interface, Hopper), FA4 (CuTe DSL).
 # --------------------------------------------------------------------------------------------------------
-@register_provider("fa2", layout="bshd", description="flash_attn.flash_attn_func (FlashAttention-2)")
+@register_provider("fa2", layout="bshd", description="flash_attn.flash_attn_func (FlashAttention-2)",
+                   modules=("flash_attn", ))
 def _fa2(device, dtype):
     from flash_attn import flash_attn_func
 
     return lambda q, k, v, causal: _first(flash_attn_func(q, k, v, causal=causal))
 
 
-@register_provider("fa3", layout="bshd", description="flash_attn_interface.flash_attn_func (FlashAttention-3)")
+@register_provider("fa3", layout="bshd", description="flash_attn_interface.flash_attn_func (FlashAttention-3)",
+                   modules=("flash_attn_interface", ))
 def _fa3(device, dtype):
     from flash_attn_interface import flash_attn_func
 
     return lambda q, k, v, causal: _first(flash_attn_func(q, k, v, causal=causal))
 
 
-@register_provider("fa4", layout="bshd", description="flash_attn.cute.flash_attn_func (FlashAttention-4, CuTe DSL)")
+@register_provider("fa4", layout="bshd", description="flash_attn.cute.flash_attn_func (FlashAttention-4, CuTe DSL)",
+                   modules=("flash_attn.cute", ))
 def _fa4(device, dtype):
     from flash_attn.cute import flash_attn_func
 

@@ -24,12 +24,14 @@ import operator
 import os
 
 import torch
-from triton import knobs as _knobs
 from triton.runtime.jit import JITFunction
 
-FAST_LAUNCH = os.environ.get("FLASHTILE_FAST_LAUNCH", "1") != "0"
+from .support import knobs as _knobs
+
+# a Triton without triton.knobs (< 3.4) keeps its launch hooks elsewhere: no fast path there (support.py)
+FAST_LAUNCH = _knobs is not None and os.environ.get("FLASHTILE_FAST_LAUNCH", "1") != "0"
 # bind() on: callers keep launch templates (Bound); off (FLASHTILE_BIND=0), every call goes through launch()
-BIND = os.environ.get("FLASHTILE_BIND", "1") != "0"
+BIND = _knobs is not None and os.environ.get("FLASHTILE_BIND", "1") != "0"
 # key -> compiled kernel
 _COMPILED: dict = {}
 _MAX_ENTRIES = 4096

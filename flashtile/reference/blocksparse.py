@@ -1,4 +1,4 @@
-"""Block-sparse FlashAttention (seed 000 "Block-Sparse"; FA1 paper Algorithm 5 and Theorem 4).
+"""Block-sparse FlashAttention (FA1 paper, Dao et al. 2022, §3.3: Algorithm 5 and Theorem 4).
 
 Given a block mask M in {0, 1}^(Tr x Tc) over the (Br, Bc) tiling of the score matrix, block-sparse
 attention is standard attention with the expanded mask M~ (N_q x N_k, M~_kl = M_(k // Br, l // Bc)):

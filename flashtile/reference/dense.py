@@ -4,7 +4,7 @@ Shapes follow flash-attn 2.x: q (batch, seqlen_q, nheads, headdim), k (batch, se
 v (batch, seqlen_k, nheads_k, headdim_v). It materialises the full (seqlen_q, seqlen_k) score matrix, so it is
 O(N^2) in memory: a test oracle and a CPU fallback, never a hot path.
 
-Semantics (../DESIGN.md "Semantics to match"):
+Semantics (docs/semantics.md):
 - causal / sliding-window masks are aligned to the bottom-right corner when seqlen_q != seqlen_k;
 - softcap > 0 maps scores to softcap * tanh(scores / softcap) before masking;
 - ALiBi adds -slope * |i + seqlen_k - seqlen_q - j|;

@@ -1,8 +1,8 @@
-"""FlashAttention-1, forward and backward, as in the paper's appendix (seed 000 "Forward Pass" and "Backward
-Pass"; FA1 paper Algorithms 2 and 4, which add MASK and dropout to Algorithm 1).
+"""FlashAttention-1, forward and backward, as in the paper's appendix B (Dao et al., "FlashAttention: Fast and
+Memory-Efficient Exact Attention with IO-Awareness", 2022: Algorithms 2 and 4, which add MASK and dropout to
+Algorithm 1).
 
-Read it beside seed 000: "Alg. 2 line 10" is the paper's numbering, and the seed's nested steps map to it as
-6 -> line 6, 6.a -> 7, 6.b -> 8, 6.b.i..viii -> 9..16 (forward) and 6.c.i..xiii -> 10..22 (backward).
+Read it beside the paper: "Alg. 2 line 10" is the paper's numbering.
 Blocks are 0-based here (the paper counts from 1); block i covers rows ``tiling.rows(i)``.
 
 The forward's outer loop runs over K/V blocks j and its inner loop over Q blocks i, so O, l and m travel

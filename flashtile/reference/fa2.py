@@ -1,9 +1,8 @@
-"""FlashAttention-2, forward and backward (seed 000 "Flash Attention 2": FA2 paper Algorithms 1 and 2), with
-the softmax scale tau, MASK and dropout of FA1's Algorithms 2 and 4 added.
+"""FlashAttention-2, forward and backward (Dao, "FlashAttention-2: Faster Attention with Better Parallelism and
+Work Partitioning", 2023: Algorithms 1 and 2), with the softmax scale tau, MASK and dropout of FA1's Algorithms 2
+and 4 added.
 
-Read it beside seed 000: "Alg. 1 line 10" is the FA2 paper's numbering; the seed's nested steps map to it as
-3 -> line 3, 3.a -> 4, 3.b -> 5, 3.c -> 6, 3.c.i..iv -> 7..10, 3.d..h -> 11..15 (forward) and
-5 -> 5, 5.a -> 6, 5.b -> 7, 5.c -> 8, 5.c.i..viii -> 9..16, 5.d, 5.e -> 17, 18 (backward).
+Read it beside the paper: "Alg. 1 line 10" is the FA2 paper's numbering.
 
 What changes from FA1 (fa1.py):
   * forward loops: Q blocks i outer, K/V blocks j inner, so O_i, l_i, m_i stay on chip for the whole row of

@@ -1,4 +1,5 @@
-"""FP8 attention as in FlashAttention-3 (seed 001 §3.3), emulated in pure PyTorch.
+"""FP8 attention as in FlashAttention-3 (Shah et al., "FlashAttention-3: Fast and Accurate Attention with
+Asynchrony and Low-precision", 2024, §3.3), emulated in pure PyTorch.
 
 What flashtile.kernels.triton.fp8 computes, written so it can be read beside the paper and run anywhere
 (CPU, any size that fits in memory). The e4m3 rounding is torch's own ``float8_e4m3fn`` conversion

@@ -2,8 +2,8 @@
 
 Every reference algorithm (standard.py, fa1.py, fa2.py, blocksparse.py) touches "HBM" only through an
 :class:`HBM` object and keeps its on-chip tiles in an :class:`SRAM` object, so the element reads and writes
-counted here are those the algorithm actually executes, not a closed-form formula (seed 003, proofs of
-Theorems 2 and 5, give the formulas; the tests check the counts against them).
+counted here are those the algorithm actually executes, not a closed-form formula (the FA1 paper's proofs of
+Theorems 2 and 5, appendix C, give the formulas; the tests check the counts against them).
 
 What is counted
   * ``HBM.load`` / ``HBM.store`` count ``numel`` of the tile moved; ``HBM.alloc`` with a fill value counts
@@ -14,9 +14,9 @@ What is counted
 What SRAM holds (the capacity M, in elements)
   The paper sizes its blocks from M (Alg. 2 line 2: Bc = ceil(M/4d), Br = min(ceil(M/4d), d)); the 4 budgets
   the four d-wide tiles the forward keeps on chip, K_j, V_j (Bc x d) and Q_i, O_i (Br x d), at <= M/4 each
-  (seed 003, proof of Theorem 2). :class:`SRAM` charges exactly these d-wide tiles. The Br x Bc tiles
+  (FA1 paper, appendix C, proof of Theorem 2). :class:`SRAM` charges exactly these d-wide tiles. The Br x Bc tiles
   S_ij, P_ij, dP_ij, dS_ij, Z_ij and the length-Br statistics m_i, l_i, L_i, D_i live in registers, as in the
-  CUDA kernels (seed 002); they are not charged.
+  flash-attn CUDA kernels (github.com/Dao-AILab/flash-attention); they are not charged.
   The backward (Alg. 4 line 2, and FA2's) reuses the forward's block sizes, so it walks the same (Tr, Tc)
   grid (the block-sparse mask needs that), but holds eight d-wide tiles (K_j, V_j, dK_j, dV_j resident,
   Q_i, O_i, dO_i, dQ_i streamed): up to 2M elements. That is the Theta(M) of Theorem 5, not <= M, so the

@@ -1,9 +1,9 @@
-"""Softmax three ways, and the merge operator FlashAttention is built on (seed 004: Milakov & Gimelshein,
+"""Softmax three ways, and the merge operator FlashAttention is built on (Milakov & Gimelshein,
 "Online normalizer calculation for softmax", 2018; "M&G" below).
 
 Each softmax takes x (..., V), any float dtype, and normalises along the last dim. Its memory traffic goes
 through an :class:`~flashtile.reference.io_model.HBM` counter (pass ``hbm=``; x is placed there as array
-"x", the output is written as "y"), so the accesses per element of seed 004 are measured, not asserted:
+"x", the output is written as "y"), so the accesses per element M&G count are measured, not asserted:
 
 =========  =====================================  ==========================
 function    passes over x                          loads + stores / element

@@ -1,4 +1,4 @@
-"""Standard attention (seed 000 "Standard Attention 구현"; seed 003 Algorithm 0 and its backward): the
+"""Standard attention (FA1 paper, Dao et al. 2022: Algorithm 0 and its backward, Algorithm 3): the
 three-step algorithm that writes the N x N matrices S and P to HBM, and its five-step backward.
 
 This module also defines, once, what every reference algorithm means by one attention head: the softmax
@@ -189,7 +189,7 @@ def standard_forward(Q, K, V, *, hbm: HBM | None = None, **options) -> StandardF
     """Standard attention forward, Alg. 0 with MASK and dropout. Q (N_q, d); K, V (N_k, d).
 
     HBM traffic: reads Q, K (line 1), S (line 2), P, V (line 3): N_q d + 2 N_k d + 2 N_q N_k; writes S, P, O:
-    2 N_q N_k + N_q d. For N_q = N_k = N that is 4N^2 + 4Nd = Theta(Nd + N^2) (seed 003, proof of Theorem 2).
+    2 N_q N_k + N_q d. For N_q = N_k = N that is 4N^2 + 4Nd = Theta(Nd + N^2) (FA1 paper, appendix C, proof of Theorem 2).
     ``options``: the head options of :func:`validate`.
     """
     head = validate(Q, K, V, where="standard_forward", **options)
@@ -208,7 +208,7 @@ def standard_forward(Q, K, V, *, hbm: HBM | None = None, **options) -> StandardF
 
 
 def standard_backward(Q, K, V, O, dO, P, *, hbm: HBM | None = None, **options):
-    """Standard attention backward (seed 003 B.2; FA1 paper Alg. 3) with MASK and dropout. Returns
+    """Standard attention backward (FA1 paper appendix B.2, Alg. 3) with MASK and dropout. Returns
     (dQ, dK, dV) in the input dtype.
 
     Q, O, dO (N_q, d); K, V (N_k, d); P (N_q, N_k) from :func:`standard_forward`. The dropout mask Z is

@@ -2,7 +2,7 @@
 
 CPU timings are time.perf_counter medians and mean nothing; these tests check the runner, not the kernels.
 Providers that exist on the CPU: sdpa-math, eager, and flashtile (Triton interpreter, fp16: the interpreter's
-bf16 tl.dot is broken, see DESIGN.md).
+bf16 tl.dot is broken, see docs/design.md, "Testing without a GPU").
 """
 import argparse
 import dataclasses
@@ -52,7 +52,7 @@ def test_fa3_grid_is_16k_tokens_hidden_2048():
     for s in grid:
         assert s.batch * s.seqlen == 16384
         assert s.nheads * s.headdim == 2048
-    # The shapes of ANCHORS.md's table are in it.
+    # The shapes the peers' reference measurements use (b2 h16 8k d128, b2 h32 8k d64, b8 h16 2k d128) are in it.
     assert Shape(batch=2, nheads=16, seqlen=8192, headdim=128) in grid
     assert Shape(batch=2, nheads=32, seqlen=8192, headdim=64) in grid
     assert Shape(batch=8, nheads=16, seqlen=2048, headdim=128) in grid
@@ -156,6 +156,32 @@ def test_registry_names_aliases_and_duplicates():
         providers.register_provider("x", registry=reg)(lambda device, dtype: None)
     with pytest.raises(ValueError, match="layout"):
         providers.register_provider("y", layout="hsbd", registry=reg)
+
+
+def test_available_providers_says_what_runs_here_and_why_not():
+    reg = {}
+
+    def refuses(device, dtype):
+        raise providers.ProviderUnavailable("needs a Hopper GPU")
+
+    def imports_missing(device, dtype):
+        import flashtile_no_such_module  # noqa: F401
+        return None
+
+    providers.register_provider("ok", devices=("cpu",), modules=("torch",), registry=reg)(lambda d, t: None)
+    providers.register_provider("refuses", devices=("cpu",), registry=reg)(refuses)
+    providers.register_provider("missing", devices=("cpu",), modules=("flashtile_no_such_module",),
+                                registry=reg)(imports_missing)
+    providers.register_provider("gpu-only", devices=("cuda",), modules=("flashtile_no_such_module",),
+                                registry=reg)(lambda d, t: None)
+    got = providers.available_providers("cpu", torch.float16, registry=reg)
+    assert got["ok"]["available"] and got["ok"]["importable"] and got["ok"]["reason"] is None
+    assert got["refuses"] == {**got["refuses"], "available": False, "importable": True, "reason": "needs a Hopper GPU"}
+    assert not got["missing"]["available"] and not got["missing"]["importable"]
+    assert "flashtile_no_such_module" in got["missing"]["reason"]
+    # ruled out by the device, and its module is absent: both said
+    assert not got["gpu-only"]["importable"]
+    assert "cuda only" in got["gpu-only"]["reason"] and "flashtile_no_such_module" in got["gpu-only"]["reason"]
 
 
 def test_fa3_fa4_tuple_outputs_are_unwrapped():

@@ -1,5 +1,5 @@
-"""The HBM/SRAM accounting layer and the access counts it measures, checked against the IO analyses of
-seed 003 (proofs of Theorems 2, 4, 5): standard Theta(Nd + N^2), FlashAttention Theta(N^2 d^2 / M)."""
+"""The HBM/SRAM accounting layer and the access counts it measures, checked against the IO analyses of the
+FA1 paper (appendix C, proofs of Theorems 2, 4, 5): standard Theta(Nd + N^2), FlashAttention Theta(N^2 d^2 / M)."""
 import math
 
 import pytest

@@ -1,4 +1,5 @@
-"""Naive, safe and online softmax (seed 004): values, memory accesses per element, the merge operator."""
+"""Naive, safe and online softmax (Milakov & Gimelshein, "Online normalizer calculation for softmax", 2018):
+values, memory accesses per element, the merge operator."""
 import math
 
 import pytest
@@ -41,8 +42,8 @@ def test_online_softmax_saves_one_access_per_element_over_safe(seed):
     assert (safe.total, online.total) == (4 * x.numel(), 3 * x.numel())
 
 
-def test_online_normalizer_on_seed_004_example():
-    # seed 004, example 1: x = {3, 4, 2, 5} gives m_4 = 5 and d_4 = (e^3 + e^4 + e^2 + e^5) / e^5
+def test_online_normalizer_on_a_worked_example():
+    # x = {3, 4, 2, 5} gives m_4 = 5 and d_4 = (e^3 + e^4 + e^2 + e^5) / e^5
     m, d = online_normalizer(torch.tensor([3.0, 4.0, 2.0, 5.0], dtype=torch.float64))
     assert m.item() == 5.0
     assert d.item() == pytest.approx((math.e**3 + math.e**4 + math.e**2 + math.e**5) / math.e**5, rel=1e-15)

@@ -1,4 +1,4 @@
-"""FlashAttention-3's backward (seed 001 §3.3 / Algorithm 2 of FlashAttention-2, seed 000, with FA3's warp
+"""FlashAttention-3's backward (FA3 paper appendix B.1: Algorithm 2 of the FlashAttention-2 paper with FA3's warp
 specialization) for Hopper, written in Gluon: TMA loads by a producer warp, asynchronous wgmma, and dQ added to a
 float32 accumulator by TMA reduce-add (one bulk `cp.reduce.async.bulk` per tile instead of scalar atomics).
 

@@ -1,4 +1,4 @@
-"""FlashAttention-3's forward (seed 001: Algorithm 1 with §3.1's warp specialization and ping-pong schedule and
+"""FlashAttention-3's forward (FA3 paper, Shah et al. 2024: Algorithm 1 with §3.1's warp specialization and ping-pong schedule and
 §3.2's intra-warpgroup pipelining) for Hopper, written in Gluon, Triton's lower-level Python DSL: explicit
 layouts, TMA, mbarriers, asynchronous warpgroup MMA (wgmma) and warp specialization, none of which Triton's
 `tl.dot` kernels can schedule by hand on Hopper.
@@ -18,7 +18,7 @@ A program (one per SM: persistent) computes (Br x d) output tiles O_i of one (ba
   (fa3.PINGPONG: today the d64 / d128 full forward) the warpgroups take turns issuing
   (mbarriers `turns`), so one's GEMMs run while the other computes exponentials (ping-pong).
 
-Algorithm line numbers below are FlashAttention-2's Algorithm 1 (seed 000's forward), as in triton/fwd.py.
+Algorithm line numbers below are FlashAttention-2's Algorithm 1 (the FA2 paper's forward), as in triton/fwd.py.
 
 Imported only on a CUDA device of compute capability 9.x (flashtile.kernels.gluon.fa3 decides).
 """

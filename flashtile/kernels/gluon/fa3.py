@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from .. import relaunch
+from .. import relaunch, support
 from ..params import LOG2E
 from ..runtime import DescriptorType, descriptor_fields, row_descriptor, tickets
 
@@ -123,8 +123,8 @@ def _device_index(t: torch.Tensor) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _kernels(device_index: int):
-    """The Gluon module, or None where it cannot run on this device (not Hopper, or no Gluon)."""
-    if torch.cuda.get_device_capability(device_index)[0] != 9:
+    """The Gluon module, or None where it cannot run on this device (not Hopper, or no Gluon of Triton >= 3.6)."""
+    if not support.GLUON or torch.cuda.get_device_capability(device_index)[0] != 9:
         return None
     try:
         from . import _fa3_bwd, _fa3_fwd

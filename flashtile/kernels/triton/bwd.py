@@ -1,4 +1,4 @@
-"""FlashAttention-2 backward (seed 000, FA2 Algorithm 2) in Triton.
+"""FlashAttention-2 backward (FA2 paper, Dao 2023, Algorithm 2) in Triton.
 
 Three launches, no atomics, so gradients are bitwise reproducible (exceptions: the gradient of an attn_bias
 that broadcasts over some dimension, summed over it with fp32 atomics in the dK/dV kernel; and a config with

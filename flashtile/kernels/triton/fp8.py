@@ -1,4 +1,4 @@
-"""FP8 (e4m3) attention forward as in FlashAttention-3 §3.3 (seed 001): a fused quantization kernel and
+"""FP8 (e4m3) attention forward as in FlashAttention-3 §3.3 (Shah et al. 2024): a fused quantization kernel and
 an attention kernel over its tiles. The math is written out in flashtile/reference/fp8_emulation.py.
 
 quant_fp8_kernel: one program per GROUP blocks of BLOCK rows of one (batch, head) of Q, K or V: load a block,

@@ -1,4 +1,4 @@
-"""FlashAttention-2 forward (seed 000, FA2 Algorithm 1) in Triton.
+"""FlashAttention-2 forward (FA2 paper, Dao 2023, Algorithm 1) in Triton.
 
 One program owns one query block Q_i (Br = BLOCK_M rows) of one (batch, head) and streams the key/value
 blocks K_j, V_j (Bc = BLOCK_N rows) through on-chip memory, keeping the running row max m_i, the running
