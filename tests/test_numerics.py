@@ -45,7 +45,7 @@ SHARP = [
     (fp32, 6, 16, 64, False, 3.0),    # the fp32 case
     (fp32, 6, 16, 64, False, 10.0),   # every row one-hot in fp32: std's gradients are exactly 0
 ]
-if ON_GPU:  # bf16 only where tl.dot handles it (DESIGN.md: the interpreter's bf16 tl.dot is broken)
+if ON_GPU:  # bf16 only where tl.dot handles it (docs/design.md, testing without a GPU)
     SHARP += [(bf16,) + c[1:] for c in SHARP if c[0] == fp16]
 
 
