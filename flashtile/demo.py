@@ -33,22 +33,23 @@ def _sdpa(q, k, v, causal):
                                           is_causal=causal).transpose(1, 2)
 
 
-def _measure(fn, device, repeats):
-    """(median seconds of fwd+bwd, peak bytes allocated above the inputs)."""
-    times = []
+def _measure(fn, device):
+    """(median seconds of one fwd+bwd call, peak bytes allocated above the inputs). On a GPU: triton's do_bench
+    median (warm-up, then calls back to back for 100 ms between CUDA events, the L2 cache flushed between calls),
+    as `flashtile bench --mode train` times it; on the CPU one call (the interpreter: not a speed claim)."""
     if device == "cuda":
+        import triton.testing
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-    for _ in range(repeats):
-        t0 = time.perf_counter()
         fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    peak = (torch.cuda.max_memory_allocated() - base) if device == "cuda" else None
-    times.sort()
-    return times[len(times) // 2], peak
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+        return ms * 1e-3, peak
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0, None
 
 
 def run_demo(progress: bool = True, file=None) -> dict:
@@ -64,9 +65,9 @@ def run_demo(progress: bool = True, file=None) -> dict:
     device = "cuda" if cuda else "cpu"
     if cuda:
         # the float64 reference materialises (b, h, n, n) scores: n = 2048 keeps it near 1 GB
-        b, n, h, d, dtype, repeats = 2, 2048, 16, 128, torch.bfloat16, 10
+        b, n, h, d, dtype = 2, 2048, 16, 128, torch.bfloat16
     else:
-        b, n, h, d, dtype, repeats = 1, 128, 2, 64, torch.float16, 1
+        b, n, h, d, dtype = 1, 128, 2, 64, torch.float16
     causal = True
     say(f"flashtile demo on {torch.cuda.get_device_name() if cuda else 'CPU (Triton interpreter)'}: "
           f"batch {b}, seqlen {n}, heads {h}, headdim {d}, {str(dtype).split('.')[-1]}, causal")
@@ -110,11 +111,12 @@ def run_demo(progress: bool = True, file=None) -> dict:
 
     providers = {"flashtile": lambda q, k, v, c: flash_attn_func(q, k, v, causal=c),
                  "sdpa": _sdpa, "standard": _standard_attention}
-    say(f"  fwd+bwd, median of {repeats}:" + ("" if cuda else " (CPU interpreter: not a speed claim)"))
+    say("  fwd+bwd per call, " + ("do_bench median (as flashtile bench --mode train):" if cuda
+                                   else "one call (CPU interpreter: not a speed claim):"))
     report["side_by_side"] = {}
     for name, fn in providers.items():
         step(fn)()  # warm-up / compile
-        t, peak = _measure(step(fn), device, repeats)
+        t, peak = _measure(step(fn), device)
         report["side_by_side"][name] = {"seconds": t, "peak_bytes": peak}
         mem = f"  peak {peak / 2**20:8.1f} MiB" if peak is not None else ""
         say(f"    {name:10s} {t * 1e3:9.2f} ms{mem}")

@@ -275,3 +275,25 @@ def test_window_edges_that_mask_nothing_are_normalised_away():
     assert P.dense(q, k, v, 0.0, None, True, (40, -1), 0.0, None, False, False).params.is_causal
     assert P.dense(q, k, v, 0.0, None, False, (39, -1), 0.0, None, False, False).params.window_left == 39
     assert P.dense(q, k, v, 0.0, None, False, (-1, 40), 0.0, None, False, False).params.window_right == -1
+
+
+def test_cu_seqlens_values_read_once_per_tensor_version(monkeypatch, seed):
+    """The layers of a model pass one cu_seqlens tensor to every call of a step: its values are read (a device to
+    host copy) once, and again only once it is modified in place or another tensor comes."""
+    from flashtile.api import problem
+    reads = []
+    real = problem._cu_seqlens_values
+    monkeypatch.setattr(problem, "_cu_seqlens_values", lambda *a: reads.append(a[0]) or real(*a))
+    q, k, v = (torch.randn(10, 2, 16, device=DEVICE, dtype=fp16) for _ in range(3))
+    cu = _i32([0, 4, 10])
+    for _ in range(3):
+        flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 6, 6)
+    assert reads == ["cu_seqlens_q"]              # (the same tensor for keys: its check holds for them too)
+    cu[1] = 7                                     # in place: checked again, and a bad value still refused
+    flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 7, 7)
+    assert len(reads) == 2
+    cu[1] = 11
+    with pytest.raises(ArgumentError, match="cu_seqlens_q"):
+        flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 11, 11)
+    flashtile.flash_attn_varlen_func(q, k, v, _i32([0, 4, 10]), cu.new_tensor([0, 4, 10]), 6, 6)   # new tensors
+    assert len(reads) == 5

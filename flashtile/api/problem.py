@@ -9,6 +9,7 @@ are remembered per argument signature (memoised), so they cost a dictionary look
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -282,12 +283,29 @@ def values_checkable(t: torch.Tensor) -> bool:
     return True
 
 
+# id(cu_seqlens) -> (weak reference, version counter, total, max_seqlen, the check's result): a model's layers pass
+# one cu_seqlens tensor to every attention call of a step, which then reads its values once, not once per layer
+_CU_CHECKED: dict = {}
+
+
 def cu_seqlens_values(name: str, cu: torch.Tensor, total: Optional[int], max_seqlen: int, max_name: str) -> int:
     """cu_seqlens start at 0, do not decrease, end at most at `total` (the rows of the packed tensor; tokens after
     the last sequence are padding, as flash-attn allows), and no sequence is longer than max_seqlen. Returns the
-    padding rows' start as Problem.pad_q / pad_k take it."""
+    padding rows' start as Problem.pad_q / pad_k take it. A tensor checked before, not modified since (its version
+    counter), with the same total and max_seqlen, is not read again."""
     if not values_checkable(cu):
         return PAD_UNKNOWN
+    seen = _CU_CHECKED.get(id(cu))
+    if seen is not None and seen[0]() is cu and seen[1:4] == (cu._version, total, max_seqlen):
+        return seen[4]
+    result = _cu_seqlens_values(name, cu, total, max_seqlen, max_name)
+    if len(_CU_CHECKED) >= MEMO_MAX:
+        _CU_CHECKED.clear()
+    _CU_CHECKED[id(cu)] = (weakref.ref(cu), cu._version, total, max_seqlen, result)
+    return result
+
+
+def _cu_seqlens_values(name: str, cu: torch.Tensor, total: Optional[int], max_seqlen: int, max_name: str) -> int:
     vals = cu.tolist()
     if vals[0] != 0:
         fail(f"{name}[0]", vals[0], "0")

@@ -124,6 +124,11 @@ def _parts(q, n, tickets, n_tiles):
             q if tickets is None else tickets(n_tiles))
 
 
+def template(sig, n: int, fused: bool):
+    """The launch template decode_paged keeps for (signature, split count, fused combine), or None."""
+    return _TEMPLATES.get((sig, n, fused)) if sig is not None and not OVERRIDE else None
+
+
 # paged_decode_kernel's first LIVE parameters are the descriptors and tensors a decode step changes
 LIVE = 10
 # (caller's signature, split count, fused combine) -> _Template of a launch decode_paged made before

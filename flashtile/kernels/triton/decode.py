@@ -657,6 +657,16 @@ _TEMPLATE_LIVE = 16
 _TEMPLATES: dict = {}
 
 
+# (caller's signature, CUDA graph capture under way) -> (Gluon route, key of the template that served the signature
+# in its route's memo, split count): a decode step repeating a signature skips the plan, the route and the key
+_FAST: dict = {}
+
+
+def _remember_fast(sig, device, gluon: bool, key, num_splits: int) -> None:
+    if sig is not None:
+        relaunch.remember(_FAST, (sig, _capturing(device)), (gluon, key, num_splits))
+
+
 @dataclass(frozen=True)
 class _Template:
     """How flash_decode launched a problem (its caller's signature) before: the compiled kernel bound to every
@@ -713,6 +723,21 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     every batch element (no tensor, no kernel to fill one). cache_batch_idx (batch,) int32: cache row of each batch element.
     Inputs are already validated. Returns the number of splits used.
     """
+    if sig is not None and not CONFIG_OVERRIDE:
+        # a signature launched before goes straight to the template that served it
+        fast = _FAST.get((sig, _capturing(q.device)))
+        if fast is not None:
+            gluon, key, n = fast
+            if gluon:
+                tpl = _gluon_paged.template(*key)
+                if tpl is not None and _gluon_paged.fa3.enabled() and tpl.launch(
+                        q, k_cache, v_cache, out, lse, block_table, seqlens_k, lambda m: tickets(q.device, m)):
+                    return n
+            else:
+                tpl = _TEMPLATES.get(key)
+                if tpl is not None and tpl.launch(q, k_cache, v_cache, out, lse, seqlens_k, cu_seqlens_q,
+                                                  cache_batch_idx, leftpad, block_table, alibi):
+                    return n
     varlen = cu_seqlens_q is not None
     batch = cu_seqlens_q.numel() - 1 if varlen else q.shape[0]
     sq = int(max_seqlen_q) if varlen else q.shape[1]
@@ -732,12 +757,15 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
             and _gluon_paged.eligible(q, k_cache, page_size, sq * group, params, alibi=alibi, leftpad=leftpad,
                                       cu_seqlens_q=cu_seqlens_q, cache_batch_idx=cache_batch_idx)):
         # pages smaller than the key tile: the Gluon kernel reads a tile's pages as TMA boxes under one barrier
+        fuse = gluon_fuse_combine(kv_bytes, q.device)
         n = _gluon_paged.decode_paged(
             q, k_cache, v_cache, out, lse, seqlens_k, int(seqlens_add) if has_seqlens else int(seqlen_k_static),
             block_table, params, num_splits, lambda block_n: int(CONFIG_OVERRIDE.get("num_splits", 0)) or
             num_splits_heuristic(batch * nheads_k, max_seqlen_k, block_n, q.device),
-            lambda n: tickets(q.device, n), gluon_fuse_combine(kv_bytes, q.device), sig=sig)
+            lambda n: tickets(q.device, n), fuse, sig=sig)
         if n is not None:
+            if not CONFIG_OVERRIDE:
+                _remember_fast(sig, q.device, True, (sig, n, n > 1 and fuse), n)
             return n
     plan = plan_decode(sq, nheads, nheads_k, head_dim, q.dtype, batch, max_seqlen_k, q.device,
                        page_size=page_size, num_splits=num_splits)
@@ -750,6 +778,7 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     tpl = _TEMPLATES.get(key) if key is not None else None
     if tpl is not None and tpl.launch(q, k_cache, v_cache, out, lse, seqlens_k, cu_seqlens_q, cache_batch_idx,
                                       leftpad, block_table, alibi):
+        _remember_fast(sig, q.device, False, key, num_splits)
         return num_splits
     score_scale, softcap_log2 = params.score_args()
     block_d = _block_d(head_dim)
