@@ -1,20 +1,26 @@
-"""Host time per call: how long the CPU spends issuing flashtile's kernels, on problems too small to be GPU-bound.
+"""Host time per call of every entry point beside SDPA's equivalent call: how long the CPU spends issuing the work.
 
-    PYTHONPATH=. python benchmarks/host_time.py [--profile N] [--only NAME,NAME]     (GPU machine)
+    PYTHONPATH=. python benchmarks/host_time.py [--out DIR] [--only NAME,NAME] [--profile N]     (GPU machine)
 
-Times 200 calls without synchronising (best of 5) of:
-- dense (b1 n128 h4 d128 bf16, causal): launch.flash_bwd and launch.flash_fwd called directly (the kernel launches
-  and their host logic), flash_attn_func without autograd, its forward on inputs that require grad (what the
-  benchmark's forward times), and a training step (forward, then backward); SDPA (cuDNN backend) beside them;
-- decode (flash_attn_with_kvcache, b1, seqlen_q 1, nheads 32 / 8, d128 bf16, 4k cache, value checks off as a
-  serving loop would have them): int cache_seqlens, tensor cache_seqlens, paged (page 256), with an appended
-  token; SDPA (cuDNN) on the same cache.
---profile N: after the timings, cProfile each measured call (N calls) and print its N heaviest functions by own time.
+Each row is a pair (flashtile call, SDPA call) on the same tensors; a call is timed as `calls` calls enqueued back to
+back without synchronising (the GPU work of these shapes is shorter than their host time, except where noted),
+median of `rounds` rounds, the pair's two calls interleaved round by round. Rows:
+- train: forward + backward in one call (flash_attn_func(...).backward(do) against SDPA's), b1 n128 h4 d128 causal
+  and the demo's b2 n2048 h16 d128 causal (where the GPU time is about the host time: both appear in the table);
+- fwd: the training forward alone (inputs requiring grad), and the inference forward (torch.no_grad);
+- varlen: flash_attn_varlen_func fwd+bwd of 4 packed sequences of 128 (h4 d128) against SDPA on the padded batch;
+- decode: flash_attn_with_kvcache at batch 1, seqlen_q 1, nheads 32 / 8, d128, 4k cache (value checks off as a
+  serving loop would have them): int and tensor cache_seqlens, paged (pages of 256 and 16), with an appended token;
+  against cuDNN SDPA on the same (contiguous) cache.
+bf16 throughout. --profile N: cProfile each flashtile call and print its N heaviest functions by own time.
 """
 import argparse
 import cProfile
 import io
+import json
+import os
 import pstats
+import statistics
 import time
 
 import torch
@@ -23,90 +29,97 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashtile
 from flashtile.api import problem as _problem
-from flashtile.kernels.triton import launch as L
+
+DT = torch.bfloat16
 
 
-def dense_calls():
-    torch.manual_seed(0)
-    d = 128
-    q, k, v = (torch.randn(1, 128, 4, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    do = torch.randn_like(q)
-    o, lse, _ = flashtile.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
-    out = o.detach()
-    dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
-    p = L.AttnParams(softmax_scale=d ** -0.5, window_right=0)
-    qd, kd, vd = q.detach(), k.detach(), v.detach()
-    qt, kt, vt = (x.detach().transpose(1, 2) for x in (q, k, v))
+def _t(*shape, grad=False):
+    return torch.randn(*shape, device="cuda", dtype=DT, requires_grad=grad)
 
-    def bwd():
-        L.flash_bwd(do, qd, kd, vd, out, lse, dq, dk, dv, p)
 
-    def fwd():
-        L.flash_fwd(qd, kd, vd, dq, lse, p)
+def train_pairs():
+    pairs = []
+    for b, n, h in ((1, 128, 4), (2, 2048, 16)):
+        q, k, v = (_t(b, n, h, 128, grad=True) for _ in range(3))
+        do = torch.randn_like(q)
+        qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
+        dot = do.transpose(1, 2)
 
-    def api_nograd():
+        def ft(q=q, k=k, v=v, do=do):
+            flashtile.flash_attn_func(q, k, v, causal=True).backward(do)
+
+        def sd(qt=qt, kt=kt, vt=vt, dot=dot):
+            F.scaled_dot_product_attention(qt, kt, vt, is_causal=True).backward(dot)
+        pairs.append((f"train b{b} n{n} h{h} d128 causal", ft, sd))
+    q, k, v = (_t(1, 128, 4, 128, grad=True) for _ in range(3))
+    qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
+    pairs.append(("fwd (training) b1 n128 h4 d128 causal", lambda: flashtile.flash_attn_func(q, k, v, causal=True),
+                  lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)))
+
+    def ft_inf():
         with torch.no_grad():
             flashtile.flash_attn_func(q, k, v, causal=True)
 
-    def api_fwd_grad():
-        flashtile.flash_attn_func(q, k, v, causal=True)
-
-    def api_train():
-        o = flashtile.flash_attn_func(q, k, v, causal=True)
-        o.backward(do)
-
-    def sdpa_cudnn_nograd():
-        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+    def sd_inf():
+        with torch.no_grad():
             F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+    pairs.append(("fwd (inference) b1 n128 h4 d128 causal", ft_inf, sd_inf))
+    return pairs
 
-    return [bwd, fwd, api_nograd, api_fwd_grad, api_train, sdpa_cudnn_nograd]
+
+def varlen_pairs():
+    nseq, n, h = 4, 128, 4
+    q, k, v = (_t(nseq * n, h, 128, grad=True) for _ in range(3))
+    do = torch.randn_like(q)
+    cu = torch.arange(0, nseq * n + 1, n, dtype=torch.int32, device="cuda")
+    qt, kt, vt = (_t(nseq, h, n, 128, grad=True) for _ in range(3))
+    dot = torch.randn_like(qt)
+
+    def ft():
+        flashtile.flash_attn_varlen_func(q, k, v, cu, cu, n, n, causal=True).backward(do)
+
+    def sd():
+        F.scaled_dot_product_attention(qt, kt, vt, is_causal=True).backward(dot)
+    return [(f"varlen train {nseq} x {n} h{h} d128 causal (SDPA: padded batch)", ft, sd)]
 
 
-def decode_calls():
-    torch.manual_seed(0)
-    b, h, hk, d, cache, page = 1, 32, 8, 128, 4096, 256
-    kc, vc = (torch.randn(b, cache, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    q = torch.randn(b, 1, h, d, device="cuda", dtype=torch.bfloat16)
-    k1, v1 = (torch.randn(b, 1, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+def decode_pairs():
+    b, h, hk, d, cache = 1, 32, 8, 128, 4096
+    kc, vc = (_t(b, cache, hk, d) for _ in range(2))
+    q = _t(b, 1, h, d)
+    k1, v1 = (_t(b, 1, hk, d) for _ in range(2))
     seqlens = torch.full((b,), cache - 1, dtype=torch.int32, device="cuda")
-    kp, vp = (x.view(b * cache // page, page, hk, d) for x in (kc, vc))
-    table = torch.arange(b * cache // page, dtype=torch.int32, device="cuda").view(b, -1)
     qt, kt, vt = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
 
-    def decode_int():
-        flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cache)
-
-    def decode_tensor():
-        flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens)
-
-    def decode_paged():
-        flashtile.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=seqlens, block_table=table)
-
-    def decode_append():
-        flashtile.flash_attn_with_kvcache(q, kc, vc, k1, v1, cache_seqlens=seqlens)
-
-    def sdpa_cudnn_decode():
+    def sd():
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
             F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+    pairs = [("decode b1 4k, int cache_seqlens", lambda: flashtile.flash_attn_with_kvcache(q, kc, vc,
+                                                                                           cache_seqlens=cache), sd),
+             ("decode b1 4k, tensor cache_seqlens",
+              lambda: flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens), sd),
+             ("decode b1 4k, append one token",
+              lambda: flashtile.flash_attn_with_kvcache(q, kc, vc, k1, v1, cache_seqlens=seqlens), sd)]
+    for page in (256, 16):
+        kp, vp = (x.view(b * cache // page, page, hk, d) for x in (kc, vc))
+        table = torch.arange(b * cache // page, dtype=torch.int32, device="cuda").view(b, -1)
+        pairs.append((f"decode b1 4k, paged (page {page})",
+                      lambda kp=kp, vp=vp, table=table: flashtile.flash_attn_with_kvcache(
+                          q, kp, vp, cache_seqlens=seqlens, block_table=table), sd))
+    return pairs
 
-    return [decode_int, decode_tensor, decode_paged, decode_append, sdpa_cudnn_decode]
 
-
-def host_us(fn, calls=200, rounds=5):
-    for _ in range(30):
-        fn()
+def host_us(fn, calls: int) -> float:
     torch.cuda.synchronize()
-    best = 1e9
-    for _ in range(rounds):
-        t = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - t) / calls * 1e6)
-        torch.cuda.synchronize()
-    return best
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    us = (time.perf_counter() - t) / calls * 1e6
+    torch.cuda.synchronize()
+    return us
 
 
-def profile(fn, top: int, calls=300):
+def profile(fn, top: int, calls=300) -> str:
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(calls):
@@ -120,20 +133,45 @@ def profile(fn, top: int, calls=300):
 
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--calls", type=int, default=50, help="calls enqueued per round (default 50)")
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--only", default="", help="comma-separated substrings of row names")
     ap.add_argument("--profile", type=int, default=0)
-    ap.add_argument("--only", default="")
+    ap.add_argument("--out", default=None)
     args = ap.parse_args()
     _problem.CHECK_VALUES = False
-    print(torch.cuda.get_device_name(), torch.__version__)
-    fns = dense_calls() + decode_calls()
+    torch.manual_seed(0)
+    pairs = train_pairs() + varlen_pairs() + decode_pairs()
     if args.only:
-        fns = [f for f in fns if f.__name__ in args.only.split(",")]
-    for fn in fns:
-        print(f"{fn.__name__} {host_us(fn):.0f} us/call host", flush=True)
+        pairs = [p for p in pairs if any(s in p[0] for s in args.only.split(","))]
+    rows = []
+    for name, ft, sd in pairs:
+        for _ in range(20):
+            ft(), sd()
+        a, b = [], []
+        for _ in range(args.rounds):
+            a.append(host_us(ft, args.calls))
+            b.append(host_us(sd, args.calls))
+        rows.append(dict(call=name, flashtile_us=statistics.median(a), sdpa_us=statistics.median(b)))
+        print(f"{name:58s} flashtile {rows[-1]['flashtile_us']:7.1f} us   SDPA {rows[-1]['sdpa_us']:7.1f} us",
+              flush=True)
+    env = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+               triton=__import__("triton").__version__, calls=args.calls, rounds=args.rounds)
+    md = ["| call | flashtile (us) | SDPA (us) | flashtile / SDPA |", "|---|---:|---:|---:|"]
+    md += [f"| {r['call']} | {r['flashtile_us']:.1f} | {r['sdpa_us']:.1f} | {r['flashtile_us'] / r['sdpa_us']:.2f}x |"
+           for r in rows]
+    print("\n" + f"{env['device']}, torch {env['torch']}, triton {env['triton']}: host time per call, median of "
+          f"{args.rounds} rounds of {args.calls} calls\n" + "\n".join(md))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "host_time.json"), "w") as f:
+            json.dump(dict(env=env, rows=rows), f, indent=1)
+        with open(os.path.join(args.out, "host_time.md"), "w") as f:
+            f.write("\n".join(md) + "\n")
     if args.profile:
-        for fn in fns:
-            print("=====", fn.__name__)
-            print(profile(fn, args.profile), flush=True)
+        for name, ft, _ in pairs:
+            print("=====", name)
+            print(profile(ft, args.profile), flush=True)
 
 
 if __name__ == "__main__":

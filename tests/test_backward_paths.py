@@ -8,6 +8,7 @@ import triton.language as tl
 import flashtile
 from flashtile.kernels.triton import launch
 from flashtile.kernels.triton.mods import tile_order
+from attn_utils import DEVICE
 from flashtile.reference.dense import attention_ref
 
 
@@ -100,7 +101,8 @@ def test_split_dkdv_and_dq_tiles_give_the_single_launch_gradients(seed, case, mo
 
 def test_launch_retries_with_fewer_stages_when_shared_memory_runs_out():
     """launch._launch: a config whose tiles do not fit in shared memory (OutOfResources at compile time) is
-    retried with one pipeline stage fewer, down to 1, then the error propagates."""
+    retried with one pipeline stage fewer, down to 1, then the error propagates; it returns the launch options it
+    launched with (what a launch template binds)."""
     import triton
 
     calls = []
@@ -117,7 +119,7 @@ def test_launch_retries_with_fewer_stages_when_shared_memory_runs_out():
                 return "ran"
             return launch_
 
-    assert launch._launch(FakeKernel(fits_at=2), (1,), 0, num_stages=4, num_warps=4) == "ran"
+    assert launch._launch(FakeKernel(fits_at=2), (1,), 0, num_stages=4, num_warps=4) == dict(num_stages=2, num_warps=4)
     assert calls == [4, 3, 2]
     calls.clear()
     with pytest.raises(triton.runtime.errors.OutOfResources):
@@ -228,3 +230,63 @@ def test_causal_launch_orders_give_the_same_result(seed, schedule):
     assert (o.double() - o_ref).abs().max() < 1e-5
     for g, r in zip(grads, g_ref):
         assert (g.double() - r).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("atomic", [False, True])
+def test_triton_templates_launch_what_the_slow_path_does(varlen, atomic, monkeypatch):
+    """With a memo (the caller's per-problem dict) flash_fwd / flash_bwd keep templates after their first launches;
+    later calls launch through them (no relaunch.launch) with exactly the arguments of the full path, D and the dQ
+    accumulator made per call; a dout of other strides goes the full way; dropout is not templated. The compiled
+    kernels are stand-ins (no GPU: launches recorded, not run)."""
+    from launch_utils import StandInKernel, fast_launches, same_arguments
+    from flashtile.kernels.triton import bwd as _bwd, fwd as _fwd
+    kernels = {name: StandInKernel(getattr(mod, name)) for mod, name in (
+        (_fwd, "attn_fwd_kernel"), (_bwd, "attn_bwd_preprocess_kernel"), (_bwd, "attn_bwd_dkdv_kernel"),
+        (_bwd, "attn_bwd_dq_kernel"))}
+    for name, kern in kernels.items():
+        monkeypatch.setattr(_fwd if name == "attn_fwd_kernel" else _bwd, name, kern)
+    monkeypatch.setattr(launch, "CONFIG_OVERRIDE", {"bwd": launch.Config(16, 32, 4, 1, atomic_dq=atomic)})
+    launches = fast_launches(monkeypatch)
+    g = torch.Generator().manual_seed(0)
+    if varlen:
+        q, k, v = (torch.randn(40, 4, 32, generator=g).to(DEVICE) for _ in range(3))
+        cu = torch.tensor([0, 17, 40], dtype=torch.int32, device=DEVICE)
+        lens = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=23, max_seqlen_k=23)
+        lse = torch.empty(4, 40, device=DEVICE)
+    else:
+        q, k, v = (torch.randn(2, 20, 4, 32, generator=g).to(DEVICE) for _ in range(3))
+        lens = {}
+        lse = torch.empty(2, 4, 20, device=DEVICE)
+    out, dout = torch.empty_like(q), torch.randn_like(q)
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+    params = launch.AttnParams(0.3, -1, 0)
+
+    def calls(name):
+        return kernels[name].calls
+
+    def step(memo, dout=dout):
+        launch.flash_fwd(q, k, v, out, lse, params, **lens, memo=memo)
+        launch.flash_bwd(dout, q, k, v, out, lse, *grads, params, **lens, memo=memo)
+
+    memo = {}
+    step(memo)
+    assert set(memo) == {"triton_fwd", "triton_bwd"}
+    n = len(launches)
+    step(memo)
+    assert len(launches) == n   # every launch through a template
+    templated = {name: k.calls[-1] for name, k in kernels.items() if k.calls}
+    assert ("attn_bwd_dq_kernel" in templated) is not atomic   # (atomic dQ: added inside the dK / dV launch)
+    step(None)                  # the full path, for reference
+    assert len(launches) > n
+    for name, t in templated.items():
+        ref = calls(name)[-1]
+        assert t[0] == "run" and ref[0] == "run" and t[1] == ref[1], name
+        # (D, the dQ accumulator and the outputs are made per call: same geometry, other tensors)
+        same_arguments(t[2], ref[2], shared=(q, k, v, out, lse, dout, *grads, *lens.values()))
+    n = len(launches)
+    step(memo, dout=torch.randn(dout.shape[:-1] + (64,), device=DEVICE)[..., ::2])   # other strides: full path
+    assert len(launches) > n
+    memo = {}
+    launch.flash_fwd(q, k, v, out, lse, launch.AttnParams(0.3, dropout_p=0.1, seed=1), **lens, memo=memo)
+    assert not memo

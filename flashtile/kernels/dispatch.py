@@ -1,7 +1,8 @@
 """Which kernel computes a problem: FlashAttention-3's Gluon kernels on Hopper where they take it, else the portable
 Triton kernels (launch.py). The decision is made once per problem: dispatch keeps a plan in the problem's cache
 (api.problem.Problem.cache), and a repeated call (a training loop) checks only what may change between calls (the
-FLASHTILE_GLUON switch, fa3.disabled(), the tensors' contiguity and 16-byte alignment) before launching.
+FLASHTILE_GLUON switch, fa3.disabled(), the tensors' contiguity and 16-byte alignment) before launching. The Triton
+launchers keep their launch templates in the same cache (their `memo`).
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def forward(p, params, q, k, v, out, lse, x, bias=None, mods=None) -> None:
     if plan is not None and plan(q, k, v, out, lse, params):
         return
     launch.flash_fwd(q, k, v, out, lse, params, x.alibi, x.cu_seqlens_q, x.cu_seqlens_k, p.seqlen_q, p.seqlen_k,
-                     bias=bias, mask=x.mask, sparse=x.sparse, mods=mods)
+                     bias=bias, mask=x.mask, sparse=x.sparse, mods=mods, memo=p.cache)
 
 
 class _GluonBackward:
@@ -85,4 +86,4 @@ def backward(p, params, dout, q, k, v, out, lse, dq, dk, dv, x, bias=None, dbias
         return
     launch.flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params, x.alibi, x.cu_seqlens_q, x.cu_seqlens_k,
                      p.seqlen_q, p.seqlen_k, deterministic=p.deterministic, bias=bias, mask=x.mask, sparse=x.sparse,
-                     dbias=dbias, mods=mods, dlse=dlse)
+                     dbias=dbias, mods=mods, dlse=dlse, memo=p.cache)

@@ -17,8 +17,8 @@ from ..gluon import fa3 as _fa3
 from . import bwd as _bwd
 from . import fwd as _fwd
 from ..params import AttnParams  # noqa: F401  (the launchers' scalar arguments)
-from ..runtime import (TensorDescriptor, cdiv, descriptor_fields, descriptor_from, interpreting,  # noqa: F401
-                       next_pow2, row_descriptor, tma_row_view)
+from ..runtime import (DescriptorType, TensorDescriptor, cdiv, descriptor_fields, descriptor_from,  # noqa: F401
+                       interpreting, next_pow2, row_descriptor, tma_row_view)
 
 
 def _rows(t: torch.Tensor):
@@ -257,7 +257,9 @@ def _launch(kernel, grid, *args, num_stages: int, **kwargs):
     over (the compile-time check raises before anything runs, so a retry is safe)."""
     while True:
         try:
-            return relaunch.launch(kernel, grid, args, dict(kwargs, num_stages=num_stages))
+            kw = dict(kwargs, num_stages=num_stages)
+            relaunch.launch(kernel, grid, args, kw)
+            return kw
         except triton.runtime.errors.OutOfResources:
             if num_stages <= 1:
                 raise
@@ -316,13 +318,51 @@ def _mod_flags(bias, mask, lists, params: Optional[AttnParams] = None, sq: int =
     return flags
 
 
+def _descriptor_type(desc):
+    """What makes descriptors of desc's geometry over other tensors (None for None)."""
+    return None if desc is None else DescriptorType(type(desc), descriptor_fields(desc))
+
+
+def _templated(params: AttnParams, bias, mask, sparse, mods) -> bool:
+    """Whether a launch's arguments other than its leading tensors are fixed by the caller's problem: no dropout
+    (its seed changes per call), none of the feature tensors that sit among the later arguments."""
+    return params.dropout_p == 0 and bias is None and mask is None and sparse is None and mods is None
+
+
+class _ForwardTemplate:
+    """flash_fwd's launch of one problem (the caller's memo keeps it): the compiled kernel bound to every argument
+    but the leading tensors and K / V descriptors, which are made over each call's tensors (host time: a training
+    loop repeats one problem per layer)."""
+    __slots__ = ("bound", "grid", "desc_k", "desc_v")
+
+    def __init__(self, bound, grid, desc_k, desc_v):
+        self.bound, self.grid = bound, (*grid, 1)
+        self.desc_k, self.desc_v = _descriptor_type(desc_k), _descriptor_type(desc_v)
+
+    def __call__(self, q, k, v, out, lse, cu_q, cu_k, alibi) -> bool:
+        dk = dv = None
+        if self.desc_k is not None:
+            dk, dv = self.desc_k(k), self.desc_v(v)
+            if dk is None or dv is None:
+                return False
+        return self.bound(self.grid, (q, k, v, out, lse, cu_q, cu_k, alibi, dk, dv))
+
+
+_FWD_LIVE = 10   # attn_fwd_kernel's leading tensors and descriptors
+
+
 def flash_fwd(q, k, v, out, lse, params: AttnParams, alibi: Optional[torch.Tensor] = None,
               cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-              bias=None, mask=None, sparse: Optional[SparseLists] = None, mods: Optional[UserMods] = None):
+              bias=None, mask=None, sparse: Optional[SparseLists] = None, mods: Optional[UserMods] = None,
+              memo: Optional[dict] = None):
     """out[...] = attention(q, k, v); lse[...] = row log-sum-exp (natural log, -inf for empty rows).
     bias (float) / mask (bool, True = may attend): 4-D, broadcastable to (batch, nheads, seqlen_q, seqlen_k);
     dense layout only. sparse: a block mask's lists (the partial tiles read `mask` and mods.mask_mod).
-    mods: user score_mod / mask_mod (flashtile.flex)."""
+    mods: user score_mod / mask_mod (flashtile.flex). memo: a dict the caller keeps per problem (everything but
+    the tensors' data fixed: shapes, strides, dtypes, scalars), where the launch's template is kept."""
+    tpl = memo.get("triton_fwd") if memo is not None else None
+    if tpl is not None and tpl(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi):
+        return
     head_dim = q.shape[-1]
     max_sq = max_seqlen_q if cu_seqlens_q is not None else q.shape[1]
     max_sk = max_seqlen_k if cu_seqlens_k is not None else k.shape[1]
@@ -351,19 +391,26 @@ def flash_fwd(q, k, v, out, lse, params: AttnParams, alibi: Optional[torch.Tenso
     desc_k = kv_descriptor(k, cfg.BLOCK_N, block_d)
     desc_v = kv_descriptor(v, cfg.BLOCK_N, block_d)
     use_tma = desc_k is not None and desc_v is not None
-    _launch(_fwd.attn_fwd_kernel, grid,
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi, desc_k if use_tma else None,
-        desc_v if use_tma else None,
+    if not use_tma:
+        desc_k = desc_v = None
+    args = (
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi, desc_k, desc_v,
         *_rows(q), *_rows(k), *_rows(v), *_rows(out), *_lse_strides(lse), alibi_sb,
         nheads, nheads // nheads_k, max_sq, max_sk, head_dim,
         score_scale, softcap_log2, params.window_left, params.window_right,
         params.dropout_p, params.seed, params.rng_offset, *rng,
         *_pair_args(bias, batch, nheads, max_sq, max_sk), *_pair_args(mask, batch, nheads, max_sq, max_sk),
-        *_sparse_args(sparse, batch, nheads, False),
+        *_sparse_args(sparse, batch, nheads, False))
+    kwargs = _launch(
+        _fwd.attn_fwd_kernel, grid, *args,
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, EVEN_D=block_d == head_dim, USE_TMA=use_tma,
         FOLD_SCALE=score_scale > 0, **_order_args(params, head_dim, "fwd", *grid),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_flags(params, alibi, cu_seqlens_q, head_dim, q.dtype),
         **_mod_flags(bias, mask, sparse, params, max_sq, max_sk), **_user_mod_kwargs(mods, "fwd"))
+    if memo is not None and _templated(params, bias, mask, sparse, mods):
+        bound = relaunch.bind(_fwd.attn_fwd_kernel, args, kwargs, _FWD_LIVE)
+        if bound is not None:
+            memo["triton_fwd"] = _ForwardTemplate(bound, grid, desc_k, desc_v)
 
 
 def attn_probs(q, k, lse, params: AttnParams, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None,
@@ -390,14 +437,59 @@ def attn_probs(q, k, lse, params: AttnParams, alibi=None, cu_seqlens_q=None, cu_
     return p
 
 
+class _BackwardTemplate:
+    """flash_bwd's launches of one problem (the caller's memo keeps it), each compiled kernel bound to every argument
+    but its leading tensors and descriptors: the preprocess (D), the dK / dV launch(es), then the dQ pass or, with
+    atomic dQ, the accumulator's copy. A call makes D, the accumulator and the descriptors over its own tensors."""
+    __slots__ = ("pre", "dkdv", "dq", "atomic", "descs", "dout_stride")
+
+    def __init__(self, pre, dkdv, dq, atomic, descs, dout_stride):
+        self.pre, self.dkdv, self.dq, self.atomic = pre, dkdv, dq, atomic
+        self.descs = [_descriptor_type(d) for d in descs]   # over q, dout, k, v, the dQ accumulator
+        self.dout_stride = dout_stride
+
+    def __call__(self, dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, alibi, dlse) -> bool:
+        """False where a launch does not take this call's tensors: nothing is left half done then, as the caller's
+        full path recomputes every output."""
+        if dout.stride() != self.dout_stride:
+            return False
+        delta = torch.empty_like(lse)
+        dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if self.atomic else dq
+        tq, tdo, tk, tv, tdq = self.descs
+        descs = (tq and tq(q), tdo and tdo(dout), tk and tk(k), tv and tv(v), tdq and tdq(dq_acc))
+        if any(d is None and t is not None for d, t in zip(descs, self.descs)):
+            return False
+        desc_q, desc_do, desc_k, desc_v, desc_dq = descs
+        bound, grid = self.pre
+        if not bound(grid, (out, dout, delta, None, cu_q)):
+            return False
+        if dlse is not None:
+            delta.sub_(dlse)
+        for bound, grid in self.dkdv:
+            if not bound(grid, (q, k, v, dout, lse, delta, dk, dv, dq_acc, cu_q, cu_k, alibi, desc_q, desc_do,
+                                desc_dq)):
+                return False
+        if self.atomic:
+            dq.copy_(dq_acc)
+            return True
+        bound, grid = self.dq
+        return bound(grid, (q, k, v, dout, lse, delta, dq, cu_q, cu_k, alibi, desc_k, desc_v))
+
+
+_PRE_LIVE, _DKDV_LIVE, _DQ_LIVE = 5, 15, 12   # the kernels' leading tensors and descriptors
+
+
 def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=None,
               cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, deterministic=False,
               bias=None, mask=None, sparse: Optional[SparseLists] = None, dbias=None,
-              mods: Optional[UserMods] = None, dlse: Optional[torch.Tensor] = None):
+              mods: Optional[UserMods] = None, dlse: Optional[torch.Tensor] = None, memo: Optional[dict] = None):
     """Fills dq, dk, dv (same layouts as q, k, v). deterministic=True: no atomics anywhere, bitwise
     reproducible gradients (a broadcast bias's dbias excepted: its reduction uses atomics).
     dbias: a zero-filled float32 tensor of bias's (4-D, unexpanded) shape, filled with dS summed over the
-    dimensions bias broadcasts along; None skips that work."""
+    dimensions bias broadcasts along; None skips that work. memo: as flash_fwd's (the launches' template)."""
+    tpl = memo.get("triton_bwd") if memo is not None else None
+    if tpl is not None and tpl(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, alibi, dlse):
+        return
     head_dim = q.shape[-1]
     max_sq = max_seqlen_q if cu_seqlens_q is not None else q.shape[1]
     max_sk = max_seqlen_k if cu_seqlens_k is not None else k.shape[1]
@@ -428,9 +520,11 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
             default=bwd_config(head_dim, q.dtype, causal))
     delta = torch.empty_like(lse)
     pre_m = 64 if not interpreting() else 32
-    relaunch.launch(_bwd.attn_bwd_preprocess_kernel, (cdiv(max_sq, pre_m), batch * nheads), (
-        out, dout, delta, None, cu_seqlens_q, *_rows(out), *_rows(dout), *_lse_strides(lse), 0, 0, 0, nheads, max_sq,
-        head_dim), dict(BLOCK_M=pre_m, BLOCK_D=flags["BLOCK_D"], IS_VARLEN=flags["IS_VARLEN"], ZERO_DQ=False))
+    pre_grid = (cdiv(max_sq, pre_m), batch * nheads)
+    pre_args = (out, dout, delta, None, cu_seqlens_q, *_rows(out), *_rows(dout), *_lse_strides(lse), 0, 0, 0, nheads,
+                max_sq, head_dim)
+    pre_kwargs = dict(BLOCK_M=pre_m, BLOCK_D=flags["BLOCK_D"], IS_VARLEN=flags["IS_VARLEN"], ZERO_DQ=False)
+    relaunch.launch(_bwd.attn_bwd_preprocess_kernel, pre_grid, pre_args, pre_kwargs)
     if dlse is not None:
         # a gradient arriving through the LSE output: d lse_i / d S_ij = P_ij, so dS_ij gains P_ij * dlse_i, i.e.
         # dS = P o (dP - (D - dlse)): folded into D, the kernels are unchanged
@@ -470,34 +564,61 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
     tiles = (cfg.BLOCK_N, cfg.num_warps, cfg.num_stages)
     passes = ([(dict(COMPUTE_DK=False), *(cfg.dv or tiles)), (dict(COMPUTE_DV=False), *tiles)] if cfg.split_dkdv
               else [({}, *tiles)])
+    record = memo is not None and _templated(params, bias, mask, sparse, mods) and dbias is None
+    launched = []   # (kernel, grid, args, kwargs) of the dK / dV launches and the dQ pass, for the template
     for only, block_n, warps, stages in passes:
         with_ds = only.get("COMPUTE_DK", True)
         dkdv_grid = (cdiv(max_sk, block_n), batch * nheads_k)
-        _launch(_bwd.attn_bwd_dkdv_kernel, dkdv_grid,
+        dkdv_args = (
             q, k, v, dout, lse, delta, dk, dv, dq_acc, cu_seqlens_q, cu_seqlens_k, alibi, desc_q, desc_do, desc_dq,
             *_rows(q), *_rows(k), *_rows(v), *_rows(dout), *_rows(dk), *_rows(dv), *_rows(dq_acc), *common,
             nheads_k, nheads // nheads_k, max_sq, max_sk, head_dim,
             params.softmax_scale, score_scale, softcap_log2, params.window_left, params.window_right,
             params.dropout_p, params.seed, params.rng_offset, *rng,
             *bias_args, *mask_args, *_pair_args(dbias, batch, nheads, max_sq, max_sk),
-            *_sparse_args(sparse, batch, nheads, True),
+            *_sparse_args(sparse, batch, nheads, True))
+        kw = _launch(
+            _bwd.attn_bwd_dkdv_kernel, dkdv_grid, *dkdv_args,
             BLOCK_M=cfg.BLOCK_M, BLOCK_N=block_n, EVEN_D=even_d, ATOMIC_DQ=atomic and with_ds, USE_TMA=use_tma,
             DQ_TMA=desc_dq is not None and with_ds,
             **_order_args(params, head_dim, "dkdv", *dkdv_grid),
             num_warps=warps, num_stages=stages, **flags, **mod_flags,
             **(dbias_flags if with_ds else {}), **_user_mod_kwargs(mods, "dkdv" if with_ds else "dq"), **only)
+        launched.append((_bwd.attn_bwd_dkdv_kernel, dkdv_grid, dkdv_args, kw, _DKDV_LIVE))
     if atomic:
         dq.copy_(dq_acc)
+        if record:
+            _remember_bwd(memo, (_bwd.attn_bwd_preprocess_kernel, pre_grid, pre_args, pre_kwargs, _PRE_LIVE), launched,
+                          True, (desc_q, desc_do, desc_k, desc_v, desc_dq), dout.stride())
         return
     # dQ pass: query blocks of dq_rows stream key blocks of dq_keys (by default BLOCK_N and BLOCK_M: the roles swap)
     dq_grid = (cdiv(max_sq, dq_rows), batch * nheads)
-    _launch(_bwd.attn_bwd_dq_kernel, dq_grid,
+    dq_args = (
         q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, alibi, desc_k, desc_v,
         *_rows(q), *_rows(k), *_rows(v), *_rows(dout), *_rows(dq), *common,
         nheads, nheads // nheads_k, max_sq, max_sk, head_dim,
         params.softmax_scale, score_scale, softcap_log2, params.window_left, params.window_right,
         params.dropout_p, params.seed, params.rng_offset, *rng,
-        *bias_args, *mask_args, *_sparse_args(sparse, batch, nheads, False),
+        *bias_args, *mask_args, *_sparse_args(sparse, batch, nheads, False))
+    kw = _launch(
+        _bwd.attn_bwd_dq_kernel, dq_grid, *dq_args,
         BLOCK_M=dq_rows, BLOCK_N=dq_keys, EVEN_D=even_d, USE_TMA=use_tma,
         **_order_args(params, head_dim, "dq", *dq_grid),
         num_warps=dq_warps, num_stages=dq_stages, **flags, **mod_flags, **_user_mod_kwargs(mods, "dq"))
+    if record:
+        launched.append((_bwd.attn_bwd_dq_kernel, dq_grid, dq_args, kw, _DQ_LIVE))
+        _remember_bwd(memo, (_bwd.attn_bwd_preprocess_kernel, pre_grid, pre_args, pre_kwargs, _PRE_LIVE), launched,
+                      False, (desc_q, desc_do, desc_k, desc_v, desc_dq), dout.stride())
+
+
+def _remember_bwd(memo: dict, pre, launched, atomic: bool, descs, dout_stride) -> None:
+    """Keep a _BackwardTemplate in memo when every launch has a bound kernel (relaunch.bind)."""
+    bounds = []
+    for kernel, grid, args, kwargs, n_live in (pre, *launched):
+        bound = relaunch.bind(kernel, args, kwargs, n_live)
+        if bound is None:
+            return
+        bounds.append((bound, (*grid, 1)))
+    dkdv = bounds[1:] if atomic else bounds[1:-1]
+    memo["triton_bwd"] = _BackwardTemplate(bounds[0], dkdv, None if atomic else bounds[-1], atomic, descs,
+                                           dout_stride)
