@@ -175,7 +175,7 @@ def test_validation_names_the_argument():
     q, k, v = _qkv(1, 16, 16, 2, 2, 32)
     with pytest.raises(TypeError, match="q.dtype"):
         flash_attn_fp8_func(q.float(), k.float(), v.float())
-    with pytest.raises(TypeError, match="dtypes"):
+    with pytest.raises(TypeError, match="k.dtype"):
         flash_attn_fp8_func(q, k.bfloat16(), v)
     with pytest.raises(TypeError, match="k"):
         flash_attn_fp8_func(q, [1], v)

@@ -234,18 +234,18 @@ def test_ring_rejects_bad_input_on_every_rank(pools):
     q = torch.randn(1, 16, 2, 16)
     per_rank = [(q, q, q)] * world
     res = pools(world).run(dict(kind="error", kwargs=dict(layout="stripes"), per_rank=per_rank))
-    assert all("ValueError" in rr["error"] and "layout" in rr["error"] for rr in res), res
+    assert all("ArgumentError" in rr["error"] and "layout" in rr["error"] for rr in res), res
     odd = torch.randn(1, 15, 2, 16)
     res = pools(world).run(dict(kind="error", kwargs=dict(layout="zigzag"), per_rank=[(odd, odd, odd)] * world))
-    assert all("ValueError" in rr["error"] and "q.shape[1]" in rr["error"] for rr in res), res
+    assert all("ArgumentError" in rr["error"] and "q.shape[1]" in rr["error"] for rr in res), res
     # rank 1 holds a longer shard than rank 0: every rank must raise (no hang)
     other = torch.randn(1, 32, 2, 16)
     res = pools(world).run(dict(kind="error", kwargs=dict(layout="contiguous"),
                                 per_rank=[(q, q, q), (other, other, other)]))
-    assert all("ValueError" in rr["error"] and "differ across the ranks" in rr["error"] for rr in res), res
+    assert all("ArgumentError" in rr["error"] and "equal shapes" in rr["error"] for rr in res), res
     res = pools(world).run(dict(kind="error", kwargs=dict(layout="contiguous"),
                                 per_rank=[(q, torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16))] * world))
-    assert all("ValueError" in rr["error"] and "k.shape[1]" in rr["error"] for rr in res), res
+    assert all("ArgumentError" in rr["error"] and "k.shape[1]" in rr["error"] for rr in res), res
 
 
 # --------------------------------------------------------------------------------------------------
