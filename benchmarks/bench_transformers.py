@@ -6,10 +6,14 @@ Usage (GPU machine, repo root):
     PYTHONPATH=. python benchmarks/bench_transformers.py --configs 1b --seqlens 2048,8192 --sections train --out DIR
     PYTHONPATH=. python benchmarks/bench_transformers.py --quick --out DIR         # CPU smoke run (Triton interpreter)
 Writes DIR/transformers.json and DIR/transformers.md after every case (a run that is stopped keeps what it
-measured) and prints the Markdown tables at the end.
+measured) and prints the Markdown tables at the end. The whole default grid (72 training cases, 8 generation cases)
+takes far longer than one 10-minute call: split it with --sections / --configs / --compile / --seqlens, and give
+each call --budget-s so that no case starts late.
 
-Models: random weights from a config (no download, HF_HUB_OFFLINE=1), untied embeddings, vocabulary 32000 (Llama 2's;
-Llama 3's 128256 would add 0.4-1.6 GB of logits and their fp32 loss copies per 32k tokens, none of it attention):
+Models: random weights from a config (no download, HF_HUB_OFFLINE=1), untied embeddings, vocabulary 32000 (Llama 2's,
+not Llama 3's 128256: the logits and the loss's fp32 copies of them take about 4 x 14 bytes x tokens x vocab, some
+15 GB per 32k tokens at 32000 and 60 GB at 128256, memory that has nothing to do with attention and would not leave
+room for the 8b config on an 80 GB GPU):
   1b: 16 layers, hidden 2048, 32 heads, 8 K/V heads, head dim 64, MLP 8192 (Llama 3.2 1B's shape), 1.1 B parameters;
   8b: Llama 3 8B's layer (hidden 4096, 32/8 heads, head dim 128, MLP 14336) cut to --layers-8b layers (4: 1.1 B).
 Each config's weights are drawn once (seed --seed) and loaded into every implementation's model, so all
@@ -18,8 +22,8 @@ implementations start from the same weights and see the same batches.
 Training (--sections train): one step = forward with labels = input_ids (transformers' shifted cross entropy) +
 backward + optimizer step (AdamW, fused when torch has it; --optimizer sgd saves the 2 optimizer states).
 Parameters, gradients and optimizer states are all in --dtype (pure bf16 on CUDA, no fp32 master copy), gradient
-checkpointing off unless --gradient-checkpointing. The batch is tokens-per-step / seqlen sequences (32768:
-16 x 2k, 4 x 8k, 1 x 32k).
+checkpointing off unless --gradient-checkpointing, use_cache=False. The batch is tokens-per-step / seqlen sequences
+(32768: 16 x 2k, 4 x 8k, 1 x 32k).
   dense:  no attention_mask (causal pretraining batches; an all-ones mask would make transformers build a 4-D mask
           for SDPA under torch.compile).
   padded: each row's length uniform in [L/2, L], right padding, 2-D attention_mask, labels -100 on padding.
@@ -33,9 +37,9 @@ Timing: --warmup steps (the first includes compilation), then --steps steps time
 median ms per step, tokens/s from it, peak allocated GiB over the case (weights and optimizer states included).
 Check: the first step's loss of every implementation against SDPA's on the same weights and batch, relative
 difference <= --loss-rtol (default 1e-3 in bf16/fp16, 1e-5 in fp32; two correct bf16 attentions differ by about
-1e-5 on this loss); the gradient norm of that step is compared too, recorded but not checked. With random weights the loss sits near ln(vocab), so this catches broken runs (NaN, padding leaking
-into real tokens), not small numerical differences: tests/test_transformers_integration.py checks logits and
-every gradient against SDPA in fp32.
+1e-5 on this loss); the gradient norm of that step is compared too, recorded but not checked. With random weights
+the loss sits near ln(vocab), so this catches broken runs (NaN, padding leaking into real tokens), not small
+numerical differences: tests/test_transformers_integration.py checks logits and every gradient against SDPA.
 
 Generation (--sections generate): greedy ``generate`` of --new-tokens tokens (min_new_tokens = max_new_tokens, so
 exactly that many) after a random --prompt-len prompt, batch --gen-batches, all-ones attention_mask.
@@ -45,7 +49,8 @@ exactly that many) after a random --prompt-len prompt, batch --gen-batches, all-
            CUDA graphs), the documented static-cache + torch.compile route.
 One warm-up generate, then one timed (wall clock, synchronized): new tokens/s = batch * new_tokens / generate time;
 TTFT (prefill + first token) = when the first new token reaches the host (a streamer notes it); decode tokens/s =
-batch * (new_tokens - 1) / (generate time - TTFT). Tokens are compared with SDPA's (greedy argmax on random weights may flip on bf16 near-ties).
+batch * (new_tokens - 1) / (generate time - TTFT). Tokens are compared with SDPA's (greedy argmax on random
+weights may flip on bf16 near-ties, so this is reported, not checked).
 
 Every case runs in its own try/except: status "ok", "oom", "error" (with the message) or "skipped" (with the
 reason: flex_attention refused by transformers, --budget-s reached); memory is freed between cases.
@@ -498,7 +503,8 @@ def markdown(report: dict) -> str:
         lines += ["", f"## Training step (forward + loss + backward + {m.get('optimizer') or m['optimizer_arg']})",
                   "", f"{m['tokens_per_step']} tokens per step (batch = tokens / seqlen); padded rows hold "
                   "lengths uniform in [L/2, L] and tokens/s counts real tokens only; compile = "
-                  f"torch.compile of the {m['compile_scope']} ({m['train_compile_kwargs']}); median of {m['steps']} steps after {m['warmup']} warm-up; "
+                  f"torch.compile of the {m['compile_scope']} ({m['train_compile_kwargs']}); "
+                  f"median of {m['steps']} steps after {m['warmup']} warm-up; "
                   f"loss = first step, Δ = relative difference from SDPA's (tolerance {m['loss_rtol']:g}).", "",
                   "| config | seqlen | batch | padded | compiled | impl | status | ms/step | tokens/s | vs sdpa | "
                   "peak GiB | loss | Δloss |",
@@ -588,8 +594,11 @@ def main(argv=None) -> dict:
             row.update(status=status, error=msg, peak_gib=peak_gib(args.device))
             del exc   # the traceback holds the case's frames, hence its tensors
         row["wall_s"] = round(time.perf_counter() - t0, 1)
-        reset_compiler()
-        free_memory()
+        try:
+            reset_compiler()
+            free_memory()
+        except Exception as exc:  # noqa: BLE001 - e.g. a CUDA error that poisoned the context: keep the row
+            row["cleanup_error"] = classify(exc)[1]
         return row
 
     def flex_refusal(cfg, impl):
