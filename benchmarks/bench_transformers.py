@@ -6,9 +6,9 @@ Usage (GPU machine, repo root):
     PYTHONPATH=. python benchmarks/bench_transformers.py --configs 1b --seqlens 2048,8192 --sections train --out DIR
     PYTHONPATH=. python benchmarks/bench_transformers.py --quick --out DIR         # CPU smoke run (Triton interpreter)
 Writes DIR/transformers.json and DIR/transformers.md after every case (a run that is stopped keeps what it
-measured) and prints the Markdown tables at the end. The whole default grid (72 training cases, 8 generation cases)
-takes far longer than one 10-minute call: split it with --sections / --configs / --compile / --seqlens, and give
-each call --budget-s so that no case starts late.
+measured) and prints the Markdown tables at the end. The whole default grid (72 training cases, 8 generation
+cases) takes far longer than one 10-minute call: split it with --sections / --configs / --compile / --seqlens, give
+each call --budget-s so that no case starts late, and join the calls' reports with --merge RUN... --out DIR.
 
 Models: random weights from a config (no download, HF_HUB_OFFLINE=1), untied embeddings, vocabulary 32000 (Llama 2's,
 not Llama 3's 128256: the logits and the loss's fp32 copies of them take about 4 x 14 bytes x tokens x vocab, some
@@ -138,6 +138,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--new-tokens", type=int, default=None, help="default 256; 4 with --quick")
     ap.add_argument("--budget-s", type=float, default=0.0,
                     help="start no new case after this many seconds (0 = no limit); the rest are 'skipped'")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="RUN",
+                    help="measure nothing: combine earlier runs (each a --out DIR or its transformers.json) into "
+                         "one report, written to --out and printed")
     args = ap.parse_args(argv)
 
     quick = args.quick
@@ -473,7 +476,9 @@ def annotate(report: dict, gen_tokens: dict):
         ok = r["status"] == "ok" and ref is not None
         r["speedup_vs_sdpa"] = r["new_tokens_per_s"] / ref["new_tokens_per_s"] if ok else None
         a, b = gen_tokens.get(gkey(r) + (r["impl"],)), gen_tokens.get(gkey(r) + (REF,))
-        r["same_tokens_as_sdpa"] = float((a == b).float().mean()) if ok and a is not None and b is not None else None
+        if a is not None and b is not None:   # else keep what the run that generated them computed (--merge)
+            r["same_tokens_as_sdpa"] = float((a == b).float().mean()) if ok else None
+        r.setdefault("same_tokens_as_sdpa", None)
 
 
 def _f(x, fmt="{:.1f}"):
@@ -491,9 +496,12 @@ def _status(r, notes):
 
 def markdown(report: dict) -> str:
     m = report["meta"]
+    commands = [r["command"] for r in m.get("merged_from", [m])]
     lines = ["# transformers end to end: flashtile vs SDPA vs FlexAttention", "",
              f"{m['device_name']}; torch {m['torch']}, transformers {m['transformers']}, triton {m['triton']}; "
-             f"{m['dtype']}; `{m['command']}`", ""]
+             f"{m['dtype']}", ""] + [f"    {c}" for c in commands] + [""]
+    if m.get("warning"):
+        lines += [f"**{m['warning']}**", ""]
     for name, c in report["configs"].items():
         lines.append(f"- **{name}**: {c['num_hidden_layers']} layers, hidden {c['hidden_size']}, heads "
                      f"{c['num_attention_heads']}/{c['num_key_value_heads']}, head dim {c['head_dim']}, MLP "
@@ -540,7 +548,8 @@ def markdown(report: dict) -> str:
 
 def write(report, gen_tokens, out):
     annotate(report, gen_tokens)
-    report["meta"]["elapsed_s"] = round(time.perf_counter() - report["meta"]["_t0"], 1)
+    if "_t0" in report["meta"]:
+        report["meta"]["elapsed_s"] = round(time.perf_counter() - report["meta"]["_t0"], 1)
     if out is None:
         return
     os.makedirs(out, exist_ok=True)
@@ -554,8 +563,36 @@ def write(report, gen_tokens, out):
 # -------------------------------------------------------------------------------------------------------- main
 
 
+def merge(runs: list) -> dict:
+    """One report from several runs' transformers.json (e.g. the calls a split grid took): their rows in order, the
+    first run's settings, every run's meta under "merged_from" and a warning when device, versions, dtype or timing
+    settings differ."""
+    reports = []
+    for run in runs:
+        path = run if run.endswith(".json") else os.path.join(run, "transformers.json")
+        with open(path) as f:
+            reports.append(json.load(f))
+    meta = dict(reports[0]["meta"], merged_from=[r["meta"] for r in reports])
+    keys = ("device_name", "torch", "transformers", "triton", "dtype", "warmup", "steps", "tokens_per_step",
+            "compile_scope", "train_compile_kwargs", "gen_compile_kwargs", "prompt_len", "new_tokens")
+    differ = [k for k in keys if len({json.dumps(r["meta"].get(k)) for r in reports}) > 1]
+    if differ:
+        meta["warning"] = f"the merged runs differ in {', '.join(differ)}: the header shows the first run's"
+    report = dict(meta=meta, configs={}, train=[], generate=[])
+    for r in reports:
+        report["configs"].update(r["configs"])
+        report["train"] += r["train"]
+        report["generate"] += r["generate"]
+    return report
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.merge:
+        report = merge(args.merge)
+        write(report, {}, args.out)
+        print(markdown(report))
+        return report
     ft_hf.register()
     meta = dict(command=" ".join([os.path.basename(sys.executable)] + sys.argv if argv is None
                                  else ["bench_transformers.py"] + list(argv)),

@@ -122,6 +122,7 @@ def test_failures_become_rows_and_the_grid_goes_on(tmp_path, monkeypatch):
 
     monkeypatch.setattr(mod, "run_train_case", fake_train)
     monkeypatch.setattr(mod, "run_generate_case", fake_generate)
+    monkeypatch.setattr(mod, "free_memory", lambda: None)   # gc.collect: 0.3 s a case here, nothing to free
     report = mod.main(["--quick", "--device", "cpu", "--impls", "flashtile,sdpa", "--compile", "eager",
                        "--gen-batches", "1", "--out", str(tmp_path)])
     rows = {(r["impl"], r["padded"]): r for r in report["train"]}
@@ -137,6 +138,17 @@ def test_failures_become_rows_and_the_grid_goes_on(tmp_path, monkeypatch):
     assert "error [1]" in md and "oom [2]" in md and "1. `ValueError: flashtile" in md
     saved = json.loads((tmp_path / "transformers.json").read_text())
     assert [r["status"] for r in saved["train"]] == [r["status"] for r in report["train"]]
+
+    # --merge joins runs (a split grid's calls): rows in order, every command listed, same-token fractions kept
+    other = dict(saved, meta=dict(saved["meta"], command="bench_transformers.py --second-call", dtype="bf16"))
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    merged = mod.main(["--merge", str(tmp_path), str(tmp_path / "other.json"), "--out", str(tmp_path / "merged")])
+    assert len(merged["train"]) == 2 * len(saved["train"]) and len(merged["generate"]) == 2 * len(saved["generate"])
+    assert "dtype" in merged["meta"]["warning"]
+    assert [r["same_tokens_as_sdpa"] for r in merged["generate"]] == [r["same_tokens_as_sdpa"]
+                                                                      for r in saved["generate"]] * 2
+    md = (tmp_path / "merged" / "transformers.md").read_text()
+    assert saved["meta"]["command"] in md and "--second-call" in md and "differ in dtype" in md
 
     skipped = mod.main(["--quick", "--device", "cpu", "--impls", "flashtile,sdpa", "--compile", "eager",
                         "--sections", "train", "--budget-s", "1e-9"])
