@@ -358,11 +358,13 @@ def run_train_case(cfg, state, impl, seqlen, batch, padded, compiled, args, data
         # use_cache=False: a training forward that builds a KV cache keeps every layer's K/V alive and makes
         # compiled layers guard on (and recompile for) each layer's cache slot
         out = forward(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
-        out.loss.backward()
+        loss = out.loss
+        del out   # the logits (tokens x vocab) need not outlive the backward
+        loss.backward()
         gn = grad_norm(model) if check else None
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return out.loss.detach(), gn
+        return loss.detach(), gn
 
     t0 = time.perf_counter()
     loss, gn = step(check=True)
