@@ -226,3 +226,22 @@ def test_other_flash_names_still_go_to_transformers():
         pass
     with pytest.raises(Exception):
         wrapped("flash_attention_2")
+
+
+def test_position_ids_read_once_per_forward(monkeypatch):
+    """Batch 1 with position_ids (every Llama forward): whether the row is packed is read from the device once per
+    position_ids tensor, not once per layer; an in-place change reads it again."""
+    from flashtile.integrations import transformers as ft_hf
+    reads = []
+    monkeypatch.setattr(ft_hf, "_SEEN", {})
+    pos = torch.arange(12).view(1, 12)
+
+    def compute(t):
+        reads.append(1)
+        return False
+    for _ in range(4):   # four layers
+        assert ft_hf._per_tensor("packed", pos, compute) is False
+    assert len(reads) == 1
+    pos[0, 5] = 0        # in place: a packed row now
+    assert ft_hf._is_packed(pos, 1, 12, 12) is True
+    assert ft_hf._is_packed(torch.arange(12).view(1, 12), 1, 12, 12) is False

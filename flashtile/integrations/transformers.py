@@ -28,6 +28,7 @@ custom 4-D masks. ``output_attentions`` returns None weights, as with transforme
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Optional
 
 import torch
@@ -68,14 +69,33 @@ def _packed_cu_seqlens(position_ids: torch.Tensor):
     return cu, int((cu[1:] - cu[:-1]).max().item())
 
 
+# id(position_ids) -> (weak reference, version counter, what _is_packed / _packed_cu_seqlens found): a model's
+# layers see one position_ids tensor per forward, whose values are then read once, not once per layer
+_SEEN: dict = {}
+
+
+def _per_tensor(name: str, t: torch.Tensor, compute):
+    """compute(t), remembered for t until it is freed or modified in place (not while torch.compile traces)."""
+    if torch.compiler.is_compiling():
+        return compute(t)
+    key = (name, id(t))
+    seen = _SEEN.get(key)
+    if seen is not None and seen[0]() is t and seen[1] == t._version:
+        return seen[2]
+    result = compute(t)
+    if len(_SEEN) >= 64:
+        _SEEN.clear()
+    _SEEN[key] = (weakref.ref(t), t._version, result)
+    return result
+
+
 def _is_packed(position_ids, batch: int, q_len: int, kv_len: int) -> bool:
     """Batch 1, no cache (q_len == kv_len), and positions that are not one increasing run."""
     if position_ids is None or batch != 1 or q_len != kv_len or q_len < 2:
         return False
-    pos = position_ids.reshape(-1)
-    if pos.numel() != q_len:
+    if position_ids.numel() != q_len:
         return False
-    return bool((pos[1:] != pos[:-1] + 1).any().item())
+    return _per_tensor("packed", position_ids, lambda t: bool((t.reshape(-1)[1:] != t.reshape(-1)[:-1] + 1).any()))
 
 
 def flashtile_attention_forward(
@@ -146,7 +166,7 @@ def flashtile_attention_forward(
             int(kwargs["max_length_q"]), int(kwargs["max_length_k"]), **opts)
         out = out.view(batch, q_len, *out.shape[1:])
     elif _is_packed(kwargs.get("position_ids"), batch, q_len, kv_len):
-        cu, max_len = _packed_cu_seqlens(kwargs["position_ids"])
+        cu, max_len = _per_tensor("cu_seqlens", kwargs["position_ids"], _packed_cu_seqlens)
         out = flash_attn_varlen_func(q.reshape(-1, *q.shape[2:]), k.reshape(-1, *k.shape[2:]),
                                      v.reshape(-1, *v.shape[2:]), cu, cu, max_len, max_len, **opts)
         out = out.view(batch, q_len, *out.shape[1:])
