@@ -3,7 +3,7 @@ fraction of non-empty tiles?
 
 GPU run (repo root, one H100/H200, about 2-4 minutes):
 
-    PYTHONPATH=. python benchmarks/bench_density.py --out benchmarks/results/<gpu>-<date>
+    PYTHONPATH=. python benchmarks/bench_density.py --out DIR
 
 CPU smoke run (Triton interpreter, tiny sizes, fp16):
 

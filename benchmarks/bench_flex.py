@@ -2,7 +2,7 @@
 
 GPU run (repo root, one H100/H200, about 5-10 minutes, most of it torch.compile):
 
-    PYTHONPATH=. python benchmarks/bench_flex.py --out benchmarks/results/<gpu>-<date>
+    PYTHONPATH=. python benchmarks/bench_flex.py --out DIR
 
 CPU smoke run (Triton interpreter, tiny sizes, fp16; torch FlexAttention only as an eager correctness check):
 

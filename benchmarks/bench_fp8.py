@@ -1,7 +1,7 @@
 """FP8 attention (FA3 §3.3) on the GPU: correctness checks, FA3 Table 3 accuracy, and forward TFLOP/s on the FA3
 grid against flashtile bf16 and cuDNN bf16, all in one run.
 
-    PYTHONPATH=. python benchmarks/bench_fp8.py --out benchmarks/results/fp8-<gpu>-<date>.json
+    PYTHONPATH=. python benchmarks/bench_fp8.py --out DIR/fp8.json
 
 What it measures (the FA3 paper's §4.1 protocol, docs/performance.md: total tokens 16k, hidden 2048, headdim 64/128/256, causal and full,
 triton.testing.do_bench median, every provider in the same run):
@@ -284,9 +284,8 @@ def main():
     ap.add_argument("--seqlens", default="1024,2048,4096,8192,16384")
     ap.add_argument("--accuracy-shape", default="4,4096,16,128", help="b,n,h,d")
     ap.add_argument("--accuracy-seqlens", default="1024,2048,4096,8192,16384")
-    # do_bench warm-up / repetition ms, as flashtile bench and the sweeps: with 10 / 30 the twenty-third session's
-    # grid read the d128 FP8 kernel up to 7% lower and flashtile bf16 up to 14% higher than with 25 / 100 in the same
-    # session (BENCHMARKS.md section 5), the eighth session's "grid reads 10% lower" as well
+    # do_bench warm-up / repetition ms, as flashtile bench and the sweeps: with 10 / 30 an H200 grid read the d128 FP8
+    # kernel up to 7% lower and flashtile bf16 up to 14% higher than with 25 / 100 in the same process
     ap.add_argument("--warmup", type=int, default=25)
     ap.add_argument("--rep", type=int, default=100)
     ap.add_argument("--skip", default="", help="comma list of sections to skip: checks,accuracy,speed")

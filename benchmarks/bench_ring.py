@@ -1,7 +1,7 @@
 """Ring attention (context parallelism) on several GPUs: agreement with one GPU and scaling with sequence length.
 
-    torchrun --nproc_per_node=2 benchmarks/bench_ring.py --out benchmarks/results/ring-h200x2-DATE.json
-    torchrun --nproc_per_node=4 benchmarks/bench_ring.py --out benchmarks/results/ring-h200x4-DATE.json
+    torchrun --nproc_per_node=2 benchmarks/bench_ring.py --out DIR/ring-2gpu.json
+    torchrun --nproc_per_node=4 benchmarks/bench_ring.py --out DIR/ring-4gpu.json
 
 (run from the repository root; no install needed: the script puts the source tree on sys.path.)
 

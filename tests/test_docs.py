@@ -5,6 +5,7 @@ subcommand the CLI's parser accepts (`flashtile.cli.main([sub, "--help"])` exits
 subcommand's help lists; a `python examples/<script>` (or `torchrun ... examples/<script>`) must name an
 existing script whose source defines every option used; `python -m pytest <paths>` must name existing paths.
 From each ```python block: every `from flashtile... import ...` line must import.
+README.md, BENCHMARKS.md and docs/*.md cite only paths of the repository that exist (benchmarks/..., flashtile/...).
 No file of the repository points outside it (a sibling folder, the papers' numbered notes it was written from, a
 design or anchors file that only exists beside the checkout): papers are cited by title, section and algorithm.
 """
@@ -167,3 +168,22 @@ def test_the_outside_patterns_catch_what_they_should():
         assert any(p.search(text) for p, _ in OUTSIDE), text
     for text in misses:
         assert not any(p.search(text) for p, _ in OUTSIDE), text
+
+
+# A path into the repository that a document cites: a script, a module, a results file or folder.
+CITED = re.compile(r"(?<![\w/.])((?:benchmarks|flashtile|examples|tests|docs)/[\w./*<>-]*[\w/*>])")
+
+
+def test_paths_the_documents_cite_exist():
+    """README.md, BENCHMARKS.md and docs/*.md cite only files and folders the repository has (results folders and
+    scripts that were removed live in the git history, which the documents cite by commit)."""
+    missing = []
+    for path in [ROOT / "README.md", ROOT / "BENCHMARKS.md", *DOCS]:
+        for lineno, line in enumerate(path.read_text().splitlines(), 1):
+            for m in CITED.finditer(line):
+                cited = m.group(1).rstrip(".")
+                if "<" in cited:                     # a placeholder: benchmarks/results/<gpu>/
+                    continue
+                if not (any(ROOT.glob(cited)) if "*" in cited else (ROOT / cited).exists()):
+                    missing.append(f"{path.name}:{lineno}: {cited}")
+    assert not missing, "documents cite paths the repository does not have:\n" + "\n".join(missing)
