@@ -1,9 +1,8 @@
 """Launching a compiled Triton / Gluon kernel again without Triton's JIT dispatch (host time).
 
 `kernel[grid](*args, **kwargs)` binds the arguments, specializes each one and builds the cache key before it finds
-the compiled kernel, then builds launch-hook metadata and looks up the device and stream: on the H200 machine that
-is 10-30 us of Python per launch (BENCHMARKS.md §1c), against 10-60 us of GPU time for a small attention call's
-kernels. launch() keys the compiled kernel on a superset of what Triton specializes on (per tensor its dtype and
+the compiled kernel, then builds launch-hook metadata and looks up the device and stream: tens of microseconds of
+Python per launch, as much as the GPU time of a small attention call's kernels. launch() keys the compiled kernel on a superset of what Triton specializes on (per tensor its dtype and
 16-byte alignment; per int whether it is 1, a multiple of 16 and within int32; per TMA descriptor its dtype, block,
 layout and padding; tuples element by element; every constexpr and launch option by value) and calls it directly
 the next time with the same arguments in parameter order (CompiledKernel[grid], the call Triton's dispatch ends

@@ -1,8 +1,8 @@
 """Split-KV decode over a paged KV cache with pages smaller than the key tile (pages of 16 / 32 keys), in Gluon.
 
 Triton's decode kernel (kernels/triton/decode.py) reads such pages by a per-row gather: a block-table entry and a
-256-byte pointer load per key row, which reads 84-90% of the HBM ceiling where a contiguous cache's TMA tiles read
-96-102% (BENCHMARKS.md §4: random pages themselves cost <= 1%). Reading each page as a TMA box through tl.dot's
+256-byte pointer load per key row, which reads HBM well below a contiguous cache's TMA tiles (random page order
+itself costs little). Reading each page as a TMA box through tl.dot's
 pipeline was slower still: Triton waits for every box on its own barrier. This kernel owns its barriers: a
 BLOCK_N-key tile of K (and of V) is BLOCK_N / PAGE TMA boxes of (PAGE, HEAD_D) copied into one stage's buffer and
 counted by ONE mbarrier with the tile's bytes, so a stage costs one wait whatever the page size.

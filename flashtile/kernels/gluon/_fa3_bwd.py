@@ -199,9 +199,8 @@ def _step(t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs, p_
         dk_tok = warpgroup_mma(ds_smem.permute((1, 0)), q_s, dk, is_async=True)
         mbarrier.arrive(ds_ready.index(buf), count=1)
         if t > 0:
-            # line 18 one step late, so the warpgroups need not meet at every step (measured faster than meeting:
-            # BENCHMARKS.md): dQ_{t-1} needs the other warpgroup's dS_{t-1}, which it stored half a step ago at the
-            # latest
+            # line 18 one step late, so the warpgroups need not meet at every step (measured faster than meeting):
+            # dQ_{t-1} needs the other warpgroup's dS_{t-1}, which it stored half a step ago at the latest
             dq_tok = _dq_product(ds_bufs, ds_ready, k_smem, dq_init, t - 1, wg, WG_N, BLOCK_M)
             _pass_turn(turns, wg, 2, PINGPONG)
             dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, dq_tok))

@@ -360,7 +360,7 @@ def _p_cast(p, CAST: gl.constexpr):
     """CAST: P~ -> e4m3 (round to nearest even, saturating, as the quantizer and the Triton kernel), four
     consecutive keys (one A-operand register) per two cvt; else P~ as it is. Cast next to the wgmma that reads
     it: carried across the loop as e4m3, P~'s bytes were split and repacked (about 3 more instructions per
-    element), which cost 5-16% (H200, BENCHMARKS.md §5) although it saves registers (at d256 a few spill)."""
+    element), which measured slower although it saves registers (at d256 a few spill)."""
     if CAST:
         return gl.inline_asm_elementwise(
             "{ .reg .b16 lo, hi;\n"

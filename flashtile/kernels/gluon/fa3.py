@@ -21,27 +21,19 @@ from ..runtime import DescriptorType, descriptor_fields, row_descriptor, tickets
 
 SMEM_LIMIT = 227 * 1024 - 1024   # an SM's shared memory per block, less room for the mbarriers
 # the forward runs persistent (at most one program per SM, each drawing tile after tile from a counter of the
-# stream: decode.tickets); False: one program per tile
+# stream: runtime.tickets); False: one program per tile
 PERSISTENT = True
 WG_ROWS = 64   # query rows per consumer warpgroup (one wgmma M): Br = 64 x consumer warpgroups
-# head_dim -> (consumer warpgroups, Bc, pipeline stages), chosen by measurement on an H200 (benchmarks/sweep_fa3.py,
-# BENCHMARKS.md): Q_i + STAGES x (K_j, V_j) must fit the 227 KiB of shared memory (d128: 160 KiB; a third stage
-# fits but measured no faster; d256: 192 KiB) and S, P~, O the consumers' registers (240 per thread with two
-# warpgroups, 160 with three: THREE_WG). Head dim 64 takes FA3's Br = 192 (three warpgroups): with two it was no
-# faster than the Triton kernel (437-446 vs 438 TFLOP/s at 8k), with three 507-515 (BENCHMARKS.md §1)
+# head_dim -> (consumer warpgroups, Bc, pipeline stages) of the forward (benchmarks/sweep_fa3.py). Q_i + STAGES x
+# (K_j, V_j) fit the 227 KiB of shared memory, S, P~ and O the consumers' registers (240 per thread with two
+# warpgroups, 160 with three: THREE_WG); d64 takes FA3's Br = 192 (three warpgroups)
 CONFIGS = {64: (3, 128, 2), 128: (2, 128, 2), 256: (2, 64, 2)}
-# head_dim -> whether the consumer warpgroups take turns issuing their GEMMs (FA3's ping-pong), (full, causal).
-# Measured: turns win in full attention at d128 (+1-2%) and d64 (+1-2%); under a causal mask, and at d256, free
-# scheduling by the warp scheduler is as fast or 2-3% faster (BENCHMARKS.md, the fa3 sweep)
+# head_dim -> whether the consumer warpgroups take turns issuing their GEMMs (FA3's ping-pong), (full, causal)
+# (benchmarks/sweep_fa3.py)
 PINGPONG = {64: (True, False), 128: (True, False), 256: (False, False)}
-# (head_dim, causal) -> ((longest seqlen_q, (consumer warpgroups, Bc, stages, ping-pong)), ...), by increasing
-# length: the first entry whose length seqlen_q does not exceed is taken instead of the two tables above
-# (fwd_config, which eligible() asks for Bc too). d64: Br = 192 leaves short sequences few tiles of uneven length;
-# two warpgroups measured faster there (H200, 16k tokens, `benchmarks/sweep_fa3.py --seqlens 512,1024,2048`, kernel
-# TFLOP/s, two / three warpgroups): causal 208 / 163 at 512, 306 / 253 at 1k, 363 / 372 at 2k; full 375 / 355 at
-# 512, 406 / 422 at 1k. Causal at 512: Bc 64 with 3 stages (more, shorter key blocks for the few tiles; H200, same
-# sweep pinned to one core, BENCHMARKS.md §1 seventeenth session) 233.5 against Bc 128's 212.0 at d64, 318.2 against
-# 297.5 at d128; at 1k Bc 128 stays ahead (308.7 / 298.0, 418.6 / 402.9)
+# (head_dim, causal) -> ((longest seqlen_q, (consumer warpgroups, Bc, stages, ping-pong)), ...) by increasing length:
+# the first entry whose length seqlen_q does not exceed replaces the two tables above (fwd_config): short sequences
+# have few tiles, which fewer warpgroups and shorter key blocks balance better (benchmarks/sweep_fa3.py --seqlens)
 SHORT_CONFIGS = {(64, True): ((512, (2, 64, 3, False)), (1024, (2, 128, 2, False))),
                  (64, False): ((512, (2, 128, 2, False)), ),
                  (128, True): ((512, (2, 64, 3, False)), )}
@@ -59,37 +51,19 @@ FWD_REGS: dict = {}
 
 # head_dim -> (consumer warpgroups, Bc, stages) of the FP8 forward (FA3 §3.3; Br = 64 x warpgroups, one Q descale
 # per warpgroup's 64 rows): Q_i, STAGES x (K_j, V_j^T) e4m3 and a bf16 / fp16 output tile per consumer warpgroup
-# within 227 KiB (d256: 224 KiB). Chosen on an H200 (benchmarks/sweep_fp8_gluon.py, BENCHMARKS.md §5, b*n = 16k,
-# TFLOP/s at 8k full / causal): d128 two warpgroups, Bc 128 (812-835 / 750-762; 3 stages 797-805 / 739; three
-# warpgroups 705 / 566: at 160 registers the S, O and P~ of d128 spill; Bc 256 747 / 633), d256 Bc 128 (1160-1236 /
-# 938-1036), d64 three warpgroups, Bc 128 (579-584 / 527-534; 3 stages 582 / 527; the Triton FP8 kernel 536-538 /
-# 476; two warpgroups with Bc 256 541 / 507; Bc 64 467-473 / 426-437)
+# within 227 KiB (benchmarks/sweep_fp8_gluon.py)
 FP8_CONFIGS = {64: (3, 128, 2), 128: (2, 128, 2), 256: (2, 128, 2)}
-# head_dim -> ping-pong (full, causal) of the FP8 forward: within run-to-run noise at d256 (full 1210-1236 with, 1160-
-# 1208 without; causal 976-1001 with, 969-1036 without), slower at d64 (568 / 523 with) and d128 (three warpgroups)
+# head_dim -> ping-pong (full, causal) of the FP8 forward (benchmarks/sweep_fp8_gluon.py)
 FP8_PINGPONG = {64: (False, False), 128: (False, False), 256: (True, False)}
 
 # head_dim -> (Br, Bc, stages) of the backward: a program owns Bc = 2 x 64 keys (one half per consumer
 # warpgroup, dK / dV in registers) and streams Br query rows per step through `stages` (Q_i, dO_i) buffers
 BWD_CONFIGS = {64: (128, 128, 2), 128: (64, 128, 2)}
 # causal -> the longest seqlen_q at which the backward writes dK_j, dV_j by TMA from shared memory (longer: 4-byte
-# stores from registers); today every length. Under a causal mask: same-run A/B on an H200 against the stores
-# (benchmarks/results/h200-2026-11-21k/, bf16, 16k tokens, 2k / 8k, TFLOP/s, stores -> TMA): d64 297.3 -> 318.5,
-# 396.1 -> 405.0; d128 350.1 -> 368.2, 453.3 -> 464.8 (short causal programs end sooner). In full attention
-# (benchmarks/results/h200-2026-11-24c/ab_tma_full.log, 5 rounds, 1k / 2k / 4k / 8k / 16k): d64 339.2 -> 355.3,
-# 399.3 -> 409.1, 441.5 -> 448.6, 469.1 -> 466.4, 471.4 -> 471.4; d128 383.4 -> 389.0, 461.3 -> 462.8, 498.0 ->
-# 501.0, 521.5 -> 521.6, 533.0 -> 530.6 (the register stores' epilogue took 3.6 us of a program's 80, the TMA one
-# 1.3: %globaltimer stamps, d128 2k, instr_bwd_h200_*.log), so up to 4k only at first; since the TMA stores run
-# beside the last dQ product (_fa3_bwd.py) also at 8k / 16k (ab_tma_full_after.log, 5 rounds): d64 474.7 -> 479.2,
-# 478.9 -> 481.0; d128 523.6 -> 528.0, 540.9 -> 544.7 (4k: 505.2 -> 512.3)
+# stores from registers); every length today (same-run A/Bs on an H200: `git log -S BWD_DKV_TMA`)
 BWD_DKV_TMA = {False: 1 << 62, True: 1 << 62}
-
-
 # (head_dim, causal) -> whether the backward's consumer warpgroups take turns issuing their GEMMs (S, dP; then dV,
-# dK, dQ), as the forward's ping-pong. Same-run A/B on an H200 (bf16, 16k tokens, best of 3, TFLOP/s free -> turns;
-# benchmarks/results/h200-2026-11-24c/ab_bwd_pingpong*.log): d64 causal 1k / 2k / 4k / 8k / 16k 251.4 -> 259.1,
-# 327.5 -> 342.0, 383.2 -> 394.2, 418.5 -> 437.8, 442.4 -> 459.2; slower elsewhere: d64 full 2k / 8k 0.968x /
-# 0.952x, d128 full 0.970-1.006x, d128 causal 0.980-1.000x
+# dK, dQ), as the forward's ping-pong (same-run A/Bs on an H200: `git log -S BWD_PINGPONG`)
 BWD_PINGPONG = {(64, True): True}
 
 
@@ -231,8 +205,7 @@ class _FwdTemplate:
     """How _launch_fwd launched a problem before: the compiled kernel bound to every argument but the live ones
     (relaunch.Bound), the launch options it was bound with (a call whose options differ, after a change of the
     config tables, goes the slow way) and the q, k, v, out descriptors' fields (launch.descriptor_fields): a
-    repeated call skips relaunch's key over every argument and the descriptors' geometry checks (host time,
-    BENCHMARKS.md section 1c)."""
+    repeated call skips relaunch's key over every argument and the descriptors' geometry checks (host time)."""
     __slots__ = ("bound", "kwargs", "descs")
 
     def __init__(self, bound, kwargs, cls, fields):

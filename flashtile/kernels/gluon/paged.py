@@ -15,15 +15,8 @@ from ..runtime import descriptor_fields, descriptor_from
 from . import fa3
 
 # page size (keys) -> (BLOCK_N keys per tile, STAGES) of the pages this kernel reads: 64-key tiles and 3 stages (104
-# KB of shared memory at d128: two programs per SM). H200, bf16 d128, nheads 32 / 8, graph replay (BENCHMARKS.md §4,
-# twenty-second session), us, this config / 128-key tiles (one program per SM) / the Triton kernel's gather: pages
-# of 16 b8 32k 268.7 / 279.4 / 295.2, b64 4k 259.2 / 278.5 / 308.9, b1 32k 51.1 / 54.9 / 56.1, b1 128k 144.1 / 152.6
-# / 157.5 (cuDNN on a contiguous cache 261.1 / 255.1 / 49.7 / 140.1); 4 or 6 stages of 64 keys (one program per SM)
-# slower still. Pages of 32 (against the Triton kernel's one-page tiles): b8 32k 265.4 / 259.9 / 275.0, b64 32k
-# 1946.4 / 1959.9 / 1991.9; the 128-key tiles' grid had b1 4k 18.2, b8 4k 53.1, b64 128k 8519.6 (cuDNN 16.6, 48.6,
-# 7642.8). Pages of 64 stay with the Triton kernel's one-page TMA tiles: 128-key tiles here were slower at batch 1
-# and b8 4k (b1 32k 53.1 / Triton 50.6, b8 4k 53.1 / 49.0), faster only at b8 128k and b64 32k (985.5 / 994.8,
-# 1919.7 / 1945.2).
+# KB of shared memory at d128: two programs per SM); pages of 64 and more stay with the Triton kernel's one-page TMA
+# tiles (chosen by the decode grid with paged.OVERRIDE pinning block_n / stages: `git log -S PAGE_CONFIGS`)
 PAGE_CONFIGS = {16: (64, 3), 32: (64, 3)}
 HEAD_DIMS = (64, 128)
 MAX_ROWS = 64          # seqlen_q x (nheads / nheads_k): wgmma's M
@@ -138,7 +131,7 @@ _TEMPLATES: dict = {}
 class _Template:
     """How decode_paged launched a signature before: the compiled kernel bound to every argument but the live ones
     (relaunch.Bound), the grid, the cache descriptors' fields and the split count; a decode loop's later steps skip
-    the launch's key over every argument and the descriptors' checks (host time, BENCHMARKS.md §1c)."""
+    the launch's key over every argument and the descriptors' checks (host time)."""
     __slots__ = ("bound", "grid", "cls", "k_fields", "v_fields", "n")
 
     def __init__(self, bound, grid, cls, k_fields, v_fields, n):
