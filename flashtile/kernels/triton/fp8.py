@@ -26,7 +26,7 @@ and tests/gpu), and the hardware cast keeps the quantizer at the speed of a plai
 import triton
 import triton.language as tl
 
-from .mods import key_range, visible
+from .mods import key_range, mma, to_dtype, visible
 
 E4M3_MAX = 448.0
 LOG2_E4M3_MAX = 8.807354922057604    # log2(448): P~ = exp2(S - m + log2 448) fills e4m3's range
@@ -103,7 +103,7 @@ def fwht_rows_mma(x, h):
     """x diag(signs) H_D on the tensor cores: x (BLOCK, D) in its 16-bit input dtype times h = signed_hadamard()
     in that dtype (+-1 and 0: exact), fp32 accumulate. Every product is exact; only the fp32 summation order
     differs from the butterflies."""
-    return tl.dot(x, h)
+    return mma(x, h, None, None)
 
 
 @triton.jit
@@ -145,7 +145,7 @@ def quant_fp8_kernel(
     if INCOHERENT:
         signs = tl.load(SIGNS + offs_d, mask=offs_d < head_dim, other=0.0)
         if FWHT_MMA:
-            hmat = signed_hadamard(signs, BLOCK_D).to(X.dtype.element_ty)
+            hmat = to_dtype(signed_hadamard(signs, BLOCK_D), X.dtype.element_ty)
     first = pid_g * GROUP
     for pid_n in range(first, tl.minimum(first + GROUP, tl.cdiv(seqlen, BLOCK))):
         offs_n = pid_n * BLOCK + offs_r
@@ -239,7 +239,7 @@ def _fp8_tile(acc, l_i, m_i, dv_prev, q, qk_scale, desc_k, desc_v, k_blk, v_blk,
     # line 8: S = Q8 K8^T, fp32 accumulate; block descales of Q_i and K_j join the softmax scale (FA3 §3.3)
     # (the scale c > 0 is applied to the row max and inside exp2's argument, not to the whole tile)
     c = qk_scale * tl.load(K_SCALE_ROW + blk * stride_ksm)
-    s = tl.dot(q, tl.trans(k))
+    s = mma(q, tl.trans(k), None, None)
     if MASKED:
         s = tl.where(visible(offs_m[:, None], cols[None, :], seqlen_q, seqlen_k, 0, 0, False, CAUSAL),
                      s, float("-inf"))
@@ -257,7 +257,7 @@ def _fp8_tile(acc, l_i, m_i, dv_prev, q, qk_scale, desc_k, desc_v, k_blk, v_blk,
     # line 10 with V_j's block descale dv_j folded into the row rescale: acc is kept in units of dv_j
     dv = tl.load(V_SCALE_ROW + blk * stride_vsm)
     acc = acc * (alpha * (dv_prev / dv))[:, None]
-    acc = tl.dot(to_e4m3(p, SOFT_CAST), v, acc)
+    acc = mma(to_e4m3(p, SOFT_CAST), v, acc, None)
     return acc, l_i, m_new, dv
 
 
@@ -330,7 +330,7 @@ def attn_fwd_fp8_kernel(
     out = acc * (dv_prev / l_safe)[:, None]
     out = tl.where(empty[:, None], 0.0, out)
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe) - 8.807354922057604) * 0.6931471805599453)
-    tl.store(o_base + offs_r[:, None] * stride_om + offs_d[None, :], out.to(O.dtype.element_ty),
+    tl.store(o_base + offs_r[:, None] * stride_om + offs_d[None, :], to_dtype(out, O.dtype.element_ty),
              mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim))
     lse_ptrs = LSE + b64 * stride_lse_b + tl.cast(h, tl.int64) * stride_lse_h + offs_m
     tl.store(lse_ptrs, lse, mask=offs_m < seqlen_q)

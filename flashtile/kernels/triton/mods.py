@@ -6,7 +6,46 @@ log2(e) so the softmax uses exp2, and the stored LSE is converted back to natura
 import triton
 import triton.language as tl
 
+try:  # @triton.jit gives an InterpretedFunction under TRITON_INTERPRET=1
+    from triton.runtime.interpreter import InterpretedFunction as _Interpreted
+except ImportError:  # pragma: no cover
+    _Interpreted = ()
+
 LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def mma(a, b, acc, DOT_PREC: tl.constexpr):
+    """a @ b (+ acc), fp32 accumulate: every tl.dot of the Triton kernels goes through here. DOT_PREC: tl.dot's
+    input_precision (None: its default).
+
+    The Triton interpreter multiplies bf16 tiles as their raw 16-bit patterns (numpy has no bfloat16), so there
+    the operands are widened to fp32 first: a bf16 x bf16 product is exact in fp32, and the sum is fp32 as on the
+    tensor cores, so the result is what a GPU computes. INTERPRETED is False wherever the kernels are compiled:
+    the branch is dropped at compile time and the GPU kernels are the plain tl.dot."""
+    if INTERPRETED:
+        if a.dtype == tl.bfloat16:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc, input_precision=DOT_PREC)
+
+
+@triton.jit
+def to_dtype(x, DTYPE: tl.constexpr):
+    """x.to(DTYPE), rounding to nearest even as the GPU's conversions do: every fp32 -> 16-bit conversion of the
+    kernels (P and dS before their products, the stored O, dQ, dK, dV) goes through here.
+
+    The Triton interpreter's fp32 -> bf16 conversion drops the low 16 bits (rounds toward zero: half an ulp of
+    bias on average) and mangles subnormals, so there the bf16 bits are made from x's own: its high half, rounded
+    to nearest even on the low half (a NaN becomes the quiet NaN). Compiled kernels (INTERPRETED False) convert
+    directly."""
+    if INTERPRETED:
+        if DTYPE == tl.bfloat16:
+            if x.dtype == tl.float32:
+                bits = x.to(tl.uint32, bitcast=True)
+                hi = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
+                hi = tl.where(x == x, hi, 0x7FC0)
+                return hi.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return x.to(DTYPE)
 
 
 @triton.jit
@@ -18,6 +57,11 @@ def seq_bounds(b, cu_seqlens_ptr, seqlen_static, IS_VARLEN: tl.constexpr):
         return start, end - start
     else:
         return 0, seqlen_static
+
+
+# Whether Triton runs this module's kernels through its interpreter: it decides when a function is decorated, so
+# asking a decorated function gives its answer for every kernel (mma's bf16 products depend on it).
+INTERPRETED = tl.constexpr(isinstance(seq_bounds, _Interpreted))
 
 
 @triton.jit

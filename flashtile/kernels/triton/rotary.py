@@ -15,6 +15,7 @@ import triton.language as tl
 
 from .. import relaunch
 from .launch import cdiv, next_pow2
+from .mods import to_dtype
 
 
 @triton.jit
@@ -45,8 +46,8 @@ def _rotate_heads(SRC, DST, src_rows, dst_rows, h_ok, COS, SIN, pos, stride_cos,
         s = tl.load(SIN + pos64 * stride_sin + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
         o1 = x1 * c - x2 * s
         o2 = x1 * s + x2 * c
-        tl.store(DST + dst_rows[:, None] + i1[None, :], o1.to(DST.dtype.element_ty), mask=mask)
-        tl.store(DST + dst_rows[:, None] + i2[None, :], o2.to(DST.dtype.element_ty), mask=mask)
+        tl.store(DST + dst_rows[:, None] + i1[None, :], to_dtype(o1, DST.dtype.element_ty), mask=mask)
+        tl.store(DST + dst_rows[:, None] + i2[None, :], to_dtype(o2, DST.dtype.element_ty), mask=mask)
 
 
 @triton.jit
