@@ -39,10 +39,10 @@ def attn_bwd_preprocess_kernel(O, DO, Delta, CU_SEQLENS_Q,
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim)
     rows = (q_start + offs_m).to(tl.int64)
-    o = tl.load(O + tl.cast(b, tl.int64) * stride_ob + h * stride_oh + rows[:, None] * stride_om + offs_d[None, :],
-                mask=mask, other=0.0).to(tl.float32)
-    do = tl.load(DO + tl.cast(b, tl.int64) * stride_dob + h * stride_doh + rows[:, None] * stride_dom + offs_d[None, :],
-                 mask=mask, other=0.0).to(tl.float32)
+    o = to_dtype(tl.load(O + tl.cast(b, tl.int64) * stride_ob + h * stride_oh + rows[:, None] * stride_om
+                         + offs_d[None, :], mask=mask, other=0.0), tl.float32)
+    do = to_dtype(tl.load(DO + tl.cast(b, tl.int64) * stride_dob + h * stride_doh + rows[:, None] * stride_dom
+                          + offs_d[None, :], mask=mask, other=0.0), tl.float32)
     tl.store(Delta + tl.cast(b, tl.int64) * stride_lse_b + tl.cast(h, tl.int64) * stride_lse_h + rows, tl.sum(o * do, 1),
              mask=offs_m < seqlen_q)
 

@@ -10,7 +10,7 @@ quant_fp8_kernel: one program per GROUP blocks of BLOCK rows of one (batch, head
   multiply-adds, but on the tensor cores). Each butterfly stage regroups the tile's columns, which Triton does
   through shared memory, so on an H200 the product is the faster (per tensor of 16k tokens x 2048, H200, one
   block per program: d64 37 vs 88 us, d128 68 vs 116, d256 110 vs 133; no rotation 31-35 us); the launcher
-  takes it wherever tl.dot accepts the input dtype. With GROUP blocks per program (fp8.quant_group) the matrix
+  takes it unless fp8.FWHT_MMA says otherwise. With GROUP blocks per program (fp8.quant_group) the matrix
   is built once per program: Q, K and V^T of 16k tokens x 2048 in 129 us at d128 (was 238), 205 at d256 (335).
 attn_fwd_fp8_kernel: FA2's forward loop (fwd.py) on e4m3 tiles; the per-block scales enter as one scalar
   per S tile (folded into the softmax scale) and one per-row factor per V tile (folded into the rescale
@@ -156,9 +156,9 @@ def quant_fp8_kernel(
             if FWHT_MMA:
                 x = fwht_rows_mma(x, hmat) * inv_sqrt_d
             else:
-                x = fwht_rows(x.to(tl.float32) * signs[None, :], BLOCK, BLOCK_D) * inv_sqrt_d
+                x = fwht_rows(to_dtype(x, tl.float32) * signs[None, :], BLOCK, BLOCK_D) * inv_sqrt_d
         else:
-            x = x.to(tl.float32)
+            x = to_dtype(x, tl.float32)
         if PER_TENSOR:
             amax = tl.load(AMAX_IN)
         else:
