@@ -15,6 +15,23 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _decorated():
+    pass
+
+
+# Whether Triton runs this module's kernels through its interpreter. It decides when a function is decorated
+# (TRITON_INTERPRET at import), so the type of a decorated function gives its answer for every kernel here.
+INTERPRETED = tl.constexpr(isinstance(_decorated, _Interpreted))
+
+
+def _per_tile(fn):
+    """@triton.jit for the helpers that every tile's products pass through (mma, to_dtype), except under the
+    interpreter: it runs a kernel as Python and re-patches triton.language on every call of a jitted helper, which
+    costs more than a tile's arithmetic; there the same source runs as the plain Python function it is."""
+    return fn if INTERPRETED else triton.jit(fn)
+
+
+@_per_tile
 def mma(a, b, acc, DOT_PREC: tl.constexpr):
     """a @ b (+ acc), fp32 accumulate: every tl.dot of the Triton kernels goes through here. DOT_PREC: tl.dot's
     input_precision (None: its default).
@@ -29,7 +46,7 @@ def mma(a, b, acc, DOT_PREC: tl.constexpr):
     return tl.dot(a, b, acc, input_precision=DOT_PREC)
 
 
-@triton.jit
+@_per_tile
 def to_dtype(x, DTYPE: tl.constexpr):
     """x.to(DTYPE) with the GPU's conversions (round to nearest even): every conversion of the kernels between
     fp32 and a 16-bit float (P and dS before their products, the stored O, dQ, dK, dV, loaded inputs widened for
@@ -62,11 +79,6 @@ def seq_bounds(b, cu_seqlens_ptr, seqlen_static, IS_VARLEN: tl.constexpr):
         return start, end - start
     else:
         return 0, seqlen_static
-
-
-# Whether Triton runs this module's kernels through its interpreter: it decides when a function is decorated, so
-# asking a decorated function gives its answer for every kernel (mma's bf16 products depend on it).
-INTERPRETED = tl.constexpr(isinstance(seq_bounds, _Interpreted))
 
 
 @triton.jit
