@@ -1,14 +1,14 @@
 """Every public entry point in float32, float16 and bfloat16 on the CPU (Triton interpreter): forward and, where
 there is a backward, gradients, against the float64 oracle under the flash-attn tolerance rule (attn_utils).
 
-The interpreter gets two bf16 operations wrong: tl.dot multiplies the operands' raw 16-bit patterns (numpy has no
-bfloat16), and fp32 -> bf16 conversions drop the low bits instead of rounding to nearest. The kernels route every
-product through mods.mma and every narrowing conversion through mods.to_dtype, which work around both under the
-interpreter only; this file pins that each entry point then gets bf16 right, with fp32 and fp16 checked the same
-way beside it. One small problem per entry point and dtype (the interpreter is slow); the feature matrices live in
-the per-feature files, whose harnesses are reused here (test_kvcache.run_case, test_varlen.check_varlen,
-flex_utils.run_and_check). Ring attention in bf16: tests/test_ring.py; the benchmark runner's check:
-tests/bench/test_bench.py.
+The interpreter gets bf16 wrong: tl.dot multiplies the operands' raw 16-bit patterns (numpy has no bfloat16), and
+fp32 -> bf16 conversions drop the low bits instead of rounding to nearest. The kernels route every product through
+mods.mma and every conversion between fp32 and a 16-bit float through mods.to_dtype, which work around both under
+the interpreter only; this file pins that each entry point then gets bf16 right, with fp32 and fp16 checked the
+same way beside it. One small problem per entry point and dtype (the interpreter is slow); the feature matrices
+live in the per-feature files, whose harnesses are reused here (test_kvcache.run_case, test_varlen.check_varlen,
+flex_utils.run_and_check). bf16 elsewhere on the CPU: ring attention (tests/test_ring.py), the benchmark runner's
+check (tests/bench/test_bench.py), a bf16 training run against eager (tests/test_examples.py).
 """
 import pytest
 import torch
