@@ -5,7 +5,7 @@ GPU run (repo root, one H100/H200, about 2-4 minutes):
 
     PYTHONPATH=. python benchmarks/bench_density.py --out DIR
 
-CPU smoke run (Triton interpreter, tiny sizes, fp16):
+CPU smoke run (Triton interpreter, tiny sizes):
 
     PYTHONPATH=. python benchmarks/bench_density.py --small --out /tmp/bench_density_smoke
 
@@ -94,7 +94,7 @@ def main():
     args = ap.parse_args()
     small = args.small or not HAS_CUDA
     dev = "cuda" if HAS_CUDA else "cpu"
-    dtype = torch.bfloat16 if HAS_CUDA else torch.float16       # the interpreter's bf16 dot is broken
+    dtype = torch.bfloat16
     batch = 1
     heads = args.heads or (2 if small else 16)
     d = args.headdim or (32 if small else 128)

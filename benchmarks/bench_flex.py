@@ -4,7 +4,7 @@ GPU run (repo root, one H100/H200, about 5-10 minutes, most of it torch.compile)
 
     PYTHONPATH=. python benchmarks/bench_flex.py --out DIR
 
-CPU smoke run (Triton interpreter, tiny sizes, fp16; torch FlexAttention only as an eager correctness check):
+CPU smoke run (Triton interpreter, tiny sizes; torch FlexAttention only as an eager correctness check):
 
     PYTHONPATH=. python benchmarks/bench_flex.py --small --out /tmp/bench_flex_smoke
 
@@ -168,7 +168,7 @@ def main():
     args = ap.parse_args()
     small = args.small or not HAS_CUDA
     dev = "cuda" if HAS_CUDA else "cpu"
-    dtype = torch.bfloat16 if HAS_CUDA else torch.float16       # the interpreter's bf16 dot is broken
+    dtype = torch.bfloat16
     batch = args.batch or (1 if small else 2)
     heads = args.heads or (2 if small else 16)
     d = args.headdim or (32 if small else 128)

@@ -110,7 +110,7 @@ def checks(dev, log):
                     flashtile.fp8.FWHT_MMA = mma
                     got = quantize_fp8(q.to(dev), k.to(dev), v.to(dev)).q.float().cpu()
                     out[f"quant_q_vs_emulation_mismatch_frac_fwht_mma={mma}"] = (got != want.x8).float().mean().item()
-                flashtile.fp8.FWHT_MMA = None
+                flashtile.fp8.FWHT_MMA = True
         except Exception as e:  # noqa: BLE001
             out[f"error_causal={causal}"] = _err(e)
             traceback.print_exc()

@@ -3,7 +3,7 @@
     python examples/train_gpt.py                                   # GPU: flashtile, sdpa, eager; bf16
     python examples/train_gpt.py --attn flashtile --steps 200
     python examples/train_gpt.py --max-context                     # GPU: longest context each one fits
-    python examples/train_gpt.py --device cpu --steps 3            # CPU smoke test (tiny model)
+    python examples/train_gpt.py --device cpu --steps 3            # CPU smoke test (tiny model; fp32, or --dtype bf16)
 
 The FlashAttention-1 paper's two end-to-end claims, measured on one model: training is faster (step time)
 and longer contexts fit (exact attention in O(N) memory instead of the standard implementation's O(N^2)).
@@ -345,7 +345,7 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=None)
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--dtype", choices=tuple(_DTYPES), default=None,
-                   help="autocast dtype (default bf16 on cuda, fp32 on cpu; the Triton interpreter has no bf16 dot)")
+                   help="autocast dtype (default bf16 on cuda, fp32 on cpu)")
     p.add_argument("--dropout", type=float, default=0.0, help="attention dropout (default 0)")
     p.add_argument("--eval-batches", type=int, default=None)
     p.add_argument("--text-chars", type=int, default=2_000_000, help="size of the generated training text")

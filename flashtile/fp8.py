@@ -124,16 +124,9 @@ def _block_d(d):
     return max(32, next_pow2(d))
 
 
-# How the quantizer applies H: None = on the tensor cores (fwht_rows_mma) wherever tl.dot can take the input
-# (on a GPU; under the interpreter for fp16, whose bf16 dot is broken), else by butterflies (fwht_rows).
-# True / False force one (tests, benchmarks).
-FWHT_MMA = None
-
-
-def _fwht_mma(dtype) -> bool:
-    if FWHT_MMA is not None:
-        return FWHT_MMA
-    return not interpreting() or dtype == torch.float16
+# How the quantizer applies H: on the tensor cores (fwht_rows_mma) unless set to False (butterflies, fwht_rows;
+# tests and benchmarks force either).
+FWHT_MMA = True
 
 
 @functools.lru_cache(maxsize=64)
@@ -212,7 +205,7 @@ def _quant_one(x, block, per_tensor, signs, transpose, key_perm=False):
     common = (x.stride(0), x.stride(1), x.stride(2), *ystr, scale.stride(0), scale.stride(1),
               h, n, d, 1.0 / math.sqrt(d))
     assert not key_perm or (transpose and n % 32 == 0 and block % 32 == 0)
-    mma = _fwht_mma(x.dtype)
+    mma = bool(FWHT_MMA)
     meta = dict(BLOCK=block, BLOCK_D=bd, INCOHERENT=incoherent, FWHT_MMA=mma, SOFT_ROUND=interpreting(),
                 KEY_PERM=key_perm, GROUP=group, num_warps=warps,
                 num_stages=quant_stages(block, bd, x.element_size(), incoherent and mma))

@@ -11,7 +11,7 @@ import flashtile
 from attn_utils import DEVICE, assert_within_rule, rand_alibi
 from flashtile.reference.dense import attention_ref
 
-fp16, fp32 = torch.float16, torch.float32
+fp16, fp32, bf16 = torch.float16, torch.float32, torch.bfloat16
 
 
 def _run_and_check(q, k, v, dout, dtype, *, bias=None, mask=None, ctx="", **kw):
@@ -63,8 +63,8 @@ def test_bias_each_broadcast_shape_and_reduced_dbias(shape_id, dtype, seed):
     assert grads[3].shape == bias.shape and grads[3].dtype == bias.dtype
 
 
-def test_bias_with_causal_gqa_softcap_alibi(seed):
-    dtype = fp16
+def test_bf16_bias_with_causal_gqa_softcap_alibi(seed):
+    dtype = bf16
     q, k, v, dout = _inputs(B, 48, 33, 6, 2, 40, dtype)   # ragged tiles, headdim not a power of two
     bias = (3.0 * torch.randn(B, 1, 48, 33, dtype=dtype, device=DEVICE)).requires_grad_()
     alibi = rand_alibi("bh", B, 6)

@@ -9,7 +9,7 @@ from flashtile import flash_attn_func
 from flashtile.blocksparse import BlockMask, blocksparse_attn_func, create_block_mask
 from flashtile.reference.dense import attention_ref
 
-fp16, fp32 = torch.float16, torch.float32
+fp16, fp32, bf16 = torch.float16, torch.float32, torch.bfloat16
 
 
 def _inputs(b, sq, sk, h, hk, d, dtype):
@@ -38,7 +38,7 @@ def _check(q, k, v, dout, bm, dtype, ctx, causal=False, ref_kv=None):
     return out, grads
 
 
-@pytest.mark.parametrize("dtype", [fp16, fp32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("dtype", [fp16, bf16, fp32], ids=["fp16", "bf16", "fp32"])
 def test_document_mask_equals_dense(dtype, seed):
     s = 100                                       # ragged last block; documents not aligned to blocks
     doc = torch.tensor([0] * 30 + [1] * 45 + [2] * 25, device=DEVICE)

@@ -1,9 +1,9 @@
 """FlashAttention-2 (Triton) through the public flash-attn 2.x API: a deliberately chosen feature matrix.
 
-Runs on the CPU through the Triton interpreter (fp16 and fp32 only: the interpreter's bf16 tl.dot is broken,
-see docs/design.md, "Testing without a GPU") and, unchanged, on a GPU (where every case also runs in bf16). Every numeric check is the
-flash-attn tolerance rule against the float64 oracle (tests/attn_utils.py). Shapes are small on purpose; the
-realistic sizes live in tests/gpu/.
+Runs on the CPU through the Triton interpreter and, unchanged, on a GPU. Every fp16 case also runs in bf16 on a
+GPU and, to keep the interpreter's time in bounds, a few of them on the CPU (tests/test_dtypes_cpu.py runs every
+entry point in all three dtypes there). Every numeric check is the flash-attn tolerance rule against the float64
+oracle (tests/attn_utils.py). Shapes are small on purpose; the realistic sizes live in tests/gpu/.
 
 The matrix is pairwise, not a cartesian product: each feature (causal, window left/right/both, softcap,
 ALiBi (h,) and (b, h), GQA, MQA, dropout, odd head dims, s_q != s_k both ways, s = 1, fp16, fp32, strided
@@ -70,8 +70,14 @@ MATRIX = [
     # one past / one short of block multiples
     Case(1, 129, 127, 1, 1, 32, fp16),
 ]
-if ON_GPU:  # bf16 only where tl.dot handles it
-    MATRIX = MATRIX + [c.replace(dtype=bf16) for c in MATRIX if c.dtype == fp16]
+# bf16 twins of the fp16 cases: all of them on a GPU; on the CPU (interpreter time) those covering decode-like
+# s_q = 1, s_q > s_k with a head-first layout, a window over TMA-aligned strided views, softcap with ALiBi, dropout
+# and the largest head dim
+BF16_ON_CPU = {"b2-sq1-sk77-h4-hk2-d24-fp16-causal", "b1-sq100-sk37-h4-hk4-d72-fp16-causal-transposed",
+               "b2-sq37-sk100-h4-hk1-d40-fp16-win8_4-padded-det", "b1-sq33-sk33-h2-hk1-d40-fp16-win10_0-cap8-alibi-h",
+               "b2-sq80-sk48-h4-hk2-d24-fp16-causal-drop0.17-det", "b1-sq32-sk48-h1-hk1-d256-fp16-causal"}
+assert BF16_ON_CPU <= {c.id for c in MATRIX}
+MATRIX = MATRIX + [c.replace(dtype=bf16) for c in MATRIX if c.dtype == fp16 and (ON_GPU or c.id in BF16_ON_CPU)]
 
 
 @pytest.mark.parametrize("c", MATRIX, ids=lambda c: c.id)

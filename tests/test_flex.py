@@ -9,8 +9,8 @@ applies the same mod written in torch, masks, and takes the softmax:
 
 mask_mod / score_mod positions count from the top-left corner (FlexAttention's convention: causal_mask() is
 kv <= q); the causal / window_size *flags* keep flash_attn_func's bottom-right alignment.
-CPU only runs fp16 / fp32 (the interpreter's bf16 dot is broken) at small sizes; tests/gpu/test_mods_gpu.py
-scales this up. Budget: well under 90 s on 2 cores.
+Small sizes on the CPU, fp16 / bf16 / fp32 (tests/test_dtypes_cpu.py runs the mods in each dtype);
+tests/gpu/test_mods_gpu.py scales this up. Budget: well under 90 s on 2 cores.
 """
 import pytest
 import torch
@@ -25,7 +25,7 @@ from flex_utils import (flex_ref, inputs as _inputs, keep_period_mask, late_rows
                         t_document, t_keep_period, t_prefix_lm, t_relpos, t_sig_key_bias, t_sliding, t_softcap,
                         tile_classes as _tile_classes)
 
-fp16, fp32 = torch.float16, torch.float32
+fp16, fp32, bf16 = torch.float16, torch.float32, torch.bfloat16
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -37,7 +37,7 @@ MASK_CASES = {
     "causal": (1, 64, 2, 1, 32, fp16, "mask_mod", None),
     "document-1d-causal": (1, 72, 2, 2, 32, fp32, "block_mask", 32),
     "document-2d-noncausal": (2, 64, 2, 1, 16, fp16, "block_mask", 16),
-    "prefix_lm": (2, 64, 2, 2, 32, fp16, "mask_mod", None),
+    "prefix_lm": (2, 64, 2, 2, 32, bf16, "mask_mod", None),
     "sliding+sinks": (1, 80, 2, 1, 32, fp32, "block_mask", 16),
 }
 
@@ -109,10 +109,10 @@ def test_relative_position_bias_sq_ne_sk_scale_window(seed):
                   softmax_scale=0.3, window_size=(20, 6), score_fn=t_relpos(md), captured=(table,))
 
 
-def test_softcap_score_with_sliding_mask(seed):
-    q, k, v, dout = _inputs(2, 56, 56, 2, 1, 32, fp16)
+def test_softcap_score_with_sliding_mask_bf16(seed):
+    q, k, v, dout = _inputs(2, 56, 56, 2, 1, 32, bf16)
     q.data *= 3.0                                                 # scores large enough for the cap to bend them
-    run_and_check(q, k, v, dout, fp16, "[softcap 4 + sliding 24]", score_mod=softcap_score(4.0),
+    run_and_check(q, k, v, dout, bf16, "[softcap 4 + sliding 24]", score_mod=softcap_score(4.0),
                   mask_mod=sliding_window_mask(24), score_fn=t_softcap(4.0), mask_fn=t_sliding(24))
 
 

@@ -5,8 +5,8 @@ fp8 tl.dot (through fp16, exact for e4m3 operands) but whose fp32 -> fp8 cast do
 the kernels therefore round onto the e4m3 grid in fp32 first (SOFT_CAST, see kernels/triton/fp8.py), and
 these tests pin that rounding against torch's float8_e4m3fn conversion. The kernels are compared with the
 pure-torch emulation flashtile/reference/fp8_emulation.py (bit-exact quantization, fp32-rounding-close
-attention) and with the float64 oracle. Outputs are requested in float32 where compared tightly: the
-interpreter's fp32 -> fp16/bf16 cast has the same rounding defect.
+attention) and with the float64 oracle. Outputs are requested in float32 where compared tightly, as the
+emulation's are (tests/test_dtypes_cpu.py checks fp16 / bf16 outputs and the bf16 quantizer).
 """
 import math
 

@@ -6,7 +6,7 @@ The oracle rebuilds what the cache must hold after the append (new k rotated in 
 element's visible keys [leftpad, cache_seqlens + seqlen_new) into a dense (1, seqlen_k, nheads_k, d) problem and
 runs attention_ref on it; out and lse follow the flash-attn tolerance rule (tests/attn_utils.py). The "std"
 side of the rule uses q / k rotated then rounded to the input dtype, as a same-precision implementation would.
-CPU runs use fp16/fp32 only (the interpreter's bf16 tl.dot is broken, see docs/design.md, "Testing without a GPU").
+fp16, bf16 and fp32 all run on the CPU (tests/test_dtypes_cpu.py adds every entry point in each).
 """
 import dataclasses
 import re
@@ -243,13 +243,13 @@ KV_CASES = [
     KCase(2, 3, 4, 2, 64, fp16, capacity=90, seqlen_new=3, causal=True, rotary_dim=32, interleaved=True),
     # GPT-NeoX rotary, non-causal (every q row rotated at the same position), fp32, full rotary_dim
     KCase(2, 2, 2, 2, 32, fp32, capacity=60, seqlen_new=2, rotary_dim=32, interleaved=False, num_splits=3),
-    # paged caches, page sizes 16 / 64 / 256, shuffled pages, append + rotary, GQA
+    # paged caches, page sizes 16 / 64 (bf16) / 256, shuffled pages, append + rotary, GQA
     KCase(2, 1, 4, 2, 32, fp16, capacity=100, seqlen_new=1, causal=True, rotary_dim=16, page=16),
-    KCase(2, 2, 4, 2, 40, fp16, capacity=150, seqlen_new=2, causal=True, rotary_dim=24, interleaved=False, page=64,
+    KCase(2, 2, 4, 2, 40, bf16, capacity=150, seqlen_new=2, causal=True, rotary_dim=24, interleaved=False, page=64,
           num_splits=3),
     KCase(1, 1, 2, 1, 32, fp32, capacity=300, seqlen_new=1, page=256, num_splits=4),
-    # cache_batch_idx + cache_leftpad + ALiBi + softcap + sliding window + rotary
-    KCase(3, 2, 4, 2, 32, fp16, capacity=80, seqlen_new=2, window=(20, 0), softcap=6.0, alibi="bh", rotary_dim=32,
+    # cache_batch_idx + cache_leftpad + ALiBi + softcap + sliding window + rotary, bf16
+    KCase(3, 2, 4, 2, 32, bf16, capacity=80, seqlen_new=2, window=(20, 0), softcap=6.0, alibi="bh", rotary_dim=32,
           batch_idx=True, leftpad=True),
     # leftpad with a paged cache, per-head ALiBi
     KCase(2, 1, 4, 4, 24, fp32, capacity=70, seqlen_new=1, causal=True, alibi="h", page=16, leftpad=True,

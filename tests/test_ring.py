@@ -208,24 +208,28 @@ def test_ring_matches_single_process(pools, seed, world, layout, causal, shape, 
 
 
 @needs_interpreter
-@pytest.mark.parametrize("world, layout", [(2, "zigzag"), (4, "contiguous")])
-def test_ring_fp16_within_flash_attn_tolerance_rule(pools, seed, world, layout):
-    """fp16 (bf16 dots are broken in the CPU interpreter): |ring - ref64| <= 2 |std - ref64| + eps, with std
-    standard attention in fp16 (tests/attn_utils.py), for out, lse and every gradient."""
+@pytest.mark.parametrize("world, layout, dtype", [
+    pytest.param(2, "zigzag", torch.float16, id="w2-zigzag-fp16"),
+    pytest.param(4, "contiguous", torch.float16, id="w4-contiguous-fp16"),
+    pytest.param(2, "contiguous", torch.bfloat16, id="w2-contiguous-bf16"),
+])
+def test_ring_16bit_within_flash_attn_tolerance_rule(pools, seed, world, layout, dtype):
+    """|ring - ref64| <= 2 |std - ref64| + eps, with std standard attention in the inputs' 16-bit dtype
+    (tests/attn_utils.py), for out, lse and every gradient."""
     b, s, h, hk, d = 1, 64, 4, 2, 32
-    q, k, v, dout = _inputs(b, s, h, hk, d, dtype=torch.float16)
+    q, k, v, dout = _inputs(b, s, h, hk, d, dtype=dtype)
     kwargs = dict(causal=True, layout=layout)
     res = pools(world).run(dict(kind="run", kwargs=kwargs, q=q, k=k, v=v, dout=dout))
     for r, rr in enumerate(res):
         assert rr.get("error") is None, f"rank {r}: {rr.get('error')}\n{rr.get('tb')}"
     ring = {n: unshard_sequence([rr[n] for rr in res], world, layout, dim=1) for n in ("out", "dq", "dk", "dv")}
     ring["lse"] = unshard_sequence([rr["lse"] for rr in res], world, layout, dim=2)
-    assert all(ring[n].dtype == torch.float16 for n in ("out", "dq", "dk", "dv"))
+    assert all(ring[n].dtype == dtype for n in ("out", "dq", "dk", "dv"))
     ref = reference_fwd_bwd(q, k, v, dout, upcast=True, causal=True)
     std = reference_fwd_bwd(q, k, v, dout, upcast=False, causal=True)
     ctx = f"[seed={seed} world={world} layout={layout}]"
     for i, n in ((0, "out"), (1, "lse"), (3, "dq"), (4, "dk"), (5, "dv")):
-        assert_within_rule(n, ring[n], ref[i], std[i], torch.float16, ctx)
+        assert_within_rule(n, ring[n], ref[i], std[i], dtype, ctx)
 
 
 @needs_interpreter

@@ -3,8 +3,8 @@ paged (block_table) varlen forward, and refusal of malformed cu_seqlens before a
 
 Every numeric check is the flash-attn tolerance rule (tests/attn_utils.py) against the float64 oracle, applied
 sequence by sequence (each sequence pair is one dense attention problem with its own bottom-right alignment),
-or against padded dense attention with padding masks (test_unpad_varlen_pad_matches_padded_dense). CPU runs use
-fp16/fp32 only (the interpreter's bf16 tl.dot is broken, see docs/design.md, "Testing without a GPU").
+or against padded dense attention with padding masks (test_unpad_varlen_pad_matches_padded_dense). fp16, bf16
+and fp32 all run on the CPU (tests/test_dtypes_cpu.py adds every entry point in each).
 """
 import dataclasses
 import re
@@ -119,8 +119,8 @@ VARLEN_CASES = [
     VCase((5, 0, 33, 17), (5, 0, 33, 17), 4, 2, 40, fp16),
     # causal with s_q != s_k per sequence (both ways: rows that see nothing), MQA, zero-length keys only
     VCase((9, 40, 3, 6), (30, 7, 0, 6), 4, 1, 24, fp32, causal=True),
-    # sliding window + softcap + per-(batch, head) ALiBi
-    VCase((20, 37), (45, 37), 2, 2, 64, fp16, window=(8, 4), softcap=5.0, alibi="bh"),
+    # sliding window + softcap + per-(batch, head) ALiBi, bf16
+    VCase((20, 37), (45, 37), 2, 2, 64, bf16, window=(8, 4), softcap=5.0, alibi="bh"),
     # dropout with causal and GQA (keep mask read off S_dmask)
     VCase((24, 11, 1), (24, 30, 16), 4, 2, 32, fp32, causal=True, dropout_p=0.17),
     # deterministic backward, left-only window, per-head ALiBi
@@ -321,9 +321,9 @@ def paged_from_packed(k_packed, lens_k, page, num_blocks, gen):
     return cache, table.to(DEVICE)
 
 
-@pytest.mark.parametrize("page", [16, 64])
-def test_varlen_paged_forward_matches_reference(page, seed):
-    c = VCase((3, 1, 12), (40, 0, 75), 4, 2, 32, fp16, causal=True, softcap=4.0, alibi="h")
+@pytest.mark.parametrize("page, dtype", [(16, fp16), (64, bf16)], ids=["page16-fp16", "page64-bf16"])
+def test_varlen_paged_forward_matches_reference(page, dtype, seed):
+    c = VCase((3, 1, 12), (40, 0, 75), 4, 2, 32, dtype, causal=True, softcap=4.0, alibi="h")
     q, k, v, dout, alibi = packed_inputs(c)
     gen = torch.Generator().manual_seed(seed)
     k_cache, table = paged_from_packed(k.detach(), c.lens_k, page, 12, gen)

@@ -509,7 +509,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                    help="passes to time: fwd, bwd, both (fwd and bwd), train (forward + backward in one timed call, "
                         "host time included), all (default both)")
     g.add_argument("--dtype", choices=tuple(DTYPES), default=None,
-                   help="input dtype (default bf16; fp16 on CPU, where the Triton interpreter's bf16 tl.dot is wrong)")
+                   help="input dtype (default bf16)")
     g = parser.add_argument_group("measurement")
     g.add_argument("--device", type=_device, default=None, help="cuda (default when available) or cpu")
     g.add_argument("--warmup", type=_positive_float, default=25.0, help="do_bench warm-up, ms (default 25)")
@@ -582,7 +582,7 @@ def build_config(args: argparse.Namespace) -> Tuple[BenchConfig, bool]:
     else:
         compare = [p for p in providers if p.startswith("flashtile") and p != baseline] or \
                   [p for p in providers if p != baseline]
-    dtype = DTYPES[args.dtype or ("fp16" if on_cpu else "bf16")]
+    dtype = DTYPES[args.dtype or "bf16"]
     cfg = BenchConfig(shapes=shapes, providers=providers, causals=causals, modes=modes, dtype=dtype,
                       device=device, warmup=args.warmup, rep=args.rep, seed=args.seed, baseline=baseline,
                       compare=compare)

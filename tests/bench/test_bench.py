@@ -1,8 +1,7 @@
 """The benchmark runner on the CPU: grid, FLOP formula, correctness gate, skip/oom handling, and the files it writes.
 
 CPU timings are time.perf_counter medians and mean nothing; these tests check the runner, not the kernels.
-Providers that exist on the CPU: sdpa-math, eager, and flashtile (Triton interpreter, fp16: the interpreter's
-bf16 tl.dot is broken, see docs/design.md, "Testing without a GPU").
+Providers that exist on the CPU: sdpa-math, eager, and flashtile (Triton interpreter).
 """
 import argparse
 import dataclasses
@@ -97,10 +96,10 @@ def test_custom_grid_from_the_command_line():
     assert (cfg.warmup, cfg.rep) == (5.0, 20.0)
 
 
-def test_cpu_defaults_are_a_tiny_fp16_grid():
+def test_cpu_defaults_are_a_tiny_bf16_grid():
     cfg, _ = runner.build_config(parse(["--device", "cpu"]))
     assert all(s.batch * s.nheads * s.seqlen <= 1024 for s in cfg.shapes)
-    assert cfg.dtype == torch.float16 and cfg.causals == (False, True) and cfg.modes == ("fwd", "bwd")
+    assert cfg.dtype == torch.bfloat16 and cfg.causals == (False, True) and cfg.modes == ("fwd", "bwd")
     assert cfg.providers == list(providers.PROVIDERS)
     assert cfg.baseline == "cudnn" and cfg.compare == ["flashtile", "flashtile-triton"]
 
@@ -318,7 +317,7 @@ def test_cpu_run_writes_json_markdown_and_plots(tmp_path, capsys):
     assert env["torch"] == torch.__version__ and env["python"] and env["date"] and env["command"]
     assert env["device"] == "cpu" and env["gpu"] == "cpu"
     assert env["source_sha256"] == report.source_fingerprint(Path(flashtile.__file__).parent)
-    assert doc["settings"]["dtype"] == "fp16" and doc["settings"]["baseline"] == "sdpa-math"
+    assert doc["settings"]["dtype"] == "bf16" and doc["settings"]["baseline"] == "sdpa-math"
     recs = doc["results"]
     assert len(recs) == 2 * 2 * 2 * 2  # providers x seqlens x masks x passes
     for r in recs:
@@ -333,7 +332,7 @@ def test_cpu_run_writes_json_markdown_and_plots(tmp_path, capsys):
 
     md = (out / "results.md").read_text()
     assert "| headdim | seqlen | batch | nheads | sdpa-math | eager | eager / sdpa-math |" in md
-    assert "### backward, causal, fp16: TFLOP/s" in md
+    assert "### backward, causal, bf16: TFLOP/s" in md
     r_math = by(recs, provider="sdpa-math", mode="fwd", causal=True, seqlen=64)[0]
     r_eager = by(recs, provider="eager", mode="fwd", causal=True, seqlen=64)[0]
     assert f"{r_eager['tflops'] / r_math['tflops']:.2f}x" in md
@@ -344,9 +343,10 @@ def test_cpu_run_writes_json_markdown_and_plots(tmp_path, capsys):
 
 
 @pytest.mark.skipif(not HAS_FLASHTILE, reason="flashtile.flash_attn_func does not exist yet")
-def test_flashtile_runs_and_passes_the_check_on_cpu(tmp_path):
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_flashtile_runs_and_passes_the_check_on_cpu(tmp_path, dtype):
     cfg = cpu_config(["flashtile", "sdpa-math"], shapes=[Shape(1, 2, 64, 32)], causals=(True,),
-                     baseline="sdpa-math", compare=["flashtile"])
+                     baseline="sdpa-math", compare=["flashtile"], dtype=dtype)
     result = runner.run_speed(cfg, progress=False)
     mine = by(result["results"], provider="flashtile")
     assert [r["mode"] for r in mine] == ["fwd", "bwd"]

@@ -15,8 +15,9 @@ BLOCK_SPARSE (constexpr) swaps the range loops for FA1 Alg. 5's: only the tiles 
 import triton
 import triton.language as tl
 
-from .mods import (bias_mask_log2, dropout_keep, key_range, load_lse2, load_tile, present, query_range,
-                   score_mod_grad, scores_log2, seq_bounds, sparse_tile_start, tile_order, user_mods_log2, visible)
+from .mods import (bias_mask_log2, dropout_keep, key_range, load_lse2, load_tile, mma, present, query_range,
+                   score_mod_grad, scores_log2, seq_bounds, sparse_tile_start, tile_order, to_dtype, user_mods_log2,
+                   visible)
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -41,10 +42,10 @@ def attn_bwd_preprocess_kernel(O, DO, Delta, DQ_ACC, CU_SEQLENS_Q,
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim)
     rows = (q_start + offs_m).to(tl.int64)
-    o = tl.load(O + tl.cast(b, tl.int64) * stride_ob + h * stride_oh + rows[:, None] * stride_om + offs_d[None, :],
-                mask=mask, other=0.0).to(tl.float32)
-    do = tl.load(DO + tl.cast(b, tl.int64) * stride_dob + h * stride_doh + rows[:, None] * stride_dom + offs_d[None, :],
-                 mask=mask, other=0.0).to(tl.float32)
+    o = to_dtype(tl.load(O + tl.cast(b, tl.int64) * stride_ob + h * stride_oh + rows[:, None] * stride_om
+                         + offs_d[None, :], mask=mask, other=0.0), tl.float32)
+    do = to_dtype(tl.load(DO + tl.cast(b, tl.int64) * stride_dob + h * stride_doh + rows[:, None] * stride_dom
+                          + offs_d[None, :], mask=mask, other=0.0), tl.float32)
     tl.store(Delta + tl.cast(b, tl.int64) * stride_lse_b + tl.cast(h, tl.int64) * stride_lse_h + rows, tl.sum(o * do, 1),
              mask=offs_m < seqlen_q)
     if ZERO_DQ:
@@ -86,7 +87,7 @@ def _dkdv_tile(dk, dv, start_m, row, MASKED: tl.constexpr, HAS_MASK: tl.constexp
     i = offs_m[None, :]
     j = offs_n[:, None]
     # Alg. 2 lines 9-11: recompute S_ij^T = K_j Q_i^T and P_ij^T = exp(S^T - L_i)
-    qkt = tl.dot(k, qt, input_precision=DOT_PREC)
+    qkt = mma(k, qt, None, DOT_PREC)
     st, t = scores_log2(qkt, i, j, seqlen_q, seqlen_k, score_scale, softcap_log2, alibi_slope_log2, SOFTCAP, ALIBI)
     if HAS_BIAS or HAS_MASK:
         st = bias_mask_log2(st, i, j, seqlen_q, seqlen_k, bias_bh, stride_bias_m, stride_bias_n, mask_bh,
@@ -103,14 +104,14 @@ def _dkdv_tile(dk, dv, start_m, row, MASKED: tl.constexpr, HAS_MASK: tl.constexp
         keep = dropout_keep(seed, rng_offset, rng_base, i, j, rng_stride_m, dropout_p)
     if COMPUTE_DK:
         # issued before the dV product, the order the single-launch kernel was tuned with
-        dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)     # (dO_i V_j^T)^T
+        dpt = mma(v, tl.trans(do), None, DOT_PREC)     # (dO_i V_j^T)^T
     if COMPUTE_DV:
         # Alg. 2 line 12 (FA1 Alg. 4 lines 13-16 with dropout): dV_j += (P o Z / (1-p))^T dO_i
         if DROPOUT:
             pdt = tl.where(keep, pt, 0.0) * (1.0 / (1.0 - dropout_p))
         else:
             pdt = pt
-        dv = tl.dot(pdt.to(do.dtype), do, dv, input_precision=DOT_PREC)
+        dv = mma(to_dtype(pdt, do.dtype), do, dv, DOT_PREC)
     if COMPUTE_DK:
         dk = _dk_step(dk, pt, dpt, qt, k, delta, st_in, t, keep, b, h, i, j, offs_m, offs_m_rel, offs_d, dq_blk,
                       desc_dq, q_row, stride_dqm, seqlen_q, seqlen_k, head_dim, sm_scale, dropout_p, dbias_bh, stride_dbias_m,
@@ -152,10 +153,10 @@ def _dk_step(dk, pt, dpt, qt, k, delta, st_in, t, keep, b, h, i, j, offs_m, offs
     if SOFTCAP:
         dst = dst * (1.0 - t * t)
     # Alg. 2 line 16: dK_j += dS_ij^T Q_i   (the softmax scale tau is applied once at the end)
-    dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk, input_precision=DOT_PREC)
+    dk = mma(to_dtype(dst, qt.dtype), tl.trans(qt), dk, DOT_PREC)
     if ATOMIC_DQ:
         # Alg. 2 line 15: dQ_i += tau dS_ij K_j, read-modify-write in HBM (FA2's atomic variant)
-        dq = tl.dot(tl.trans(dst).to(k.dtype), k, input_precision=DOT_PREC) * sm_scale
+        dq = mma(to_dtype(tl.trans(dst), k.dtype), k, None, DOT_PREC) * sm_scale
         if DQ_TMA:
             # FA3's dQ write: one asynchronous bulk reduce-add of the tile (cp.reduce.async.bulk.tensor), done by
             # the L2 instead of BLOCK_M * BLOCK_D scalar atomics. Rows past the sequence end hold exact zeros
@@ -289,10 +290,10 @@ def attn_bwd_dkdv_kernel(
     if COMPUTE_DK:
         dk = dk * sm_scale
         tl.store(DK + b64 * stride_dkb + hk * stride_dkh + kv_rows[:, None] * stride_dkn + offs_d[None, :],
-                 dk.to(DK.dtype.element_ty), mask=kv_mask)
+                 to_dtype(dk, DK.dtype.element_ty), mask=kv_mask)
     if COMPUTE_DV:
         tl.store(DV + b64 * stride_dvb + hk * stride_dvh + kv_rows[:, None] * stride_dvn + offs_d[None, :],
-                 dv.to(DV.dtype.element_ty), mask=kv_mask)
+                 to_dtype(dv, DV.dtype.element_ty), mask=kv_mask)
 
 
 @triton.jit
@@ -318,7 +319,7 @@ def _dq_tile(dq, start_n, row, MASKED: tl.constexpr, HAS_MASK: tl.constexpr, MAS
     vt = tl.trans(v)
     i = offs_m[:, None]
     j = cols[None, :]
-    qk = tl.dot(q, kt, input_precision=DOT_PREC)
+    qk = mma(q, kt, None, DOT_PREC)
     s, t = scores_log2(qk, i, j, seqlen_q, seqlen_k, score_scale, softcap_log2, alibi_slope_log2, SOFTCAP, ALIBI)
     if HAS_BIAS or HAS_MASK:
         s = bias_mask_log2(s, i, j, seqlen_q, seqlen_k, bias_bh, stride_bias_m, stride_bias_n, mask_bh,
@@ -329,7 +330,7 @@ def _dq_tile(dq, start_n, row, MASKED: tl.constexpr, HAS_MASK: tl.constexpr, MAS
         s = tl.where(visible(i, j, seqlen_q, seqlen_k, window_left, window_right, HAS_LEFT, HAS_RIGHT),
                      s, float("-inf"))
     p = tl.math.exp2(s - lse2[:, None])
-    dp = tl.dot(do, vt, input_precision=DOT_PREC)
+    dp = mma(do, vt, None, DOT_PREC)
     if DROPOUT:
         keep = dropout_keep(seed, rng_offset, rng_base, i, j, rng_stride_m, dropout_p)
         dp = tl.where(keep, dp, 0.0) * (1.0 / (1.0 - dropout_p))
@@ -338,7 +339,7 @@ def _dq_tile(dq, start_n, row, MASKED: tl.constexpr, HAS_MASK: tl.constexpr, MAS
         ds = score_mod_grad(ds, s_in, b, h, i, j, score_aux, SCORE_GRAD)
     if SOFTCAP:
         ds = ds * (1.0 - t * t)
-    dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq, input_precision=DOT_PREC)
+    dq = mma(to_dtype(ds, kt.dtype), tl.trans(kt), dq, DOT_PREC)
     return dq
 
 
@@ -434,4 +435,4 @@ def attn_bwd_dq_kernel(
                           ALIBI, DROPOUT, DOT_PREC, USE_TMA, BLOCK_D, HAS_BIAS, SCORE_MOD, SCORE_GRAD)
     dq = dq * sm_scale
     tl.store(DQ + b64 * stride_dqb + tl.cast(h, tl.int64) * stride_dqh + rows[:, None] * stride_dqm + offs_d[None, :],
-             dq.to(DQ.dtype.element_ty), mask=q_mask)
+             to_dtype(dq, DQ.dtype.element_ty), mask=q_mask)

@@ -14,7 +14,7 @@ import triton.language as tl
 
 from .. import relaunch
 from ..runtime import next_pow2
-from .mods import online_softmax_step
+from .mods import online_softmax_step, to_dtype
 
 
 LN2 = tl.constexpr(0.6931471805599453)
@@ -57,7 +57,7 @@ def store_rows(O, LSE, out, lse, b, q_rows, h, row_ok, offs_d, head_dim,
     """Alg. 1 lines 14-15: rows (query q_rows of head h, batch element b) of O (out, cast) and LSE (natural log),
     as the decode kernel (one split, or its fused merge) and the combine kernel write them."""
     o_rows = tl.cast(b, tl.int64) * stride_ob + q_rows.to(tl.int64) * stride_om + h.to(tl.int64) * stride_oh
-    tl.store(O + o_rows[:, None] + offs_d[None, :], out.to(O.dtype.element_ty),
+    tl.store(O + o_rows[:, None] + offs_d[None, :], to_dtype(out, O.dtype.element_ty),
              mask=row_ok[:, None] & (offs_d[None, :] < head_dim))
     tl.store(LSE + tl.cast(b, tl.int64) * stride_lse_b + h.to(tl.int64) * stride_lse_h + q_rows.to(tl.int64), lse,
              mask=row_ok)

@@ -56,7 +56,7 @@ from ..gluon import paged as _gluon_paged
 from . import combine as _combine
 from .launch import (AttnParams, _block_d, _dot_precision, _rows, cdiv, descriptor_fields, descriptor_from,
                      interpreting, next_pow2, row_descriptor)
-from .mods import key_range, load_rows, online_softmax_step, present, scores_log2, seq_bounds, visible
+from .mods import key_range, load_rows, mma, online_softmax_step, present, scores_log2, seq_bounds, to_dtype, visible
 
 try:  # host-side TMA descriptors (triton >= 3.4; the interpreter emulates them)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -151,7 +151,7 @@ def _decode_tile(acc, l_i, m_i, page, start_n, row, MASKED: tl.constexpr, EVEN_D
                                           stride_kn, stride_vp, stride_vn, MASKED, PAGED, PAGE_TILES)
     k = _load_kv(desc_k, K_head, k_rows, tile_row, head_col, valid, offs_d, head_dim, MASKED, EVEN_D, USE_TMA)
     # Alg. 1 line 8: S = Q K_j^T, scaled / soft-capped / ALiBi-biased, in log2 units
-    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+    qk = mma(q, tl.trans(k), None, DOT_PREC)
     s, _ = scores_log2(qk, qi[:, None], cols[None, :], seqlen_q, seqlen_k, score_scale, softcap_log2, slope2,
                        SOFTCAP, ALIBI)
     if MASKED:
@@ -162,7 +162,7 @@ def _decode_tile(acc, l_i, m_i, page, start_n, row, MASKED: tl.constexpr, EVEN_D
     v = _load_kv(desc_v, V_head, v_rows, tile_row, head_col, valid, offs_d, head_dim, MASKED, EVEN_D, USE_TMA)
     # Alg. 1 line 10: O~ = diag(alpha) O~ + P~ V_j
     acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
+    acc = mma(to_dtype(p, v.dtype), v, acc, DOT_PREC)
     return acc, l_i, m_i, next_page
 
 

@@ -10,7 +10,7 @@ quant_fp8_kernel: one program per GROUP blocks of BLOCK rows of one (batch, head
   multiply-adds, but on the tensor cores). Each butterfly stage regroups the tile's columns, which Triton does
   through shared memory, so on an H200 the product is the faster (per tensor of 16k tokens x 2048, H200, one
   block per program: d64 37 vs 88 us, d128 68 vs 116, d256 110 vs 133; no rotation 31-35 us); the launcher
-  takes it wherever tl.dot accepts the input dtype. With GROUP blocks per program (fp8.quant_group) the matrix
+  takes it unless fp8.FWHT_MMA says otherwise. With GROUP blocks per program (fp8.quant_group) the matrix
   is built once per program: Q, K and V^T of 16k tokens x 2048 in 129 us at d128 (was 238), 205 at d256 (335).
 attn_fwd_fp8_kernel: FA2's forward loop (fwd.py) on e4m3 tiles; the per-block scales enter as one scalar
   per S tile (folded into the softmax scale) and one per-row factor per V tile (folded into the rescale
@@ -26,7 +26,7 @@ and tests/gpu), and the hardware cast keeps the quantizer at the speed of a plai
 import triton
 import triton.language as tl
 
-from .mods import key_range, visible
+from .mods import key_range, mma, to_dtype, visible
 
 E4M3_MAX = 448.0
 LOG2_E4M3_MAX = 8.807354922057604    # log2(448): P~ = exp2(S - m + log2 448) fills e4m3's range
@@ -103,7 +103,7 @@ def fwht_rows_mma(x, h):
     """x diag(signs) H_D on the tensor cores: x (BLOCK, D) in its 16-bit input dtype times h = signed_hadamard()
     in that dtype (+-1 and 0: exact), fp32 accumulate. Every product is exact; only the fp32 summation order
     differs from the butterflies."""
-    return tl.dot(x, h)
+    return mma(x, h, None, None)
 
 
 @triton.jit
@@ -145,7 +145,7 @@ def quant_fp8_kernel(
     if INCOHERENT:
         signs = tl.load(SIGNS + offs_d, mask=offs_d < head_dim, other=0.0)
         if FWHT_MMA:
-            hmat = signed_hadamard(signs, BLOCK_D).to(X.dtype.element_ty)
+            hmat = to_dtype(signed_hadamard(signs, BLOCK_D), X.dtype.element_ty)
     first = pid_g * GROUP
     for pid_n in range(first, tl.minimum(first + GROUP, tl.cdiv(seqlen, BLOCK))):
         offs_n = pid_n * BLOCK + offs_r
@@ -156,9 +156,9 @@ def quant_fp8_kernel(
             if FWHT_MMA:
                 x = fwht_rows_mma(x, hmat) * inv_sqrt_d
             else:
-                x = fwht_rows(x.to(tl.float32) * signs[None, :], BLOCK, BLOCK_D) * inv_sqrt_d
+                x = fwht_rows(to_dtype(x, tl.float32) * signs[None, :], BLOCK, BLOCK_D) * inv_sqrt_d
         else:
-            x = x.to(tl.float32)
+            x = to_dtype(x, tl.float32)
         if PER_TENSOR:
             amax = tl.load(AMAX_IN)
         else:
@@ -239,7 +239,7 @@ def _fp8_tile(acc, l_i, m_i, dv_prev, q, qk_scale, desc_k, desc_v, k_blk, v_blk,
     # line 8: S = Q8 K8^T, fp32 accumulate; block descales of Q_i and K_j join the softmax scale (FA3 §3.3)
     # (the scale c > 0 is applied to the row max and inside exp2's argument, not to the whole tile)
     c = qk_scale * tl.load(K_SCALE_ROW + blk * stride_ksm)
-    s = tl.dot(q, tl.trans(k))
+    s = mma(q, tl.trans(k), None, None)
     if MASKED:
         s = tl.where(visible(offs_m[:, None], cols[None, :], seqlen_q, seqlen_k, 0, 0, False, CAUSAL),
                      s, float("-inf"))
@@ -257,7 +257,7 @@ def _fp8_tile(acc, l_i, m_i, dv_prev, q, qk_scale, desc_k, desc_v, k_blk, v_blk,
     # line 10 with V_j's block descale dv_j folded into the row rescale: acc is kept in units of dv_j
     dv = tl.load(V_SCALE_ROW + blk * stride_vsm)
     acc = acc * (alpha * (dv_prev / dv))[:, None]
-    acc = tl.dot(to_e4m3(p, SOFT_CAST), v, acc)
+    acc = mma(to_e4m3(p, SOFT_CAST), v, acc, None)
     return acc, l_i, m_new, dv
 
 
@@ -330,7 +330,7 @@ def attn_fwd_fp8_kernel(
     out = acc * (dv_prev / l_safe)[:, None]
     out = tl.where(empty[:, None], 0.0, out)
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe) - 8.807354922057604) * 0.6931471805599453)
-    tl.store(o_base + offs_r[:, None] * stride_om + offs_d[None, :], out.to(O.dtype.element_ty),
+    tl.store(o_base + offs_r[:, None] * stride_om + offs_d[None, :], to_dtype(out, O.dtype.element_ty),
              mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim))
     lse_ptrs = LSE + b64 * stride_lse_b + tl.cast(h, tl.int64) * stride_lse_h + offs_m
     tl.store(lse_ptrs, lse, mask=offs_m < seqlen_q)

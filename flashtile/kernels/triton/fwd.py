@@ -11,8 +11,8 @@ block mask lists instead of the key range of causal/window masking.
 import triton
 import triton.language as tl
 
-from .mods import (bias_mask_log2, dropout_keep, key_range, load_lse2, load_tile, online_softmax_step, present,
-                   scores_log2, seq_bounds, sparse_tile_start, tile_order, user_mods_log2, visible)
+from .mods import (bias_mask_log2, dropout_keep, key_range, load_lse2, load_tile, mma, online_softmax_step, present,
+                   scores_log2, seq_bounds, sparse_tile_start, tile_order, to_dtype, user_mods_log2, visible)
 
 
 @triton.jit
@@ -42,7 +42,7 @@ def _fwd_tile(acc, l_i, m_i, start_n, row, MASKED: tl.constexpr, HAS_MASK: tl.co
                   MASKED, EVEN_D, USE_TMA, BLOCK_D)
     kt = tl.trans(k)
     # Alg. 1 line 8: S_i^(j) = Q_i K_j^T (then scale / softcap / ALiBi, in log2 units)
-    qk = tl.dot(q, kt, input_precision=DOT_PREC)
+    qk = mma(q, kt, None, DOT_PREC)
     if FOLD_SCALE and not (SOFTCAP or ALIBI or HAS_BIAS or HAS_MASK or SCORE_MOD is not None
                            or MASK_MOD is not None):
         s = qk
@@ -71,7 +71,7 @@ def _fwd_tile(acc, l_i, m_i, start_n, row, MASKED: tl.constexpr, HAS_MASK: tl.co
         p = tl.where(keep, p, 0.0)
     # Alg. 1 line 10: O~_i^(j) = diag(e^(m_old - m_new)) O~_i^(j-1) + P~ V_j   (no division here: FA2's change)
     acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
+    acc = mma(to_dtype(p, v.dtype), v, acc, DOT_PREC)
     return acc, l_i, m_new
 
 
@@ -189,7 +189,7 @@ def attn_fwd_kernel(
     out = acc * inv_l[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
     o_mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim)
-    tl.store(o_base + offs_r[:, None] * stride_om + offs_d[None, :], out.to(O.dtype.element_ty), mask=o_mask)
+    tl.store(o_base + offs_r[:, None] * stride_om + offs_d[None, :], to_dtype(out, O.dtype.element_ty), mask=o_mask)
     lse_ptrs = LSE + b64 * stride_lse_b + tl.cast(h, tl.int64) * stride_lse_h + q_start + offs_m
     tl.store(lse_ptrs, lse, mask=offs_m < seqlen_q)
 
@@ -245,7 +245,7 @@ def attn_probs_kernel(
         cols = start_n + offs_n
         kt = tl.load(k_base + cols[None, :].to(tl.int64) * stride_kn + offs_d[:, None],
                      mask=(cols[None, :] < seqlen_k) & (offs_d[:, None] < head_dim), other=0.0)
-        qk = tl.dot(q, kt, input_precision=DOT_PREC)
+        qk = mma(q, kt, None, DOT_PREC)
         i = offs_m[:, None]
         j = cols[None, :]
         s, _ = scores_log2(qk, i, j, seqlen_q, seqlen_k, score_scale, softcap_log2, alibi_slope_log2, SOFTCAP, ALIBI)

@@ -15,6 +15,7 @@ import triton.language as tl
 
 from .. import relaunch
 from ..runtime import cdiv, next_pow2
+from .mods import to_dtype
 
 
 @triton.jit
@@ -38,15 +39,15 @@ def _rotate_heads(SRC, DST, src_rows, dst_rows, h_ok, COS, SIN, pos, stride_cos,
             i1 = offs_k
             i2 = offs_k + rotary_half
         mask = h_ok[:, None] & k_ok[None, :]
-        x1 = tl.load(SRC + src_rows[:, None] + i1[None, :], mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(SRC + src_rows[:, None] + i2[None, :], mask=mask, other=0.0).to(tl.float32)
+        x1 = to_dtype(tl.load(SRC + src_rows[:, None] + i1[None, :], mask=mask, other=0.0), tl.float32)
+        x2 = to_dtype(tl.load(SRC + src_rows[:, None] + i2[None, :], mask=mask, other=0.0), tl.float32)
         pos64 = tl.cast(pos, tl.int64)
-        c = tl.load(COS + pos64 * stride_cos + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        s = tl.load(SIN + pos64 * stride_sin + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        c = to_dtype(tl.load(COS + pos64 * stride_cos + offs_k, mask=k_ok, other=0.0), tl.float32)[None, :]
+        s = to_dtype(tl.load(SIN + pos64 * stride_sin + offs_k, mask=k_ok, other=0.0), tl.float32)[None, :]
         o1 = x1 * c - x2 * s
         o2 = x1 * s + x2 * c
-        tl.store(DST + dst_rows[:, None] + i1[None, :], o1.to(DST.dtype.element_ty), mask=mask)
-        tl.store(DST + dst_rows[:, None] + i2[None, :], o2.to(DST.dtype.element_ty), mask=mask)
+        tl.store(DST + dst_rows[:, None] + i1[None, :], to_dtype(o1, DST.dtype.element_ty), mask=mask)
+        tl.store(DST + dst_rows[:, None] + i2[None, :], to_dtype(o2, DST.dtype.element_ty), mask=mask)
 
 
 @triton.jit
