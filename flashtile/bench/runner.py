@@ -282,7 +282,8 @@ def run_speed(cfg: BenchConfig, registry: Optional[Dict[str, Provider]] = None, 
             inputs = measure.random_inputs(shape.batch, shape.nheads, shape.seqlen, shape.headdim, cfg.dtype,
                                            device, seed)
             try:
-                ref = measure.compute_reference(*inputs, causal=causal, with_grads="bwd" in cfg.modes,
+                grads = "bwd" in cfg.modes or "train" in cfg.modes
+                ref = measure.compute_reference(*inputs, causal=causal, with_grads=grads,
                                                 max_score_elems=cfg.max_score_elems)
                 ref_error = None
             except Exception as e:  # e.g. OOM on a small GPU: nothing can be checked, so nothing is timed

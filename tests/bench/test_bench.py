@@ -574,3 +574,6 @@ def test_train_mode_times_forward_and_backward_in_one_call(tmp_path):
     assert "### training step (forward + backward), causal" in (tmp_path / "results.md").read_text()
     args = runner.add_bench_arguments(argparse.ArgumentParser()).parse_args(["--device", "cpu", "--mode", "all"])
     assert runner.build_config(args)[0].modes == ("fwd", "bwd", "train")
+    # the training step alone (the reference then has gradients too)
+    only = runner.run_speed(dataclasses.replace(cfg, modes=("train",), providers=["flashtile"]), progress=False)
+    assert [(r["mode"], r["status"]) for r in only["results"]] == [("train", "ok")]
