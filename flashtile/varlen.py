@@ -45,10 +45,6 @@ def _varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
         checks.tensor(name, t, dims)
     batch = checks.cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
     checks.cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device, batch=batch)
-    if dropout_p != 0:
-        fail("dropout_p", dropout_p, "0 with block_table (the paged path is inference-only)")
-    if return_attn_probs:
-        fail("return_attn_probs", return_attn_probs, "False with block_table (the paged path is inference-only)")
     # the paged cache checked as flash_attn_with_kvcache checks one, with q's packed tokens as one sequence each
     p = P.kvcache(q.unsqueeze(1)[:batch] if q.shape[0] >= batch else q.new_empty((batch, 1, *q.shape[1:])),
                   k, v, None, None, None, None, False, None, None, block_table, softmax_scale, causal, window_size,
@@ -64,6 +60,21 @@ def _varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
         P.kvcache_values(p, q.unsqueeze(1)[:batch], k, seqlens_k, None, None, None, block_table, None)
     check_device(q)
     params = p.params
+    if P.number("dropout_p", dropout_p) or return_attn_probs:
+        # dropout and the probabilities are the dense kernels' features: the sequences' pages are gathered into
+        # packed K / V (a copy of the keys the sequences use), then the varlen path runs on them, forward only
+        kg, vg, cu_k = _gather_pages(k, v, block_table, seqlens_k)
+
+        def gathered(q_):
+            return flash_attn_varlen_func(q_, kg, vg, cu_seqlens_q, cu_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                          softmax_scale, causal, window_size, softcap, alibi_slopes, False,
+                                          return_attn_probs)
+        with torch.no_grad():
+            result = gathered(q)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            out = _PagedForwardOnly.apply(q, k, v, lambda q_: result[0] if return_attn_probs else result)
+            return (out, *result[1:]) if return_attn_probs else out
+        return result
 
     def run(q_):
         out = output_like(q_)
@@ -79,6 +90,21 @@ def _varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
         return run(q)
 
 
+def _gather_pages(k_cache, v_cache, block_table, seqlens_k):
+    """The keys / values each sequence uses (positions < seqlens_k[b] of its pages), packed: (total, nheads_k, d)
+    twice and their cu_seqlens (int32)."""
+    page = k_cache.shape[1]
+    lens = seqlens_k.long()
+    cu = torch.zeros(lens.numel() + 1, dtype=torch.int32, device=lens.device)
+    cu[1:] = lens.cumsum(0)
+    total = int(cu[-1])
+    seq = torch.repeat_interleave(torch.arange(lens.numel(), device=lens.device), lens, output_size=total)
+    pos = torch.arange(total, device=lens.device) - cu[seq].long()
+    rows = block_table[seq, pos // page].long() * page + pos % page
+    flat = (-1, *k_cache.shape[2:])
+    return k_cache.reshape(flat)[rows], v_cache.reshape(flat)[rows], cu
+
+
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, block_table=None):
@@ -91,7 +117,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     (nheads,) or (batch, nheads)).
     block_table: (batch, max_blocks_per_seq) int32 with k, v a paged cache (num_blocks, page_block_size,
     nheads_k, headdim); sequence b's keys are its first cu_seqlens_k[b+1] - cu_seqlens_k[b] cache positions.
-    Forward only (backward raises), no dropout, no return_attn_probs.
+    Forward only (backward raises); with dropout or return_attn_probs the pages used are gathered first.
     Returns out (total_q, nheads, headdim), or (out, softmax_lse (nheads, total_q) float32,
     S_dmask (batch, nheads, max_seqlen_q, max_seqlen_k)) if return_attn_probs.
     """

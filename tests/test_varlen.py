@@ -345,8 +345,6 @@ def test_varlen_paged_backward_raises_clear_error(seed):
     assert out.requires_grad
     with pytest.raises(RuntimeError, match="forward-only"):
         out.sum().backward()
-    with pytest.raises(ValueError, match="dropout_p"):
-        flash_attn_varlen_func(q, k_cache, k_cache, cu(lens), cu(lens), 9, 9, dropout_p=0.1, block_table=table)
     with pytest.raises(ValueError, match="block_table"):
         flash_attn_varlen_func(q, k_cache, k_cache, cu(lens), cu(lens), 9, 9,
                                block_table=torch.tensor([[0], [4]], dtype=torch.int32, device=DEVICE))
@@ -397,3 +395,26 @@ def test_cu_seqlens_on_wrong_device_raises(monkeypatch):
     bad = torch.empty(3, dtype=torch.int32, device=other)
     with pytest.raises(ValueError, match=re.escape("cu_seqlens_k.device")):
         flash_attn_varlen_func(q, q, q, _i32([0, 3, 8]), bad, 5, 5)
+
+
+def test_varlen_paged_with_probabilities_and_dropout_as_flash_attn_takes_them(seed):
+    """flash-attn's paged varlen forward takes dropout and return_attn_probs; flashtile gathers the pages the
+    sequences use and runs the varlen kernels on them: the same output and probabilities as the contiguous
+    layout (with dropout the same mask, drawn from torch's generator), forward only."""
+    c = VCase((3, 1, 12), (40, 0, 75), 4, 2, 32, fp16, causal=True)
+    q, k, v, dout, alibi = packed_inputs(c)
+    gen = torch.Generator().manual_seed(seed)
+    k_cache, table = paged_from_packed(k.detach(), c.lens_k, 16, 12, gen)
+    v_cache, _ = paged_from_packed(v.detach(), c.lens_k, 16, 12, torch.Generator().manual_seed(seed))
+    args = (cu(c.lens_q), cu(c.lens_k), 12, 75)
+    for dropout_p in (0.0, 0.2):
+        torch.manual_seed(seed)
+        paged = flash_attn_varlen_func(q, k_cache, v_cache, *args, dropout_p=dropout_p, causal=True,
+                                       return_attn_probs=True, block_table=table)
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            dense = flash_attn_varlen_func(q, k, v, *args, dropout_p=dropout_p, causal=True, return_attn_probs=True)
+        for a, b in zip(paged, dense):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="forward-only"):
+        paged[0].float().sum().backward()
