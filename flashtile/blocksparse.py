@@ -22,7 +22,8 @@ import torch
 
 from .api.errors import fail
 from .api.usermods import aux
-from .interface import check_device, dense_attention
+from .api.checks import check_device
+from .interface import dense_attention
 from .kernels.triton.launch import SparseLists
 
 

@@ -29,7 +29,7 @@ import torch
 from .api import checks
 from .api import problem as P
 from .api.errors import fail
-from .interface import check_device, output as _output
+from .interface import output as _output
 from .kernels.gluon import fa3 as _fa3
 from .kernels.triton import fp8 as _k
 from .kernels.triton.decode import multiprocessors
@@ -111,7 +111,7 @@ def _check_qkv(q, k, v):
     d = q.shape[-1]
     if d % 8 or d > 256:
         fail("q.shape[-1] (headdim)", d, "a multiple of 8, at most 256")
-    check_device(q)
+    checks.check_device(q)
 
 
 def _check_incoherent(d):

@@ -18,6 +18,7 @@ from torch.utils import _python_dispatch
 
 from .api import problem as P
 from .api import usermods
+from .api.checks import check_device
 from .api.errors import fail
 from .api.problem import Problem
 from .kernels import dispatch
@@ -44,13 +45,6 @@ def output(shape, device, dtype) -> torch.Tensor:
     if POISON_OUTPUTS:
         return torch.full(shape, float("nan"), device=device, dtype=dtype)
     return torch.empty(shape, device=device, dtype=dtype)
-
-
-def check_device(t: torch.Tensor) -> None:
-    """CPU tensors need the Triton interpreter, which must be on before flashtile is imported."""
-    if t.device.type == "cpu" and not launch.interpreting():
-        fail("q.device", t.device, "a CUDA device, or CPU tensors with the Triton interpreter enabled before "
-             "flashtile is imported: set TRITON_INTERPRET=1 (flashtile sets it itself when no CUDA device is present)")
 
 
 # --------------------------------------------------------------------------------------------------

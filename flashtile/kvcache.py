@@ -13,8 +13,9 @@ import itertools
 import torch
 
 from .api import problem as P
+from .api.checks import check_device
 from .api.errors import fail
-from .interface import check_device, output, output_like
+from .interface import output, output_like
 from .kernels.triton import decode as _decode
 from .kernels.triton import rotary as _rotary
 
