@@ -23,6 +23,7 @@ from .api.errors import fail
 from .api.problem import Problem
 from .kernels import dispatch
 from .kernels.gluon import fa3
+from .kernels.params import SparseLists
 from .kernels.triton import launch
 
 
@@ -52,12 +53,12 @@ def output(shape, device, dtype) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------
 class Extras(NamedTuple):
     """A call's tensors beside q, k, v that no gradient flows into: ALiBi slopes, varlen bounds, a bool mask, a
-    block mask's tile lists (launch.SparseLists)."""
+    block mask's tile lists (params.SparseLists)."""
     alibi: Optional[torch.Tensor] = None
     cu_seqlens_q: Optional[torch.Tensor] = None
     cu_seqlens_k: Optional[torch.Tensor] = None
     mask: Optional[torch.Tensor] = None
-    sparse: Optional[launch.SparseLists] = None
+    sparse: Optional[SparseLists] = None
 
 
 NO_EXTRAS = Extras()
@@ -72,7 +73,7 @@ def _flat(x: Extras) -> list:
 
 def _unflat(p: Problem, flat) -> Extras:
     alibi, cu_q, cu_k, mask, *sparse = flat
-    return Extras(alibi, cu_q, cu_k, mask, launch.SparseLists(p.sparse_block, *sparse) if p.sparse_block else None)
+    return Extras(alibi, cu_q, cu_k, mask, SparseLists(p.sparse_block, *sparse) if p.sparse_block else None)
 
 
 def lse_shape(p: Problem, q: torch.Tensor):

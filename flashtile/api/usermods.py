@@ -8,7 +8,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..kernels.triton.launch import UserMods
+from ..kernels.params import UserMods
 
 _REGISTRY: Dict[int, tuple] = {}
 _KEYS: Dict[Tuple[int, int], int] = {}

@@ -16,7 +16,7 @@ from .. import relaunch
 from ..gluon import fa3 as _fa3
 from . import bwd as _bwd
 from . import fwd as _fwd
-from ..params import AttnParams  # noqa: F401  (the launchers' scalar arguments)
+from ..params import AttnParams, SparseLists, UserMods  # noqa: F401  (the launchers' side arguments)
 from ..runtime import (DescriptorType, TensorDescriptor, cdiv, descriptor_fields, descriptor_from,  # noqa: F401
                        interpreting, next_pow2, row_descriptor, tma_row_view)
 
@@ -176,46 +176,6 @@ def _common(q, k, params, alibi, cu_q, max_sq, max_sk):
     rng = _rng_strides(nheads, max_sq, max_sk)
     alibi_stride_b = 0 if alibi is None or alibi.dim() == 1 else alibi.stride(0)
     return batch, nheads, nheads_k, score_scale, softcap_log2, rng, alibi_stride_b
-
-
-@dataclass(frozen=True)
-class SparseLists:
-    """A block mask's tile lists (int32, contiguous; batch/head dimensions of size 1 broadcast):
-    kv_num/full_kv_num (B, H, n_q_blocks), kv_idx/full_kv_idx (B, H, n_q_blocks, n_kv_blocks): per query block,
-    the key blocks that are partial / full; q_* the transpose (per key block, its query blocks)."""
-    block_size: int
-    kv_num: torch.Tensor
-    kv_idx: torch.Tensor
-    full_kv_num: torch.Tensor
-    full_kv_idx: torch.Tensor
-    q_num: torch.Tensor
-    q_idx: torch.Tensor
-    full_q_num: torch.Tensor
-    full_q_idx: torch.Tensor
-
-
-@dataclass(frozen=True)
-class UserMods:
-    """flashtile.flex's modifiers, compiled into the kernels: @triton.jit functions (None: absent) and the
-    tuples of values they capture (tensors arrive in the kernels as pointers, ints / floats as scalars).
-    score_aux_grad: parallel to score_aux, a float32 zero buffer where the captured tensor wants a gradient
-    (score_captured_grad adds into it), the captured item itself elsewhere; backward only."""
-    score_mod: object = None
-    score_grad: object = None
-    score_captured_grad: object = None
-    score_aux: Optional[tuple] = None
-    mask_mod: object = None
-    mask_aux: Optional[tuple] = None
-    score_aux_grad: Optional[tuple] = None
-
-    def kernel_kwargs(self, kernel: str) -> dict:
-        """Keyword arguments of attn_fwd_kernel ("fwd"), attn_bwd_dkdv_kernel ("dkdv") or attn_bwd_dq_kernel ("dq")."""
-        kw = dict(score_aux=self.score_aux, mask_aux=self.mask_aux, SCORE_MOD=self.score_mod, MASK_MOD=self.mask_mod)
-        if kernel != "fwd":
-            kw["SCORE_GRAD"] = self.score_grad
-        if kernel == "dkdv":
-            kw.update(score_aux_grad=self.score_aux_grad, SCORE_CAPTURED_GRAD=self.score_captured_grad)
-        return kw
 
 
 # Launch order under a causal mask (mods.tile_order), per head-dim bucket: heads are grouped so that a group holds
