@@ -54,7 +54,8 @@ from .. import relaunch
 from ..runtime import _capturing, _device_props, multiprocessors, tickets  # noqa: F401
 from ..gluon import paged as _gluon_paged
 from . import combine as _combine
-from .launch import (AttnParams, _block_d, _dot_precision, _rows, cdiv, descriptor_fields, descriptor_from,
+from . import configs
+from .launch import (AttnParams, _dot_precision, _rows, cdiv, descriptor_fields, descriptor_from,
                      interpreting, next_pow2, row_descriptor)
 from .mods import key_range, load_rows, mma, online_softmax_step, present, scores_log2, seq_bounds, to_dtype, visible
 
@@ -436,7 +437,7 @@ def default_decode_config(rows: int, head_dim: int, dtype: torch.dtype, few_tile
     block_m = _block_m(rows)
     if interpreting():
         return DecodeConfig(min(block_m, 16), 16, 4, 1)
-    bd = _block_d(head_dim)
+    bd = configs.block_d(head_dim)
     if bd <= 128 and dtype != torch.float32:
         # benchmarks/sweep_decode.py on an H200 (bf16, hd128, batch 1-64, cache 4k-128k, contiguous and page
         # 256): 128-key tiles through TMA, 2 stages, were within 2% of each point's best tile on average (0.5%
@@ -781,7 +782,7 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         _remember_fast(sig, q.device, False, key, num_splits)
         return num_splits
     score_scale, softcap_log2 = params.score_args()
-    block_d = _block_d(head_dim)
+    block_d = configs.block_d(head_dim)
     desc_k = desc_v = None
     if cfg.use_tma and (not paged or plan.page_tiles):
         desc_k = _cache_descriptor(k_cache, cfg.BLOCK_N, block_d)
