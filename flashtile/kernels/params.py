@@ -13,6 +13,9 @@ from typing import Optional
 import torch
 
 LOG2E = 1.4426950408889634   # log2(e): the kernels compute exp(x) as exp2(x * log2 e)
+LN2 = 0.6931471805599453     # ln(2): a log2-sum-exp times ln 2 is the natural-log LSE
+# log2(448), of e4m3's largest finite value: the FP8 forward's P~ = exp2(S - m + log2 448) fills e4m3's range
+LOG2_E4M3_MAX = 8.807354922057604
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-from ..triton.mods import LOG2E as _LOG2E
+from ..params import LOG2E as _LOG2E
 from ._fa3_fwd import _pass_turn, _turn, tma_load, tma_store
 
 LOG2E = gl.constexpr(_LOG2E)

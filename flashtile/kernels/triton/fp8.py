@@ -29,7 +29,6 @@ import triton.language as tl
 from .mods import key_range, mma, to_dtype, visible
 
 E4M3_MAX = 448.0
-LOG2_E4M3_MAX = 8.807354922057604    # log2(448): P~ = exp2(S - m + log2 448) fills e4m3's range
 AMAX_FLOOR = 9.5367431640625e-07     # 2^-20: an all-zero block still gets a finite scale
 
 
