@@ -16,7 +16,7 @@ from .api import checks
 from .api import problem as P
 from .api.errors import fail
 from .interface import Extras, attention, output, output_like
-from .kernels.triton import decode as _decode
+from .kernels import dispatch
 
 _VARLEN: dict = {}   # argument signature -> Problem of varlen calls that passed the shape checks
 
@@ -68,9 +68,9 @@ def _varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     def run(q_):
         out = output_like(q_)
         lse = output((q_.shape[1], q_.shape[0]), q_.device, torch.float32)
-        _decode.flash_decode(q_, k, v, out, lse, seqlens_k, params, cu_seqlens_q=cu_seqlens_q,
-                             max_seqlen_q=max_seqlen_q, block_table=block_table, alibi=alibi_slopes,
-                             max_seqlen_k=min(max_seqlen_k, capacity))
+        dispatch.flash_decode(q_, k, v, out, lse, seqlens_k, params, cu_seqlens_q=cu_seqlens_q,
+                              max_seqlen_q=max_seqlen_q, block_table=block_table, alibi=alibi_slopes,
+                              max_seqlen_k=min(max_seqlen_k, capacity))
         return out
 
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):

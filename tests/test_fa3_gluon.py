@@ -1,5 +1,5 @@
 """FlashAttention-3's Hopper forward and backward (flashtile/kernels/gluon) without a GPU: which problems they take,
-how launch.flash_bwd dispatches to the backward, and that the kernels compile for sm_90 with the installed Triton.
+how kernels.dispatch hands a backward to them, and that the kernels compile for sm_90 with the installed Triton.
 Their numerics are checked on a Hopper GPU (tests/gpu/test_fa3_gluon_gpu.py)."""
 import os
 import subprocess
@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import flashtile
+from flashtile.kernels import dispatch
 from flashtile.kernels.gluon import fa3, paged
 from flashtile.kernels.triton import launch
 from flashtile.kernels.triton.launch import AttnParams
@@ -75,7 +76,7 @@ def test_backward_ineligible_problems(kw, params):
 
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_flash_bwd_dispatch(deterministic, monkeypatch):
-    """Where fa3 supports a backward, launch.flash_bwd hands it (with Delta from the preprocess kernel) to fa3.bwd,
+    """Where fa3 supports a backward, dispatch.flash_bwd hands it (with Delta from the preprocess kernel) to fa3.bwd,
     except for deterministic gradients (fa3.bwd adds dQ atomically): then the Triton kernels compute them."""
     calls = []
     monkeypatch.setattr(fa3, "supports", lambda *a, backward=False, **kw: backward)
@@ -84,9 +85,9 @@ def test_flash_bwd_dispatch(deterministic, monkeypatch):
     dout = torch.randn_like(q)
     params = AttnParams(softmax_scale=32 ** -0.5)
     out, lse = torch.empty_like(q), torch.empty(1, 2, 64)
-    launch.flash_fwd(q, k, v, out, lse, params)
+    dispatch.flash_fwd(q, k, v, out, lse, params)
     dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
-    launch.flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params, deterministic=deterministic)
+    dispatch.flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params, deterministic=deterministic)
     if deterministic:
         assert not calls and all(torch.isfinite(g).all() for g in (dq, dk, dv))
     else:

@@ -11,6 +11,7 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
 
 import flashtile  # noqa: E402
 from flashtile.kernels.gluon import fa3  # noqa: E402
+from flashtile.kernels import dispatch  # noqa: E402
 from flashtile.kernels.triton import launch  # noqa: E402
 from attn_utils import Case, case_inputs, check_against_reference, flash_kwargs, keep_mask_from_s_dmask  # noqa: E402
 
@@ -186,13 +187,13 @@ def test_fa3_backward_register_stores_gpu(d, causal, seed, monkeypatch):
                                                                                (c.sk, c.hk)))
     dout = torch.randn_like(q)
     out, lse = torch.empty_like(q), torch.empty(c.b, c.h, c.sq, device="cuda")
-    launch.flash_fwd(q, k, v, out, lse, _params(c))
+    dispatch.flash_fwd(q, k, v, out, lse, _params(c))
     grads = []
     for longest in (1 << 62, 0):
         monkeypatch.setitem(fa3.BWD_DKV_TMA, causal, longest)
         assert fa3.bwd_dkv_tma(c.sq, causal) == (longest > 0)
         g = [torch.full_like(t, float("nan")) for t in (q, k, v)]
-        launch.flash_bwd(dout, q, k, v, out, lse, *g, _params(c))
+        dispatch.flash_bwd(dout, q, k, v, out, lse, *g, _params(c))
         grads.append(g)
     (dq, dk, dv), (dq2, dk2, dv2) = grads
     assert torch.isfinite(dk2).all() and torch.isfinite(dv2).all()
@@ -214,10 +215,10 @@ def _check_bwd_writes_every_element(c: Case):
                                                                                      (c.sk, c.hk)))
     dout = torch.randn_like(q)
     out, lse = torch.empty_like(q), torch.empty(c.b, c.h, c.sq, device="cuda")
-    launch.flash_fwd(q, k, v, out, lse, _params(c))
+    dispatch.flash_fwd(q, k, v, out, lse, _params(c))
     dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
     assert fa3.supports(q, k, v, _params(c), backward=True)
-    launch.flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, _params(c))
+    dispatch.flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, _params(c))
     assert all(torch.isfinite(g).all() for g in (dq, dk, dv))
 
 
@@ -233,9 +234,9 @@ def test_fa3_backward_strided_dk_dv_gpu(d, layout, causal, seed):
     q, k, v = (torch.randn(c.b, c.sq, n, d, device="cuda", dtype=bf16) for n in (c.h, c.hk, c.hk))
     dout = torch.randn_like(q)
     out, lse = torch.empty_like(q), torch.empty(c.b, c.h, c.sq, device="cuda")
-    launch.flash_fwd(q, k, v, out, lse, _params(c))
+    dispatch.flash_fwd(q, k, v, out, lse, _params(c))
     dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
-    launch.flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, _params(c))
+    dispatch.flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, _params(c))
     if layout == "packed":
         kv = torch.full((c.b, c.sk, 2, c.hk, d), float("nan"), device="cuda", dtype=bf16)
         dk2, dv2 = kv[:, :, 0], kv[:, :, 1]
@@ -245,7 +246,7 @@ def test_fa3_backward_strided_dk_dv_gpu(d, layout, causal, seed):
                     for _ in range(2))
         assert launch.tma_row_view(dk2) is None
     dq2 = torch.full_like(q, float("nan"))
-    launch.flash_bwd(dout, q, k, v, out, lse, dq2, dk2, dv2, _params(c))
+    dispatch.flash_bwd(dout, q, k, v, out, lse, dq2, dk2, dv2, _params(c))
     assert torch.equal(dk2, dk) and torch.equal(dv2, dv)
     assert (dq2.float() - dq.float()).abs().max().item() <= 1e-2 * dq.float().abs().max().item()
 

@@ -52,7 +52,6 @@ import triton.language as tl
 
 from .. import relaunch
 from ..runtime import _capturing, _device_props, multiprocessors, tickets  # noqa: F401
-from ..gluon import paged as _gluon_paged
 from . import combine as _combine
 from . import configs
 from .launch import (AttnParams, _dot_precision, _rows, cdiv, descriptor_fields, descriptor_from,
@@ -608,24 +607,6 @@ def fuse_combine(num_splits: int, kv_bytes: int, device: torch.device) -> bool:
     return num_splits <= FUSED_MAX_SPLITS or (kv_bytes <= EAGER_FUSED_BYTES and not _capturing(device))
 
 
-# CONFIG_OVERRIDE keys the Gluon paged decode honours (num_splits, fused_combine) or that do not concern it
-# (combine_chunk); any other pins the Triton kernel's launch, which then takes the call
-_GLUON_OVERRIDES = {"num_splits", "fused_combine", "combine_chunk"}
-
-
-def gluon_fuse_combine(kv_bytes: int, device: torch.device) -> bool:
-    """Whether the Gluon paged decode's splits merge in its launch (the last split to finish merges, serially at
-    the launch's tail) rather than by combine.py's kernel: CONFIG_OVERRIDE["fused_combine"] if set, else only in
-    eager calls reading at most EAGER_FUSED_BYTES, which are bound by host time (one launch instead of two). H200,
-    bf16 d128, nheads 32 / 8, graph replay (BENCHMARKS.md §4, twenty-second session), us, pages of 16 / 32, fused
-    / separate: b1 4k 17.4 / 16.3, 17.0 / 16.1; b8 4k 52.1 / 50.8, 51.7 / 50.5; b8 32k 267.2 / 267.1, 264.2 /
-    265.3; b64 4k 260.6 / 260.9; eager b1 4k 95.1 us with the fused combine and the launch template against 169.2
-    with two launches."""
-    if "fused_combine" in CONFIG_OVERRIDE:
-        return bool(CONFIG_OVERRIDE["fused_combine"])
-    return kv_bytes <= EAGER_FUSED_BYTES and not _capturing(device)
-
-
 def _combine_shape(rows: int, num_splits: int, block_d: int):
     """(COMBINE_RG, COMBINE_CHUNK) of the fused combine: the separate kernel's splits per step, and as many of the
     tile's `rows` per step as combine.CHUNK_ELEMS allows."""
@@ -658,14 +639,32 @@ _TEMPLATE_LIVE = 16
 _TEMPLATES: dict = {}
 
 
-# (caller's signature, CUDA graph capture under way) -> (Gluon route, key of the template that served the signature
-# in its route's memo, split count): a decode step repeating a signature skips the plan, the route and the key
+# (caller's signature, CUDA graph capture under way) -> (key of the template that served the signature, split
+# count): a decode step repeating a signature skips the plan and the key
 _FAST: dict = {}
 
 
-def _remember_fast(sig, device, gluon: bool, key, num_splits: int) -> None:
+def _remember_fast(sig, device, key, num_splits: int) -> None:
     if sig is not None:
-        relaunch.remember(_FAST, (sig, _capturing(device)), (gluon, key, num_splits))
+        relaunch.remember(_FAST, (sig, _capturing(device)), (key, num_splits))
+
+
+def relaunch_decode(sig, q, k_cache, v_cache, out, lse, seqlens_k, cu_seqlens_q=None, cache_batch_idx=None,
+                    leftpad=None, block_table=None, alibi=None) -> int:
+    """The split count of a launch through the template that served signature sig before (flash_decode's
+    arguments); 0 (nothing launched) where none did, CONFIG_OVERRIDE pins a launch, or the template does not take
+    these tensors."""
+    if sig is None or CONFIG_OVERRIDE:
+        return 0
+    fast = _FAST.get((sig, _capturing(q.device)))
+    if fast is None:
+        return 0
+    key, n = fast
+    tpl = _TEMPLATES.get(key)
+    if tpl is not None and tpl.launch(q, k_cache, v_cache, out, lse, seqlens_k, cu_seqlens_q, cache_batch_idx,
+                                      leftpad, block_table, alibi):
+        return n
+    return 0
 
 
 @dataclass(frozen=True)
@@ -724,21 +723,11 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     every batch element (no tensor, no kernel to fill one). cache_batch_idx (batch,) int32: cache row of each batch element.
     Inputs are already validated. Returns the number of splits used.
     """
-    if sig is not None and not CONFIG_OVERRIDE:
-        # a signature launched before goes straight to the template that served it
-        fast = _FAST.get((sig, _capturing(q.device)))
-        if fast is not None:
-            gluon, key, n = fast
-            if gluon:
-                tpl = _gluon_paged.template(*key)
-                if tpl is not None and _gluon_paged.fa3.enabled() and tpl.launch(
-                        q, k_cache, v_cache, out, lse, block_table, seqlens_k, lambda m: tickets(q.device, m)):
-                    return n
-            else:
-                tpl = _TEMPLATES.get(key)
-                if tpl is not None and tpl.launch(q, k_cache, v_cache, out, lse, seqlens_k, cu_seqlens_q,
-                                                  cache_batch_idx, leftpad, block_table, alibi):
-                    return n
+    # a signature launched before goes straight to the template that served it
+    n = relaunch_decode(sig, q, k_cache, v_cache, out, lse, seqlens_k, cu_seqlens_q, cache_batch_idx, leftpad,
+                        block_table, alibi)
+    if n:
+        return n
     varlen = cu_seqlens_q is not None
     batch = cu_seqlens_q.numel() - 1 if varlen else q.shape[0]
     sq = int(max_seqlen_q) if varlen else q.shape[1]
@@ -754,20 +743,6 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if max_seqlen_k is None:
         max_seqlen_k = block_table.shape[1] * page_size if paged else k_cache.shape[1]
     kv_bytes = 2 * batch * max_seqlen_k * nheads_k * head_dim * k_cache.element_size()   # (the most K / V read)
-    if (paged and batch > 0 and total_rows > 0 and q.is_cuda and not CONFIG_OVERRIDE.keys() - _GLUON_OVERRIDES
-            and _gluon_paged.eligible(q, k_cache, page_size, sq * group, params, alibi=alibi, leftpad=leftpad,
-                                      cu_seqlens_q=cu_seqlens_q, cache_batch_idx=cache_batch_idx)):
-        # pages smaller than the key tile: the Gluon kernel reads a tile's pages as TMA boxes under one barrier
-        fuse = gluon_fuse_combine(kv_bytes, q.device)
-        n = _gluon_paged.decode_paged(
-            q, k_cache, v_cache, out, lse, seqlens_k, int(seqlens_add) if has_seqlens else int(seqlen_k_static),
-            block_table, params, num_splits, lambda block_n: int(CONFIG_OVERRIDE.get("num_splits", 0)) or
-            num_splits_heuristic(batch * nheads_k, max_seqlen_k, block_n, q.device),
-            lambda n: tickets(q.device, n), fuse, sig=sig)
-        if n is not None:
-            if not CONFIG_OVERRIDE:
-                _remember_fast(sig, q.device, True, (sig, n, n > 1 and fuse), n)
-            return n
     plan = plan_decode(sq, nheads, nheads_k, head_dim, q.dtype, batch, max_seqlen_k, q.device,
                        page_size=page_size, num_splits=num_splits)
     cfg, num_splits = plan.cfg, plan.num_splits
@@ -779,7 +754,7 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     tpl = _TEMPLATES.get(key) if key is not None else None
     if tpl is not None and tpl.launch(q, k_cache, v_cache, out, lse, seqlens_k, cu_seqlens_q, cache_batch_idx,
                                       leftpad, block_table, alibi):
-        _remember_fast(sig, q.device, False, key, num_splits)
+        _remember_fast(sig, q.device, key, num_splits)
         return num_splits
     score_scale, softcap_log2 = params.score_args()
     block_d = configs.block_d(head_dim)

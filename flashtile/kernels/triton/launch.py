@@ -2,6 +2,8 @@
 
 Inputs are already validated by flashtile.interface. Two layouts are accepted for q/k/v/out:
 dense (batch, seqlen, nheads, headdim) and varlen/packed (total_tokens, nheads, headdim) with cu_seqlens.
+These launchers run the Triton kernels whatever the device; kernels/dispatch.py decides which problems go to the
+Gluon kernels instead.
 """
 from __future__ import annotations
 
@@ -12,7 +14,6 @@ import torch
 import triton
 
 from .. import relaunch
-from ..gluon import fa3 as _fa3
 from . import bwd as _bwd
 from . import configs, tuning
 from . import fwd as _fwd
@@ -216,6 +217,13 @@ class _ForwardTemplate:
 _FWD_LIVE = 10   # attn_fwd_kernel's leading tensors and descriptors
 
 
+def relaunch_fwd(memo: Optional[dict], q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None, alibi=None) -> bool:
+    """Launch the template flash_fwd kept in memo (the caller's per-problem dict) over these tensors; False
+    (nothing launched) where there is none or it does not take them."""
+    tpl = memo.get("triton_fwd") if memo is not None else None
+    return tpl is not None and tpl(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi)
+
+
 def flash_fwd(q, k, v, out, lse, params: AttnParams, alibi: Optional[torch.Tensor] = None,
               cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
               bias=None, mask=None, sparse: Optional[SparseLists] = None, mods: Optional[UserMods] = None,
@@ -225,8 +233,7 @@ def flash_fwd(q, k, v, out, lse, params: AttnParams, alibi: Optional[torch.Tenso
     dense layout only. sparse: a block mask's lists (the partial tiles read `mask` and mods.mask_mod).
     mods: user score_mod / mask_mod (flashtile.flex). memo: a dict the caller keeps per problem (everything but
     the tensors' data fixed: shapes, strides, dtypes, scalars), where the launch's template is kept."""
-    tpl = memo.get("triton_fwd") if memo is not None else None
-    if tpl is not None and tpl(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi):
+    if relaunch_fwd(memo, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi):
         return
     head_dim = q.shape[-1]
     max_sq = max_seqlen_q if cu_seqlens_q is not None else q.shape[1]
@@ -237,9 +244,6 @@ def flash_fwd(q, k, v, out, lse, params: AttnParams, alibi: Optional[torch.Tenso
         # nothing to attend to (or nobody asking): rows that see no key are 0 with lse = -inf
         out.zero_()
         lse.fill_(float("-inf"))
-        return
-    if _fa3.supports(q, k, v, params, alibi, cu_seqlens_q, bias, mask, sparse, mods):
-        _fa3.fwd(q, k, v, out, lse, params)   # Hopper: FlashAttention-3's warp-specialized kernel (Gluon)
         return
     causal, seqlen = params.lower_triangular, max(max_sq, max_sk)
     if sparse is None and tuning.needs_tuning("fwd", head_dim, q.dtype, causal, seqlen, q.device):
@@ -343,6 +347,40 @@ class _BackwardTemplate:
 _PRE_LIVE, _DKDV_LIVE, _DQ_LIVE = 5, 15, 12   # the kernels' leading tensors and descriptors
 
 
+def relaunch_bwd(memo: Optional[dict], dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q=None, cu_seqlens_k=None,
+                 alibi=None, dlse=None) -> bool:
+    """Launch the templates flash_bwd kept in memo over these tensors; False (nothing launched, or nothing left half
+    done: the full path recomputes every output) where there are none or they do not take them."""
+    tpl = memo.get("triton_bwd") if memo is not None else None
+    return tpl is not None and tpl(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, alibi, dlse)
+
+
+def _delta(out, dout, lse, dlse, cu_seqlens_q, batch: int, nheads: int, max_sq: int, head_dim: int):
+    """(D, (grid, args, kwargs) of its launch): D = rowsum(dO o O) (FA2 Alg. 2 line 4), lse's shape, by the
+    preprocess kernel, less dlse where a gradient arrives through the LSE output."""
+    delta = torch.empty_like(lse)
+    pre_m = 64 if not interpreting() else 32
+    grid = (cdiv(max_sq, pre_m), batch * nheads)
+    args = (out, dout, delta, None, cu_seqlens_q, *_rows(out), *_rows(dout), *_lse_strides(lse), 0, 0, 0, nheads,
+            max_sq, head_dim)
+    kwargs = dict(BLOCK_M=pre_m, BLOCK_D=configs.block_d(head_dim), IS_VARLEN=cu_seqlens_q is not None, ZERO_DQ=False)
+    relaunch.launch(_bwd.attn_bwd_preprocess_kernel, grid, args, kwargs)
+    if dlse is not None:
+        # a gradient arriving through the LSE output: d lse_i / d S_ij = P_ij, so dS_ij gains P_ij * dlse_i, i.e.
+        # dS = P o (dP - (D - dlse)): folded into D, the kernels are unchanged
+        delta.sub_(dlse)
+    return delta, (grid, args, kwargs)
+
+
+def bwd_delta(out, dout, lse, dlse=None, cu_seqlens_q=None, max_seqlen_q=None) -> torch.Tensor:
+    """D = rowsum(dO o O) - dlse as flash_bwd computes it (the preprocess kernel), for a backward that runs other
+    kernels from it (the Gluon FA3 backward): out, dout as q; lse (batch, nheads, seqlen_q) or (nheads, total_q)."""
+    varlen = cu_seqlens_q is not None
+    batch = cu_seqlens_q.numel() - 1 if varlen else out.shape[0]
+    max_sq = max_seqlen_q if varlen else out.shape[1]
+    return _delta(out, dout, lse, dlse, cu_seqlens_q, batch, out.shape[-2], max_sq, out.shape[-1])[0]
+
+
 def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=None,
               cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, deterministic=False,
               bias=None, mask=None, sparse: Optional[SparseLists] = None, dbias=None,
@@ -351,8 +389,7 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
     reproducible gradients (a broadcast bias's dbias excepted: its reduction uses atomics).
     dbias: a zero-filled float32 tensor of bias's (4-D, unexpanded) shape, filled with dS summed over the
     dimensions bias broadcasts along; None skips that work. memo: as flash_fwd's (the launches' template)."""
-    tpl = memo.get("triton_bwd") if memo is not None else None
-    if tpl is not None and tpl(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, alibi, dlse):
+    if relaunch_bwd(memo, dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, alibi, dlse):
         return
     head_dim = q.shape[-1]
     max_sq = max_seqlen_q if cu_seqlens_q is not None else q.shape[1]
@@ -367,10 +404,7 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
             g.zero_()
         return
     causal, seqlen = params.lower_triangular, max(max_sq, max_sk)
-    # Hopper: FlashAttention-3's warp-specialized backward (Gluon), from the same Delta (it adds dQ atomically)
-    gluon_bwd = not deterministic and _fa3.supports(q, k, v, params, alibi, cu_seqlens_q, bias, mask, sparse, mods,
-                                                    backward=True)
-    if (not gluon_bwd and sparse is None and mods is None
+    if (sparse is None and mods is None
             and tuning.needs_tuning("bwd", head_dim, q.dtype, causal, seqlen, q.device)):
         # FLASHTILE_AUTOTUNE=1, key not cached: time the candidates on scratch gradients; the launches below use the
         # winner (not with mods: their captured-tensor gradient buffers would be added into)
@@ -381,20 +415,8 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
             cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
             deterministic=deterministic, bias=bias, mask=mask, dbias=dbias_),
             default=bwd_config(head_dim, q.dtype, causal))
-    delta = torch.empty_like(lse)
-    pre_m = 64 if not interpreting() else 32
-    pre_grid = (cdiv(max_sq, pre_m), batch * nheads)
-    pre_args = (out, dout, delta, None, cu_seqlens_q, *_rows(out), *_rows(dout), *_lse_strides(lse), 0, 0, 0, nheads,
-                max_sq, head_dim)
-    pre_kwargs = dict(BLOCK_M=pre_m, BLOCK_D=flags["BLOCK_D"], IS_VARLEN=flags["IS_VARLEN"], ZERO_DQ=False)
-    relaunch.launch(_bwd.attn_bwd_preprocess_kernel, pre_grid, pre_args, pre_kwargs)
-    if dlse is not None:
-        # a gradient arriving through the LSE output: d lse_i / d S_ij = P_ij, so dS_ij gains P_ij * dlse_i, i.e.
-        # dS = P o (dP - (D - dlse)): folded into D, the kernels are unchanged
-        delta.sub_(dlse)
-    if gluon_bwd:
-        _fa3.bwd(dout, q, k, v, lse, delta, dq, dk, dv, params)
-        return
+    delta, (pre_grid, pre_args, pre_kwargs) = _delta(out, dout, lse, dlse, cu_seqlens_q, batch, nheads, max_sq,
+                                                     head_dim)
     cfg = _sparse_config(bwd_config(head_dim, q.dtype, causal, seqlen=seqlen), sparse)
     common = (*_lse_strides(lse), alibi_sb)
     bias_args = _pair_args(bias, batch, nheads, max_sq, max_sk)
