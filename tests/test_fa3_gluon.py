@@ -96,6 +96,30 @@ def test_flash_bwd_dispatch(deterministic, monkeypatch):
         torch.testing.assert_close(delta, (dout.float() * out.float()).sum(-1).transpose(1, 2))
 
 
+@pytest.mark.parametrize("dims", [dict(sk=0), dict(b=0), dict(h=0)], ids=["seqlen_k0", "batch0", "nheads0"])
+def test_empty_problems_never_reach_the_gluon_kernels(dims, monkeypatch):
+    """A problem without keys (or without queries) is no work for the FA3 kernels, whatever fa3.supports says of its
+    shapes (seqlen_k = 0 is a multiple of every Bc, and the forward kernel waits for a first key block that never
+    comes): the training path's plans and dispatch's calls leave it to the Triton launchers, which write zeros and
+    an LSE of -inf (no gradient at all). The kernels here are stand-ins that fail when called."""
+    def gluon(*a, **kw):
+        pytest.fail("an empty problem reached the Gluon kernels")
+    monkeypatch.setattr(fa3, "supports", lambda *a, **kw: True)
+    for name in ("ForwardPlan", "BackwardPlan", "fwd", "bwd"):
+        monkeypatch.setattr(fa3, name, gluon)
+    b, sq, sk, h = dims.get("b", 2), 64, dims.get("sk", 128), dims.get("h", 4)
+    q = torch.randn(b, sq, h, 128, dtype=torch.float16, requires_grad=True)
+    k, v = (torch.randn(b, sk, max(h, 1), 128, dtype=torch.float16, requires_grad=True) for _ in range(2))
+    out, lse, _ = flashtile.flash_attn_func(q, k, v, return_attn_probs=True)
+    assert out.shape == q.shape and (out == 0).all() and (lse == float("-inf")).all()
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    assert all((g == 0).all() for g in (dq, dk, dv))
+    params = AttnParams(softmax_scale=0.1)
+    o, l_ = torch.empty_like(q), torch.empty(b, h, sq)
+    dispatch.flash_fwd(q.detach(), k.detach(), v.detach(), o, l_, params)
+    assert (o == 0).all() and (l_ == float("-inf")).all()
+
+
 def test_disabled_forward_gets_triton_backward(monkeypatch):
     """flash_attn_func records fa3.disabled() at the forward: its backward, run later outside the block, is off too."""
     seen = []

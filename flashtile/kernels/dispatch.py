@@ -74,13 +74,19 @@ def _gluon_candidate(p, params) -> bool:
             and (params.is_causal or not (params.has_left or params.has_right)))
 
 
+def _attends(q, k) -> bool:
+    """Queries and keys to attend with: an empty problem's outputs (zeros, an LSE of -inf, zero gradients) are the
+    Triton launchers' to write; the FA3 forward would wait for a first key block that never comes."""
+    return q.numel() > 0 and k.numel() > 0
+
+
 def forward(p, params, q, k, v, out, lse, x, bias=None, mods=None) -> None:
     """out, lse of problem p (api.problem.Problem) with its call's scalars params (params.AttnParams) and extras x
     (interface.Extras)."""
     plan = p.cache.get("fwd", False)
     if plan is False:
         plan = None
-        if _gluon_candidate(p, params) and fa3.supports(q, k, v, params):
+        if _gluon_candidate(p, params) and _attends(q, k) and fa3.supports(q, k, v, params):
             plan = fa3.ForwardPlan(q, k, v, lse, params.softmax_scale, params.is_causal)
         p.cache["fwd"] = plan
     if plan is not None and plan(q, k, v, out, lse, params):
@@ -131,7 +137,7 @@ def backward(p, params, dout, q, k, v, out, lse, dq, dk, dv, x, bias=None, dbias
     plan = p.cache.get("bwd", False)
     if plan is False:
         plan = None
-        if (_gluon_candidate(p, params) and not p.deterministic and out.is_contiguous()
+        if (_gluon_candidate(p, params) and _attends(q, k) and not p.deterministic and out.is_contiguous()
                 and fa3.supports(q, k, v, params, backward=True)):
             plan = _GluonBackward(q, k, v, lse, params)
         p.cache["bwd"] = plan
