@@ -177,30 +177,6 @@ def test_fa3_backward_agrees_with_triton_gpu(d, causal, seed, monkeypatch):
         assert (g.float() - gt.float()).abs().max().item() < 2e-2 * scale, name
 
 
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d", sorted(fa3.BWD_CONFIGS))
-def test_fa3_backward_register_stores_gpu(d, causal, seed, monkeypatch):
-    """dK / dV from registers (fa3.BWD_DKV_TMA set to 0; the table takes TMA everywhere today) equal the TMA
-    stores' bitwise, into NaN-poisoned gradients; dQ within the reduce-adds' order."""
-    c = Case(2, 1024, 1024 if causal else 1152, 4, 2, d, bf16, causal=causal)
-    q, k, v = (torch.randn(c.b, s, n, d, device="cuda", dtype=bf16) for s, n in ((c.sq, c.h), (c.sk, c.hk),
-                                                                               (c.sk, c.hk)))
-    dout = torch.randn_like(q)
-    out, lse = torch.empty_like(q), torch.empty(c.b, c.h, c.sq, device="cuda")
-    dispatch.flash_fwd(q, k, v, out, lse, _params(c))
-    grads = []
-    for longest in (1 << 62, 0):
-        monkeypatch.setitem(fa3.BWD_DKV_TMA, causal, longest)
-        assert fa3.bwd_dkv_tma(c.sq, causal) == (longest > 0)
-        g = [torch.full_like(t, float("nan")) for t in (q, k, v)]
-        dispatch.flash_bwd(dout, q, k, v, out, lse, *g, _params(c))
-        grads.append(g)
-    (dq, dk, dv), (dq2, dk2, dv2) = grads
-    assert torch.isfinite(dk2).all() and torch.isfinite(dv2).all()
-    assert torch.equal(dk2, dk) and torch.equal(dv2, dv)
-    assert (dq2.float() - dq.float()).abs().max().item() <= 1e-2 * dq.float().abs().max().item()
-
-
 def test_fa3_backward_writes_every_element_gpu(seed):
     """dk, dv start as NaN (poisoned) and come back finite: every key block of every head written (GQA 2:1)."""
     _check_bwd_writes_every_element(Case(2, 1152, 1280, 6, 3, 128, bf16))
@@ -226,11 +202,10 @@ def _check_bwd_writes_every_element(c: Case):
 @pytest.mark.parametrize("layout", ["packed", "heads_first"])
 @pytest.mark.parametrize("d", sorted(fa3.BWD_CONFIGS))
 def test_fa3_backward_strided_dk_dv_gpu(d, layout, causal, seed):
-    """dK, dV leave by TMA (fa3.bwd_dkv_tma at 1024 queries, full or causal): into slices of a packed (q, k, v)
+    """dK, dV leave by TMA: into slices of a packed (q, k, v)
     gradient directly (a TMA-ready view), into a (batch, nheads, seqlen, d) buffer seen transposed through a
     contiguous copy; both poisoned, both bitwise equal to contiguous dk, dv."""
     c = Case(2, 1024, 1024, 4, 2, d, bf16, causal=causal)
-    assert fa3.bwd_dkv_tma(c.sq, causal)
     q, k, v = (torch.randn(c.b, c.sq, n, d, device="cuda", dtype=bf16) for n in (c.h, c.hk, c.hk))
     dout = torch.randn_like(q)
     out, lse = torch.empty_like(q), torch.empty(c.b, c.h, c.sq, device="cuda")
