@@ -163,10 +163,7 @@ def gluon_fuse_combine(kv_bytes: int, device: torch.device) -> bool:
     """Whether the Gluon paged decode's splits merge in its launch (the last split to finish merges, serially at
     the launch's tail) rather than by combine.py's kernel: decode.CONFIG_OVERRIDE["fused_combine"] if set, else
     only in eager calls reading at most decode.EAGER_FUSED_BYTES, which are bound by host time (one launch instead
-    of two). H200, bf16 d128, nheads 32 / 8, graph replay (BENCHMARKS.md §4, twenty-second session), us, pages of
-    16 / 32, fused / separate: b1 4k 17.4 / 16.3, 17.0 / 16.1; b8 4k 52.1 / 50.8, 51.7 / 50.5; b8 32k 267.2 /
-    267.1, 264.2 / 265.3; b64 4k 260.6 / 260.9; eager b1 4k 95.1 us with the fused combine and the launch template
-    against 169.2 with two launches."""
+    of two; same-run A/Bs on an H200: `git log -S gluon_fuse_combine`)."""
     if "fused_combine" in decode.CONFIG_OVERRIDE:
         return bool(decode.CONFIG_OVERRIDE["fused_combine"])
     return kv_bytes <= decode.EAGER_FUSED_BYTES and not _capturing(device)

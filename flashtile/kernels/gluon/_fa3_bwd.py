@@ -297,7 +297,7 @@ def fa3_bwd_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr,
     seqlen_k % BLOCK_N == 0 (the host checks); causal only with seqlen_q == seqlen_k."""
     dtype: gl.constexpr = q_desc.dtype
     # one head's key blocks after another: they share the head's Q_i, dO_i in L2 (every head's first block, then
-    # every head's second... measured 10-30% slower)
+    # every head's second... measured slower)
     pid_n = gl.program_id(0)
     bh = gl.program_id(1)
     b = bh // nheads_k

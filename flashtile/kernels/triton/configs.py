@@ -58,13 +58,11 @@ INTERPRETER_BWD = Config(16, 32, 4, 1)
 
 
 def fwd_table(head_dim: int, dtype: torch.dtype, causal: bool) -> Config:
-    """Block shapes per head dim (Br = BLOCK_M, Bc = BLOCK_N), the best of benchmarks/sweep_configs.py on an
-    H200 (bf16, b2 n8192, 2026-11-21)."""
+    """Block shapes per head dim (Br = BLOCK_M, Bc = BLOCK_N) and mask: the best of benchmarks/sweep_configs.py
+    (bf16, b2 n8192)."""
     bd = block_d(head_dim)
     if dtype == torch.float32:  # 4-byte tiles: half the rows
         return Config(64, 64 if bd <= 64 else 32, 4, 2)
-    # re-swept after V moved next to K in the tile step (b2 n8192, H200; results/h200-2026-11-21b/sweep_fwd.log):
-    # causal d64 (64, 64, 4, 3) 433 vs 418 TFLOP/s, d256 (64, 64, 4, 3) 527 / 507 vs 526 / 481 for (128, 64, 8, 2)
     if bd <= 64:
         return Config(64, 64, 4, 3) if causal else Config(128, 64, 4, 3)
     if bd <= 128:
@@ -74,27 +72,21 @@ def fwd_table(head_dim: int, dtype: torch.dtype, causal: bool) -> Config:
 
 def bwd_table(head_dim: int, dtype: torch.dtype, causal: bool = False) -> Config:
     """BLOCK_N: key rows a dK/dV program owns; BLOCK_M: query rows per inner step (swapped for the dQ pass unless
-    Config.dq gives the dQ pass its own tiles). Picked by `benchmarks/sweep_configs.py` (H200, b2 n8192 bf16):
-    the two-pass backward (no atomics: bitwise reproducible) wins everywhere except d64 causal, where dQ added
-    by TMA bulk reduce-adds inside the dK/dV kernel (5 products per tile instead of 7) is 1.16x faster; that one
-    is the only non-reproducible default, and `deterministic=True` turns it into the two-pass backward."""
+    Config.dq gives the dQ pass its own tiles): the best of benchmarks/sweep_configs.py (bf16, b2 n8192). The
+    two-pass backward (no atomics: bitwise reproducible) everywhere except d64 causal, where dQ added by TMA bulk
+    reduce-adds inside the dK/dV kernel (5 products per tile instead of 7) wins; that one is the only
+    non-reproducible default, and `deterministic=True` turns it into the two-pass backward."""
     bd = block_d(head_dim)
     if dtype == torch.float32:
         return Config(32, 64 if bd <= 64 else 32, 4, 1)
-    # 64 x 64 dK/dV tiles of 4 warps with the dQ pass on 128 x 64 tiles of 8 warps, 3 stages: d128 full / causal
-    # 426 / 348 TFLOP/s (64 x 128 tiles of 8 warps for both passes: 374 / 323), d64 full 359 (322); d64 causal
-    # 336 with atomic dQ (two-pass: 291)
+    # 64 x 64 dK/dV tiles of 4 warps, the dQ pass on 128 x 64 tiles of 8 warps (d64 causal: atomic dQ instead)
     if bd <= 64:
         return Config(64, 64, 4, 3, atomic_dq=causal, dq=(128, 64, 8, 3))
     if bd <= 128:
         return Config(64, 64, 4, 2, dq=(128, 64, 8, 3))
-    # d256: dV and dK by two launches (one 256-wide accumulator each) measured 265 / 231 TFLOP/s (full / causal)
-    # against 176 / 179 for the best single launch (benchmarks/sweep_configs.py --heads 256 --modes bwd, H200);
-    # causal gains 4% more (242) from a dQ pass of 64 x 64 tiles, 4 warps. The dV launch on 128-key tiles of 8 warps,
-    # 2 stages (Config.dv; its K_j and two (Q_i, dO_i) stages fit where the dK launch's K_j, V_j allow one):
-    # full 266 -> 284 / 266 -> 287 / 246 -> 272 TFLOP/s at 2k / 8k / 16k, causal 205 -> 214 / 255 -> 270 /
-    # 271 -> 286; full attention then gains from a dQ pass streaming 32-key blocks through 3 stages: 285 / 299 / 287
-    # (same runs, H200, benchmarks/results/h200-2026-11-24/)
+    # d256: dV and dK by two launches (one 256-wide accumulator each), the dV launch on 128-key tiles of 8 warps, 2
+    # stages (Config.dv: its K_j and two (Q_i, dO_i) stages fit where the dK launch's K_j, V_j allow one), the dQ pass
+    # on 64 x 64 tiles of 4 warps (causal) or streaming 32-key blocks through 3 stages (full)
     if causal:
         return Config(64, 128, 8, 1, split_dkdv=True, dq=(64, 64, 4, 2), dv=(128, 8, 2))
     return Config(64, 64, 4, 2, split_dkdv=True, dq=(64, 32, 4, 3), dv=(128, 8, 2))
@@ -104,9 +96,7 @@ def bwd_table(head_dim: int, dtype: torch.dtype, causal: bool = False) -> Config
 # about this many programs of each kernel (0: the grid's own order, one head's blocks in a row), and whether the dQ
 # pass runs its query blocks last-first. The long programs of a group's heads then start before its short ones and
 # the short ones fill the tail, while a group stays small enough to share its heads' tiles in L2. Picked by
-# benchmarks/sweep_schedule.py (H200, bf16, FA3 grid, causal; BENCHMARKS.md section 1): d256 backward 183 -> 203
-# TFLOP/s at 2k, 237 -> 252 at 8k, unchanged at 16k (groups of 256 programs lost there: 263 -> 249); d64 / d128
-# within run-to-run noise of the grid order (d128 backward 290 -> 295 at 2k, 358 -> 362 at 8k in the benchmark).
+# benchmarks/sweep_schedule.py (bf16, FA3 grid, causal).
 CAUSAL_SCHEDULE = {
     128: dict(fwd=256, dkdv=256, dq=256, dq_reverse=True),
     256: dict(fwd=0, dkdv=128, dq=128, dq_reverse=False),

@@ -35,9 +35,9 @@ CACHE_VERSION = 1
 SEQLEN_MIN, SEQLEN_MAX = 1024, 16384
 PASSES = ("fwd", "bwd")
 
-# Candidates per head-dim bucket: benchmarks/sweep_configs.py sweeps exactly these (single source). Measured on
-# an H200 (bf16, b2 n8192, 2026-11-21); configs.py's table holds each list's winner there. Fields: BLOCK_M,
-# BLOCK_N, num_warps, num_stages (backward: BLOCK_N = key rows per dK/dV program, BLOCK_M = query rows per step).
+# Candidates per head-dim bucket: benchmarks/sweep_configs.py sweeps exactly these (single source), and configs.py's
+# table holds each list's winner. Fields: BLOCK_M, BLOCK_N, num_warps, num_stages (backward: BLOCK_N = key rows per
+# dK/dV program, BLOCK_M = query rows per step).
 FWD: Dict[int, List[Config]] = {
     64: [Config(128, 64, 4, 3), Config(128, 64, 8, 3), Config(128, 128, 8, 3), Config(128, 128, 4, 3),
          Config(64, 64, 4, 3), Config(128, 64, 4, 4), Config(64, 128, 4, 3), Config(128, 128, 8, 2)],
