@@ -17,8 +17,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import torch.nn.functional as F
 
 import flashtile
-from flashtile.kernels.triton import launch
-from flashtile.kernels.triton.tuning import BWD, FWD  # the candidate lists (also autotuning's): launch.Config each
+from flashtile.kernels.triton import configs
+from flashtile.kernels.triton.tuning import BWD, FWD  # the candidate lists (also autotuning's): configs.Config each
 
 HEAD_DIMS = (128, 64, 256)
 
@@ -41,7 +41,7 @@ def candidates(mode, d, args):
     """The configs tried for one (mode, head dim): tuning's candidate list, plus atomic-dQ variants and --extra-bwd."""
     if mode == "fwd":
         return list(FWD[d])
-    extra = [eval(e, {"Config": launch.Config}) for e in args.extra_bwd.split(";") if e.strip()]
+    extra = [eval(e, {"Config": configs.Config}) for e in args.extra_bwd.split(";") if e.strip()]
     base = extra if args.extra_only else list(BWD[d]) + extra
     if args.bwd_atomic == "none":
         return base
@@ -58,7 +58,7 @@ def _compile_one(task):
     try:
         q, k, v = (torch.randn(b, 1024, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                    for _ in range(3))
-        launch.CONFIG_OVERRIDE[mode] = config
+        configs.CONFIG_OVERRIDE[mode] = config
         o = flashtile.flash_attn_func(q, k, v, causal=causal)
         if mode == "bwd":
             o.backward(torch.randn_like(o))
@@ -92,7 +92,7 @@ def main():
                          "the atomic variants, or none")
     ap.add_argument("--extra-only", action="store_true", help="backward: only the --extra-bwd configs")
     ap.add_argument("--extra-bwd", default="", help="more backward configs, ';'-separated Python expressions "
-                    "of launch.Config, e.g. 'Config(64, 128, 8, 2, dq=(128, 64, 8, 3))'")
+                    "of configs.Config, e.g. 'Config(64, 128, 8, 2, dq=(128, 64, 8, 3))'")
     ap.add_argument("--jobs", type=int, default=0, help="compile every variant first in this many processes")
     ap.add_argument("--seqlen", type=int, default=8192, help="sequence length (batch = 16384 // seqlen)")
     args = ap.parse_args()
@@ -135,8 +135,8 @@ def main():
                     cfg = (dataclasses.astuple(config)[:4]
                            + tuple(f for f in ("atomic_dq", "split_dkdv") if getattr(config, f))
                            + sum(((f, *getattr(config, f)) for f in ("dq", "dv") if getattr(config, f)), ()))
-                    launch.CONFIG_OVERRIDE.clear()
-                    launch.CONFIG_OVERRIDE[mode] = config
+                    configs.CONFIG_OVERRIDE.clear()
+                    configs.CONFIG_OVERRIDE[mode] = config
                     det = False
                     if (config, mode, causal) in failed:
                         print(f"ft{cfg} failed to compile: {failed[(config, mode, causal)]}"[:300], flush=True)
@@ -160,7 +160,7 @@ def main():
                               f"err={err:.2e} ({time.time()-t0:.1f}s)", flush=True)
                     except Exception as e:  # noqa: BLE001
                         print(f"ft{cfg} failed: {e!r}"[:300], flush=True)
-                launch.CONFIG_OVERRIDE.clear()
+                configs.CONFIG_OVERRIDE.clear()
         del q, k, v, qt, kt, vt
         torch.cuda.empty_cache()
     json.dump(dict(device=dev, torch=torch.__version__, triton=triton.__version__, rows=rows),

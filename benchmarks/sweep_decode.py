@@ -215,7 +215,7 @@ def main(argv=None):
     import triton
     import flashtile  # noqa: F401
     from flashtile.api import problem
-    from flashtile.kernels.triton import decode as dec
+    from flashtile.kernels.triton import configs, decode as dec
     from flashtile.kvcache import flash_attn_with_kvcache as fa
 
     gpu = torch.cuda.is_available() and not args.small
@@ -345,7 +345,7 @@ def main(argv=None):
                     pl = plan(ov, splits)
                     c = dataclasses.asdict(pl.cfg)
                     tma = bool(c["use_tma"]) and (table is None or pl.page_tiles) and \
-                        dec._cache_descriptor(kcl, c["BLOCK_N"], dec._block_d(D)) is not None
+                        dec._cache_descriptor(kcl, c["BLOCK_N"], configs.block_d(D)) is not None
                     c["use_tma"] = tma
                     path = "contig" if table is None else ("page-tiles" if pl.page_tiles else "gather")
                     return c, pl.num_splits, path

@@ -1,12 +1,12 @@
 """Launch-order sweep under a causal mask: flashtile's forward and backward TFLOP/s for several head-grouped
-program orders (flashtile.kernels.triton.launch.SCHEDULE_OVERRIDE, mods.tile_order), interleaved in one run.
+program orders (flashtile.kernels.triton.configs.SCHEDULE_OVERRIDE, mods.tile_order), interleaved in one run.
 
 Usage (GPU machine, repo root):
     PYTHONPATH=. python benchmarks/sweep_schedule.py --out DIR [--heads 64,128,256] [--seqlens 2048,8192]
         [--rounds 2] [--variants "name:fwd,dkdv,dq,rev;..."]
 
 A variant fixes, per kernel, about how many programs one head group holds (0: the grid's own order) and whether
-the dQ pass runs its query blocks last-first (rev 1). "default" is the shipped schedule (launch.CAUSAL_SCHEDULE).
+the dQ pass runs its query blocks last-first (rev 1). "default" is the shipped schedule (configs.CAUSAL_SCHEDULE).
 Shapes: the FA3 grid (16k tokens, hidden 2048), bf16, causal. Every variant's output and gradients are compared
 with the first variant's (the programs only run in another order: the results agree to rounding) before timing.
 Timing: triton.testing.do_bench medians; the forward under torch.no_grad, the backward as o.backward(do) with
@@ -21,7 +21,7 @@ import torch
 import triton
 
 import flashtile
-from flashtile.kernels.triton import launch
+from flashtile.kernels.triton import configs
 from _sweep_args import sweep_args
 
 DEFAULT_VARIANTS = "grid:0,0,0,0;p256r:256,256,256,1;p256:256,256,256,0;p128:128,128,128,0;dkdv128:0,128,0,0"
@@ -50,8 +50,8 @@ def main():
             flops = 4 * b * h * n * n * d / 2
             ref = None
             for name, override in variants.items():
-                launch.SCHEDULE_OVERRIDE.clear()
-                launch.SCHEDULE_OVERRIDE.update(override)
+                configs.SCHEDULE_OVERRIDE.clear()
+                configs.SCHEDULE_OVERRIDE.update(override)
                 o = flashtile.flash_attn_func(q, k, v, causal=True)
                 grads = torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
                 got = (o,) + grads
@@ -65,14 +65,14 @@ def main():
                                                    return_mode="median")
                 ms_b = triton.testing.do_bench(lambda: o.backward(do, retain_graph=True), grad_to_none=[q, k, v],
                                                return_mode="median")
-                r = dict(round=rnd, d=d, n=n, batch=b, nheads=h, variant=name, schedule=launch._schedule(d),
+                r = dict(round=rnd, d=d, n=n, batch=b, nheads=h, variant=name, schedule=configs.schedule(d),
                          fwd_tflops=flops / ms_f / 1e9, bwd_tflops=2.5 * flops / ms_b / 1e9, max_diff=err)
                 rows.append(r)
                 print(f"round {rnd} d{d} n{n} {name:10s} fwd {r['fwd_tflops']:6.1f} bwd {r['bwd_tflops']:6.1f}",
                       flush=True)
             del q, k, v, do, o, grads, got, ref
             torch.cuda.empty_cache()
-    launch.SCHEDULE_OVERRIDE.clear()
+    configs.SCHEDULE_OVERRIDE.clear()
     json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                    rows=rows), open(os.path.join(args.out, "sweep_schedule.json"), "w"), indent=1)
     print("\n| d | seqlen | " + " | ".join(variants) + " |")

@@ -21,9 +21,8 @@ from typing import Callable, Optional, Tuple
 import torch
 
 from .api.errors import fail
-from .api.usermods import aux
-from .interface import check_device, dense_attention
-from .kernels.triton.launch import SparseLists
+from .interface import dense_attention
+from .masks import BlockMask, MaskMod, mask_mod_counts
 
 
 def _lists(sel: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -32,64 +31,6 @@ def _lists(sel: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     num = sel.sum(-1, dtype=torch.int32)
     idx = torch.argsort((~sel).to(torch.int8), dim=-1, stable=True).to(torch.int32)
     return num.contiguous(), idx.contiguous()
-
-
-class BlockMask:
-    """Tile classification of an attention mask (build it with create_block_mask).
-
-    shape: (B, H, Q_LEN, KV_LEN) it was made for (B / H of 1 broadcast over any batch / heads).
-    mask: bool, mask_fn's broadcast shape as 4-D (each dimension 1 or the full size), True = may attend.
-    kv_num_blocks / full_kv_num_blocks (B', H', n_q_blocks) and kv_indices / full_kv_indices
-    (B', H', n_q_blocks, n_kv_blocks), int32: per query block, its partial / full key blocks;
-    q_num_blocks, q_indices, full_q_num_blocks, full_q_indices: the transpose, per key block (the backward's
-    key-block programs). B', H' are the mask's own batch/head sizes (1 where mask_fn ignores b / h).
-    """
-
-    def __init__(self, shape, block_size, mask, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
-                 q_num_blocks, q_indices, full_q_num_blocks, full_q_indices, mask_mod=None):
-        self.shape = tuple(shape)
-        self.BLOCK_SIZE = block_size
-        self.mask = mask                  # None when built from a MaskMod
-        self.mask_mod = mask_mod
-        self.kv_num_blocks, self.kv_indices = kv_num_blocks, kv_indices
-        self.full_kv_num_blocks, self.full_kv_indices = full_kv_num_blocks, full_kv_indices
-        self.q_num_blocks, self.q_indices = q_num_blocks, q_indices
-        self.full_q_num_blocks, self.full_q_indices = full_q_num_blocks, full_q_indices
-
-    def density(self) -> float:
-        """Fraction of tiles the kernels visit (partial or full)."""
-        visited = self.kv_num_blocks.sum() + self.full_kv_num_blocks.sum()
-        total = self.kv_num_blocks.numel() * self.kv_indices.shape[-1]
-        return float(visited) / max(total, 1)
-
-    def to_dense(self) -> torch.Tensor:
-        """The element mask, (B, H, Q_LEN, KV_LEN) bool (an expand view: nothing copied; a MaskMod is
-        evaluated into a new tensor)."""
-        if self.mask is None:
-            B, H, Q, KV = self.shape
-            _, dense = _mask_mod_counts(self.mask_mod, B, H, Q, KV, self.BLOCK_SIZE, self.kv_num_blocks.device, True)
-            return dense
-        return self.mask.expand(*self.shape)
-
-    def __repr__(self):
-        return f"BlockMask(shape={self.shape}, BLOCK_SIZE={self.BLOCK_SIZE}, density={self.density():.3f})"
-
-    def kernel_args(self, q: torch.Tensor, k: torch.Tensor):
-        """(element mask or None, the tile lists as launch.SparseLists) for the kernels, after checking that this
-        block mask fits q (batch, seqlen_q, nheads, d) and k (batch, seqlen_k, nheads_k, d)."""
-        B, H, Q, KV = self.shape
-        if (Q, KV) != (q.shape[1], k.shape[1]):
-            fail("block_mask.shape[2:] (Q_LEN, KV_LEN)", (Q, KV),
-                  f"(seqlen_q, seqlen_k) = {(q.shape[1], k.shape[1])}")
-        if B not in (1, q.shape[0]):
-            fail("block_mask.shape[0] (B)", B, f"1 or the batch size {q.shape[0]}")
-        if H not in (1, q.shape[2]):
-            fail("block_mask.shape[1] (H)", H, f"1 or nheads = {q.shape[2]}")
-        if self.kv_num_blocks.device != q.device:
-            fail("block_mask device", self.kv_num_blocks.device, f"the device of q ({q.device})")
-        lists = (self.kv_num_blocks, self.kv_indices, self.full_kv_num_blocks, self.full_kv_indices,
-                 self.q_num_blocks, self.q_indices, self.full_q_num_blocks, self.full_q_indices)
-        return self.mask, SparseLists(self.BLOCK_SIZE, *lists)
 
 
 def create_block_mask(mask_fn: Callable, B: Optional[int], H: Optional[int], Q_LEN: int, KV_LEN: int,
@@ -106,11 +47,10 @@ def create_block_mask(mask_fn: Callable, B: Optional[int], H: Optional[int], Q_L
             fail(name, val, "a positive int")
     if not isinstance(BLOCK_SIZE, int) or BLOCK_SIZE < 16 or BLOCK_SIZE & (BLOCK_SIZE - 1):
         fail("BLOCK_SIZE", BLOCK_SIZE, "a power of two >= 16")
-    from .flex import MaskMod
     if isinstance(mask_fn, MaskMod):
         if mask_fn.check is not None:
             mask_fn.check(B, H, Q_LEN, KV_LEN)
-        count, _ = _mask_mod_counts(mask_fn, B, H, Q_LEN, KV_LEN, BLOCK_SIZE, device, False)
+        count, _ = mask_mod_counts(mask_fn, B, H, Q_LEN, KV_LEN, BLOCK_SIZE, device, False)
         return _classify(count, (B, H, Q_LEN, KV_LEN), BLOCK_SIZE, None, mask_fn)
     if not callable(mask_fn):
         fail("mask_fn", type(mask_fn).__name__, "a callable (b, h, q_idx, kv_idx) -> bool tensor or a MaskMod")
@@ -148,27 +88,6 @@ def _classify(count: torch.Tensor, shape, bs: int, mask, mask_mod) -> BlockMask:
     full_q_num, full_q_idx = _lists(full.transpose(-1, -2))
     return BlockMask(shape, bs, mask, kv_num, kv_idx, full_kv_num, full_kv_idx,
                      q_num, q_idx, full_q_num, full_q_idx, mask_mod)
-
-
-def _mask_mod_counts(mask_mod, B, H, Q_LEN, KV_LEN, bs, device, dense: bool):
-    """(visible pairs per tile (B, H, n_q_blocks, n_kv_blocks) int32, the dense bool mask or None) of a MaskMod,
-    evaluated by kernels.triton.blockmask.classify_tiles_kernel."""
-    from .kernels.triton.blockmask import classify_tiles_kernel
-    probe = torch.empty(0, device=device)
-    device = probe.device                        # "cuda" -> "cuda:0", as tensors report it
-    for i, c in enumerate(mask_mod.captured):
-        if isinstance(c, torch.Tensor) and c.device != device:
-            fail(f"mask_fn.captured[{i}].device", c.device, f"the device argument ({device})")
-    check_device(probe)
-    nq, nk = -(-Q_LEN // bs), -(-KV_LEN // bs)
-    count = torch.full((B, H, nq, nk), -1, dtype=torch.int32, device=device)   # poisoned: every tile is written
-    out = torch.empty((B, H, Q_LEN, KV_LEN) if dense else (0, 0, 0, 0), dtype=torch.bool, device=device)
-    mask_aux, _ = aux(mask_mod, [c for c in mask_mod.captured if isinstance(c, torch.Tensor)], 0)
-    sub = min(bs, 32)
-    classify_tiles_kernel[(nq, nk, B * H)](
-        count, out.view(torch.int8), mask_aux, Q_LEN, KV_LEN, H, *count.stride()[:3], *out.stride()[:3],
-        MASK_MOD=mask_mod.fn, BLOCK=bs, SUB=sub, WRITE_DENSE=dense, num_warps=4)
-    return count, (out if dense else None)
 
 
 def blocksparse_attn_func(q, k, v, block_mask: BlockMask, dropout_p=0.0, softmax_scale=None, causal=False,

@@ -31,7 +31,7 @@ window (-inf) -> softmax. A row that sees no key outputs 0 and lse = -inf.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 import triton
@@ -40,69 +40,7 @@ import triton.language as tl
 from .api import checks
 from .api.errors import fail
 from .interface import dense_attention
-
-
-try:  # @triton.jit gives an InterpretedFunction under TRITON_INTERPRET=1
-    from triton.runtime.interpreter import InterpretedFunction as _Interpreted
-except ImportError:  # pragma: no cover
-    _Interpreted = triton.runtime.jit.JITFunction
-
-
-def _is_jit(fn) -> bool:
-    return isinstance(fn, (triton.runtime.jit.JITFunction, _Interpreted))
-
-
-def _check_fn(name: str, fn, optional: bool = False):
-    if fn is None and optional:
-        return
-    if not _is_jit(fn):
-        fail(name, type(fn).__name__, "a @triton.jit function")
-
-
-def _check_captured(name: str, captured) -> tuple:
-    if not isinstance(captured, (tuple, list)):
-        fail(name, type(captured).__name__, "a tuple of tensors, ints and floats")
-    for i, c in enumerate(captured):
-        if isinstance(c, bool) or not isinstance(c, (torch.Tensor, int, float)):
-            fail(f"{name}[{i}]", type(c).__name__, "a torch.Tensor, int or float")
-    return tuple(captured)
-
-
-def _check_hook(name: str, check):
-    if check is not None and not callable(check):
-        fail(name, type(check).__name__, "None or a callable (batch, nheads, seqlen_q, seqlen_k)")
-    return check
-
-
-class MaskMod:
-    """mask_mod(b, h, q_idx, kv_idx, aux) -> bool tile, a @triton.jit function; captured: its aux tuple.
-    check: optional callable(batch, nheads, seqlen_q, seqlen_k) run before any kernel, raising if the captured
-    values do not fit the problem (the kernels index them by b, h and positions without bounds)."""
-
-    def __init__(self, fn, captured: Sequence = (), check=None):
-        _check_fn("MaskMod.fn", fn)
-        self.fn = fn
-        self.captured = _check_captured("MaskMod.captured", captured)
-        self.check = _check_hook("MaskMod.check", check)
-
-    def __repr__(self):
-        return f"MaskMod({self.fn.__name__}, {len(self.captured)} captured)"
-
-
-class ScoreMod:
-    """score_mod(score, b, h, q_idx, kv_idx, aux) -> score tile, a @triton.jit function; grad_fn (None: the
-    mod is score + something, derivative 1) and captured_grad_fn as in the module docstring."""
-
-    def __init__(self, fn, grad_fn=None, captured_grad_fn=None, captured: Sequence = (), check=None):
-        _check_fn("ScoreMod.fn", fn)
-        _check_fn("ScoreMod.grad_fn", grad_fn, optional=True)
-        _check_fn("ScoreMod.captured_grad_fn", captured_grad_fn, optional=True)
-        self.fn, self.grad_fn, self.captured_grad_fn = fn, grad_fn, captured_grad_fn
-        self.captured = _check_captured("ScoreMod.captured", captured)
-        self.check = _check_hook("ScoreMod.check", check)
-
-    def __repr__(self):
-        return f"ScoreMod({self.fn.__name__}, {len(self.captured)} captured)"
+from .masks import BlockMask, MaskMod, ScoreMod  # noqa: F401  (public here: flashtile.flex.MaskMod, ...)
 
 
 def _validate_mods(q, k, score_mod, mask_mod):
@@ -139,7 +77,6 @@ def flex_attention(q, k, v, score_mod: Optional[ScoreMod] = None, block_mask=Non
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             fail(f"{name}.shape", tuple(getattr(t, "shape", ())), "(batch, seqlen, nheads, headdim)")
     _validate_mods(q, k, score_mod, mask_mod)
-    from .blocksparse import BlockMask
     if block_mask is not None and not isinstance(block_mask, BlockMask):
         fail("block_mask", type(block_mask).__name__, "a flashtile.blocksparse.BlockMask or None")
     if block_mask is not None and block_mask.mask_mod is not None:

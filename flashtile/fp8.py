@@ -29,7 +29,7 @@ import torch
 from .api import checks
 from .api import problem as P
 from .api.errors import fail
-from .interface import check_device, output as _output
+from .interface import output as _output
 from .kernels.gluon import fa3 as _fa3
 from .kernels.triton import fp8 as _k
 from .kernels.triton.decode import multiprocessors
@@ -60,9 +60,7 @@ def fp8_config(head_dim: int, causal: bool = False) -> FP8Config:
         return CONFIG_OVERRIDE["fwd"]
     if interpreting():
         return FP8Config(32, 16, 4, 1)
-    # the best of a tile sweep on an H200 (b2 n8192, 16 heads x 128 / 32 x 64 / 8 x 256, 2026-11-21, see
-    # BENCHMARKS.md): d64 full 540 TFLOP/s (64, 128, 4, 3), causal 475 (128, 128, 4, 3); d128 751 / 680
-    # (128, 256, 8, 3); d256 932 / 868 (128, 128, 8, 3)
+    # per head dim (and mask at d64): the best tiles of benchmarks/sweep_fp8.py
     if head_dim <= 64:
         return FP8Config(128, 128, 4, 3) if causal else FP8Config(64, 128, 4, 3)
     if head_dim <= 128:
@@ -111,7 +109,7 @@ def _check_qkv(q, k, v):
     d = q.shape[-1]
     if d % 8 or d > 256:
         fail("q.shape[-1] (headdim)", d, "a multiple of 8, at most 256")
-    check_device(q)
+    checks.check_device(q)
 
 
 def _check_incoherent(d):
@@ -147,7 +145,7 @@ def gluon_key_order(vt: torch.Tensor) -> torch.Tensor:
 # The quantizer's row blocks per program (quant_fp8_kernel's GROUP), at most: diag(signs) H is built once per
 # program. A power of two, halved while the launch would have fewer programs than QUANT_MIN_PROGRAMS_PER_SM per
 # multiprocessor: one program often fills an SM's shared memory, so a group that leaves e.g. 160 programs on 132
-# SMs runs two waves (d256 K blocks, groups of 7: 108 us against 72 with groups of 8, BENCHMARKS.md section 5)
+# SMs runs two waves (same-run A/Bs on an H200: `git log -S QUANT_MIN_PROGRAMS_PER_SM`)
 QUANT_GROUP = 8
 QUANT_MIN_PROGRAMS_PER_SM = 0.5
 # Software-pipeline depth of the quantizer's block loop: None = the deepest of 3, 2, 1 whose input tiles and H
@@ -197,9 +195,7 @@ def _quant_one(x, block, per_tensor, signs, transpose, key_perm=False):
         x = x.contiguous()
     group = quant_group(nblk, b * h, x.device)
     grid = (cdiv(nblk, group), b * h)
-    # 4 warps, 8 for the largest tiles (H200, per tensor of 16k tokens x 2048: d128 with H on the tensor
-    # cores 68 us with 4 warps vs 86 with 8; d256 132 vs 110; without the rotation 31-35 us either way, the
-    # speed of torch's own fp8 cast)
+    # 4 warps, 8 for the largest tiles (benchmarks/sweep_fp8.py's quantizer breakdown times both)
     warps = 8 if block * bd >= 32768 else 4
     sig = signs if incoherent else scale
     common = (x.stride(0), x.stride(1), x.stride(2), *ystr, scale.stride(0), scale.stride(1),

@@ -18,10 +18,12 @@ from torch.utils import _python_dispatch
 
 from .api import problem as P
 from .api import usermods
+from .api.checks import check_device
 from .api.errors import fail
 from .api.problem import Problem
 from .kernels import dispatch
 from .kernels.gluon import fa3
+from .kernels.params import SparseLists
 from .kernels.triton import launch
 
 
@@ -46,24 +48,17 @@ def output(shape, device, dtype) -> torch.Tensor:
     return torch.empty(shape, device=device, dtype=dtype)
 
 
-def check_device(t: torch.Tensor) -> None:
-    """CPU tensors need the Triton interpreter, which must be on before flashtile is imported."""
-    if t.device.type == "cpu" and not launch.interpreting():
-        fail("q.device", t.device, "a CUDA device, or CPU tensors with the Triton interpreter enabled before "
-             "flashtile is imported: set TRITON_INTERPRET=1 (flashtile sets it itself when no CUDA device is present)")
-
-
 # --------------------------------------------------------------------------------------------------
 # Forward and backward of a Problem (what the custom ops and the autograd Function run)
 # --------------------------------------------------------------------------------------------------
 class Extras(NamedTuple):
     """A call's tensors beside q, k, v that no gradient flows into: ALiBi slopes, varlen bounds, a bool mask, a
-    block mask's tile lists (launch.SparseLists)."""
+    block mask's tile lists (params.SparseLists)."""
     alibi: Optional[torch.Tensor] = None
     cu_seqlens_q: Optional[torch.Tensor] = None
     cu_seqlens_k: Optional[torch.Tensor] = None
     mask: Optional[torch.Tensor] = None
-    sparse: Optional[launch.SparseLists] = None
+    sparse: Optional[SparseLists] = None
 
 
 NO_EXTRAS = Extras()
@@ -78,7 +73,7 @@ def _flat(x: Extras) -> list:
 
 def _unflat(p: Problem, flat) -> Extras:
     alibi, cu_q, cu_k, mask, *sparse = flat
-    return Extras(alibi, cu_q, cu_k, mask, launch.SparseLists(p.sparse_block, *sparse) if p.sparse_block else None)
+    return Extras(alibi, cu_q, cu_k, mask, SparseLists(p.sparse_block, *sparse) if p.sparse_block else None)
 
 
 def lse_shape(p: Problem, q: torch.Tensor):

@@ -36,7 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .reference.io_model import SRAMOverflowError, block_sizes, count_hbm_accesses
+from .reference.io_counters import SRAMOverflowError, block_sizes
+from .reference.io_model import count_hbm_accesses
 
 __all__ = ["run_io", "io_summary_lines", "add_io_arguments", "run_io_cli", "FULL_GRID", "QUICK_GRID", "IOGrid",
            "GPT2_MEDIUM", "PAPER_GPT2_RATIO"]
@@ -55,7 +56,7 @@ _TILED = ("fa1", "fa2")
 
 @dataclass(frozen=True)
 class IOGrid:
-    """The sizes one run counts. All sizes in elements; M values should be multiples of 4d (see io_model)."""
+    """The sizes one run counts. All sizes in elements; M values should be multiples of 4d (see io_counters)."""
 
     Ns: tuple            # sequence lengths of the main grid (standard, FA1, FA2; fwd and bwd)
     ds: tuple            # head dims of the main grid

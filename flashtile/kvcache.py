@@ -13,9 +13,10 @@ import itertools
 import torch
 
 from .api import problem as P
+from .api.checks import check_device
 from .api.errors import fail
-from .interface import check_device, output, output_like
-from .kernels.triton import decode as _decode
+from .interface import output, output_like
+from .kernels import dispatch
 from .kernels.triton import rotary as _rotary
 
 # argument signature -> (Problem, token) of calls that passed the checks; the token (one per entry, never reused)
@@ -118,9 +119,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         # ---- split-KV attention over the cache ----
         out = output_like(q)
         lse = output((batch, nheads, seqlen_q), device, torch.float32)
-        _decode.flash_decode(q_attn, k_cache, v_cache, out, lse, seqlens_k, p.params,
-                             cache_batch_idx=cache_batch_idx, leftpad=cache_leftpad, block_table=block_table,
-                             alibi=alibi_slopes, num_splits=num_splits,
-                             max_seqlen_k=capacity if static_end is None else static_end,
-                             seqlen_k_static=static_end, seqlens_add=seqlen_new, sig=sig)
+        dispatch.flash_decode(q_attn, k_cache, v_cache, out, lse, seqlens_k, p.params,
+                              cache_batch_idx=cache_batch_idx, leftpad=cache_leftpad, block_table=block_table,
+                              alibi=alibi_slopes, num_splits=num_splits,
+                              max_seqlen_k=capacity if static_end is None else static_end,
+                              seqlen_k_static=static_end, seqlens_add=seqlen_new, sig=sig)
     return (out, lse) if return_softmax_lse else out

@@ -15,8 +15,8 @@ import torch
 from .api import checks
 from .api import problem as P
 from .api.errors import fail
-from .interface import Extras, attention, check_device, output, output_like
-from .kernels.triton import decode as _decode
+from .interface import Extras, attention, output, output_like
+from .kernels import dispatch
 
 _VARLEN: dict = {}   # argument signature -> Problem of varlen calls that passed the shape checks
 
@@ -58,7 +58,7 @@ def _varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
             fail("cu_seqlens_k", cu_seqlens_k.tolist(), f"sequence lengths <= the paged capacity {capacity} "
                  "(block_table.shape[1] * page_block_size)")
         P.kvcache_values(p, q.unsqueeze(1)[:batch], k, seqlens_k, None, None, None, block_table, None)
-    check_device(q)
+    checks.check_device(q)
     params = p.params
     if P.number("dropout_p", dropout_p) or return_attn_probs:
         # dropout and the probabilities are the dense kernels' features: the sequences' pages are gathered into
@@ -79,9 +79,9 @@ def _varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     def run(q_):
         out = output_like(q_)
         lse = output((q_.shape[1], q_.shape[0]), q_.device, torch.float32)
-        _decode.flash_decode(q_, k, v, out, lse, seqlens_k, params, cu_seqlens_q=cu_seqlens_q,
-                             max_seqlen_q=max_seqlen_q, block_table=block_table, alibi=alibi_slopes,
-                             max_seqlen_k=min(max_seqlen_k, capacity))
+        dispatch.flash_decode(q_, k, v, out, lse, seqlens_k, params, cu_seqlens_q=cu_seqlens_q,
+                              max_seqlen_q=max_seqlen_q, block_table=block_table, alibi=alibi_slopes,
+                              max_seqlen_k=min(max_seqlen_k, capacity))
         return out
 
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
@@ -137,7 +137,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     pad_k = P.cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k")
     if pad_q != P.NO_PAD or pad_k != P.NO_PAD:
         p = dataclasses.replace(p, pad_q=pad_q, pad_k=pad_k)
-    check_device(q)
+    checks.check_device(q)
     out, lse, probs = attention(p, q, k, v, Extras(alibi_slopes, cu_seqlens_q, cu_seqlens_k))
     return out if probs is None else (out, lse, probs)
 

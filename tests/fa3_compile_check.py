@@ -1,7 +1,7 @@
 """Compiles the Gluon FA3 kernels (flashtile/kernels/gluon/_fa3_fwd.py, _fa3_bwd.py) for sm_90 on a machine
 without a GPU. Arguments `fwd|fwdshort|bwd|fp8|paged,<head_dim>,<causal 0|1>,<bf16|fp16>[,<seqlen>]` (fwdshort: the
-forward's config at sequences of that length, default 1: fa3.SHORT_CONFIGS; bwd: the backward at that query length,
-default 1024: fa3.bwd_dkv_tma; fp8: e4m3 inputs, that output dtype; paged: the paged decode (gluon/_decode.py) for
+forward's config at sequences of that length, default 1: fa3.SHORT_CONFIGS; fp8: e4m3 inputs, that output dtype;
+paged: the paged decode (gluon/_decode.py) for
 pages of <seqlen> keys, printing `ok paged ... page=<keys> shared=<bytes> wgmma=<count> tma=<count>`);
 prints one line per variant:
 `ok <kind> d<head_dim> causal=<0|1> <dtype> shared=<bytes> wgmma=<count> reduce=<count> arrives=<count>
@@ -84,9 +84,9 @@ def compile_fp8(head_dim: int, causal: bool, out_dtype: torch.dtype):
     return _compile(_fa3_fwd.fa3_fwd_kernel, runtime, consts, launch["maxnreg"])
 
 
-def compile_bwd(head_dim: int, causal: bool, dtype: torch.dtype, seqlen: int = 1024):
-    """The backward as fa3.bwd launches it at this query length (tiles from fa3.BWD_CONFIGS, dQ tile as fa3.bwd
-    chooses it, dK / dV stores by fa3.bwd_dkv_tma)."""
+def compile_bwd(head_dim: int, causal: bool, dtype: torch.dtype):
+    """The backward as fa3.bwd launches it (tiles from fa3.BWD_CONFIGS, dQ tile as fa3.bwd chooses it, dK / dV
+    stored by TMA)."""
     block_m, block_n, stages = fa3.BWD_CONFIGS[head_dim]
     b, s, h = 2, 1024, 4
     t = torch.randn(b * s, h * head_dim, dtype=dtype)
@@ -95,18 +95,12 @@ def compile_bwd(head_dim: int, causal: bool, dtype: torch.dtype, seqlen: int = 1
     dq_tile = fa3.bwd_dq_tile(block_m, head_dim)
     runtime = dict(k_desc=_desc(t, block_n, head_dim), v_desc=_desc(t, block_n, head_dim),
                    q_desc=_desc(t, block_m, head_dim), do_desc=_desc(t, block_m, head_dim),
-                   dq_desc=_desc(dq, *dq_tile), lse_ptr=lse, delta_ptr=lse, stride_lse_b=lse.stride(0),
-                   stride_lse_h=lse.stride(1), stride_dk_b=s * h * head_dim, stride_dk_row=h * head_dim,
-                   stride_dk_h=head_dim, stride_dv_b=s * h * head_dim, stride_dv_row=h * head_dim,
-                   stride_dv_h=head_dim, seqlen_q=s, seqlen_k=s, nheads_k=h, group=1,
-                   sm_scale=0.1, qk_scale=0.1)
-    dkv_tma = fa3.bwd_dkv_tma(seqlen, causal)
-    if dkv_tma:
-        runtime.update(dk_out=_desc(t, block_n // 2, head_dim), dv_out=_desc(t, block_n // 2, head_dim))
-    else:
-        runtime.update(dk_out=t, dv_out=t)
+                   dq_desc=_desc(dq, *dq_tile), lse_ptr=lse, delta_ptr=lse,
+                   dk_desc=_desc(t, block_n // 2, head_dim), dv_desc=_desc(t, block_n // 2, head_dim),
+                   stride_lse_b=lse.stride(0), stride_lse_h=lse.stride(1), seqlen_q=s, seqlen_k=s, nheads_k=h,
+                   group=1, sm_scale=0.1, qk_scale=0.1)
     consts = dict(HEAD_D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
-                  DKV_TMA=dkv_tma, P_LAYOUT=fa3._smem_layout(block_m, block_n // 2, dtype),
+                  P_LAYOUT=fa3._smem_layout(block_m, block_n // 2, dtype),
                   PINGPONG=fa3.BWD_PINGPONG.get((head_dim, causal), False), num_warps=4)
     return _compile(_fa3_bwd.fa3_bwd_kernel, runtime, consts)
 
@@ -137,14 +131,13 @@ if __name__ == "__main__":
         kind, d, causal, dt, *seqlen = spec.split(",")   # seqlen: fwdshort's (default 1)
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dt]
         short_len = int(seqlen[0]) if seqlen else 1
-        bwd_len = int(seqlen[0]) if seqlen else 1024
         if kind == "paged":   # the fifth field: the page size
             ck = compile_paged(int(d), causal == "1", dtype, int(seqlen[0]))
             print(f"ok paged d{d} causal={causal} {dt} page={seqlen[0]} shared={ck.metadata.shared} "
                   f"wgmma={ck.asm['ptx'].count('wgmma.mma_async')} "
                   f"tma={ck.asm['ptx'].count('cp.async.bulk.tensor')}", flush=True)
             continue
-        ck = {"fwd": compile_fwd, "bwd": lambda d, c, t: compile_bwd(d, c, t, seqlen=bwd_len), "fp8": compile_fp8,
+        ck = {"fwd": compile_fwd, "bwd": compile_bwd, "fp8": compile_fp8,
               "fwdshort": lambda d, c, t: compile_fwd(d, c, t, seqlen=short_len)}[kind](int(d), causal == "1", dtype)
         ptx = ck.asm["ptx"].splitlines()
         arrives = [i for i, line in enumerate(ptx) if "mbarrier.arrive" in line and "expect_tx" not in line]

@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 import flashtile
-from flashtile.kernels.triton import launch
+from flashtile.kernels.triton import configs, launch
 from flashtile.kernels.triton.mods import tile_order
 from attn_utils import DEVICE
 from flashtile.reference.dense import attention_ref
@@ -21,14 +21,14 @@ def test_atomic_dq_matches_two_pass_and_reference(seed, causal):
     do = torch.randn(b, sq, h, d)
     grads = {}
     for atomic in (False, True):
-        launch.CONFIG_OVERRIDE["bwd"] = launch.Config(16, 32, 4, 1, atomic_dq=atomic)
+        configs.CONFIG_OVERRIDE["bwd"] = configs.Config(16, 32, 4, 1, atomic_dq=atomic)
         try:
             for x in (q, k, v):
                 x.grad = None
             flashtile.flash_attn_func(q, k, v, causal=causal).backward(do)
             grads[atomic] = [x.grad.clone() for x in (q, k, v)]
         finally:
-            launch.CONFIG_OVERRIDE.clear()
+            configs.CONFIG_OVERRIDE.clear()
     ref = [x.detach().double().requires_grad_() for x in (q, k, v)]
     attention_ref(*ref, causal=causal)[0].backward(do.double())
     for g2, ga, r in zip(grads[False], grads[True], ref):
@@ -37,14 +37,14 @@ def test_atomic_dq_matches_two_pass_and_reference(seed, causal):
 
 
 def _grads(cfg, run, leaves, do):
-    launch.CONFIG_OVERRIDE["bwd"] = cfg
+    configs.CONFIG_OVERRIDE["bwd"] = cfg
     try:
         for x in leaves:
             x.grad = None
         run().backward(do)
         return [x.grad.clone() for x in leaves]
     finally:
-        launch.CONFIG_OVERRIDE.clear()
+        configs.CONFIG_OVERRIDE.clear()
 
 
 @pytest.mark.parametrize("case", ["causal+bias", "dropout+gqa", "block-sparse"])
@@ -72,11 +72,11 @@ def test_split_dkdv_and_dq_tiles_give_the_single_launch_gradients(seed, case, mo
         bm = create_block_mask(lambda b_, h_, qi, ki: (qi // 16) >= (ki // 16), None, None, s, s, BLOCK_SIZE=32,
                                device="cpu")
         run = lambda: blocksparse_attn_func(q, k, v, bm)  # noqa: E731
-    base = _grads(launch.Config(16, 32, 4, 1), run, leaves, do)
-    split = _grads(launch.Config(16, 32, 4, 1, split_dkdv=True), run, leaves, do)
+    base = _grads(configs.Config(16, 32, 4, 1), run, leaves, do)
+    split = _grads(configs.Config(16, 32, 4, 1, split_dkdv=True), run, leaves, do)
     for g0, g1 in zip(base, split):
         assert torch.equal(g0, g1)
-    dq_tiles = _grads(launch.Config(16, 32, 4, 1, split_dkdv=True, dq=(64, 16, 4, 1)), run, leaves, do)
+    dq_tiles = _grads(configs.Config(16, 32, 4, 1, split_dkdv=True, dq=(64, 16, 4, 1)), run, leaves, do)
     for g0, g1 in zip(base, dq_tiles):
         assert torch.equal(g0, g1)            # dQ: 64 query rows, the same 16-key blocks -> the same sums
     # the dV launch on its own key tiles (64 rows; 32 under the block mask: clamped): dQ, dK (and dBias) bitwise,
@@ -89,11 +89,11 @@ def test_split_dkdv_and_dq_tiles_give_the_single_launch_gradients(seed, case, mo
             dkdv_tiles.append((kwargs["BLOCK_N"], kwargs.get("COMPUTE_DV", True)))
         return real_launch(kernel, grid, args, kwargs)
     monkeypatch.setattr(launch.relaunch, "launch", recording)
-    dv_tiles = _grads(launch.Config(16, 32, 4, 1, split_dkdv=True, dv=(64, 4, 1)), run, leaves, do)
+    dv_tiles = _grads(configs.Config(16, 32, 4, 1, split_dkdv=True, dv=(64, 4, 1)), run, leaves, do)
     assert dkdv_tiles == [(32 if case == "block-sparse" else 64, True), (32, False)]
     assert all(torch.equal(g0, g1) for i, (g0, g1) in enumerate(zip(base, dv_tiles)) if i != 2)
     assert (dv_tiles[2] - base[2]).abs().max() < 1e-5 and not torch.equal(dv_tiles[2], torch.zeros_like(base[2]))
-    dq_keys = _grads(launch.Config(16, 32, 4, 1, dq=(16, 32, 4, 1)), run, leaves, do)
+    dq_keys = _grads(configs.Config(16, 32, 4, 1, dq=(16, 32, 4, 1)), run, leaves, do)
     assert all(torch.equal(g0, g1) for g0, g1 in zip(base[1:], dq_keys[1:]))
     assert (dq_keys[0] - base[0]).abs().max() < 1e-5   # dQ summed over 32-key blocks: rounding only
     assert not torch.equal(dq_keys[0], torch.zeros_like(dq_keys[0]))
@@ -210,7 +210,7 @@ def test_tile_order_visits_every_program_once_group_by_group(n_blocks, n_bh, gro
 @pytest.mark.parametrize("schedule", [dict(fwd=0, dkdv=0, dq=0, dq_reverse=False),
                                       dict(fwd=12, dkdv=12, dq=12, dq_reverse=True)])
 def test_causal_launch_orders_give_the_same_result(seed, schedule):
-    """The head-grouped launch orders under a causal mask (launch.CAUSAL_SCHEDULE; here groups that do not
+    """The head-grouped launch orders under a causal mask (configs.CAUSAL_SCHEDULE; here groups that do not
     divide batch x heads) only reorder programs: output and gradients match float64. With the interpreter's
     32-row tiles every kernel has 3 blocks of 70 rows: 12 programs a group is 4 of the 6 (batch, head) pairs."""
     b, s, h, hk, d = 2, 70, 3, 3, 32
@@ -218,12 +218,12 @@ def test_causal_launch_orders_give_the_same_result(seed, schedule):
     k = torch.randn(b, s, hk, d, requires_grad=True)
     v = torch.randn(b, s, hk, d, requires_grad=True)
     do = torch.randn(b, s, h, d)
-    launch.SCHEDULE_OVERRIDE.update(schedule)
+    configs.SCHEDULE_OVERRIDE.update(schedule)
     try:
         o = flashtile.flash_attn_func(q, k, v, causal=True)
         grads = torch.autograd.grad(o, (q, k, v), do)
     finally:
-        launch.SCHEDULE_OVERRIDE.clear()
+        configs.SCHEDULE_OVERRIDE.clear()
     ref = [x.detach().double().requires_grad_() for x in (q, k, v)]
     o_ref = attention_ref(*ref, causal=True)[0]
     g_ref = torch.autograd.grad(o_ref, ref, do.double())
@@ -246,7 +246,7 @@ def test_triton_templates_launch_what_the_slow_path_does(varlen, atomic, monkeyp
         (_bwd, "attn_bwd_dq_kernel"))}
     for name, kern in kernels.items():
         monkeypatch.setattr(_fwd if name == "attn_fwd_kernel" else _bwd, name, kern)
-    monkeypatch.setattr(launch, "CONFIG_OVERRIDE", {"bwd": launch.Config(16, 32, 4, 1, atomic_dq=atomic)})
+    monkeypatch.setattr(configs, "CONFIG_OVERRIDE", {"bwd": configs.Config(16, 32, 4, 1, atomic_dq=atomic)})
     launches = fast_launches(monkeypatch)
     g = torch.Generator().manual_seed(0)
     if varlen:

@@ -1,5 +1,5 @@
 """FlashAttention-3's Hopper forward and backward (flashtile/kernels/gluon) without a GPU: which problems they take,
-how launch.flash_bwd dispatches to the backward, and that the kernels compile for sm_90 with the installed Triton.
+how kernels.dispatch hands a backward to them, and that the kernels compile for sm_90 with the installed Triton.
 Their numerics are checked on a Hopper GPU (tests/gpu/test_fa3_gluon_gpu.py)."""
 import os
 import subprocess
@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import flashtile
+from flashtile.kernels import dispatch
 from flashtile.kernels.gluon import fa3, paged
 from flashtile.kernels.triton import launch
 from flashtile.kernels.triton.launch import AttnParams
@@ -75,7 +76,7 @@ def test_backward_ineligible_problems(kw, params):
 
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_flash_bwd_dispatch(deterministic, monkeypatch):
-    """Where fa3 supports a backward, launch.flash_bwd hands it (with Delta from the preprocess kernel) to fa3.bwd,
+    """Where fa3 supports a backward, dispatch.flash_bwd hands it (with Delta from the preprocess kernel) to fa3.bwd,
     except for deterministic gradients (fa3.bwd adds dQ atomically): then the Triton kernels compute them."""
     calls = []
     monkeypatch.setattr(fa3, "supports", lambda *a, backward=False, **kw: backward)
@@ -84,15 +85,39 @@ def test_flash_bwd_dispatch(deterministic, monkeypatch):
     dout = torch.randn_like(q)
     params = AttnParams(softmax_scale=32 ** -0.5)
     out, lse = torch.empty_like(q), torch.empty(1, 2, 64)
-    launch.flash_fwd(q, k, v, out, lse, params)
+    dispatch.flash_fwd(q, k, v, out, lse, params)
     dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
-    launch.flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params, deterministic=deterministic)
+    dispatch.flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params, deterministic=deterministic)
     if deterministic:
         assert not calls and all(torch.isfinite(g).all() for g in (dq, dk, dv))
     else:
         assert len(calls) == 1
         delta = calls[0][5]
         torch.testing.assert_close(delta, (dout.float() * out.float()).sum(-1).transpose(1, 2))
+
+
+@pytest.mark.parametrize("dims", [dict(sk=0), dict(b=0), dict(h=0)], ids=["seqlen_k0", "batch0", "nheads0"])
+def test_empty_problems_never_reach_the_gluon_kernels(dims, monkeypatch):
+    """A problem without keys (or without queries) is no work for the FA3 kernels, whatever fa3.supports says of its
+    shapes (seqlen_k = 0 is a multiple of every Bc, and the forward kernel waits for a first key block that never
+    comes): the training path's plans and dispatch's calls leave it to the Triton launchers, which write zeros and
+    an LSE of -inf (no gradient at all). The kernels here are stand-ins that fail when called."""
+    def gluon(*a, **kw):
+        pytest.fail("an empty problem reached the Gluon kernels")
+    monkeypatch.setattr(fa3, "supports", lambda *a, **kw: True)
+    for name in ("ForwardPlan", "BackwardPlan", "fwd", "bwd"):
+        monkeypatch.setattr(fa3, name, gluon)
+    b, sq, sk, h = dims.get("b", 2), 64, dims.get("sk", 128), dims.get("h", 4)
+    q = torch.randn(b, sq, h, 128, dtype=torch.float16, requires_grad=True)
+    k, v = (torch.randn(b, sk, max(h, 1), 128, dtype=torch.float16, requires_grad=True) for _ in range(2))
+    out, lse, _ = flashtile.flash_attn_func(q, k, v, return_attn_probs=True)
+    assert out.shape == q.shape and (out == 0).all() and (lse == float("-inf")).all()
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    assert all((g == 0).all() for g in (dq, dk, dv))
+    params = AttnParams(softmax_scale=0.1)
+    o, l_ = torch.empty_like(q), torch.empty(b, h, sq)
+    dispatch.flash_fwd(q.detach(), k.detach(), v.detach(), o, l_, params)
+    assert (o == 0).all() and (l_ == float("-inf")).all()
 
 
 def test_disabled_forward_gets_triton_backward(monkeypatch):
@@ -136,8 +161,6 @@ def test_kernels_compile_for_sm90():
     specs += [f"fwdshort,{d},{int(c)},bf16,{n}" for (d, c), entries in sorted(fa3.SHORT_CONFIGS.items())
               for n, _ in entries]
     specs += [f"bwd,{d},{c},bf16" for d in sorted(fa3.BWD_CONFIGS) for c in (0, 1)] + ["bwd,64,1,fp16"]
-    # full attention past fa3.BWD_DKV_TMA's length: dK / dV by register stores (no problem takes them today)
-    specs += [f"bwd,{d},0,bf16,{fa3.BWD_DKV_TMA[False] + 64}" for d in sorted(fa3.BWD_CONFIGS)]
     specs += [f"fp8,{d},{c},bf16" for d in sorted(fa3.FP8_CONFIGS) for c in (0, 1)] + ["fp8,128,0,fp16"]
     # the paged decode (gluon/_decode.py), every page size of its table, both epilogues, both head dims
     specs += [f"paged,{d},{c},{dt},{page}" for page in sorted(paged.PAGE_CONFIGS) for d, c, dt in
@@ -177,9 +200,9 @@ class _FakeDescriptor:
 @pytest.mark.parametrize("d", sorted(fa3.BWD_CONFIGS))
 @pytest.mark.parametrize("causal", [False, True])
 def test_bwd_launch_follows_the_tables(d, causal, monkeypatch):
-    """fa3.bwd launches the backward kernel with its tables' choices: Br / Bc / stages of BWD_CONFIGS, dK / dV by
-    TMA (descriptors over dk, dv) or from registers (the tensors) as bwd_dkv_tma says, the turns of BWD_PINGPONG;
-    a grid of one program per key block and (batch, kv head)."""
+    """fa3.bwd launches the backward kernel with its tables' choices: Br / Bc / stages of BWD_CONFIGS, the turns of
+    BWD_PINGPONG; dK / dV by TMA (descriptors over dk, dv, a consumer warpgroup's rows each); a grid of one program
+    per key block and (batch, kv head)."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     kernels = type("kernels", (), {"fa3_bwd_kernel": object()})
     monkeypatch.setattr(fa3, "_kernels", lambda index: (None, kernels, _FakeDescriptor))
@@ -191,21 +214,17 @@ def test_bwd_launch_follows_the_tables(d, causal, monkeypatch):
     grads = [torch.empty_like(t) for t in (q, k, v)]
     params = CAUSAL if causal else FULL
     block_m, block_n, stages = fa3.BWD_CONFIGS[d]
-    for tma_longest, turns in ((1 << 62, True), (0, False)):
-        monkeypatch.setitem(fa3.BWD_DKV_TMA, causal, tma_longest)
+    for turns in (True, False):
         monkeypatch.setitem(fa3.BWD_PINGPONG, (d, causal), turns)
         launches.clear()
         fa3.bwd(torch.randn_like(q), q, k, v, lse, torch.randn_like(lse), *grads, params)
         (kernel, grid, args, kw), = launches
         assert kernel is kernels.fa3_bwd_kernel and grid == (1024 // block_n, 2 * 2)
         assert (kw["BLOCK_M"], kw["BLOCK_N"], kw["STAGES"], kw["CAUSAL"]) == (block_m, block_n, stages, causal)
-        assert kw["PINGPONG"] is turns and kw["DKV_TMA"] is (tma_longest > 0)
+        assert kw["PINGPONG"] is turns
         dk_out, dv_out = args[7], args[8]
-        if tma_longest:
-            assert isinstance(dk_out, _FakeDescriptor) and dk_out.block_shape == [block_n // 2, d]
-            assert dk_out.base.data_ptr() == grads[1].data_ptr() and dv_out.base.data_ptr() == grads[2].data_ptr()
-        else:
-            assert dk_out is grads[1] and dv_out is grads[2]
+        assert isinstance(dk_out, _FakeDescriptor) and dk_out.block_shape == [block_n // 2, d]
+        assert dk_out.base.data_ptr() == grads[1].data_ptr() and dv_out.base.data_ptr() == grads[2].data_ptr()
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -255,15 +274,6 @@ def test_launch_templates_pass_what_the_slow_path_passes(causal, monkeypatch):
         m.setitem(fa3.BWD_PINGPONG, (128, causal), not fa3.BWD_PINGPONG.get((128, causal), False))
         assert bwd(q, k, v)[0] == "dispatch"
     assert bwd(q, k, v)[0] == "run"
-
-
-def test_bwd_dkv_tma_rule(monkeypatch):
-    """The backward writes dK / dV by TMA up to fa3.BWD_DKV_TMA's length for the mask (register stores beyond);
-    today's table: by TMA at every length, full attention and causal."""
-    assert all(fa3.bwd_dkv_tma(n, c) for n in (64, 4096, 1 << 20) for c in (False, True))
-    monkeypatch.setitem(fa3.BWD_DKV_TMA, False, 4096)
-    assert fa3.bwd_dkv_tma(4096, False) and not fa3.bwd_dkv_tma(4096 + 64, False)
-    assert fa3.bwd_dkv_tma(1 << 20, True)
 
 
 def test_tma_viewable_layouts():

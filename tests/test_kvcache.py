@@ -18,7 +18,7 @@ import torch
 import flashtile  # noqa: F401  (sets TRITON_INTERPRET on CPU-only machines)
 from attn_utils import DEVICE, assert_within_rule, rand_alibi
 from launch_utils import StandInKernel, fast_launches, same_arguments
-from flashtile.kernels import runtime
+from flashtile.kernels import dispatch, runtime
 from flashtile.kernels.triton import decode as _decode
 from flashtile.kvcache import flash_attn_with_kvcache
 from flashtile.reference.dense import attention_ref
@@ -683,7 +683,7 @@ BAD = [
 @pytest.mark.parametrize("what,override,name", BAD, ids=[b[0] for b in BAD])
 def test_bad_arguments_raise_naming_argument(what, override, name, monkeypatch):
     from flashtile.kernels.triton import rotary
-    monkeypatch.setattr(_decode, "flash_decode", lambda *a, **k: pytest.fail("decode kernel ran on bad input"))
+    monkeypatch.setattr(dispatch, "flash_decode", lambda *a, **k: pytest.fail("decode kernel ran on bad input"))
     monkeypatch.setattr(rotary, "append_kv", lambda *a, **k: pytest.fail("append kernel ran on bad input"))
     args = _base()
     args.update(override)
@@ -702,7 +702,7 @@ def test_shape_checks_memoised_per_signature(monkeypatch):
     calls = []
     real = problem.kvcache
     monkeypatch.setattr(problem, "kvcache", lambda *a: calls.append(1) or real(*a))
-    monkeypatch.setattr(_decode, "flash_decode", lambda *a, **k: None)
+    monkeypatch.setattr(dispatch, "flash_decode", lambda *a, **k: None)
     monkeypatch.setattr(rotary, "append_kv", lambda *a, **k: None)
     args = _base()
     flash_attn_with_kvcache(**args, cache_seqlens=5)
@@ -845,36 +845,35 @@ def test_gluon_paged_decode_takes_only_what_it_computes(monkeypatch):
     q = torch.randn(1, 1, 8, 64, dtype=bf16)
     kc = torch.randn(4, 16, 2, 64, dtype=bf16)
     assert paged.decode_paged(q, kc, kc, q, None, None, 16, torch.zeros(1, 4, dtype=torch.int32), AttnParams(0.1),
-                              0, lambda n: 1, None, True) is None
+                              0, lambda n: 1, None, True, lambda *a, **k: pytest.fail("nothing to merge")) is None
 
 
 def test_gluon_fuse_combine_rule(monkeypatch):
-    """decode.gluon_fuse_combine: the Gluon paged decode merges its splits in its launch only in eager calls reading
-    at most EAGER_FUSED_BYTES of K/V (host-bound: one launch instead of two), by combine.py's kernel otherwise;
-    CONFIG_OVERRIDE["fused_combine"] decides where set."""
+    """dispatch.gluon_fuse_combine: the Gluon paged decode merges its splits in its launch only in eager calls
+    reading at most decode.EAGER_FUSED_BYTES of K/V (host-bound: one launch instead of two), by combine.py's kernel
+    otherwise; decode.CONFIG_OVERRIDE["fused_combine"] decides where set."""
     cpu = torch.device("cpu")
-    assert _decode.gluon_fuse_combine(_decode.EAGER_FUSED_BYTES, cpu)
-    assert not _decode.gluon_fuse_combine(_decode.EAGER_FUSED_BYTES + 1, cpu)
-    monkeypatch.setattr(_decode, "_capturing", lambda device: True)
-    assert not _decode.gluon_fuse_combine(1 << 20, cpu)
+    assert dispatch.gluon_fuse_combine(_decode.EAGER_FUSED_BYTES, cpu)
+    assert not dispatch.gluon_fuse_combine(_decode.EAGER_FUSED_BYTES + 1, cpu)
+    monkeypatch.setattr(dispatch, "_capturing", lambda device: True)
+    assert not dispatch.gluon_fuse_combine(1 << 20, cpu)
     monkeypatch.setattr(_decode, "CONFIG_OVERRIDE", {"fused_combine": True})
-    assert _decode.gluon_fuse_combine(1 << 40, cpu)
+    assert dispatch.gluon_fuse_combine(1 << 40, cpu)
     monkeypatch.setattr(_decode, "CONFIG_OVERRIDE", {"fused_combine": False})
-    assert not _decode.gluon_fuse_combine(1, cpu)
+    assert not dispatch.gluon_fuse_combine(1, cpu)
 
 
 @pytest.mark.parametrize("num_splits,fused", [(1, False), (3, True), (3, False)])
 def test_gluon_paged_template_launches_what_the_slow_path_does(num_splits, fused, monkeypatch):
     """decode_paged's host logic without a GPU (the Gluon kernel a stand-in that records its launches): the first
     call of a signature dispatches and keeps a template; later calls launch through it with exactly the arguments
-    of a slow-path launch (templates off); splits not merged in the launch go to combine.py's kernel and are not
-    templated; a new signature makes a new template."""
+    of a slow-path launch (templates off); splits not merged in the launch go to the caller's merge (combine.py's
+    kernel) and are not templated; a new signature makes a new template."""
     pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
     import types
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from flashtile.kernels import relaunch
     from flashtile.kernels.gluon import _decode as gluon_decode, fa3, paged
-    from flashtile.kernels.triton import combine
     from flashtile.kernels.triton.launch import AttnParams
     kern = StandInKernel(gluon_decode.paged_decode_kernel)
     monkeypatch.setattr(paged, "_kernel", lambda index: (types.SimpleNamespace(paged_decode_kernel=kern),
@@ -883,7 +882,6 @@ def test_gluon_paged_template_launches_what_the_slow_path_does(num_splits, fused
     monkeypatch.setattr(fa3, "_device_index", lambda t: 0)
     monkeypatch.setattr(paged, "_TEMPLATES", {})
     combined = []
-    monkeypatch.setattr(combine, "combine_splits", lambda *a, **k: combined.append(a))
     launches = fast_launches(monkeypatch)
     b, h, hk, d, page = 2, 8, 2, 64, 16
     k_cache = torch.randn(30, page, hk, d, dtype=fp16)
@@ -897,7 +895,7 @@ def test_gluon_paged_template_launches_what_the_slow_path_does(num_splits, fused
         out, lse = torch.empty_like(q), torch.empty(b, h, 1)
         return paged.decode_paged(q, k_cache, v_cache, out, lse, seqlens, 0, table, AttnParams(0.125), num_splits,
                                   lambda n: 1, lambda n: tickets.append(n) or torch.zeros(n, dtype=torch.int32),
-                                  state["fused"], sig=sig)
+                                  state["fused"], lambda *a, **k: combined.append(a), sig=sig)
 
     q = torch.randn(b, 1, h, d, dtype=fp16)
     assert step(torch.randn_like(q)) == num_splits

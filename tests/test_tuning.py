@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
-from flashtile.kernels.triton import launch, tuning
-from flashtile.kernels.triton.launch import Config
+from flashtile.kernels.triton import configs, launch, tuning
+from flashtile.kernels.triton.configs import Config
 
 FAKE_GPU = "NVIDIA H200 (fake)-triton3.6.0"
 
@@ -23,7 +23,7 @@ def cache(tmp_path, monkeypatch):
     tuning._reset()
     yield tmp_path
     tuning._reset()
-    launch.CONFIG_OVERRIDE.clear()
+    configs.CONFIG_OVERRIDE.clear()
 
 
 def _fake_bench(ms_by_config, failing=()):
@@ -65,7 +65,7 @@ def test_candidates_are_the_sweep_lists_plus_extra():
     assert all(isinstance(c, Config) for lst in (*tuning.FWD.values(), *tuning.BWD.values()) for c in lst)
     extra = Config(16, 16, 2, 1)
     assert tuning.candidates("fwd", 64, [extra, tuning.FWD[64][0]]) == tuning.FWD[64] + [extra]  # no duplicate
-    # launch.py's hand-picked table is among the candidates (it holds the sweep's winners)
+    # configs.py's hand-picked table is among the candidates (it holds the sweep's winners)
     assert Config(128, 64, 4, 3) in tuning.FWD[64] and Config(64, 128, 8, 2) in tuning.BWD[128]
 
 
@@ -210,10 +210,10 @@ def test_autotune_env_gates(cache, monkeypatch):
     monkeypatch.setenv("FLASHTILE_AUTOTUNE", "1")
     assert tuning.needs_tuning("fwd", 64, torch.float16, False, 1024, cuda)
     assert not tuning.needs_tuning("fwd", 64, torch.float16, False, 1024, torch.device("cpu"))
-    launch.CONFIG_OVERRIDE["fwd"] = Config(64, 64, 4, 2)  # a pinned config (and autotune's own re-launches)
+    configs.CONFIG_OVERRIDE["fwd"] = Config(64, 64, 4, 2)  # a pinned config (and autotune's own re-launches)
     assert not tuning.needs_tuning("fwd", 64, torch.float16, False, 1024, cuda)
     assert tuning.needs_tuning("bwd", 64, torch.float16, False, 1024, cuda)
-    launch.CONFIG_OVERRIDE.clear()
+    configs.CONFIG_OVERRIDE.clear()
     tuning.tune_key("fwd", 64, torch.float16, False, 1024, _fake_bench(D64_MS))
     assert not tuning.needs_tuning("fwd", 64, torch.float16, False, 1024, cuda)  # cached now
     # unset: the cache is used, nothing tuned; "0": the table only
@@ -237,25 +237,25 @@ def test_launch_configs_use_cached_winner_first(cache):
     assert launch.bwd_config(256, torch.float16, True, seqlen=2500) == tuning.BWD[256][0]
     assert launch.bwd_config(256, torch.float16) == Config(64, 64, 4, 2, split_dkdv=True, dq=(64, 32, 4, 3),
                                                                dv=(128, 8, 2))  # the table (full)
-    launch.CONFIG_OVERRIDE["fwd"] = Config(16, 16, 1, 1)
+    configs.CONFIG_OVERRIDE["fwd"] = Config(16, 16, 1, 1)
     assert launch.fwd_config(64, torch.float16, False, seqlen=4096) == Config(16, 16, 1, 1)  # a pin beats the cache
 
 
 def test_autotune_pins_each_candidate_and_restores_override(cache, monkeypatch):
-    """The launchers' hook: run() sees launch.CONFIG_OVERRIDE pinned to the candidate being timed (what its
+    """The launchers' hook: run() sees configs.CONFIG_OVERRIDE pinned to the candidate being timed (what its
     re-launch then uses), the table's config is a candidate, and the caller's override survives."""
     seen = []
     ms = {c: 5.0 for c in tuning.BWD[64]}
     table = Config(16, 16, 2, 1)
     ms[table] = 1.0
     monkeypatch.setattr(tuning, "benchmark_ms", lambda fn: (fn(), ms[seen[-1]])[1])
-    launch.CONFIG_OVERRIDE["fwd"] = Config(32, 32, 4, 1)
+    configs.CONFIG_OVERRIDE["fwd"] = Config(32, 32, 4, 1)
 
     def run():
         seen.append(launch.bwd_config(64, torch.float16, False, seqlen=1024))
     assert tuning.autotune("bwd", 64, torch.float16, False, 1024, run, default=table) == table
     assert seen == tuning.BWD[64] + [table]
-    assert launch.CONFIG_OVERRIDE == {"fwd": Config(32, 32, 4, 1)}
+    assert configs.CONFIG_OVERRIDE == {"fwd": Config(32, 32, 4, 1)}
     assert tuning.lookup("bwd", 64, torch.float16, False, 1024) == table
 
 

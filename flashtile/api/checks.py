@@ -12,6 +12,7 @@ import operator
 
 import torch
 
+from ..kernels.runtime import interpreting
 from .errors import fail
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -123,3 +124,10 @@ def cu_seqlens(name: str, cu, device, batch: int | None = None) -> int:
     if cu.stride(0) != 1:
         fail(f"{name}.stride(0)", cu.stride(0), "1 (contiguous)")
     return cu.numel() - 1
+
+
+def check_device(t: torch.Tensor) -> None:
+    """CPU tensors need the Triton interpreter, which must be on before flashtile is imported."""
+    if t.device.type == "cpu" and not interpreting():
+        fail("q.device", t.device, "a CUDA device, or CPU tensors with the Triton interpreter enabled before "
+             "flashtile is imported: set TRITON_INTERPRET=1 (flashtile sets it itself when no CUDA device is present)")

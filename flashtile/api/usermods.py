@@ -1,6 +1,6 @@
 """How flashtile.flex's score_mod / mask_mod pass through the custom ops: the mods (Triton functions and their
 non-tensor values) stay in a registry under an integer key, which the ops carry (Problem.mod_key); their captured
-tensors travel as op inputs, so autograd sees them. A leaf of the API: flex, blocksparse and the ops read it."""
+tensors travel as op inputs, so autograd sees them. A leaf of the API: masks.py, interface.py and the ops read it."""
 from __future__ import annotations
 
 import itertools
@@ -8,7 +8,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..kernels.triton.launch import UserMods
+from ..kernels.params import UserMods
 
 _REGISTRY: Dict[int, tuple] = {}
 _KEYS: Dict[Tuple[int, int], int] = {}

@@ -459,9 +459,8 @@ def _cpu_core(text: str) -> int:
 def pin_to_cpu(core: int) -> None:
     """Runs every thread of this process, and every thread it starts later, on CPU `core` only. Host-bound points
     (short sequences, where a call's Python and launches take about as long as its kernels) move less within a run
-    then: on the H200 machine unpinned host times moved by up to 2x between rounds, and a backward in the autograd
-    engine's thread cost up to twice its time in the calling thread (BENCHMARKS.md §1c, seventeenth session);
-    between processes they still vary.
+    then: unpinned, host times moved between rounds, and a backward in the autograd engine's thread cost more than
+    in the calling thread; between processes they still vary.
     ValueError if the process may not run there, or the OS has no CPU affinity calls (Linux has)."""
     if not hasattr(os, "sched_setaffinity"):
         raise ValueError(f"--pin-cpu {core}: this OS offers no os.sched_setaffinity (pin with its own tools)")

@@ -31,6 +31,7 @@ import torch.distributed as dist
 import dataclasses
 
 from .. import interface as _interface
+from ..api import checks
 from ..api import problem as P
 from ..api.errors import fail
 from ..api.problem import Problem
@@ -402,7 +403,7 @@ def ring_flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grou
     window_size, causal, deterministic, return_softmax_lse = P.scalars(
         window_size, ("causal", causal), ("deterministic", deterministic), ("return_softmax_lse", return_softmax_lse))
     P.qkv(q, k, v, 4)
-    _interface.check_device(q)
+    checks.check_device(q)
     if k.shape[1] != q.shape[1]:
         fail("k.shape[1] (seqlen_local of k)", k.shape[1], f"q's seqlen_local {q.shape[1]} (q and k/v are shards of "
              "the same sequence)")

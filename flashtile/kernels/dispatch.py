@@ -1,39 +1,98 @@
 """Which kernel computes a problem: FlashAttention-3's Gluon kernels on Hopper where they take it, else the portable
-Triton kernels (launch.py). The decision is made once per problem: dispatch keeps a plan in the problem's cache
-(api.problem.Problem.cache), and a repeated call (a training loop) checks only what may change between calls (the
-FLASHTILE_GLUON switch, fa3.disabled(), the tensors' contiguity and 16-byte alignment) before launching. The Triton
-launchers keep their launch templates in the same cache (their `memo`).
+Triton kernels. The one module that knows both families: triton/ and gluon/ import neither each other nor this.
+
+Each entry point has the contract of its Triton launcher and hands a call to the Gluon kernel first where that
+takes it: flash_fwd (launch.flash_fwd; fa3.supports), flash_bwd (launch.flash_bwd; fa3.supports(backward=True),
+not for deterministic gradients: the Gluon backward adds dQ atomically) and flash_decode (decode.flash_decode;
+paged caches of 16- or 32-key pages: paged.eligible). A Triton launch template a problem left (its memo) is
+launched before the Gluon kernel is asked, so a problem the Triton kernels took keeps them while its template
+holds.
+
+The training path (forward / backward, over an api.problem.Problem) decides once per problem: dispatch keeps a
+plan in the problem's cache (Problem.cache), and a repeated call (a training loop) checks only what may change
+between calls (the FLASHTILE_GLUON switch, fa3.disabled(), the tensors' contiguity and 16-byte alignment) before
+launching. The Triton launchers keep their launch templates in the same cache (their `memo`).
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
 from . import relaunch
-from .gluon import fa3
-from .runtime import cdiv
+from .gluon import fa3, paged
+from .runtime import _capturing, cdiv, tickets
 from .triton import bwd as _bwd
-from .triton import launch
+from .triton import combine, decode, launch
 
 
+# --------------------------------------------------------------------------------------------------
+# Forward and backward of one call (launch.flash_fwd's and launch.flash_bwd's contracts)
+# --------------------------------------------------------------------------------------------------
+def flash_fwd(q, k, v, out, lse, params, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+              max_seqlen_k=None, bias=None, mask=None, sparse=None, mods=None, memo: Optional[dict] = None) -> None:
+    """launch.flash_fwd's call: out[...] = attention(q, k, v), lse[...] its natural-log LSE; by FlashAttention-3's
+    warp-specialized kernel (Gluon) where fa3.supports says it takes the problem (Hopper), else by the Triton one."""
+    if launch.relaunch_fwd(memo, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi):
+        return   # (a problem the Triton kernel took before)
+    max_sk = max_seqlen_k if cu_seqlens_k is not None else k.shape[1]
+    attends = not (q.numel() == 0 or k.shape[-3] == 0 or max_sk == 0)   # (else the launcher writes 0 and -inf)
+    if attends and fa3.supports(q, k, v, params, alibi, cu_seqlens_q, bias, mask, sparse, mods):
+        fa3.fwd(q, k, v, out, lse, params)
+        return
+    launch.flash_fwd(q, k, v, out, lse, params, alibi, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                     bias=bias, mask=mask, sparse=sparse, mods=mods, memo=memo)
+
+
+def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None,
+              max_seqlen_q=None, max_seqlen_k=None, deterministic=False, bias=None, mask=None, sparse=None,
+              dbias=None, mods=None, dlse: Optional[torch.Tensor] = None, memo: Optional[dict] = None) -> None:
+    """launch.flash_bwd's call: dq, dk, dv (and dbias, the mods' captured gradients); by FlashAttention-3's
+    warp-specialized backward (Gluon) from the Triton preprocess kernel's D where fa3.supports(backward=True) says
+    it takes the problem, except for deterministic gradients (it adds dQ atomically); else by the Triton kernels."""
+    if launch.relaunch_bwd(memo, dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, alibi, dlse):
+        return
+    max_sq = max_seqlen_q if cu_seqlens_q is not None else q.shape[1]
+    max_sk = max_seqlen_k if cu_seqlens_k is not None else k.shape[1]
+    attends = not (q.numel() == 0 or k.numel() == 0 or max_sq == 0 or max_sk == 0)   # (else the launcher zeroes)
+    if (attends and not deterministic
+            and fa3.supports(q, k, v, params, alibi, cu_seqlens_q, bias, mask, sparse, mods, backward=True)):
+        delta = launch.bwd_delta(out, dout, lse, dlse, cu_seqlens_q, max_seqlen_q)
+        fa3.bwd(dout, q, k, v, lse, delta, dq, dk, dv, params)
+        return
+    launch.flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params, alibi, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                     max_seqlen_k, deterministic=deterministic, bias=bias, mask=mask, sparse=sparse, dbias=dbias,
+                     mods=mods, dlse=dlse, memo=memo)
+
+
+# --------------------------------------------------------------------------------------------------
+# The training path: a plan per problem
+# --------------------------------------------------------------------------------------------------
 def _gluon_candidate(p, params) -> bool:
     """The problem's features allow the FA3 kernels (their shapes are checked by fa3.supports)."""
     return (p.plain and not p.varlen and params.dropout_p == 0 and params.softcap == 0
             and (params.is_causal or not (params.has_left or params.has_right)))
 
 
+def _attends(q, k) -> bool:
+    """Queries and keys to attend with: an empty problem's outputs (zeros, an LSE of -inf, zero gradients) are the
+    Triton launchers' to write; the FA3 forward would wait for a first key block that never comes."""
+    return q.numel() > 0 and k.numel() > 0
+
+
 def forward(p, params, q, k, v, out, lse, x, bias=None, mods=None) -> None:
-    """out, lse of problem p (api.problem.Problem) with its call's scalars params (launch.AttnParams) and extras x
+    """out, lse of problem p (api.problem.Problem) with its call's scalars params (params.AttnParams) and extras x
     (interface.Extras)."""
     plan = p.cache.get("fwd", False)
     if plan is False:
         plan = None
-        if _gluon_candidate(p, params) and fa3.supports(q, k, v, params):
+        if _gluon_candidate(p, params) and _attends(q, k) and fa3.supports(q, k, v, params):
             plan = fa3.ForwardPlan(q, k, v, lse, params.softmax_scale, params.is_causal)
         p.cache["fwd"] = plan
     if plan is not None and plan(q, k, v, out, lse, params):
         return
-    launch.flash_fwd(q, k, v, out, lse, params, x.alibi, x.cu_seqlens_q, x.cu_seqlens_k, p.seqlen_q, p.seqlen_k,
-                     bias=bias, mask=x.mask, sparse=x.sparse, mods=mods, memo=p.cache)
+    flash_fwd(q, k, v, out, lse, params, x.alibi, x.cu_seqlens_q, x.cu_seqlens_k, p.seqlen_q, p.seqlen_k,
+              bias=bias, mask=x.mask, sparse=x.sparse, mods=mods, memo=p.cache)
 
 
 class _GluonBackward:
@@ -78,12 +137,107 @@ def backward(p, params, dout, q, k, v, out, lse, dq, dk, dv, x, bias=None, dbias
     plan = p.cache.get("bwd", False)
     if plan is False:
         plan = None
-        if (_gluon_candidate(p, params) and not p.deterministic and out.is_contiguous()
+        if (_gluon_candidate(p, params) and _attends(q, k) and not p.deterministic and out.is_contiguous()
                 and fa3.supports(q, k, v, params, backward=True)):
             plan = _GluonBackward(q, k, v, lse, params)
         p.cache["bwd"] = plan
     if plan is not None and plan(dout, q, k, v, out, lse, dq, dk, dv, params, dlse):
         return
-    launch.flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params, x.alibi, x.cu_seqlens_q, x.cu_seqlens_k,
-                     p.seqlen_q, p.seqlen_k, deterministic=p.deterministic, bias=bias, mask=x.mask, sparse=x.sparse,
-                     dbias=dbias, mods=mods, dlse=dlse, memo=p.cache)
+    flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params, x.alibi, x.cu_seqlens_q, x.cu_seqlens_k, p.seqlen_q,
+              p.seqlen_k, deterministic=p.deterministic, bias=bias, mask=x.mask, sparse=x.sparse, dbias=dbias,
+              mods=mods, dlse=dlse, memo=p.cache)
+
+
+# --------------------------------------------------------------------------------------------------
+# Decode over a KV cache (decode.flash_decode's contract)
+# --------------------------------------------------------------------------------------------------
+# decode.CONFIG_OVERRIDE keys the Gluon paged decode honours (num_splits, fused_combine) or that do not concern it
+# (combine_chunk); any other pins the Triton kernel's launch, which then takes the call
+_GLUON_OVERRIDES = {"num_splits", "fused_combine", "combine_chunk"}
+# (caller's signature, CUDA graph capture under way) -> (key of paged's template that served the signature, split
+# count): a decode step repeating a signature the Gluon paged decode took skips the route and the key
+_PAGED_FAST: dict = {}
+
+
+def gluon_fuse_combine(kv_bytes: int, device: torch.device) -> bool:
+    """Whether the Gluon paged decode's splits merge in its launch (the last split to finish merges, serially at
+    the launch's tail) rather than by combine.py's kernel: decode.CONFIG_OVERRIDE["fused_combine"] if set, else
+    only in eager calls reading at most decode.EAGER_FUSED_BYTES, which are bound by host time (one launch instead
+    of two; same-run A/Bs on an H200: `git log -S gluon_fuse_combine`)."""
+    if "fused_combine" in decode.CONFIG_OVERRIDE:
+        return bool(decode.CONFIG_OVERRIDE["fused_combine"])
+    return kv_bytes <= decode.EAGER_FUSED_BYTES and not _capturing(device)
+
+
+def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor, seqlens_k: Optional[torch.Tensor], params, *,
+                 cu_seqlens_q: Optional[torch.Tensor] = None, max_seqlen_q: Optional[int] = None,
+                 cache_batch_idx: Optional[torch.Tensor] = None, leftpad: Optional[torch.Tensor] = None,
+                 block_table: Optional[torch.Tensor] = None, alibi: Optional[torch.Tensor] = None,
+                 num_splits: int = 0, max_seqlen_k: Optional[int] = None,
+                 seqlen_k_static: Optional[int] = None, seqlens_add: int = 0, sig=None) -> int:
+    """decode.flash_decode's call (its arguments and the split count it returns); paged caches whose pages hold
+    16 or 32 keys go to the Gluon paged decode on Hopper where paged.eligible says it computes the call: a key
+    tile's pages are TMA boxes under one barrier."""
+    if sig is not None and not decode.CONFIG_OVERRIDE:
+        # a signature launched before goes straight to the template that served it: the Triton decode's, else the
+        # Gluon paged decode's
+        n = decode.relaunch_decode(sig, q, k_cache, v_cache, out, lse, seqlens_k, cu_seqlens_q, cache_batch_idx,
+                                   leftpad, block_table, alibi)
+        if n:
+            return n
+        fast = _PAGED_FAST.get((sig, _capturing(q.device)))
+        if fast is not None:
+            key, n = fast
+            tpl = paged.template(*key)
+            if tpl is not None and fa3.enabled() and tpl.launch(q, k_cache, v_cache, out, lse, block_table, seqlens_k,
+                                                                lambda m: tickets(q.device, m)):
+                return n
+    if block_table is not None and q.is_cuda and not decode.CONFIG_OVERRIDE.keys() - _GLUON_OVERRIDES:
+        n = _paged_decode(q, k_cache, v_cache, out, lse, seqlens_k, params, cu_seqlens_q, max_seqlen_q,
+                          cache_batch_idx, leftpad, block_table, alibi, num_splits, max_seqlen_k, seqlen_k_static,
+                          seqlens_add, sig)
+        if n is not None:
+            return n
+    return decode.flash_decode(q, k_cache, v_cache, out, lse, seqlens_k, params, cu_seqlens_q=cu_seqlens_q,
+                               max_seqlen_q=max_seqlen_q, cache_batch_idx=cache_batch_idx, leftpad=leftpad,
+                               block_table=block_table, alibi=alibi, num_splits=num_splits,
+                               max_seqlen_k=max_seqlen_k, seqlen_k_static=seqlen_k_static, seqlens_add=seqlens_add,
+                               sig=sig)
+
+
+def _paged_decode(q, k_cache, v_cache, out, lse, seqlens_k, params, cu_seqlens_q, max_seqlen_q, cache_batch_idx,
+                  leftpad, block_table, alibi, num_splits, max_seqlen_k, seqlen_k_static, seqlens_add,
+                  sig) -> Optional[int]:
+    """The Gluon paged decode of a paged call on a CUDA device: the split count, or None where it does not take
+    the call (paged.eligible, or decode_paged declining: no Hopper, Gluon off, a cache TMA cannot read)."""
+    varlen = cu_seqlens_q is not None
+    batch = cu_seqlens_q.numel() - 1 if varlen else q.shape[0]
+    sq = int(max_seqlen_q) if varlen else q.shape[1]
+    total_rows = q.shape[0] if varlen else batch * sq
+    nheads_k, head_dim = k_cache.shape[-2], q.shape[-1]
+    group = q.shape[-2] // nheads_k
+    page_size = k_cache.shape[1]
+    if max_seqlen_k is None:
+        max_seqlen_k = block_table.shape[1] * page_size
+    if not (batch > 0 and total_rows > 0
+            and paged.eligible(q, k_cache, page_size, sq * group, params, alibi=alibi, leftpad=leftpad,
+                               cu_seqlens_q=cu_seqlens_q, cache_batch_idx=cache_batch_idx)):
+        return None
+    has_seqlens = seqlens_k is not None
+    if not has_seqlens and seqlen_k_static is None:
+        raise ValueError("flash_decode: seqlens_k or seqlen_k_static is required")
+    kv_bytes = 2 * batch * max_seqlen_k * nheads_k * head_dim * k_cache.element_size()   # (the most K / V read)
+    fuse = gluon_fuse_combine(kv_bytes, q.device)
+
+    def splits_for(block_n: int) -> int:   # the Triton decode's split rule, for the Gluon kernel's key tiles
+        return (int(decode.CONFIG_OVERRIDE.get("num_splits", 0))
+                or decode.num_splits_heuristic(batch * nheads_k, max_seqlen_k, block_n, q.device))
+
+    n = paged.decode_paged(
+        q, k_cache, v_cache, out, lse, seqlens_k, int(seqlens_add) if has_seqlens else int(seqlen_k_static),
+        block_table, params, num_splits, splits_for, lambda m: tickets(q.device, m), fuse, combine.combine_splits,
+        sig=sig)
+    if n is not None and sig is not None and not decode.CONFIG_OVERRIDE:
+        relaunch.remember(_PAGED_FAST, (sig, _capturing(q.device)), ((sig, n, n > 1 and fuse), n))
+    return n

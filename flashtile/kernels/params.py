@@ -1,4 +1,5 @@
-"""The scalar parameters of an attention problem as every kernel family reads them (Triton, Gluon, decode).
+"""The arguments of an attention problem beside q, k, v as every kernel family reads them (Triton, Gluon, decode):
+the scalars (AttnParams), a block mask's tile lists (SparseLists) and the user mods compiled in (UserMods).
 
 The mask is a window (left, right) aligned to the bottom-right corner (flash-attn 2.x): query i may see key j iff
 i + sk - sq - left <= j <= i + sk - sq + right, -1 meaning unbounded on that side; causal is (-1, 0). What a kernel
@@ -7,8 +8,14 @@ derives from it (causal or not, which window edges apply) is derived here, once.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
+
+import torch
 
 LOG2E = 1.4426950408889634   # log2(e): the kernels compute exp(x) as exp2(x * log2 e)
+LN2 = 0.6931471805599453     # ln(2): a log2-sum-exp times ln 2 is the natural-log LSE
+# log2(448), of e4m3's largest finite value: the FP8 forward's P~ = exp2(S - m + log2 448) fills e4m3's range
+LOG2_E4M3_MAX = 8.807354922057604
 
 
 @dataclass(frozen=True)
@@ -53,3 +60,43 @@ class AttnParams:
         if self.softcap > 0:
             return self.softmax_scale / self.softcap, self.softcap * LOG2E
         return self.softmax_scale * LOG2E, 0.0
+
+
+@dataclass(frozen=True)
+class SparseLists:
+    """A block mask's tile lists (int32, contiguous; batch/head dimensions of size 1 broadcast):
+    kv_num/full_kv_num (B, H, n_q_blocks), kv_idx/full_kv_idx (B, H, n_q_blocks, n_kv_blocks): per query block,
+    the key blocks that are partial / full; q_* the transpose (per key block, its query blocks)."""
+    block_size: int
+    kv_num: torch.Tensor
+    kv_idx: torch.Tensor
+    full_kv_num: torch.Tensor
+    full_kv_idx: torch.Tensor
+    q_num: torch.Tensor
+    q_idx: torch.Tensor
+    full_q_num: torch.Tensor
+    full_q_idx: torch.Tensor
+
+
+@dataclass(frozen=True)
+class UserMods:
+    """flashtile.flex's modifiers, compiled into the kernels: @triton.jit functions (None: absent) and the
+    tuples of values they capture (tensors arrive in the kernels as pointers, ints / floats as scalars).
+    score_aux_grad: parallel to score_aux, a float32 zero buffer where the captured tensor wants a gradient
+    (score_captured_grad adds into it), the captured item itself elsewhere; backward only."""
+    score_mod: object = None
+    score_grad: object = None
+    score_captured_grad: object = None
+    score_aux: Optional[tuple] = None
+    mask_mod: object = None
+    mask_aux: Optional[tuple] = None
+    score_aux_grad: Optional[tuple] = None
+
+    def kernel_kwargs(self, kernel: str) -> dict:
+        """Keyword arguments of attn_fwd_kernel ("fwd"), attn_bwd_dkdv_kernel ("dkdv") or attn_bwd_dq_kernel ("dq")."""
+        kw = dict(score_aux=self.score_aux, mask_aux=self.mask_aux, SCORE_MOD=self.score_mod, MASK_MOD=self.mask_mod)
+        if kernel != "fwd":
+            kw["SCORE_GRAD"] = self.score_grad
+        if kernel == "dkdv":
+            kw.update(score_aux_grad=self.score_aux_grad, SCORE_CAPTURED_GRAD=self.score_captured_grad)
+        return kw

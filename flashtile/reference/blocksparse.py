@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .fa1 import FA1Forward, fa1_backward, fa1_forward
-from .io_model import HBM, Tiling, block_sizes as paper_block_sizes, random_block_mask
+from .io_counters import HBM, Tiling, block_sizes as paper_block_sizes, random_block_mask
 
 __all__ = ["blocksparse_forward", "blocksparse_backward", "expand_block_mask", "random_block_mask",
            "paper_block_sizes"]
@@ -25,7 +25,7 @@ __all__ = ["blocksparse_forward", "blocksparse_backward", "expand_block_mask", "
 def blocksparse_forward(Q, K, V, block_mask, *, M: int | None = None, block_sizes=None,
                         hbm: HBM | None = None, **options) -> FA1Forward:
     """Alg. 5: FA1's forward skipping the zero blocks of ``block_mask`` (shape (Tr, Tc) with
-    Tr = ceil(N_q / Br), Tc = ceil(N_k / Bc); Br, Bc from ``io_model.block_sizes(M, d)`` unless
+    Tr = ceil(N_q / Br), Tc = ceil(N_k / Bc); Br, Bc from ``io_counters.block_sizes(M, d)`` unless
     ``block_sizes`` overrides them). Q (N_q, d); K, V (N_k, d); ``options`` as for ``fa1_forward``.
     A query row none of whose blocks is non-zero outputs 0 (l = 0, m = -inf)."""
     return fa1_forward(Q, K, V, M=M, block_mask=block_mask, block_sizes=block_sizes, hbm=hbm, **options)

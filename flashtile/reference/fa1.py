@@ -13,7 +13,7 @@ Block-sparse FlashAttention (Alg. 5) is this code with a block mask: a zero bloc
 anything of it is loaded. ``blocksparse.py`` is its documented entry point.
 
 Shapes (one head): Q, O, dO (N_q, d); K, V (N_k, d); l, m (N_q,). HBM traffic goes through ``hbm``
-(io_model.HBM), on-chip tiles through an io_model.SRAM of M elements (2M for the backward, see io_model).
+(io_counters.HBM), on-chip tiles through an io_counters.SRAM of M elements (2M for the backward, see io_counters).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from .io_model import BACKWARD_SRAM_FACTOR, HBM, SRAM
+from .io_counters import BACKWARD_SRAM_FACTOR, HBM, SRAM
 from .softmax import NEG_INF, diag_inv, merge, safe_exp
 from .standard import validate
 
@@ -62,7 +62,7 @@ def fa1_forward(Q, K, V, *, M: int | None = None, block_mask=None, block_sizes=N
     # line 1: the RNG state R. The counter-based Philox of rng.py needs only (seed, offset): nothing to
     # initialise, two integers to keep (not counted as traffic).
     R = (head.seed, head.offset)
-    # line 2: Br, Bc were set by validate (io_model.block_sizes)
+    # line 2: Br, Bc were set by validate (io_counters.block_sizes)
     hbm.put(Q=Q, K=K, V=V)
     # line 3: O = (0), l = (0), m = (-inf) in HBM
     hbm.alloc("O", (head.N_q, head.d), 0.0, acc, dev)

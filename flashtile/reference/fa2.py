@@ -13,7 +13,7 @@ What changes from FA1 (fa1.py):
   * causal masking skips the blocks that lie entirely above the (bottom-right) diagonal, forward and
     backward (FA2 paper §3.1.1): no compute and no HBM traffic for them.
 
-Shapes (one head): Q, O, dO (N_q, d); K, V (N_k, d); L (N_q,). Block sizes: FA1's rule from M (io_model).
+Shapes (one head): Q, O, dO (N_q, d); K, V (N_k, d); L (N_q,). Block sizes: FA1's rule from M (io_counters).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 
 from .fa1 import logsumexp
-from .io_model import BACKWARD_SRAM_FACTOR, HBM, SRAM
+from .io_counters import BACKWARD_SRAM_FACTOR, HBM, SRAM
 from .softmax import NEG_INF, diag_inv, safe_exp
 from .standard import validate
 

@@ -2,7 +2,7 @@
 "Online normalizer calculation for softmax", 2018; "M&G" below).
 
 Each softmax takes x (..., V), any float dtype, and normalises along the last dim. Its memory traffic goes
-through an :class:`~flashtile.reference.io_model.HBM` counter (pass ``hbm=``; x is placed there as array
+through an :class:`~flashtile.reference.io_counters.HBM` counter (pass ``hbm=``; x is placed there as array
 "x", the output is written as "y"), so the accesses per element M&G count are measured, not asserted:
 
 =========  =====================================  ==========================
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from .io_model import HBM
+from .io_counters import HBM
 
 NEG_INF = float("-inf")
 

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 
 from . import rng
-from .io_model import HBM, Tiling, block_sizes as paper_block_sizes
+from .io_counters import HBM, Tiling, block_sizes as paper_block_sizes
 from .softmax import NEG_INF, safe_softmax
 
 

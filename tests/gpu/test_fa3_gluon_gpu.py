@@ -11,6 +11,7 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
 
 import flashtile  # noqa: E402
 from flashtile.kernels.gluon import fa3  # noqa: E402
+from flashtile.kernels import dispatch  # noqa: E402
 from flashtile.kernels.triton import launch  # noqa: E402
 from attn_utils import Case, case_inputs, check_against_reference, flash_kwargs, keep_mask_from_s_dmask  # noqa: E402
 
@@ -176,30 +177,6 @@ def test_fa3_backward_agrees_with_triton_gpu(d, causal, seed, monkeypatch):
         assert (g.float() - gt.float()).abs().max().item() < 2e-2 * scale, name
 
 
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d", sorted(fa3.BWD_CONFIGS))
-def test_fa3_backward_register_stores_gpu(d, causal, seed, monkeypatch):
-    """dK / dV from registers (fa3.BWD_DKV_TMA set to 0; the table takes TMA everywhere today) equal the TMA
-    stores' bitwise, into NaN-poisoned gradients; dQ within the reduce-adds' order."""
-    c = Case(2, 1024, 1024 if causal else 1152, 4, 2, d, bf16, causal=causal)
-    q, k, v = (torch.randn(c.b, s, n, d, device="cuda", dtype=bf16) for s, n in ((c.sq, c.h), (c.sk, c.hk),
-                                                                               (c.sk, c.hk)))
-    dout = torch.randn_like(q)
-    out, lse = torch.empty_like(q), torch.empty(c.b, c.h, c.sq, device="cuda")
-    launch.flash_fwd(q, k, v, out, lse, _params(c))
-    grads = []
-    for longest in (1 << 62, 0):
-        monkeypatch.setitem(fa3.BWD_DKV_TMA, causal, longest)
-        assert fa3.bwd_dkv_tma(c.sq, causal) == (longest > 0)
-        g = [torch.full_like(t, float("nan")) for t in (q, k, v)]
-        launch.flash_bwd(dout, q, k, v, out, lse, *g, _params(c))
-        grads.append(g)
-    (dq, dk, dv), (dq2, dk2, dv2) = grads
-    assert torch.isfinite(dk2).all() and torch.isfinite(dv2).all()
-    assert torch.equal(dk2, dk) and torch.equal(dv2, dv)
-    assert (dq2.float() - dq.float()).abs().max().item() <= 1e-2 * dq.float().abs().max().item()
-
-
 def test_fa3_backward_writes_every_element_gpu(seed):
     """dk, dv start as NaN (poisoned) and come back finite: every key block of every head written (GQA 2:1)."""
     _check_bwd_writes_every_element(Case(2, 1152, 1280, 6, 3, 128, bf16))
@@ -214,10 +191,10 @@ def _check_bwd_writes_every_element(c: Case):
                                                                                      (c.sk, c.hk)))
     dout = torch.randn_like(q)
     out, lse = torch.empty_like(q), torch.empty(c.b, c.h, c.sq, device="cuda")
-    launch.flash_fwd(q, k, v, out, lse, _params(c))
+    dispatch.flash_fwd(q, k, v, out, lse, _params(c))
     dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
     assert fa3.supports(q, k, v, _params(c), backward=True)
-    launch.flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, _params(c))
+    dispatch.flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, _params(c))
     assert all(torch.isfinite(g).all() for g in (dq, dk, dv))
 
 
@@ -225,17 +202,16 @@ def _check_bwd_writes_every_element(c: Case):
 @pytest.mark.parametrize("layout", ["packed", "heads_first"])
 @pytest.mark.parametrize("d", sorted(fa3.BWD_CONFIGS))
 def test_fa3_backward_strided_dk_dv_gpu(d, layout, causal, seed):
-    """dK, dV leave by TMA (fa3.bwd_dkv_tma at 1024 queries, full or causal): into slices of a packed (q, k, v)
+    """dK, dV leave by TMA: into slices of a packed (q, k, v)
     gradient directly (a TMA-ready view), into a (batch, nheads, seqlen, d) buffer seen transposed through a
     contiguous copy; both poisoned, both bitwise equal to contiguous dk, dv."""
     c = Case(2, 1024, 1024, 4, 2, d, bf16, causal=causal)
-    assert fa3.bwd_dkv_tma(c.sq, causal)
     q, k, v = (torch.randn(c.b, c.sq, n, d, device="cuda", dtype=bf16) for n in (c.h, c.hk, c.hk))
     dout = torch.randn_like(q)
     out, lse = torch.empty_like(q), torch.empty(c.b, c.h, c.sq, device="cuda")
-    launch.flash_fwd(q, k, v, out, lse, _params(c))
+    dispatch.flash_fwd(q, k, v, out, lse, _params(c))
     dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
-    launch.flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, _params(c))
+    dispatch.flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, _params(c))
     if layout == "packed":
         kv = torch.full((c.b, c.sk, 2, c.hk, d), float("nan"), device="cuda", dtype=bf16)
         dk2, dv2 = kv[:, :, 0], kv[:, :, 1]
@@ -245,7 +221,7 @@ def test_fa3_backward_strided_dk_dv_gpu(d, layout, causal, seed):
                     for _ in range(2))
         assert launch.tma_row_view(dk2) is None
     dq2 = torch.full_like(q, float("nan"))
-    launch.flash_bwd(dout, q, k, v, out, lse, dq2, dk2, dv2, _params(c))
+    dispatch.flash_bwd(dout, q, k, v, out, lse, dq2, dk2, dv2, _params(c))
     assert torch.equal(dk2, dk) and torch.equal(dv2, dv)
     assert (dq2.float() - dq.float()).abs().max().item() <= 1e-2 * dq.float().abs().max().item()
 

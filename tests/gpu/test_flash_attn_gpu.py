@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
     pytest.skip("CUDA-only tests", allow_module_level=True)
 
 import flashtile  # noqa: E402
-from flashtile.kernels.triton import launch  # noqa: E402
+from flashtile.kernels.triton import configs  # noqa: E402
 from attn_utils import (Case, binomial_5sigma, case_inputs, check_against_reference, empty_rows,  # noqa: E402
                         flash_kwargs, keep_mask_from_s_dmask, visible)
 
@@ -65,10 +65,10 @@ GPU_MATRIX = [
 
 ATOMIC_MATRIX = [
     # ragged lengths: a query tile reaches into the next batch element's rows of the 2-D TMA view
-    (Case(2, 1000, 1000, 8, 2, 128, bf16, causal=True), launch.Config(64, 128, 8, 2, atomic_dq=True)),
-    (Case(2, 1024, 1500, 8, 8, 64, fp16, softcap=20.0, dropout_p=0.17), launch.Config(32, 128, 8, 2, atomic_dq=True)),
+    (Case(2, 1000, 1000, 8, 2, 128, bf16, causal=True), configs.Config(64, 128, 8, 2, atomic_dq=True)),
+    (Case(2, 1024, 1500, 8, 8, 64, fp16, softcap=20.0, dropout_p=0.17), configs.Config(32, 128, 8, 2, atomic_dq=True)),
     (Case(1, 1999, 1999, 4, 4, 256, bf16, window=(300, 0), alibi="h"),
-     launch.Config(64, 64, 4, 2, atomic_dq=True, split_dkdv=True)),
+     configs.Config(64, 64, 4, 2, atomic_dq=True, split_dkdv=True)),
 ]
 
 
@@ -77,12 +77,12 @@ def test_atomic_dq_tma_reduce_matches_reference_gpu(c: Case, cfg, seed):
     """dQ added by TMA bulk reduce-adds (the atomic-dQ backward on the GPU; the interpreter has no such op, so the
     CPU tests reach only the scalar-atomic branch)."""
     q, k, v, dout, alibi = case_inputs(c, "cuda")
-    launch.CONFIG_OVERRIDE["bwd"] = cfg
+    configs.CONFIG_OVERRIDE["bwd"] = cfg
     try:
         out, lse, s_dmask = flashtile.flash_attn_func(q, k, v, **flash_kwargs(c, alibi, return_attn_probs=True))
         dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
     finally:
-        launch.CONFIG_OVERRIDE.clear()
+        configs.CONFIG_OVERRIDE.clear()
     keep = keep_mask_from_s_dmask(s_dmask) if c.dropout_p > 0 else None
     check_against_reference(c, q, k, v, dout, alibi, out, lse, None, (dq, dk, dv), dropout_mask=keep)
 

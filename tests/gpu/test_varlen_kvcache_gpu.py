@@ -20,7 +20,7 @@ from attn_utils import assert_within_rule  # noqa: E402
 from flashtile.kernels.triton import decode as _decode  # noqa: E402
 from flashtile.kvcache import flash_attn_with_kvcache  # noqa: E402
 from flashtile.varlen import flash_attn_varlen_func  # noqa: E402
-from flashtile.kernels.triton import launch as _launch  # noqa: E402
+from flashtile.kernels.triton import configs as _configs  # noqa: E402
 
 fp16, bf16, fp32 = torch.float16, torch.bfloat16, torch.float32
 
@@ -252,15 +252,15 @@ def test_varlen_gpu_atomic_dq_tma_reduce(c, seed):
     """Packed sequences with dQ added by TMA reduce-adds: a tile past one sequence's end covers the next one's
     rows and must add exact zeros there."""
     q, k, v, dout, alibi = packed_inputs(c)
-    _launch.CONFIG_OVERRIDE["bwd"] = (_launch.Config(64, 128, 8, 2, atomic_dq=True) if c.d <= 128 else
-                                      _launch.Config(64, 64, 4, 2, atomic_dq=True, split_dkdv=True))
+    _configs.CONFIG_OVERRIDE["bwd"] = (_configs.Config(64, 128, 8, 2, atomic_dq=True) if c.d <= 128 else
+                                      _configs.Config(64, 64, 4, 2, atomic_dq=True, split_dkdv=True))
     try:
         out, lse, _ = flash_attn_varlen_func(q, k, v, cu(c.lens_q), cu(c.lens_k), max(c.lens_q), max(c.lens_k),
                                              causal=c.causal, window_size=c.window, softcap=c.softcap,
                                              alibi_slopes=alibi, return_attn_probs=True)
         grads = torch.autograd.grad(out, (q, k, v), dout)
     finally:
-        _launch.CONFIG_OVERRIDE.clear()
+        _configs.CONFIG_OVERRIDE.clear()
     check_varlen(c, q, k, v, dout, alibi, out, lse, grads, None)
 
 

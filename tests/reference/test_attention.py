@@ -6,7 +6,8 @@ from hypothesis import given, settings, strategies as st
 
 from flashtile.reference.fa1 import fa1_forward
 from flashtile.reference.fa2 import fa2_backward, fa2_forward
-from flashtile.reference.io_model import HBM, run
+from flashtile.reference.io_counters import HBM
+from flashtile.reference.io_model import run
 from flashtile.reference.standard import standard_forward
 
 from . import TOL64, make_inputs, oracle, run_batched

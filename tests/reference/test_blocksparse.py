@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from flashtile.reference.blocksparse import blocksparse_backward, blocksparse_forward, expand_block_mask
-from flashtile.reference.io_model import HBM, Tiling, block_sizes, random_block_mask
+from flashtile.reference.io_counters import HBM, Tiling, block_sizes, random_block_mask
 
 from . import TOL64, make_inputs, oracle, run_batched
 

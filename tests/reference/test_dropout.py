@@ -7,7 +7,7 @@ import torch
 
 from flashtile.reference import rng
 from flashtile.reference.fa1 import fa1_backward, fa1_forward
-from flashtile.reference.io_model import Tiling
+from flashtile.reference.io_counters import Tiling
 from flashtile.reference.standard import validate
 
 from . import TOL64, make_inputs, oracle, run_batched

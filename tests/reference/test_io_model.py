@@ -7,8 +7,8 @@ import torch
 
 from flashtile.reference.fa1 import fa1_forward
 from flashtile.reference.fa2 import fa2_forward
-from flashtile.reference.io_model import (HBM, SRAM, SRAMOverflowError, Tiling, block_sizes, count_hbm_accesses,
-                                          random_block_mask)
+from flashtile.reference.io_counters import HBM, SRAM, SRAMOverflowError, Tiling, block_sizes, random_block_mask
+from flashtile.reference.io_model import count_hbm_accesses
 
 M_100KB_FP16 = 51200  # elements: 100 KB of fp16, about an A100 SM's shared memory
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from flashtile.reference.io_model import HBM
+from flashtile.reference.io_counters import HBM
 from flashtile.reference.softmax import (merge, naive_softmax, online_normalizer, online_softmax,
                                          parallel_online_softmax, safe_softmax)
 

@@ -1,2 +1,3 @@
 """Kernels written in Gluon (Triton's lower-level DSL) for one architecture: today FlashAttention-3's Hopper
-forward (fa3.py). Each module here says when it applies; everything else runs the portable Triton kernels."""
+forward and backward (fa3.py) and a paged decode (paged.py). Each module here says when it applies and
+kernels/dispatch.py asks it; everything else runs the portable Triton kernels."""

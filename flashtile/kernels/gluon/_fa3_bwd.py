@@ -17,8 +17,8 @@ of the kv head's group, GQA) through a ring of STAGES shared-memory buffers:
   (mbarrier `ds_ready` says both are stored, `ds_free` that both products read a buffer), warpgroup w computes
   its half of dQ_i (columns [w d/2, +d/2) at Br 64, rows [64 w, +64) at Br 128) and adds it to the float32 dQ
   accumulator with one TMA reduce-add.
-dK_j = scale * dK_w and dV_j are written once, after the loop (by TMA, staged in the free Q_i / dO_i buffers while
-the last dQ product runs; or from registers where fa3.bwd_dkv_tma says so, at no length today). With PINGPONG
+dK_j = scale * dK_w and dV_j are written once, after the loop, by TMA (staged in the free Q_i / dO_i buffers while
+the last dQ product runs). With PINGPONG
 (fa3.BWD_PINGPONG) the consumer warpgroups take turns issuing their GEMMs, two turns per step (S and dP; dV, dK and
 dQ_{t-1}), as the forward's ping-pong. Registers: dK_w, dV_w, S and dP are 192 of the consumers' 240 per thread at
 d128, so the loop keeps nothing else of that size (ptxas spills a few scalars).
@@ -32,7 +32,7 @@ from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-from ..triton.mods import LOG2E as _LOG2E
+from ..params import LOG2E as _LOG2E
 from ._fa3_fwd import _pass_turn, _turn, tma_load, tma_store
 
 LOG2E = gl.constexpr(_LOG2E)
@@ -215,13 +215,11 @@ def _step(t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs, p_
 @gluon.jit
 def _consumer_partition(wg: gl.constexpr, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar,
                         qdo_ready, qdo_empty, ds_ready, ds_free, turns, dq_desc, lse_ptr, delta_ptr, stride_lse_b,
-                        stride_lse_h, dk_out, dv_out, stride_dk_row, stride_dv_row, kv_row, kv_col, b, kv_start,
-                        q_row0, n_iters, n_i, i_start, hk, group, sm_scale, qk_scale,
-                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                        CAUSAL: gl.constexpr, DKV_TMA: gl.constexpr, PINGPONG: gl.constexpr):
+                        stride_lse_h, dk_desc, dv_desc, kv_row, kv_col, b, kv_start, q_row0, n_iters, n_i, i_start,
+                        hk, group, sm_scale, qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
     """Consumer warpgroup `wg`: key rows [wg * 64, wg * 64 + 64) of the program's block through every query block
     (per query head of the group), then its rows of dK_j, dV_j (Algorithm 2 line 22)."""
-    dtype: gl.constexpr = q_bufs.dtype
     WG_N: gl.constexpr = BLOCK_N // 2          # key rows of this warpgroup
     DQ_M: gl.constexpr = dq_desc.block_type.shape[0]   # this warpgroup's dQ tile (_dq_product)
     DQ_N: gl.constexpr = dq_desc.block_type.shape[1]
@@ -251,20 +249,11 @@ def _consumer_partition(wg: gl.constexpr, k_smem, v_smem, q_bufs, do_bufs, p_buf
             CAUSAL, PINGPONG)
     # the last query block's dQ, issued first: by TMA, dK_j and dV_j (line 22) are staged and stored while it runs
     dq_tok = _dq_product(ds_bufs, ds_ready, k_smem, dq_init, n_iters - 1, wg, WG_N, BLOCK_M)
-    if DKV_TMA:
-        _store_dkv_tma(dk, dv, dk_out, dv_out, q_bufs, do_bufs, qdo_empty, kv_row + wg * WG_N, kv_col, n_iters,
-                       sm_scale, wg, BLOCK_M, STAGES)
+    _store_dkv_tma(dk, dv, dk_desc, dv_desc, q_bufs, do_bufs, qdo_empty, kv_row + wg * WG_N, kv_col, n_iters,
+                   sm_scale, wg, BLOCK_M, STAGES)
     dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, ))
     _dq_reduce_add(dq_desc, dq_smem, dq * sm_scale, dq_row, dq_col)
     tma.store_wait(pendings=0)
-
-    # line 22 without TMA: dK_j (scaled: S = scale Q K^T) and dV_j from registers
-    if not DKV_TMA:
-        rows = kv_start + wg * WG_N + gl.arange(0, WG_N, layout=gl.SliceLayout(1, kv_layout))
-        cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, kv_layout))
-        gl.store(dk_out + gl.expand_dims(rows * stride_dk_row, 1) + gl.expand_dims(cols, 0),
-                 (dk * sm_scale).to(dtype))
-        gl.store(dv_out + gl.expand_dims(rows * stride_dv_row, 1) + gl.expand_dims(cols, 0), dv.to(dtype))
 
 
 @gluon.jit
@@ -292,17 +281,15 @@ def _store_dkv_tma(dk, dv, dk_desc, dv_desc, q_bufs, do_bufs, qdo_empty, row, co
 
 
 @gluon.jit
-def fa3_bwd_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr, dk_out, dv_out, stride_lse_b,
-                   stride_lse_h, stride_dk_b, stride_dk_row, stride_dk_h, stride_dv_b, stride_dv_row, stride_dv_h,
-                   seqlen_q, seqlen_k, nheads_k, group, sm_scale, qk_scale,
+def fa3_bwd_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr, dk_desc, dv_desc, stride_lse_b,
+                   stride_lse_h, seqlen_q, seqlen_k, nheads_k, group, sm_scale, qk_scale,
                    HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                   CAUSAL: gl.constexpr, DKV_TMA: gl.constexpr, P_LAYOUT: gl.constexpr, PINGPONG: gl.constexpr,
-                   num_warps: gl.constexpr):
+                   CAUSAL: gl.constexpr, P_LAYOUT: gl.constexpr, PINGPONG: gl.constexpr, num_warps: gl.constexpr):
     """Grid (seqlen_k / BLOCK_N, batch * nheads_k); BLOCK_N = 2 x 64 key rows (one 64-row half per consumer
     warpgroup, num_warps = 4), BLOCK_M query rows per step. k/v descriptors: 2-D views (batch * seqlen_k,
     nheads_k * HEAD_D), blocks (BLOCK_N, HEAD_D); q/dO: (batch * seqlen_q, nheads * HEAD_D), blocks
-    (BLOCK_M, HEAD_D); dk_out / dv_out: with DKV_TMA descriptors over dK, dV as k/v's, blocks (BLOCK_N / 2,
-    HEAD_D), else pointers to dK, dV with the strides given (fa3.BWD_DKV_TMA); dq_desc: the float32 accumulator
+    (BLOCK_M, HEAD_D); dk_desc / dv_desc: descriptors over dK, dV as k/v's, blocks (BLOCK_N / 2, HEAD_D) (one
+    consumer warpgroup's rows); dq_desc: the float32 accumulator
     (zero-filled) in q's layout, blocks fa3.bwd_dq_tile: (64, HEAD_D) when BLOCK_M = 128 (each warpgroup adds half
     the rows of dQ_i), else (BLOCK_M, HEAD_D / 2) (half the columns).
     lse, delta: (batch, nheads, seqlen_q) fp32 with the same strides. P_LAYOUT: the shared layout of a
@@ -310,16 +297,13 @@ def fa3_bwd_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr,
     seqlen_k % BLOCK_N == 0 (the host checks); causal only with seqlen_q == seqlen_k."""
     dtype: gl.constexpr = q_desc.dtype
     # one head's key blocks after another: they share the head's Q_i, dO_i in L2 (every head's first block, then
-    # every head's second... measured 10-30% slower)
+    # every head's second... measured slower)
     pid_n = gl.program_id(0)
     bh = gl.program_id(1)
     b = bh // nheads_k
     hk = bh % nheads_k
     kv_start = pid_n * BLOCK_N
     kv_row = b * seqlen_k + kv_start
-    if not DKV_TMA:   # pointers to this (batch, kv head)'s dK, dV
-        dk_out = dk_out + b * stride_dk_b + hk * stride_dk_h
-        dv_out = dv_out + b * stride_dv_b + hk * stride_dv_h
     q_row0 = b * seqlen_q
     n_qblocks = seqlen_q // BLOCK_M
     i_start = 0
@@ -353,14 +337,14 @@ def fa3_bwd_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr,
     gl.warp_specialize([
         (_consumer_partition, (0, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, qdo_ready,
                                qdo_empty, ds_ready, ds_free, turns, dq_desc, lse_ptr, delta_ptr, stride_lse_b,
-                               stride_lse_h, dk_out, dv_out, stride_dk_row, stride_dv_row, kv_row, hk * HEAD_D, b,
-                               kv_start, q_row0, n_iters, n_i, i_start, hk, group, sm_scale, qk_scale, BLOCK_M,
-                               BLOCK_N, HEAD_D, STAGES, CAUSAL, DKV_TMA, PINGPONG)),
+                               stride_lse_h, dk_desc, dv_desc, kv_row, hk * HEAD_D, b, kv_start, q_row0, n_iters,
+                               n_i, i_start, hk, group, sm_scale, qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL,
+                               PINGPONG)),
         (_consumer_partition, (1, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, qdo_ready,
                                qdo_empty, ds_ready, ds_free, turns, dq_desc, lse_ptr, delta_ptr, stride_lse_b,
-                               stride_lse_h, dk_out, dv_out, stride_dk_row, stride_dv_row, kv_row, hk * HEAD_D, b,
-                               kv_start, q_row0, n_iters, n_i, i_start, hk, group, sm_scale, qk_scale, BLOCK_M,
-                               BLOCK_N, HEAD_D, STAGES, CAUSAL, DKV_TMA, PINGPONG)),
+                               stride_lse_h, dk_desc, dv_desc, kv_row, hk * HEAD_D, b, kv_start, q_row0, n_iters,
+                               n_i, i_start, hk, group, sm_scale, qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL,
+                               PINGPONG)),
         (_load_partition, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, qdo_ready,
                            qdo_empty, kv_row, hk * HEAD_D, q_row0, n_iters, n_i, i_start, hk, group, BLOCK_M,
                            HEAD_D, STAGES)),

@@ -27,10 +27,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-from ..triton import fp8 as _fp8
-from ..triton.combine import LN2
+from .. import params
 
-LOG2_E4M3_MAX = gl.constexpr(_fp8.LOG2_E4M3_MAX)   # log2(448), e4m3's largest finite value
+LN2 = gl.constexpr(params.LN2)
+LOG2_E4M3_MAX = gl.constexpr(params.LOG2_E4M3_MAX)   # log2(448), e4m3's largest finite value
 # TMA copies: Triton 3.6 (the GPU image's) names them async_copy_global_to_shared / async_copy_shared_to_global;
 # later releases async_load / async_store and drop the old store name
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared

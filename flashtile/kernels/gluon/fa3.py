@@ -59,17 +59,9 @@ FP8_PINGPONG = {64: (False, False), 128: (False, False), 256: (True, False)}
 # head_dim -> (Br, Bc, stages) of the backward: a program owns Bc = 2 x 64 keys (one half per consumer
 # warpgroup, dK / dV in registers) and streams Br query rows per step through `stages` (Q_i, dO_i) buffers
 BWD_CONFIGS = {64: (128, 128, 2), 128: (64, 128, 2)}
-# causal -> the longest seqlen_q at which the backward writes dK_j, dV_j by TMA from shared memory (longer: 4-byte
-# stores from registers); every length today (same-run A/Bs on an H200: `git log -S BWD_DKV_TMA`)
-BWD_DKV_TMA = {False: 1 << 62, True: 1 << 62}
 # (head_dim, causal) -> whether the backward's consumer warpgroups take turns issuing their GEMMs (S, dP; then dV,
 # dK, dQ), as the forward's ping-pong (same-run A/Bs on an H200: `git log -S BWD_PINGPONG`)
 BWD_PINGPONG = {(64, True): True}
-
-
-def bwd_dkv_tma(seqlen_q: int, causal: bool) -> bool:
-    """Whether the backward writes dK_j, dV_j by TMA (BWD_DKV_TMA) at this query length."""
-    return seqlen_q <= BWD_DKV_TMA[causal]
 
 
 _off = 0   # > 0 inside disabled()
@@ -328,16 +320,15 @@ _BWD_TEMPLATES: dict = {}
 
 class _BwdTemplate(_FwdTemplate):
     """_FwdTemplate's counterpart for the backward: the bound kernel, its launch options, and the fields of the
-    k, v, q, dO, dQ-accumulator descriptors (and of dK, dV's when they are stored by TMA)."""
+    k, v, q, dO, dQ-accumulator, dK and dV descriptors."""
     __slots__ = ()
 
-    def launch(self, grid, tensors, lse, delta, dk, dv) -> bool:
+    def launch(self, grid, tensors, lse, delta) -> bool:
         descs = [d(t) for d, t in zip(self.descs, tensors)]
         if None in descs:
             return False
-        dkv = descs[5:] or [dk, dv]
         # (descriptors from the bound ones' fields over tensors of the key's dtype: their keys are the bound ones)
-        return self.bound(grid, (*descs[:5], lse, delta, *dkv), trusted=5)
+        return self.bound(grid, (*descs[:5], lse, delta, *descs[5:]), trusted=5)
 
 
 def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None) -> None:
@@ -356,45 +347,41 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None) -> None:
     if dq_acc is None:
         dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     dq_tile = bwd_dq_tile(block_m, head_dim)
-    dkv_tma = bwd_dkv_tma(sq, causal)
     grid = (sk // block_n, batch * nheads_k, 1)
-    kwargs = dict(HEAD_D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, DKV_TMA=dkv_tma,
+    kwargs = dict(HEAD_D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
                   P_LAYOUT=_smem_layout(block_m, block_n // 2, q.dtype),
                   PINGPONG=BWD_PINGPONG.get((head_dim, causal), False), num_warps=4, maxnreg=MAXNREG)
     key = (q.shape, k.shape, v.shape, q.dtype, q.device, lse.stride(), dk.stride(), dv.stride(), params.softmax_scale,
            causal, dq_tile)
     tpl = _BWD_TEMPLATES.get(key)
-    if tpl is not None and tpl.kwargs == kwargs and tpl.launch(grid, (k, v, q, dout, dq_acc, dk, dv), lse, delta,
-                                                               dk, dv):
+    if tpl is not None and tpl.kwargs == kwargs and tpl.launch(grid, (k, v, q, dout, dq_acc, dk, dv), lse, delta):
         dq.copy_(dq_acc)
         return
 
     def desc(t, rows, cols):
         return _desc(TensorDescriptor, t, rows, cols, t.dtype)
 
-    dk_out, dv_out = dk, dv
-    if dkv_tma:   # through a (batch * seqlen_k, nheads_k * d) view of dk / dv where their strides allow one (e.g.
-        # slices of a packed gradient), else through a contiguous buffer copied into them
-        dkv = []
-        for g in (dk, dv):
+    # dK, dV by TMA: through a (batch * seqlen_k, nheads_k * d) view of dk / dv where their strides allow one (e.g.
+    # slices of a packed gradient), else through a contiguous buffer copied into them
+    dkv = []
+    for g in (dk, dv):
+        g_desc = desc(g, block_n // 2, head_dim)
+        if g_desc is None:
+            g = torch.empty(g.shape, dtype=g.dtype, device=g.device)
             g_desc = desc(g, block_n // 2, head_dim)
-            if g_desc is None:
-                g = torch.empty(g.shape, dtype=g.dtype, device=g.device)
-                g_desc = desc(g, block_n // 2, head_dim)
-            dkv.append((g, g_desc))
-        (dk_out, dk_desc), (dv_out, dv_desc) = dkv
+        dkv.append((g, g_desc))
+    (dk_out, dk_desc), (dv_out, dv_desc) = dkv
 
     descs = (desc(k, block_n, head_dim), desc(v, block_n, head_dim), desc(q, block_m, head_dim),
              desc(dout, block_m, head_dim), desc(dq_acc, *dq_tile))
-    args = (*descs, lse, delta, *((dk_desc, dv_desc) if dkv_tma else (dk, dv)), lse.stride(0), lse.stride(1),
-            dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+    args = (*descs, lse, delta, dk_desc, dv_desc, lse.stride(0), lse.stride(1),
             sq, sk, nheads_k, nheads // nheads_k, params.softmax_scale, params.softmax_scale * LOG2E)
     relaunch.launch(kern.fa3_bwd_kernel, grid[:2], args, kwargs)
     if dk_out is dk and dv_out is dv:   # (not through copies: their descriptors are over per-call buffers)
         bound = relaunch.bind(kern.fa3_bwd_kernel, args, kwargs, _BWD_LIVE)
         if bound is not None:
             relaunch.remember(_BWD_TEMPLATES, key, _BwdTemplate(bound, kwargs, TensorDescriptor, [
-                descriptor_fields(d) for d in (*descs, *((dk_desc, dv_desc) if dkv_tma else ()))]))
+                descriptor_fields(d) for d in (*descs, dk_desc, dv_desc)]))
     dq.copy_(dq_acc)
     for out, grad in ((dk_out, dk), (dv_out, dv)):
         if out is not grad:
@@ -435,8 +422,8 @@ class BackwardPlan:
     __slots__ = ("key", "grid", "tpl", "cfg")
 
     def __init__(self, q, k, v, lse, dk, dv, softmax_scale: float, causal: bool):
-        batch, sq, nheads, head_dim = q.shape
-        self.cfg = (BWD_CONFIGS[head_dim], bwd_dkv_tma(sq, causal), BWD_PINGPONG.get((head_dim, causal), False))
+        batch, head_dim = q.shape[0], q.shape[-1]
+        self.cfg = (BWD_CONFIGS[head_dim], BWD_PINGPONG.get((head_dim, causal), False))
         block_m, block_n, _ = self.cfg[0]
         self.grid = (k.shape[1] // block_n, batch * k.shape[2], 1)
         self.key = (q.shape, k.shape, v.shape, q.dtype, q.device, lse.stride(), dk.stride(), dv.stride(),
@@ -446,10 +433,9 @@ class BackwardPlan:
     def __call__(self, dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc) -> None:
         """dq_acc: zeroed, float32, q's shape, contiguous; dq is filled from it here. dout contiguous and aligned."""
         tpl, causal = self.tpl, self.key[9]
-        head_dim, sq = q.shape[-1], q.shape[1]
-        if (tpl is not None and self.cfg == (BWD_CONFIGS[head_dim], bwd_dkv_tma(sq, causal),
-                                             BWD_PINGPONG.get((head_dim, causal), False))
-                and tpl.launch(self.grid, (k, v, q, dout, dq_acc, dk, dv), lse, delta, dk, dv)):
+        head_dim = q.shape[-1]
+        if (tpl is not None and self.cfg == (BWD_CONFIGS[head_dim], BWD_PINGPONG.get((head_dim, causal), False))
+                and tpl.launch(self.grid, (k, v, q, dout, dq_acc, dk, dv), lse, delta)):
             dq.copy_(dq_acc)
             return
         bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc)

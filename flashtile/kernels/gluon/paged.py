@@ -1,7 +1,7 @@
 """Host side of the Gluon paged decode (_decode.paged_decode_kernel): which decode calls it takes, and its launch.
 
-triton/decode.flash_decode hands a call here first (decode_paged); everything this kernel does not cover goes on
-to the Triton decode kernel, which covers every case.
+kernels/dispatch.flash_decode hands a paged call here first (decode_paged); everything this kernel does not cover
+goes on to the Triton decode kernel (triton/decode.py), which covers every case.
 """
 from __future__ import annotations
 
@@ -53,13 +53,15 @@ def eligible(q: torch.Tensor, k_cache: torch.Tensor, page_size: int, rows: int, 
 
 
 def decode_paged(q, k_cache, v_cache, out, lse, seqlens_k: Optional[torch.Tensor], seqlen_k_static: int,
-                 block_table, params, num_splits: int, splits_for, tickets, fuse: bool, sig=None) -> Optional[int]:
+                 block_table, params, num_splits: int, splits_for, tickets, fuse: bool, combine,
+                 sig=None) -> Optional[int]:
     """out, lse of the paged decode by the Gluon kernel; the split count used, or None where the kernel does not
     take the call (the caller runs the Triton kernel). splits_for(block_n): the caller's split rule (num_splits
     <= 0: automatic) for tiles of block_n keys; tickets(n): n zeroed int32 ticket counters for this stream
-    (decode.tickets); fuse: whether splits merge in the launch (decode.gluon_fuse_combine) rather than by
-    combine.py's kernel. sig: the caller's argument signature (kvcache's token), which with the split count
-    determines every launch argument but the live ones: a repeated signature reuses its launch template."""
+    (runtime.tickets); fuse: whether splits merge in the launch (dispatch.gluon_fuse_combine) rather than by
+    combine(o_part, lse_part, out, lse, seqlen_rows=...), the caller's merge of split partials (combine.py's
+    kernel). sig: the caller's argument signature (kvcache's token), which with the split count determines every
+    launch argument but the live ones: a repeated signature reuses its launch template."""
     if not (fa3.enabled() and _on_gpu(q)):
         return None
     kern = _kernel(fa3._device_index(q))
@@ -96,8 +98,7 @@ def decode_paged(q, k_cache, v_cache, out, lse, seqlens_k: Optional[torch.Tensor
     grid = (batch * nheads_k, n)
     relaunch.launch(mod.paged_decode_kernel, grid, args, kwargs)
     if split and not fused:
-        from ..triton import combine
-        combine.combine_splits(o_part, lse_part, out, lse, seqlen_rows=sq)
+        combine(o_part, lse_part, out, lse, seqlen_rows=sq)
     elif key is not None:   # (a separate combine launch is not templated)
         bound = relaunch.bind(mod.paged_decode_kernel, args, kwargs, LIVE)
         if bound is not None:

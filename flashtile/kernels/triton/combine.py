@@ -12,12 +12,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import relaunch
+from .. import params, relaunch
 from ..runtime import next_pow2
 from .mods import online_softmax_step, to_dtype
 
 
-LN2 = tl.constexpr(0.6931471805599453)
+LN2 = tl.constexpr(params.LN2)
 
 
 @triton.jit

@@ -52,9 +52,9 @@ import triton.language as tl
 
 from .. import relaunch
 from ..runtime import _capturing, _device_props, multiprocessors, tickets  # noqa: F401
-from ..gluon import paged as _gluon_paged
 from . import combine as _combine
-from .launch import (AttnParams, _block_d, _dot_precision, _rows, cdiv, descriptor_fields, descriptor_from,
+from . import configs
+from .launch import (AttnParams, _dot_precision, _rows, cdiv, descriptor_fields, descriptor_from,
                      interpreting, next_pow2, row_descriptor)
 from .mods import key_range, load_rows, mma, online_softmax_step, present, scores_log2, seq_bounds, to_dtype, visible
 
@@ -375,18 +375,12 @@ CONFIG_OVERRIDE: dict = {}
 _CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(DecodeConfig))
 
 MAX_SPLITS = 128
-# The most splits the fused combine merges. The last split of a tile merges all its rows' partials alone, one
-# step after another, while the separate kernel spreads them over a program per row and head but costs a
-# launch: H200, bf16 d128, nheads 32 / 8, graph replay (BENCHMARKS.md §4, ninth session), batch 8 with 4
-# splits 48.0 fused vs 49.5 us separate at a 4k cache (cuDNN 48.8), 257.4 vs 258.8 at 32k; batch 1 with 32-33
-# splits of 64-key tiles 51.2 vs 49.7 at 32k and 146.1 vs 140.4 at 128k. With FEW_TILES_CONFIG's 16 splits
-# of 128-key tiles at batch 1 (nineteenth session, best of 3): fused 48.4 vs 49.1 at 32k, 137.6 vs 138.5 at 128k,
-# paged 49.2 vs 50.1, 138.1 vs 138.7 (cuDNN 49.0 / 138.2)
+# The most splits the fused combine merges: the last split of a tile merges all its rows' partials alone, step after
+# step, where combine.py's kernel spreads them over a program per row and head but costs a launch (same-run A/Bs on
+# an H200: `git log -S FUSED_MAX_SPLITS`)
 FUSED_MAX_SPLITS = 16
-# ... except in eager calls (no CUDA graph being captured) that read at most EAGER_FUSED_BYTES of K/V: such a call
-# is bound by host time (~100 us of Python and launches per call against 16-50 us of GPU time at batch 1 with a
-# 4k-32k cache, BENCHMARKS.md §4), to which the separate kernel's launch adds ~20 us, while merging 16-33 splits in
-# the decode launch costs ~1.5 us of GPU time. Larger reads (batch 1 at 128k: 140 us of GPU time) keep the rule.
+# ... except in eager calls (no CUDA graph being captured) reading at most EAGER_FUSED_BYTES of K/V: they are bound by
+# host time, which a second launch adds to (same-run A/Bs on an H200: `git log -S EAGER_FUSED_BYTES`)
 EAGER_FUSED_BYTES = 256 << 20
 # num_splits_heuristic's knobs (see its docstring)
 TARGET_WAVES = 2.0            # aim for >= this many programs per multiprocessor ...
@@ -394,9 +388,7 @@ WAVE_SLACK = 0.9              # ... give or take this factor
 MIN_BLOCKS_PER_SPLIT = 4      # never fewer key blocks per split than this
 # Problems of few tiles (batch x K/V heads x row blocks at most an eighth of the SMs: batch 1-2 of a GQA model):
 # one wave of longer splits (FEW_TILES_WAVES instead of TARGET_WAVES) on (BLOCK_N, num_warps, num_stages) =
-# FEW_TILES_CONFIG tiles through TMA. Same-run A/B on an H200 (bf16 d128, nheads 32 / 8, graph replay, best of 5,
-# BENCHMARKS.md §4 nineteenth session): against two waves of 64-key tiles, 0.951-0.996x the time at batch 1 and 2,
-# caches 4k-128k, contiguous and paged (b1 4k 16.5 -> 15.7 us, 128k 137.8 -> 135.4; cuDNN 16.5 / 136.1)
+# FEW_TILES_CONFIG tiles through TMA (same-run A/Bs on an H200: `git log -S FEW_TILES_CONFIG`)
 FEW_TILES_WAVES = 1.0
 FEW_TILES_CONFIG = (128, 4, 3)
 # Paged caches whose pages hold fewer keys than the 128-key tile (pages of 16 / 32 / 64): pages below
@@ -404,21 +396,14 @@ FEW_TILES_CONFIG = (128, 4, 3)
 # has at least GATHER_MIN_TILES such tiles; other small pages (and short splits) shrink the tile to one page. Either
 # way with SMALL_PAGE_STAGES stages and splits for TARGET_WAVES waves, also where few tiles would take one wave:
 # both tiles are latency-bound (a dependent block-table read per tile or row, or a short copy) and run best with
-# two waves of programs in flight. H200, bf16 d128, nheads 32 / 8, graph replay, best of 3 (BENCHMARKS.md §4,
-# twentieth session), us, this rule / the nineteenth session's (one wave and 2 stages where few tiles, else 2
-# stages): page 16 b1 32k 56.0 / 74.7, 128k 157.5 / 247.6, b2 32k 88.9 / 138.7, b8 32k 293.8 / 296.7, b1 4k (one
-# page per tile) 19.0 / 22.1; page 32 b1 128k 146.1 / 227.3, b8 32k 276.5 / 400.2, b64 32k 1953 / 2072; page 64 b64
-# 32k 1946 / 2413. 4 stages: 0.98-1.01x at page 16 / 32 for batch <= 8, 1.06-1.3x slower at batch 64 and page 64
+# two waves of programs in flight (same-run A/Bs on an H200: `git log -S SMALL_PAGE_STAGES`)
 SMALL_PAGE_TILES = 32
 GATHER_MIN_TILES = 8
 SMALL_PAGE_STAGES = 3
 # One-page-per-tile splits of tiles of at least PAGE_VEC_MIN_BLOCK_N keys reading at most PAGE_VEC_MAX block-table
 # entries load them all before the key loop (decode_kernel's PAGE_VEC) instead of each tile's one tile ahead (0:
-# off). H200, bf16 d128, graph replay, best of 5 (BENCHMARKS.md §4, twentieth session), before the loop / one ahead,
-# us: page 256 b1 4k (4 entries) 16.0 / 16.6 (cuDNN 16.5), 32k (16) 48.7 / 49.0 (48.9), b2 32k (32) 78.2 / 78.9,
-# b64 4k (32) 250.9 / 252.0; page 64 b8 4k 48.6 / 49.3. Not taken: 64 entries (b1 128k 136.5 / 136.3, page 64
-# 139.3 / 139.0: picking the entry out of the vector costs each tile more) and 32-key tiles (page 32 b1 4k 17.9 /
-# 17.6, 32k 52.2 / 51.5)
+# off); with more entries, picking one out of the vector costs each tile more (same-run A/Bs on an H200:
+# `git log -S PAGE_VEC_MAX`)
 PAGE_VEC_MAX = 32
 PAGE_VEC_MIN_BLOCK_N = 64
 
@@ -436,14 +421,10 @@ def default_decode_config(rows: int, head_dim: int, dtype: torch.dtype, few_tile
     block_m = _block_m(rows)
     if interpreting():
         return DecodeConfig(min(block_m, 16), 16, 4, 1)
-    bd = _block_d(head_dim)
+    bd = configs.block_d(head_dim)
     if bd <= 128 and dtype != torch.float32:
-        # benchmarks/sweep_decode.py on an H200 (bf16, hd128, batch 1-64, cache 4k-128k, contiguous and page
-        # 256): 128-key tiles through TMA, 2 stages, were within 2% of each point's best tile on average (0.5%
-        # paged) and 13-30% faster than the former 64/4/3 at batch 64 (results/h200-2026-11-21/sweep_decode.md).
-        # Few tiles (batch 1-2): one wave of splits over 128-key tiles with 3 stages (FEW_TILES_CONFIG, with
-        # FEW_TILES_WAVES in the split rule) beat the earlier 64-key tiles over two waves at every cache
-        # (nineteenth session, BENCHMARKS.md §4).
+        # 128-key tiles through TMA, 2 stages: the best of benchmarks/sweep_decode.py's tile grid over its
+        # points; problems of few tiles take FEW_TILES_CONFIG (with FEW_TILES_WAVES in the split rule)
         if few_tiles:
             return DecodeConfig(block_m, *FEW_TILES_CONFIG, use_tma=True)
         return DecodeConfig(block_m, 128, 4, 2, use_tma=True)
@@ -532,8 +513,7 @@ def plan_decode(seqlen_q: int, nheads: int, nheads_k: int, head_dim: int, dtype:
                 max_seqlen_k: int, device: torch.device, *, page_size: int = 0, num_splits: int = 0) -> DecodePlan:
     """The config, split count (num_splits <= 0: CONFIG_OVERRIDE["num_splits"] or num_splits_heuristic) and
     paged path flash_decode uses. page_size 0: contiguous cache. Memoised per problem while CONFIG_OVERRIDE is
-    empty (planning took ~17 us of host time per decode call on the H200 machine, BENCHMARKS.md section 1c) and the
-    device names its index (a bare "cuda" means whichever device is current: its SM count is read per call)."""
+    empty (planning costs host time on every decode call) and the device names its index (a bare "cuda" means whichever device is current: its SM count is read per call)."""
     args = (seqlen_q, nheads, nheads_k, head_dim, dtype, batch, max_seqlen_k, device, page_size, num_splits)
     if CONFIG_OVERRIDE or (device.type == "cuda" and device.index is None):
         return _plan(*args)
@@ -607,24 +587,6 @@ def fuse_combine(num_splits: int, kv_bytes: int, device: torch.device) -> bool:
     return num_splits <= FUSED_MAX_SPLITS or (kv_bytes <= EAGER_FUSED_BYTES and not _capturing(device))
 
 
-# CONFIG_OVERRIDE keys the Gluon paged decode honours (num_splits, fused_combine) or that do not concern it
-# (combine_chunk); any other pins the Triton kernel's launch, which then takes the call
-_GLUON_OVERRIDES = {"num_splits", "fused_combine", "combine_chunk"}
-
-
-def gluon_fuse_combine(kv_bytes: int, device: torch.device) -> bool:
-    """Whether the Gluon paged decode's splits merge in its launch (the last split to finish merges, serially at
-    the launch's tail) rather than by combine.py's kernel: CONFIG_OVERRIDE["fused_combine"] if set, else only in
-    eager calls reading at most EAGER_FUSED_BYTES, which are bound by host time (one launch instead of two). H200,
-    bf16 d128, nheads 32 / 8, graph replay (BENCHMARKS.md §4, twenty-second session), us, pages of 16 / 32, fused
-    / separate: b1 4k 17.4 / 16.3, 17.0 / 16.1; b8 4k 52.1 / 50.8, 51.7 / 50.5; b8 32k 267.2 / 267.1, 264.2 /
-    265.3; b64 4k 260.6 / 260.9; eager b1 4k 95.1 us with the fused combine and the launch template against 169.2
-    with two launches."""
-    if "fused_combine" in CONFIG_OVERRIDE:
-        return bool(CONFIG_OVERRIDE["fused_combine"])
-    return kv_bytes <= EAGER_FUSED_BYTES and not _capturing(device)
-
-
 def _combine_shape(rows: int, num_splits: int, block_d: int):
     """(COMBINE_RG, COMBINE_CHUNK) of the fused combine: the separate kernel's splits per step, and as many of the
     tile's `rows` per step as combine.CHUNK_ELEMS allows."""
@@ -657,14 +619,32 @@ _TEMPLATE_LIVE = 16
 _TEMPLATES: dict = {}
 
 
-# (caller's signature, CUDA graph capture under way) -> (Gluon route, key of the template that served the signature
-# in its route's memo, split count): a decode step repeating a signature skips the plan, the route and the key
+# (caller's signature, CUDA graph capture under way) -> (key of the template that served the signature, split
+# count): a decode step repeating a signature skips the plan and the key
 _FAST: dict = {}
 
 
-def _remember_fast(sig, device, gluon: bool, key, num_splits: int) -> None:
+def _remember_fast(sig, device, key, num_splits: int) -> None:
     if sig is not None:
-        relaunch.remember(_FAST, (sig, _capturing(device)), (gluon, key, num_splits))
+        relaunch.remember(_FAST, (sig, _capturing(device)), (key, num_splits))
+
+
+def relaunch_decode(sig, q, k_cache, v_cache, out, lse, seqlens_k, cu_seqlens_q=None, cache_batch_idx=None,
+                    leftpad=None, block_table=None, alibi=None) -> int:
+    """The split count of a launch through the template that served signature sig before (flash_decode's
+    arguments); 0 (nothing launched) where none did, CONFIG_OVERRIDE pins a launch, or the template does not take
+    these tensors."""
+    if sig is None or CONFIG_OVERRIDE:
+        return 0
+    fast = _FAST.get((sig, _capturing(q.device)))
+    if fast is None:
+        return 0
+    key, n = fast
+    tpl = _TEMPLATES.get(key)
+    if tpl is not None and tpl.launch(q, k_cache, v_cache, out, lse, seqlens_k, cu_seqlens_q, cache_batch_idx,
+                                      leftpad, block_table, alibi):
+        return n
+    return 0
 
 
 @dataclass(frozen=True)
@@ -672,7 +652,7 @@ class _Template:
     """How flash_decode launched a problem (its caller's signature) before: the compiled kernel bound to every
     argument but the tensors (relaunch.Bound), the grid, and how to make the per-call tensors. A decode step of a
     loop repeats one signature; the template spares it the launch's argument list, its key and the plan's
-    derivations (BENCHMARKS.md section 1c)."""
+    derivations (host time)."""
     bound: relaunch.Bound
     grid: tuple
     part_shape: Optional[tuple]   # o_part's shape of a split launch (lse_part's is its first three), else None
@@ -723,21 +703,11 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     every batch element (no tensor, no kernel to fill one). cache_batch_idx (batch,) int32: cache row of each batch element.
     Inputs are already validated. Returns the number of splits used.
     """
-    if sig is not None and not CONFIG_OVERRIDE:
-        # a signature launched before goes straight to the template that served it
-        fast = _FAST.get((sig, _capturing(q.device)))
-        if fast is not None:
-            gluon, key, n = fast
-            if gluon:
-                tpl = _gluon_paged.template(*key)
-                if tpl is not None and _gluon_paged.fa3.enabled() and tpl.launch(
-                        q, k_cache, v_cache, out, lse, block_table, seqlens_k, lambda m: tickets(q.device, m)):
-                    return n
-            else:
-                tpl = _TEMPLATES.get(key)
-                if tpl is not None and tpl.launch(q, k_cache, v_cache, out, lse, seqlens_k, cu_seqlens_q,
-                                                  cache_batch_idx, leftpad, block_table, alibi):
-                    return n
+    # a signature launched before goes straight to the template that served it
+    n = relaunch_decode(sig, q, k_cache, v_cache, out, lse, seqlens_k, cu_seqlens_q, cache_batch_idx, leftpad,
+                        block_table, alibi)
+    if n:
+        return n
     varlen = cu_seqlens_q is not None
     batch = cu_seqlens_q.numel() - 1 if varlen else q.shape[0]
     sq = int(max_seqlen_q) if varlen else q.shape[1]
@@ -753,20 +723,6 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if max_seqlen_k is None:
         max_seqlen_k = block_table.shape[1] * page_size if paged else k_cache.shape[1]
     kv_bytes = 2 * batch * max_seqlen_k * nheads_k * head_dim * k_cache.element_size()   # (the most K / V read)
-    if (paged and batch > 0 and total_rows > 0 and q.is_cuda and not CONFIG_OVERRIDE.keys() - _GLUON_OVERRIDES
-            and _gluon_paged.eligible(q, k_cache, page_size, sq * group, params, alibi=alibi, leftpad=leftpad,
-                                      cu_seqlens_q=cu_seqlens_q, cache_batch_idx=cache_batch_idx)):
-        # pages smaller than the key tile: the Gluon kernel reads a tile's pages as TMA boxes under one barrier
-        fuse = gluon_fuse_combine(kv_bytes, q.device)
-        n = _gluon_paged.decode_paged(
-            q, k_cache, v_cache, out, lse, seqlens_k, int(seqlens_add) if has_seqlens else int(seqlen_k_static),
-            block_table, params, num_splits, lambda block_n: int(CONFIG_OVERRIDE.get("num_splits", 0)) or
-            num_splits_heuristic(batch * nheads_k, max_seqlen_k, block_n, q.device),
-            lambda n: tickets(q.device, n), fuse, sig=sig)
-        if n is not None:
-            if not CONFIG_OVERRIDE:
-                _remember_fast(sig, q.device, True, (sig, n, n > 1 and fuse), n)
-            return n
     plan = plan_decode(sq, nheads, nheads_k, head_dim, q.dtype, batch, max_seqlen_k, q.device,
                        page_size=page_size, num_splits=num_splits)
     cfg, num_splits = plan.cfg, plan.num_splits
@@ -778,10 +734,10 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     tpl = _TEMPLATES.get(key) if key is not None else None
     if tpl is not None and tpl.launch(q, k_cache, v_cache, out, lse, seqlens_k, cu_seqlens_q, cache_batch_idx,
                                       leftpad, block_table, alibi):
-        _remember_fast(sig, q.device, False, key, num_splits)
+        _remember_fast(sig, q.device, key, num_splits)
         return num_splits
     score_scale, softcap_log2 = params.score_args()
-    block_d = _block_d(head_dim)
+    block_d = configs.block_d(head_dim)
     desc_k = desc_v = None
     if cfg.use_tma and (not paged or plan.page_tiles):
         desc_k = _cache_descriptor(k_cache, cfg.BLOCK_N, block_d)

@@ -8,10 +8,9 @@ quant_fp8_kernel: one program per GROUP blocks of BLOCK rows of one (batch, head
   H is applied one of two ways: fwht_rows, the fast Walsh-Hadamard transform (log2 d butterfly stages on the
   register tile, O(d log d) adds), or fwht_rows_mma, one tensor-core product with the +-1 matrix (O(d^2)
   multiply-adds, but on the tensor cores). Each butterfly stage regroups the tile's columns, which Triton does
-  through shared memory, so on an H200 the product is the faster (per tensor of 16k tokens x 2048, H200, one
-  block per program: d64 37 vs 88 us, d128 68 vs 116, d256 110 vs 133; no rotation 31-35 us); the launcher
-  takes it unless fp8.FWHT_MMA says otherwise. With GROUP blocks per program (fp8.quant_group) the matrix
-  is built once per program: Q, K and V^T of 16k tokens x 2048 in 129 us at d128 (was 238), 205 at d256 (335).
+  through shared memory, so on Hopper the product is the faster (benchmarks/sweep_fp8.py's quantizer breakdown
+  times both); the launcher takes it unless fp8.FWHT_MMA says otherwise. With GROUP blocks per program
+  (fp8.quant_group) the matrix is built once per program.
 attn_fwd_fp8_kernel: FA2's forward loop (fwd.py) on e4m3 tiles; the per-block scales enter as one scalar
   per S tile (folded into the softmax scale) and one per-row factor per V tile (folded into the rescale
   of the accumulator), so block quantization costs no extra work per element.
@@ -29,7 +28,6 @@ import triton.language as tl
 from .mods import key_range, mma, to_dtype, visible
 
 E4M3_MAX = 448.0
-LOG2_E4M3_MAX = 8.807354922057604    # log2(448): P~ = exp2(S - m + log2 448) fills e4m3's range
 AMAX_FLOOR = 9.5367431640625e-07     # 2^-20: an all-zero block still gets a finite scale
 
 

@@ -2,21 +2,23 @@
 
 Inputs are already validated by flashtile.interface. Two layouts are accepted for q/k/v/out:
 dense (batch, seqlen, nheads, headdim) and varlen/packed (total_tokens, nheads, headdim) with cu_seqlens.
+These launchers run the Triton kernels whatever the device; kernels/dispatch.py decides which problems go to the
+Gluon kernels instead.
 """
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import triton
 
 from .. import relaunch
-from ..gluon import fa3 as _fa3
 from . import bwd as _bwd
+from . import configs, tuning
 from . import fwd as _fwd
-from ..params import AttnParams  # noqa: F401  (the launchers' scalar arguments)
+from .configs import Config
+from ..params import AttnParams, SparseLists, UserMods  # noqa: F401  (the launchers' side arguments)
 from ..runtime import (DescriptorType, TensorDescriptor, cdiv, descriptor_fields, descriptor_from,  # noqa: F401
                        interpreting, next_pow2, row_descriptor, tma_row_view)
 
@@ -52,112 +54,35 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _block_d(head_dim: int) -> int:
-    return max(16, next_pow2(head_dim))
-
-
-@dataclass(frozen=True)
-class Config:
-    BLOCK_M: int
-    BLOCK_N: int
-    num_warps: int
-    num_stages: int
-    atomic_dq: bool = False   # backward only: dQ by fp32 atomics in the dK/dV kernel instead of a second pass
-    split_dkdv: bool = False  # backward only: dV and dK by two launches of the dK/dV kernel, one accumulator each
-    # backward only: (query rows, key rows, num_warps, num_stages) of the dQ pass; None: the dK/dV tiles swapped
-    # (BLOCK_N query rows streaming BLOCK_M key rows) with the same warps and stages
-    dq: Optional[tuple] = None
-    # backward with split_dkdv only: (key rows, num_warps, num_stages) of the dV launch; None: BLOCK_N, num_warps,
-    # num_stages as the dK launch. The dV launch keeps one accumulator and makes 2 products per step where the dK
-    # launch makes 3, so it may take longer key tiles (each Q_i, dO_i tile read serves more keys)
-    dv: Optional[tuple] = None
-
-    def __post_init__(self):
-        for name in ("dq", "dv"):   # JSON (the tuning cache) gives a list back
-            if getattr(self, name) is not None:
-                object.__setattr__(self, name, tuple(getattr(self, name)))
-
-    def dq_tiles(self, block_size: int = 0):
-        """(query rows, key rows, num_warps, num_stages) of the dQ pass, tiles clamped to a block mask's
-        block_size when given."""
-        rows_q, rows_k, warps, stages = self.dq or (self.BLOCK_N, self.BLOCK_M, self.num_warps, self.num_stages)
-        if block_size:
-            rows_q, rows_k = min(rows_q, block_size), min(rows_k, block_size)
-        return rows_q, rows_k, warps, stages
-
-
-# Benchmarks and tuning sweeps pin a config here ({"fwd": Config, "bwd": Config}); empty in normal use.
-CONFIG_OVERRIDE: dict = {}
-
-
 def _pinned_or_tuned(pass_: str, interpreter: Config, head_dim: int, dtype: torch.dtype, causal: bool,
                      seqlen: int) -> Optional[Config]:
-    """What overrides the hand-picked table, in order: a config pinned in CONFIG_OVERRIDE, the interpreter's small
-    tiles, a winner cached by tuning.py (only when seqlen > 0 is known). None: use the table."""
-    if pass_ in CONFIG_OVERRIDE:
-        return CONFIG_OVERRIDE[pass_]
+    """What overrides the hand-picked table, in order: a config pinned in configs.CONFIG_OVERRIDE, the interpreter's
+    small tiles, a winner cached by tuning.py (only when seqlen > 0 is known). None: use the table."""
+    if pass_ in configs.CONFIG_OVERRIDE:
+        return configs.CONFIG_OVERRIDE[pass_]
     if interpreting():
         return interpreter
     if seqlen > 0:
-        from . import tuning  # imported here: tuning imports this module
         return tuning.lookup(pass_, head_dim, dtype, causal, seqlen)
     return None
 
 
 def fwd_config(head_dim: int, dtype: torch.dtype, causal: bool, seqlen: int = 0) -> Config:
-    """Block shapes per head dim (Br = BLOCK_M, Bc = BLOCK_N), the best of benchmarks/sweep_configs.py on an
-    H200 (bf16, b2 n8192, 2026-11-21). Interpreter: small tiles so the CPU tests cross many tile edges.
-    seqlen = max(seqlen_q, seqlen_k) > 0: a winner cached by tuning.py for the key is used first."""
-    chosen = _pinned_or_tuned("fwd", Config(32, 16, 4, 1), head_dim, dtype, causal, seqlen)
-    if chosen is not None:
-        return chosen
-    bd = _block_d(head_dim)
-    if dtype == torch.float32:  # 4-byte tiles: half the rows
-        return Config(64, 64 if bd <= 64 else 32, 4, 2)
-    # re-swept after V moved next to K in the tile step (b2 n8192, H200; results/h200-2026-11-21b/sweep_fwd.log):
-    # causal d64 (64, 64, 4, 3) 433 vs 418 TFLOP/s, d256 (64, 64, 4, 3) 527 / 507 vs 526 / 481 for (128, 64, 8, 2)
-    if bd <= 64:
-        return Config(64, 64, 4, 3) if causal else Config(128, 64, 4, 3)
-    if bd <= 128:
-        return Config(128, 128, 8, 3)
-    return Config(64, 64, 4, 3)
+    """The forward's tiles: _pinned_or_tuned (a winner cached by tuning.py for the key where seqlen =
+    max(seqlen_q, seqlen_k) > 0), else configs.fwd_table."""
+    chosen = _pinned_or_tuned("fwd", configs.INTERPRETER_FWD, head_dim, dtype, causal, seqlen)
+    return configs.fwd_table(head_dim, dtype, causal) if chosen is None else chosen
 
 
 def bwd_config(head_dim: int, dtype: torch.dtype, causal: bool = False, seqlen: int = 0) -> Config:
-    """BLOCK_N: key rows a dK/dV program owns; BLOCK_M: query rows per inner step (swapped for the dQ pass unless
-    Config.dq gives the dQ pass its own tiles). Picked by `benchmarks/sweep_configs.py` (H200, b2 n8192 bf16):
-    the two-pass backward (no atomics: bitwise reproducible) wins everywhere except d64 causal, where dQ added
-    by TMA bulk reduce-adds inside the dK/dV kernel (5 products per tile instead of 7) is 1.16x faster; that one
-    is the only non-reproducible default, and `deterministic=True` turns it into the two-pass backward.
-    seqlen > 0: a winner cached by tuning.py comes first."""
-    chosen = _pinned_or_tuned("bwd", Config(16, 32, 4, 1), head_dim, dtype, causal, seqlen)
-    if chosen is not None:
-        return chosen
-    bd = _block_d(head_dim)
-    if dtype == torch.float32:
-        return Config(32, 64 if bd <= 64 else 32, 4, 1)
-    # 64 x 64 dK/dV tiles of 4 warps with the dQ pass on 128 x 64 tiles of 8 warps, 3 stages: d128 full / causal
-    # 426 / 348 TFLOP/s (64 x 128 tiles of 8 warps for both passes: 374 / 323), d64 full 359 (322); d64 causal
-    # 336 with atomic dQ (two-pass: 291)
-    if bd <= 64:
-        return Config(64, 64, 4, 3, atomic_dq=causal, dq=(128, 64, 8, 3))
-    if bd <= 128:
-        return Config(64, 64, 4, 2, dq=(128, 64, 8, 3))
-    # d256: dV and dK by two launches (one 256-wide accumulator each) measured 265 / 231 TFLOP/s (full / causal)
-    # against 176 / 179 for the best single launch (benchmarks/sweep_configs.py --heads 256 --modes bwd, H200);
-    # causal gains 4% more (242) from a dQ pass of 64 x 64 tiles, 4 warps. The dV launch on 128-key tiles of 8 warps,
-    # 2 stages (Config.dv; its K_j and two (Q_i, dO_i) stages fit where the dK launch's K_j, V_j allow one):
-    # full 266 -> 284 / 266 -> 287 / 246 -> 272 TFLOP/s at 2k / 8k / 16k, causal 205 -> 214 / 255 -> 270 /
-    # 271 -> 286; full attention then gains from a dQ pass streaming 32-key blocks through 3 stages: 285 / 299 / 287
-    # (same runs, H200, benchmarks/results/h200-2026-11-24/)
-    if causal:
-        return Config(64, 128, 8, 1, split_dkdv=True, dq=(64, 64, 4, 2), dv=(128, 8, 2))
-    return Config(64, 64, 4, 2, split_dkdv=True, dq=(64, 32, 4, 3), dv=(128, 8, 2))
+    """The backward's tiles: _pinned_or_tuned, else configs.bwd_table."""
+    chosen = _pinned_or_tuned("bwd", configs.INTERPRETER_BWD, head_dim, dtype, causal, seqlen)
+    return configs.bwd_table(head_dim, dtype, causal) if chosen is None else chosen
 
 
 def _flags(params: AttnParams, alibi, cu_q, head_dim, dtype):
     return dict(
-        BLOCK_D=_block_d(head_dim), IS_VARLEN=cu_q is not None,
+        BLOCK_D=configs.block_d(head_dim), IS_VARLEN=cu_q is not None,
         HAS_LEFT=params.has_left, HAS_RIGHT=params.has_right,
         SOFTCAP=params.softcap > 0, ALIBI=alibi is not None, DROPOUT=params.dropout_p > 0,
         DOT_PREC=_dot_precision(dtype),
@@ -178,70 +103,11 @@ def _common(q, k, params, alibi, cu_q, max_sq, max_sk):
     return batch, nheads, nheads_k, score_scale, softcap_log2, rng, alibi_stride_b
 
 
-@dataclass(frozen=True)
-class SparseLists:
-    """A block mask's tile lists (int32, contiguous; batch/head dimensions of size 1 broadcast):
-    kv_num/full_kv_num (B, H, n_q_blocks), kv_idx/full_kv_idx (B, H, n_q_blocks, n_kv_blocks): per query block,
-    the key blocks that are partial / full; q_* the transpose (per key block, its query blocks)."""
-    block_size: int
-    kv_num: torch.Tensor
-    kv_idx: torch.Tensor
-    full_kv_num: torch.Tensor
-    full_kv_idx: torch.Tensor
-    q_num: torch.Tensor
-    q_idx: torch.Tensor
-    full_q_num: torch.Tensor
-    full_q_idx: torch.Tensor
-
-
-@dataclass(frozen=True)
-class UserMods:
-    """flashtile.flex's modifiers, compiled into the kernels: @triton.jit functions (None: absent) and the
-    tuples of values they capture (tensors arrive in the kernels as pointers, ints / floats as scalars).
-    score_aux_grad: parallel to score_aux, a float32 zero buffer where the captured tensor wants a gradient
-    (score_captured_grad adds into it), the captured item itself elsewhere; backward only."""
-    score_mod: object = None
-    score_grad: object = None
-    score_captured_grad: object = None
-    score_aux: Optional[tuple] = None
-    mask_mod: object = None
-    mask_aux: Optional[tuple] = None
-    score_aux_grad: Optional[tuple] = None
-
-    def kernel_kwargs(self, kernel: str) -> dict:
-        """Keyword arguments of attn_fwd_kernel ("fwd"), attn_bwd_dkdv_kernel ("dkdv") or attn_bwd_dq_kernel ("dq")."""
-        kw = dict(score_aux=self.score_aux, mask_aux=self.mask_aux, SCORE_MOD=self.score_mod, MASK_MOD=self.mask_mod)
-        if kernel != "fwd":
-            kw["SCORE_GRAD"] = self.score_grad
-        if kernel == "dkdv":
-            kw.update(score_aux_grad=self.score_aux_grad, SCORE_CAPTURED_GRAD=self.score_captured_grad)
-        return kw
-
-
-# Launch order under a causal mask (mods.tile_order), per head-dim bucket: heads are grouped so that a group holds
-# about this many programs of each kernel (0: the grid's own order, one head's blocks in a row), and whether the dQ
-# pass runs its query blocks last-first. The long programs of a group's heads then start before its short ones and
-# the short ones fill the tail, while a group stays small enough to share its heads' tiles in L2. Picked by
-# benchmarks/sweep_schedule.py (H200, bf16, FA3 grid, causal; BENCHMARKS.md section 1): d256 backward 183 -> 203
-# TFLOP/s at 2k, 237 -> 252 at 8k, unchanged at 16k (groups of 256 programs lost there: 263 -> 249); d64 / d128
-# within run-to-run noise of the grid order (d128 backward 290 -> 295 at 2k, 358 -> 362 at 8k in the benchmark).
-CAUSAL_SCHEDULE = {
-    128: dict(fwd=256, dkdv=256, dq=256, dq_reverse=True),
-    256: dict(fwd=0, dkdv=128, dq=128, dq_reverse=False),
-}
-SCHEDULE_OVERRIDE: dict = {}   # sweeps pin fields of the schedule here (keys as CAUSAL_SCHEDULE's entries)
-
-
-def _schedule(head_dim: int) -> dict:
-    entry = CAUSAL_SCHEDULE[128 if _block_d(head_dim) <= 128 else 256]
-    return {**entry, **SCHEDULE_OVERRIDE} if SCHEDULE_OVERRIDE else entry
-
-
 def _order_args(params: AttnParams, head_dim: int, kernel: str, n_blocks: int, n_bh: int) -> dict:
     """mods.tile_order's arguments for a grid (n_blocks, n_bh): heads per launch-order group (programs differ in
     length only under a causal mask without a left window), the switch that compiles the grouping in, and for the
     dQ pass whether its query blocks go last-first (the forward reverses under any right window by itself)."""
-    schedule = _schedule(head_dim)
+    schedule = configs.schedule(head_dim)
     group = 1
     if params.is_causal and schedule[kernel] > 0:
         group = max(1, min(n_bh, schedule[kernel] // max(n_blocks, 1)))
@@ -351,6 +217,13 @@ class _ForwardTemplate:
 _FWD_LIVE = 10   # attn_fwd_kernel's leading tensors and descriptors
 
 
+def relaunch_fwd(memo: Optional[dict], q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None, alibi=None) -> bool:
+    """Launch the template flash_fwd kept in memo (the caller's per-problem dict) over these tensors; False
+    (nothing launched) where there is none or it does not take them."""
+    tpl = memo.get("triton_fwd") if memo is not None else None
+    return tpl is not None and tpl(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi)
+
+
 def flash_fwd(q, k, v, out, lse, params: AttnParams, alibi: Optional[torch.Tensor] = None,
               cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
               bias=None, mask=None, sparse: Optional[SparseLists] = None, mods: Optional[UserMods] = None,
@@ -360,8 +233,7 @@ def flash_fwd(q, k, v, out, lse, params: AttnParams, alibi: Optional[torch.Tenso
     dense layout only. sparse: a block mask's lists (the partial tiles read `mask` and mods.mask_mod).
     mods: user score_mod / mask_mod (flashtile.flex). memo: a dict the caller keeps per problem (everything but
     the tensors' data fixed: shapes, strides, dtypes, scalars), where the launch's template is kept."""
-    tpl = memo.get("triton_fwd") if memo is not None else None
-    if tpl is not None and tpl(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi):
+    if relaunch_fwd(memo, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi):
         return
     head_dim = q.shape[-1]
     max_sq = max_seqlen_q if cu_seqlens_q is not None else q.shape[1]
@@ -373,10 +245,6 @@ def flash_fwd(q, k, v, out, lse, params: AttnParams, alibi: Optional[torch.Tenso
         out.zero_()
         lse.fill_(float("-inf"))
         return
-    if _fa3.supports(q, k, v, params, alibi, cu_seqlens_q, bias, mask, sparse, mods):
-        _fa3.fwd(q, k, v, out, lse, params)   # Hopper: FlashAttention-3's warp-specialized kernel (Gluon)
-        return
-    from . import tuning  # imported here: tuning imports this module
     causal, seqlen = params.lower_triangular, max(max_sq, max_sk)
     if sparse is None and tuning.needs_tuning("fwd", head_dim, q.dtype, causal, seqlen, q.device):
         # FLASHTILE_AUTOTUNE=1, key not cached: time the candidates on scratch outputs; the launch below uses the winner
@@ -387,7 +255,7 @@ def flash_fwd(q, k, v, out, lse, params: AttnParams, alibi: Optional[torch.Tenso
             default=fwd_config(head_dim, q.dtype, causal))
     cfg = _sparse_config(fwd_config(head_dim, q.dtype, causal, seqlen=seqlen), sparse)
     grid = (cdiv(max_sq, cfg.BLOCK_M), batch * nheads)
-    block_d = _block_d(head_dim)
+    block_d = configs.block_d(head_dim)
     desc_k = kv_descriptor(k, cfg.BLOCK_N, block_d)
     desc_v = kv_descriptor(v, cfg.BLOCK_N, block_d)
     use_tma = desc_k is not None and desc_v is not None
@@ -479,6 +347,40 @@ class _BackwardTemplate:
 _PRE_LIVE, _DKDV_LIVE, _DQ_LIVE = 5, 15, 12   # the kernels' leading tensors and descriptors
 
 
+def relaunch_bwd(memo: Optional[dict], dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q=None, cu_seqlens_k=None,
+                 alibi=None, dlse=None) -> bool:
+    """Launch the templates flash_bwd kept in memo over these tensors; False (nothing launched, or nothing left half
+    done: the full path recomputes every output) where there are none or they do not take them."""
+    tpl = memo.get("triton_bwd") if memo is not None else None
+    return tpl is not None and tpl(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, alibi, dlse)
+
+
+def _delta(out, dout, lse, dlse, cu_seqlens_q, batch: int, nheads: int, max_sq: int, head_dim: int):
+    """(D, (grid, args, kwargs) of its launch): D = rowsum(dO o O) (FA2 Alg. 2 line 4), lse's shape, by the
+    preprocess kernel, less dlse where a gradient arrives through the LSE output."""
+    delta = torch.empty_like(lse)
+    pre_m = 64 if not interpreting() else 32
+    grid = (cdiv(max_sq, pre_m), batch * nheads)
+    args = (out, dout, delta, None, cu_seqlens_q, *_rows(out), *_rows(dout), *_lse_strides(lse), 0, 0, 0, nheads,
+            max_sq, head_dim)
+    kwargs = dict(BLOCK_M=pre_m, BLOCK_D=configs.block_d(head_dim), IS_VARLEN=cu_seqlens_q is not None, ZERO_DQ=False)
+    relaunch.launch(_bwd.attn_bwd_preprocess_kernel, grid, args, kwargs)
+    if dlse is not None:
+        # a gradient arriving through the LSE output: d lse_i / d S_ij = P_ij, so dS_ij gains P_ij * dlse_i, i.e.
+        # dS = P o (dP - (D - dlse)): folded into D, the kernels are unchanged
+        delta.sub_(dlse)
+    return delta, (grid, args, kwargs)
+
+
+def bwd_delta(out, dout, lse, dlse=None, cu_seqlens_q=None, max_seqlen_q=None) -> torch.Tensor:
+    """D = rowsum(dO o O) - dlse as flash_bwd computes it (the preprocess kernel), for a backward that runs other
+    kernels from it (the Gluon FA3 backward): out, dout as q; lse (batch, nheads, seqlen_q) or (nheads, total_q)."""
+    varlen = cu_seqlens_q is not None
+    batch = cu_seqlens_q.numel() - 1 if varlen else out.shape[0]
+    max_sq = max_seqlen_q if varlen else out.shape[1]
+    return _delta(out, dout, lse, dlse, cu_seqlens_q, batch, out.shape[-2], max_sq, out.shape[-1])[0]
+
+
 def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=None,
               cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, deterministic=False,
               bias=None, mask=None, sparse: Optional[SparseLists] = None, dbias=None,
@@ -487,8 +389,7 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
     reproducible gradients (a broadcast bias's dbias excepted: its reduction uses atomics).
     dbias: a zero-filled float32 tensor of bias's (4-D, unexpanded) shape, filled with dS summed over the
     dimensions bias broadcasts along; None skips that work. memo: as flash_fwd's (the launches' template)."""
-    tpl = memo.get("triton_bwd") if memo is not None else None
-    if tpl is not None and tpl(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, alibi, dlse):
+    if relaunch_bwd(memo, dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, alibi, dlse):
         return
     head_dim = q.shape[-1]
     max_sq = max_seqlen_q if cu_seqlens_q is not None else q.shape[1]
@@ -496,18 +397,14 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
     batch, nheads, nheads_k, score_scale, softcap_log2, rng, alibi_sb = _common(
         q, k, params, alibi, cu_seqlens_q, max_sq, max_sk)
     flags = _flags(params, alibi, cu_seqlens_q, head_dim, q.dtype)
-    even_d = _block_d(head_dim) == head_dim
+    even_d = configs.block_d(head_dim) == head_dim
     if q.numel() == 0 or k.numel() == 0 or max_sq == 0 or max_sk == 0:
         # no query or no key: every gradient is 0 (and launching an empty grid is an error)
         for g in (dq, dk, dv):
             g.zero_()
         return
-    from . import tuning  # imported here: tuning imports this module
     causal, seqlen = params.lower_triangular, max(max_sq, max_sk)
-    # Hopper: FlashAttention-3's warp-specialized backward (Gluon), from the same Delta (it adds dQ atomically)
-    gluon_bwd = not deterministic and _fa3.supports(q, k, v, params, alibi, cu_seqlens_q, bias, mask, sparse, mods,
-                                                    backward=True)
-    if (not gluon_bwd and sparse is None and mods is None
+    if (sparse is None and mods is None
             and tuning.needs_tuning("bwd", head_dim, q.dtype, causal, seqlen, q.device)):
         # FLASHTILE_AUTOTUNE=1, key not cached: time the candidates on scratch gradients; the launches below use the
         # winner (not with mods: their captured-tensor gradient buffers would be added into)
@@ -518,20 +415,8 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
             cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
             deterministic=deterministic, bias=bias, mask=mask, dbias=dbias_),
             default=bwd_config(head_dim, q.dtype, causal))
-    delta = torch.empty_like(lse)
-    pre_m = 64 if not interpreting() else 32
-    pre_grid = (cdiv(max_sq, pre_m), batch * nheads)
-    pre_args = (out, dout, delta, None, cu_seqlens_q, *_rows(out), *_rows(dout), *_lse_strides(lse), 0, 0, 0, nheads,
-                max_sq, head_dim)
-    pre_kwargs = dict(BLOCK_M=pre_m, BLOCK_D=flags["BLOCK_D"], IS_VARLEN=flags["IS_VARLEN"], ZERO_DQ=False)
-    relaunch.launch(_bwd.attn_bwd_preprocess_kernel, pre_grid, pre_args, pre_kwargs)
-    if dlse is not None:
-        # a gradient arriving through the LSE output: d lse_i / d S_ij = P_ij, so dS_ij gains P_ij * dlse_i, i.e.
-        # dS = P o (dP - (D - dlse)): folded into D, the kernels are unchanged
-        delta.sub_(dlse)
-    if gluon_bwd:
-        _fa3.bwd(dout, q, k, v, lse, delta, dq, dk, dv, params)
-        return
+    delta, (pre_grid, pre_args, pre_kwargs) = _delta(out, dout, lse, dlse, cu_seqlens_q, batch, nheads, max_sq,
+                                                     head_dim)
     cfg = _sparse_config(bwd_config(head_dim, q.dtype, causal, seqlen=seqlen), sparse)
     common = (*_lse_strides(lse), alibi_sb)
     bias_args = _pair_args(bias, batch, nheads, max_sq, max_sk)

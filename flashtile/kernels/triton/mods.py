@@ -304,8 +304,7 @@ def tile_order(head_group, GROUPED: tl.constexpr, REVERSE: tl.constexpr):
     GROUPED: heads in groups of head_group; within a group block by block (every head's block 0, then block 1,
     ...), so under a causal mask the long programs of all the group's heads start before any short one and the
     short ones fill the schedule's tail. Not GROUPED: the grid's own order (one head's blocks in a row, sharing
-    its tiles in L2; compiled without the grouping's index arithmetic, with which the d64 full backward measured
-    10-14% slower on an H200).
+    its tiles in L2; compiled without the grouping's index arithmetic, which slowed the d64 full backward down).
     REVERSE: blocks in descending order (causal forward and dQ: the last query blocks see the most keys)."""
     n_blocks = tl.num_programs(0)
     if GROUPED:

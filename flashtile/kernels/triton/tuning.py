@@ -27,15 +27,17 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence
 import torch
 import triton
 
-from .launch import Config, _block_d, interpreting, next_pow2
+from ..runtime import interpreting, next_pow2
+from . import configs
+from .configs import Config, block_d
 
 CACHE_VERSION = 1
 SEQLEN_MIN, SEQLEN_MAX = 1024, 16384
 PASSES = ("fwd", "bwd")
 
-# Candidates per head-dim bucket: benchmarks/sweep_configs.py sweeps exactly these (single source). Measured on
-# an H200 (bf16, b2 n8192, 2026-11-21); launch.py's table holds each list's winner there. Fields: BLOCK_M,
-# BLOCK_N, num_warps, num_stages (backward: BLOCK_N = key rows per dK/dV program, BLOCK_M = query rows per step).
+# Candidates per head-dim bucket: benchmarks/sweep_configs.py sweeps exactly these (single source), and configs.py's
+# table holds each list's winner. Fields: BLOCK_M, BLOCK_N, num_warps, num_stages (backward: BLOCK_N = key rows per
+# dK/dV program, BLOCK_M = query rows per step).
 FWD: Dict[int, List[Config]] = {
     64: [Config(128, 64, 4, 3), Config(128, 64, 8, 3), Config(128, 128, 8, 3), Config(128, 128, 4, 3),
          Config(64, 64, 4, 3), Config(128, 64, 4, 4), Config(64, 128, 4, 3), Config(128, 128, 8, 2)],
@@ -72,11 +74,6 @@ BWD: Dict[int, List[Config]] = {
 
 
 # ---------------------------------------------------------------------------------------------------- the key
-def block_d(head_dim: int) -> int:
-    """The head-dim bucket: the kernels' BLOCK_D (next power of two, at least 16)."""
-    return _block_d(head_dim)
-
-
 def seqlen_bucket(seqlen: int) -> int:
     """Next power of two of seqlen, clamped to [1024, 16384]."""
     return min(SEQLEN_MAX, max(SEQLEN_MIN, next_pow2(max(1, int(seqlen)))))
@@ -244,11 +241,9 @@ def autotune_enabled(pass_: str) -> bool:
 
 def needs_tuning(pass_: str, head_dim: int, dtype, causal: bool, seqlen: int, device: torch.device) -> bool:
     """Whether a launch on `device` should tune this key now: tuning enabled, a CUDA device, no config pinned in
-    launch.CONFIG_OVERRIDE (which is also how the timed re-launches of autotune() avoid tuning again), no CUDA
+    configs.CONFIG_OVERRIDE (which is also how the timed re-launches of autotune() avoid tuning again), no CUDA
     graph being captured, and nothing cached yet (a key whose candidates all failed is cached too: tried once)."""
-    from . import launch
-
-    if (not autotune_enabled(pass_) or device.type != "cuda" or pass_ in launch.CONFIG_OVERRIDE
+    if (not autotune_enabled(pass_) or device.type != "cuda" or pass_ in configs.CONFIG_OVERRIDE
             or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())):
         return False
     fp = device_fingerprint()
@@ -305,18 +300,16 @@ def _config_name(cfg: Config) -> str:
 
 
 def pinned_bench(pass_: str, run: Callable[[], object]) -> Callable[[Config], float]:
-    """bench_fn for tune_key: times run() with launch.CONFIG_OVERRIDE[pass_] pinned to the config (what
+    """bench_fn for tune_key: times run() with configs.CONFIG_OVERRIDE[pass_] pinned to the config (what
     benchmarks/sweep_configs.py does by hand). run must write only scratch outputs."""
-    from . import launch
-
     def bench(cfg: Config) -> float:
-        saved = dict(launch.CONFIG_OVERRIDE)
-        launch.CONFIG_OVERRIDE[pass_] = cfg
+        saved = dict(configs.CONFIG_OVERRIDE)
+        configs.CONFIG_OVERRIDE[pass_] = cfg
         try:
             return benchmark_ms(run)
         finally:
-            launch.CONFIG_OVERRIDE.clear()
-            launch.CONFIG_OVERRIDE.update(saved)
+            configs.CONFIG_OVERRIDE.clear()
+            configs.CONFIG_OVERRIDE.update(saved)
     return bench
 
 
