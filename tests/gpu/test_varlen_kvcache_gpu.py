@@ -17,6 +17,7 @@ from test_kvcache import KCase, make_problem, physical_cache, reference, run_cas
 from test_varlen import (VCase, check_varlen, cu, packed_inputs, paged_from_packed,  # noqa: E402
                          varlen_reference)
 from attn_utils import assert_within_rule  # noqa: E402
+from flashtile.kernels import runtime as _runtime  # noqa: E402
 from flashtile.kernels.triton import decode as _decode  # noqa: E402
 from flashtile.kvcache import flash_attn_with_kvcache  # noqa: E402
 from flashtile.varlen import flash_attn_varlen_func  # noqa: E402
@@ -286,8 +287,8 @@ def test_fused_decode_in_cuda_graph_gpu(pool_before_capture, seed, monkeypatch):
     equals the eager call: with the ticket pool made before the capture (the counters of the capture stream are a
     slice of it) and with the first counters asked for inside the capture (no pool is made there: the counters get
     their own fill, replayed with the graph)."""
-    monkeypatch.setattr(_decode, "_TICKETS", {})
-    monkeypatch.setattr(_decode, "_TICKET_POOL", {})
+    monkeypatch.setattr(_runtime, "_TICKETS", {})
+    monkeypatch.setattr(_runtime, "_TICKET_POOL", {})
     q = torch.randn(8, 1, 32, 128, device="cuda", dtype=bf16)
     kc, vc = (torch.randn(8, 4096, 8, 128, device="cuda", dtype=bf16) for _ in range(2))
     assert _decode.plan_decode(1, 32, 8, 128, bf16, 8, 4096, q.device).num_splits <= _decode.FUSED_MAX_SPLITS
@@ -298,12 +299,12 @@ def test_fused_decode_in_cuda_graph_gpu(pool_before_capture, seed, monkeypatch):
         torch.cuda.current_stream().wait_stream(side)
     else:   # an eager call first (it compiles the kernels), then its counters and pool are forgotten
         expect = flash_attn_with_kvcache(q, kc, vc)
-        monkeypatch.setattr(_decode, "_TICKETS", {})
-        monkeypatch.setattr(_decode, "_TICKET_POOL", {})
+        monkeypatch.setattr(_runtime, "_TICKETS", {})
+        monkeypatch.setattr(_runtime, "_TICKET_POOL", {})
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = flash_attn_with_kvcache(q, kc, vc)
-    assert (_decode._TICKET_POOL != {}) == pool_before_capture
+    assert (_runtime._TICKET_POOL != {}) == pool_before_capture
     for _ in range(3):
         out.fill_(float("nan"))
         graph.replay()
