@@ -120,7 +120,8 @@ class Folder:
             raise SystemExit(f"{self.readme}: Runs lists {sorted(self.runs)}, the folder holds {files}")
         self.data = {name: json.loads((path / name).read_text()) for name in files}
         for name, data in self.data.items():     # a date the JSON records must be the README's
-            date = (data.get("environment") or data).get("date")
+            env = data.get("environment") or data.get("meta") or data
+            date = env.get("date") or env.get("started")
             if date and not date.startswith(self.runs[name]["date"]):
                 raise SystemExit(f"{self.readme}: {name} dated {self.runs[name]['date']}, its JSON says {date}")
 
@@ -142,11 +143,11 @@ class Folder:
 
 def environment(data):
     """(GPU, driver, CUDA, torch, triton, cuDNN, Python) as recorded; None where the file does not say."""
-    env = data.get("environment") or data.get("meta") or data
+    env = data.get("environment") or data.get("meta") or data.get("env") or data
     cudnn = env.get("cudnn")
     if isinstance(cudnn, int):                       # torch.backends.cudnn.version(): 91900 -> 9.19.0
         cudnn = f"{cudnn // 10000}.{cudnn // 100 % 100}.{cudnn % 100}"
-    return (env.get("gpu") or env.get("device"), env.get("driver"), env.get("cuda"), env.get("torch"),
+    return (env.get("gpu") or env.get("device_name") or env.get("device"), env.get("driver"), env.get("cuda"), env.get("torch"),
             env.get("triton"), cudnn, env.get("python"))
 
 
@@ -438,6 +439,116 @@ def ring_section(doc, folder: Folder):
     return out
 
 
+# ------------------------------------------------------------------------------- training step, host time, end to end
+
+def train_files(folder: Folder):
+    """The `flashtile bench --mode train` files: forward + backward timed as one call."""
+    return sorted(n for n, d in folder.data.items()
+                  if d.get("schema") == "flashtile.bench/1" and d["settings"]["modes"] == ["train"])
+
+
+def train_points(folder: Folder):
+    """{(batch, seqlen, causal): ({provider: record}, file)} over the train files."""
+    points = {}
+    for name in train_files(folder):
+        for r in folder.data[name]["results"]:
+            if r["status"] != "ok":
+                raise SystemExit(f"{folder.file(name)}: {r['provider']} {r['mode']} {r['status']}: {r['reason']}")
+            points.setdefault((r["batch"], r["seqlen"], r["causal"]), ({}, name))[0][r["provider"]] = r
+    return points
+
+
+def train_section(doc, folder: Folder):
+    names = train_files(folder)
+    points = train_points(folder)
+    s0 = folder.file(names[0])
+    settings = folder.data[names[0]]["settings"]
+    ex = next(iter(points.values()))[0]["flashtile"]
+    peers = [p for p in PEERS if any(p in recs for recs, _ in points.values())]
+    err = max(max(r["errors"].values()) for recs, _ in points.values() for r in recs.values() if r.get("errors"))
+    out = [f"`flash_attn_func(q, k, v, causal=causal).backward(do)` timed as one call, the host time included, "
+           f"{doc.text(settings['dtype'], s0)}, heads {doc.fig(ex['nheads'], 'd', s0)}, head dim "
+           f"{doc.fig(ex['headdim'], 'd', s0)}, batch and seqlen as in the table (not the dense grid's fixed tokens "
+           f"per call); FLOPs {doc.const('3.5')}x the forward's. TFLOP/s of each provider, timed in the same process, "
+           "and flashtile's speed over cuDNN's. Outputs and gradients were checked against float64 before timing: "
+           f"the largest relative error {doc.fig(err, '.1e', s0)} (tolerance {doc.fig(settings['tolerance'], 'g', s0)}). "
+           "Commands: " + "; ".join(f"`{doc.text(folder.runs[n]['command'], folder.readme)}`" for n in names) + ".", ""]
+    out.append("| batch | seqlen | mask | " + " | ".join(f"{PEERS.get(p, p)} TFLOP/s" for p in ["flashtile"] + peers)
+               + " | flashtile / cuDNN |")
+    out.append("|---:|---:|---|" + "---:|" * (len(peers) + 2))
+    for (b, n, causal), (recs, name) in sorted(points.items()):
+        src = folder.file(name)
+        mine = recs["flashtile"]
+        row = [doc.fig(b, "d", src), doc.fig(n, "seq", src), "causal" if causal else "full"]
+        row += [doc.fig(recs[p]["tflops"], ".0f", src) if p in recs else "-" for p in ["flashtile"] + peers]
+        row.append(doc.fig(mine["tflops"] / recs["cudnn"]["tflops"], "ratio", src) if "cudnn" in recs else "-")
+        out.append("| " + " | ".join(row) + " |")
+    out.append("")
+    return out
+
+
+def host_time_section(doc, folder: Folder):
+    name = "host-time.json"
+    data, src = folder.data[name], folder.file(name)
+    env = data["env"]
+    out = ["Host time is the CPU time to issue a call's work: "
+           f"{doc.fig(env['calls'], 'd', src)} calls enqueued back to back without synchronising, the median of "
+           f"{doc.fig(env['rounds'], 'd', src)} rounds, each flashtile call beside SDPA's equivalent call on the same "
+           "tensors (the two interleaved round by round; `benchmarks/host_time.py` says what each row calls). The "
+           "ratio here is of times, flashtile's over SDPA's: above one, flashtile's call takes longer to issue. Timing "
+           f"only: outputs are checked in the other sections. Command: `{doc.text(folder.runs[name]['command'], folder.readme)}`.",
+           "", "| call | flashtile, us | SDPA, us | flashtile / SDPA |", "|---|---:|---:|---:|"]
+    for r in data["rows"]:
+        out.append(f"| {doc.text(r['call'], src)} | {doc.fig(r['flashtile_us'], '.0f', src)} | "
+                   f"{doc.fig(r['sdpa_us'], '.0f', src)} | {doc.fig(r['flashtile_us'] / r['sdpa_us'], 'ratio', src)} |")
+    out.append("")
+    return out
+
+
+def transformers_files(folder: Folder):
+    return sorted(n for n in folder.data if n.startswith("transformers"))
+
+
+def transformers_section(doc, folder: Folder, name: str):
+    data, src = folder.data[name], folder.file(name)
+    meta = data["meta"]
+    rows = [r for r in data["train"] if r["status"] == "ok"]
+    by = {(r["config"], r["seqlen"], r["padded"], r["compiled"], r["impl"]): r for r in rows}
+    configs = sorted({r["config"] for r in rows})
+    cfgs = "; ".join(
+        f"`{doc.text(c, src)}`: {doc.fig(data['configs'][c]['num_hidden_layers'], 'd', src)} layers, hidden "
+        f"{doc.fig(data['configs'][c]['hidden_size'], 'd', src)}, heads {doc.fig(data['configs'][c]['num_attention_heads'], 'd', src)} / "
+        f"{doc.fig(data['configs'][c]['num_key_value_heads'], 'd', src)}, head dim {doc.fig(data['configs'][c]['head_dim'], 'd', src)}, "
+        f"{doc.fig(data['configs'][c]['params'] / 1e9, '.1f', src)}B parameters" for c in configs)
+    mine = [r for r in rows if r["impl"] != "sdpa"]
+    eager = not any(r["compiled"] for r in rows)
+    out = [f"Hugging Face transformers {doc.text(meta['transformers'], src)} `LlamaForCausalLM` with random weights "
+           f"({cfgs}), attn_implementation flashtile against sdpa on the same weights and batches. One training step: "
+           f"forward with labels, backward, {doc.text(meta['optimizer'], src)} step, all in "
+           f"{doc.text(meta['dtype'], src)}" + (", eager (no torch.compile)" if eager else "") + "; "
+           f"{doc.fig(meta['tokens_per_step'], 'seq', src)} token slots per step (batch = slots / seqlen), the median "
+           f"of {doc.fig(meta['steps'], 'd', src)} steps after {doc.fig(meta['warmup'], 'd', src)} of warm-up. Dense: "
+           "every sequence full length, no attention mask; padded: each sequence's length uniform between half the seqlen and the "
+           "seqlen, right padding, an attention mask per token (flashtile unpads and runs varlen, SDPA gets the expanded mask). "
+           "tokens/s counts real tokens only. The ratio is flashtile's tokens/s over SDPA's. Check: the first step's "
+           f"loss against SDPA's, relative difference at most {doc.fig(max(r['loss_rel_diff_vs_sdpa'] for r in mine), '.1e', src)} "
+           f"(tolerance {doc.fig(meta['loss_rtol'], 'g', src)})"
+           + ("" if all(r["loss_ok"] for r in mine) else ", FAILED in some rows (see the JSON)")
+           + f". Command: `{doc.text(folder.runs[name]['command'], folder.readme)}`.", ""]
+    out.append("| config | seqlen | batch | sequences | flashtile tokens/s | SDPA tokens/s | flashtile / SDPA |")
+    out.append("|---|---:|---:|---|---:|---:|---:|")
+    for (c, n, padded, compiled, impl), r in sorted(by.items()):
+        ref = by.get((c, n, padded, compiled, "sdpa"))
+        if impl != "flashtile" or ref is None:
+            continue
+        out.append(f"| {doc.text(c, src)}{' compiled' if compiled else ''} | {doc.fig(n, 'seq', src)} | "
+                   f"{doc.fig(r['batch'], 'd', src)} | {'padded' if padded else 'dense'} | "
+                   f"{doc.fig(r['tokens_per_s'], ',.0f', src)} | {doc.fig(ref['tokens_per_s'], ',.0f', src)} | "
+                   f"{doc.fig(r['tokens_per_s'] / ref['tokens_per_s'], 'ratio', src)} |")
+    out.append("")
+    return out
+
+
 # ------------------------------------------------------------------------------------------------------ known misses
 
 def misses_section(doc, folder: Folder, dense: Dense):
@@ -490,6 +601,25 @@ def misses_section(doc, folder: Folder, dense: Dense):
                    f"{doc.const(format(FP8_TARGET, 'g'))}x flashtile's bf16 forward at seqlen >= "
                    f"{doc.fig(FP8_LONG, 'seq', src)}. Geomean (lowest-highest): " + ", ".join(parts) + ". "
                    + limit("fp8-d64-d128"))
+        out.append("")
+    if "host-time" in limits and "host-time.json" in folder.data:
+        data, src = folder.data["host-time.json"], folder.file("host-time.json")
+        ratios = [r["flashtile_us"] / r["sdpa_us"] for r in data["rows"]]
+        text = (f"**Host time per call.** flashtile's call path spends {doc.span(ratios, 'ratio', src)}x SDPA's host "
+                "time per call (the host-time table above)")
+        points = train_points(folder)
+        if points:
+            b, n = min((b, n) for b, n, _ in points)
+            cells = []
+            for causal in (False, True):
+                recs, name = points[(b, n, causal)]
+                cells.append(f"{doc.fig(recs['flashtile']['tflops'] / recs['cudnn']['tflops'], 'ratio', folder.file(name))}"
+                             f" ({'causal' if causal else 'full'})")
+            src_t = folder.file(points[(b, n, False)][1])
+            text += (f", which shows where the GPU work of a call is short: the training step at batch "
+                     f"{doc.fig(b, 'd', src_t)}, seqlen {doc.fig(n, 'seq', src_t)} runs at {' and '.join(cells)} of "
+                     "cuDNN's speed")
+        out.append(text + ". " + limit("host-time"))
         out.append("")
     if "features" in limits:
         out.append("**Features off the fast path.** " + limit("features"))
@@ -572,12 +702,20 @@ def build(results: Path = RESULTS, marked: bool = False):
         dense = ref_dense if f is ref else Dense(f)
         if dense.point:
             out += [f"## Dense attention, {label}", ""] + dense_section(doc, f, dense, label)
+        if train_files(f):
+            out += [f"## Training step (forward + backward in one call), {label}", ""] + train_section(doc, f)
         if "decode.json" in f.data:
             out += [f"## Decode with a KV cache, {label}", ""] + decode_section(doc, f)
         if "fp8.json" in f.data or "fp8-accuracy.json" in f.data:
             out += [f"## FP8 forward, {label}", ""] + fp8_section(doc, f)
         if any(n.startswith("ring") for n in f.data):
             out += [f"## Ring attention, {label}", ""] + ring_section(doc, f)
+        if "host-time.json" in f.data:
+            out += [f"## Host time per call, {label}", ""] + host_time_section(doc, f)
+        for name in transformers_files(f):
+            src = f.file(name)
+            model = " and ".join(doc.text(c.upper(), src) for c in f.data[name]["configs"])
+            out += [f"## End to end: transformers Llama {model} training, {label}", ""] + transformers_section(doc, f, name)
     out += ["## Known misses and their measured limits", "",
             "Where flashtile is below a peer it is measured against, and what limits it: the figures from the "
             "reference runs above, each limit from the table in the H200 results' README.", ""]
