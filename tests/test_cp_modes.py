@@ -19,7 +19,10 @@ import torch
 from flashtile import flash_attn_func, flash_attn_varlen_func
 from flashtile.distributed import cp_unshard
 from flashtile.reference.dense import attention_ref
-from test_ring import needs_interpreter, pools  # noqa: F401  (pools: the gloo worker pools fixture)
+import test_ring
+from test_ring import needs_interpreter
+
+pools = test_ring.pools   # the gloo worker pools fixture (one per world size, for this module's cases)
 
 FLOOR = 2.0 ** -22
 
@@ -152,7 +155,7 @@ def _check(name, cp, single, ref, ctx):
                            f"+ floor = {bound:.3e} {ctx}")
 
 
-def _run_case(pools, world, spec, kw, shape, lens=None, ndp=1):  # noqa: F811 (pools: the fixture's value)
+def _run_case(pools, world, spec, kw, shape, lens=None, ndp=1):
     """Draw inputs (ndp batches for a dp dimension), run the mode, compare every output with one process."""
     b, s, h, hk, d = shape
     inputs = []
@@ -208,7 +211,7 @@ RING_VARLEN = [
 
 @needs_interpreter
 @pytest.mark.parametrize("world, kw, heads, lens", RING_VARLEN)
-def test_varlen_ring_matches_one_process(pools, world, kw, heads, lens):  # noqa: F811
+def test_varlen_ring_matches_one_process(pools, world, kw, heads, lens):
     h, hk, d = heads
     _run_case(pools, world, RING, kw, (None, None, h, hk, d), lens)
 
@@ -227,7 +230,7 @@ ULYSSES = dict(api="direct", mode="ulysses")
     # MQA over 4 ranks (4 copies), with window, softcap and ALiBi (each rank takes its heads' slopes)
     pytest.param(4, dict(window_size=(7, 2), softcap=3.0, alibi=True), (1, 32, 4, 1, 16), id="w4-mqa-window-alibi"),
 ])
-def test_ulysses_matches_one_process(pools, world, kw, shape):  # noqa: F811
+def test_ulysses_matches_one_process(pools, world, kw, shape):
     kw = dict(kw)
     if kw.pop("alibi", False):
         kw["alibi_slopes"] = torch.rand(shape[2]) * 0.3
@@ -240,7 +243,7 @@ def test_ulysses_matches_one_process(pools, world, kw, shape):  # noqa: F811
     pytest.param(2, dict(causal=True), (4, 2, 16), [13, 24, 0, 6], id="w2-causal-gqa-end-padding"),
     pytest.param(4, dict(window_size=(4, 4)), (4, 2, 16), [19, 7, 17], id="w4-window-gqa-replicated"),
 ])
-def test_ulysses_varlen_matches_one_process(pools, world, kw, heads, lens):  # noqa: F811
+def test_ulysses_varlen_matches_one_process(pools, world, kw, heads, lens):
     h, hk, d = heads
     _run_case(pools, world, ULYSSES, kw, (None, None, h, hk, d), lens)
 
@@ -257,12 +260,12 @@ def _usp(layout="zigzag"):
     pytest.param(_usp(), dict(causal=True), (1, 32, 4, 1, 16), id="usp-zigzag-causal-mqa"),
     pytest.param(_usp("contiguous"), dict(window_size=(5, 6)), (2, 32, 4, 2, 16), id="usp-contiguous-window-gqa"),
 ])
-def test_usp_matches_one_process(pools, spec, kw, shape):  # noqa: F811
+def test_usp_matches_one_process(pools, spec, kw, shape):
     _run_case(pools, 4, spec, kw, shape)
 
 
 @needs_interpreter
-def test_usp_varlen_matches_one_process(pools):  # noqa: F811
+def test_usp_varlen_matches_one_process(pools):
     # documents padded to multiples of 2 R U = 8, zigzagged over the ring, each ring shard split over Ulysses
     _run_case(pools, 4, _usp(), dict(causal=True), (None, None, 4, 2, 16), [13, 21, 6])
 
@@ -273,7 +276,7 @@ def test_usp_varlen_matches_one_process(pools):  # noqa: F811
     pytest.param("ulysses", None, id="ulysses"),
     pytest.param("ring", [11, 20], id="ring-varlen"),
 ])
-def test_mesh_cp_beside_data_parallel(pools, mode, lens):  # noqa: F811
+def test_mesh_cp_beside_data_parallel(pools, mode, lens):
     """A (dp=2, cp=2) mesh: each dp rank its own batch, CP over "cp" only, both batches exact."""
     spec = dict(api="mesh", mode=mode, shape=(2, 2), names=("dp", "cp"), cp_dim="cp", layout="zigzag")
     _run_case(pools, 4, spec, dict(causal=True), (1, 32, 4, 2, 16), lens, ndp=2)
@@ -315,7 +318,7 @@ def _error_task(rank, world, task):
     ("varlen-cu-differs", "cu_seqlens across the ranks"),
     ("mesh-dim", "cp_dim"),
 ])
-def test_refusals_name_the_argument_on_every_rank(pools, what, names):  # noqa: F811
+def test_refusals_name_the_argument_on_every_rank(pools, what, names):
     res = pools(2).run(dict(kind="call", kwargs={}, fn=_error_task, what=what))
     for r, rr in enumerate(res):
         assert rr["error"] is not None and rr["error"].startswith("ArgumentError") and names in rr["error"], \
