@@ -7,7 +7,7 @@ the same exchanges in reverse around the local backward (comm.seq_to_heads / hea
 Functions). Exact: every head sees exactly the keys it would in one process.
 
 Heads rule: nheads must be divisible by W. KV heads (GQA/MQA): when nheads_k is not a multiple of W, each KV
-head is repeated r = W / gcd(nheads_k, W) times before the exchange (r must divide nheads / nheads_k, so query
+head is repeated r = W / gcd(nheads_k, W) times before the exchange (r then divides nheads / nheads_k, so query
 head i still reads a copy of KV head i // (nheads / nheads_k)). Cost: the K/V send buffers grow r-fold, to
 r * nheads_k / W KV heads per rank over the whole sequence after the exchange (one head when nheads_k divides W);
 the gradients of the copies are summed back.
@@ -42,17 +42,15 @@ from .varlen import ring_flash_attn_varlen_func
 
 
 def kv_head_replication(nheads: int, nheads_k: int, world_size: int) -> int:
-    """How many copies of each KV head Ulysses sends over a group of `world_size` ranks (1: none). Raises
-    ArgumentError when nheads is not divisible by world_size, or no replication keeps GQA's head mapping."""
+    """How many copies r of each KV head Ulysses sends over a group of `world_size` ranks (1: none): the least r
+    with nheads_k * r divisible by world_size, r = world_size / gcd(nheads_k, world_size). Raises ArgumentError
+    when nheads is not divisible by world_size. Then r always divides nheads / nheads_k (world_size divides
+    (nheads / nheads_k) * nheads_k, and r is coprime to nheads_k / gcd), so each rank's query heads read whole
+    copies of their own KV heads."""
     if nheads % world_size:
         fail("q.shape[-2] (nheads)", nheads, f"a multiple of the Ulysses group size {world_size} (each rank takes "
              "nheads / world_size query heads)")
-    rep = world_size // math.gcd(nheads_k, world_size)
-    if (nheads // nheads_k) % rep:
-        fail("k.shape[-2] (nheads_k)", nheads_k, f"a multiple of the Ulysses group size {world_size}, or a count "
-             f"whose replication r = world_size / gcd(nheads_k, world_size) = {rep} divides nheads / nheads_k = "
-             f"{nheads // nheads_k} (so every rank's query heads share whole KV heads)")
-    return rep
+    return world_size // math.gcd(nheads_k, world_size)
 
 
 def _exchange_in(q, k, v, group, fn: str):

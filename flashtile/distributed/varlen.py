@@ -14,7 +14,8 @@ Plan: at ring step t rank r holds the K/V shard of rank r' = (r - t) mod W. For 
 key chunks) pair is planned by ring.plan_block on the document's own positions (so a call never pairs tokens of
 two documents), and the rectangles of all documents that share a window are run as ONE varlen kernel call: they
 are consecutive in both the query and key buffers, and the rows between them become filler sequences with no
-keys (queries: output 0, lse -inf, merged as nothing) or no queries (keys: never read). A document contributes no
+keys (queries: output 0, lse -inf, merged as nothing) or no queries (keys: never read); rows after the last
+rectangle are the call's padding tail. A document contributes no
 rectangle at a step where the mask hides all of its keys from all of its queries.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import weakref
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -42,17 +44,33 @@ _INF = math.inf
 # --------------------------------------------------------------------------------------------------
 # The layout
 # --------------------------------------------------------------------------------------------------
+# id(cu_seqlens tensor) -> (weak reference, version counter, its values): a model passes one cu_seqlens tensor to
+# every layer, whose values (a device-to-host copy, a synchronisation on a GPU) are then read once per step
+_CU_READ: dict = {}
+
+
 def _cu_values(cu_seqlens) -> Tuple[int, ...]:
     """cu_seqlens as host ints, checked: a 1-D int tensor or a sequence of ints, starting at 0, non-decreasing."""
     if isinstance(cu_seqlens, torch.Tensor):
         if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
             fail("cu_seqlens", f"tensor {tuple(cu_seqlens.shape)} {cu_seqlens.dtype}",
                  "a 1-D int32 (or int64) tensor (num_documents + 1,)")
-        vals = tuple(cu_seqlens.tolist())
-    elif isinstance(cu_seqlens, (list, tuple)) and all(type(x) is int for x in cu_seqlens):
+        seen = _CU_READ.get(id(cu_seqlens))
+        if seen is not None and seen[0]() is cu_seqlens and seen[1] == cu_seqlens._version:
+            return seen[2]
+        vals = _cu_check(tuple(cu_seqlens.tolist()))
+        if len(_CU_READ) >= 256:
+            _CU_READ.clear()
+        _CU_READ[id(cu_seqlens)] = (weakref.ref(cu_seqlens), cu_seqlens._version, vals)
+        return vals
+    if isinstance(cu_seqlens, (list, tuple)) and all(type(x) is int for x in cu_seqlens):
         vals = tuple(cu_seqlens)
     else:
         fail("cu_seqlens", type(cu_seqlens).__name__, "a 1-D int tensor or a list of ints")
+    return _cu_check(vals)
+
+
+def _cu_check(vals: Tuple[int, ...]) -> Tuple[int, ...]:
     if len(vals) < 2:
         fail("cu_seqlens", list(vals), "at least two values (0 and the total length)")
     if vals[0] != 0:
@@ -69,7 +87,7 @@ class VarlenLayout:
     docstring). Pure host-side bookkeeping; `varlen_layout` builds (and remembers) one per cu_seqlens.
 
     seqlens: the documents' real lengths L_i; padded: P_i (multiple of `multiple`); chunk: c_i = P_i / (2W);
-    local_total: rows per rank, sum(P_i) / W; local_cu_seqlens: (0, 2 c_0, 2 c_0 + 2 c_1, ...) on every rank."""
+    local_total: rows per rank, sum(P_i) / W; local_cu: (0, 2 c_0, 2 c_0 + 2 c_1, ...), the same on every rank."""
 
     def __init__(self, cu: Tuple[int, ...], world_size: int, multiple: int):
         self.cu = cu
@@ -132,14 +150,17 @@ class VarlenLayout:
 @dataclass(frozen=True)
 class VarlenBlock:
     """One varlen kernel call over a rank's whole local buffers: sequence j has seqlens_q[j] query rows and
-    seqlens_k[j] key rows, consecutive in each buffer (cu_seqlens of each are their prefix sums, ending at the
-    local total), all with the bottom-right aligned window (window_left, window_right). rects: the
-    (q0, q1, k0, k1) of its real sequences (the others are fillers: no keys or no queries)."""
+    seqlens_k[j] key rows, consecutive in each buffer from row 0 (cu_seqlens of each are their prefix sums), all
+    with the bottom-right aligned window (window_left, window_right). rects: the (q0, q1, k0, k1) of its real
+    sequences (the others are fillers: no keys or no queries). pad_q / pad_k: where the rows after the last
+    sequence start (Problem.pad_q / pad_k: zero output and gradient), or NO_PAD."""
     window_left: int
     window_right: int
     seqlens_q: Tuple[int, ...]
     seqlens_k: Tuple[int, ...]
     rects: Tuple[Tuple[int, int, int, int], ...]
+    pad_q: int = P.NO_PAD
+    pad_k: int = P.NO_PAD
 
     @property
     def max_seqlen_q(self) -> int:
@@ -182,9 +203,9 @@ def _pack_rects(rects, total: int) -> Tuple[VarlenBlock, ...]:
             sq.append(q1 - q0)
             sk.append(k1 - k0)
             qe, ke = q1, k1
-        filler(total - qe, True)
-        filler(total - ke, False)
-        blocks.append(VarlenBlock(wl, wr, tuple(sq), tuple(sk), tuple(rs)))
+        # rows after the last rectangle need no filler: they are the call's padding tail (Problem.pad_q / pad_k)
+        blocks.append(VarlenBlock(wl, wr, tuple(sq), tuple(sk), tuple(rs), P.NO_PAD if qe == total else qe,
+                                  P.NO_PAD if ke == total else ke))
     return tuple(blocks)
 
 
@@ -310,7 +331,7 @@ def _block_problem(p: Problem, c: VarlenBlock) -> Problem:
     """The problem of one varlen call (remembered: the kernels' dispatch keeps its choices with the Problem)."""
     params = dataclasses.replace(p.params, window_left=c.window_left, window_right=c.window_right)
     return dataclasses.replace(p, batch=len(c.seqlens_q), seqlen_q=c.max_seqlen_q, seqlen_k=c.max_seqlen_k,
-                               params=params)
+                               params=params, pad_q=c.pad_q, pad_k=c.pad_k)
 
 
 class VarlenBlocks:
