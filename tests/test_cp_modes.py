@@ -7,9 +7,10 @@ in the worker pools of tests/test_ring.py (one per W, reused by every case). The
 from the case's seed; the workers shard them with the library's helpers, run forward + backward and send their
 shards back; the parent reassembles them (cp_unshard) and compares.
 
-The bar (float32): for out, lse, dq, dk, dv,  max|cp - one process| <= 2 e1 + 2^-22 max(1, max|ref64|), where
+The bar (float32): for out, lse, dq, dk, dv,  max|cp - one process| <= 2 e1 + 2^-21 max(1, max|ref64|), where
 e1 = max|one process - ref64| is the single process's own float32 error against the float64 oracle
-(flashtile.reference). The floor is two float32 ulps at magnitude 1, for the case where e1 happens to be ~0.
+(flashtile.reference). The floor is four float32 ulps at the values' magnitude: e1 is the maximum of a few
+roundings and can land near one ulp by luck, while the ring's merge of partial results adds roundings of its own.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from test_ring import needs_interpreter
 
 pools = test_ring.pools   # the gloo worker pools fixture (one per world size, for this module's cases)
 
-FLOOR = 2.0 ** -22
+FLOOR = 2.0 ** -21
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """Collectives the context-parallel modes share: the all-to-all that trades a sequence shard for a head shard
 (Ulysses), as differentiable autograd Functions, and the checks every distributed entry point makes.
 
-All-to-all goes through `torch.distributed.all_to_all_single` on every backend: NCCL and gloo (CPU tensors,
-torch >= 2.x) both implement it, so there is one code path and one message per exchange.
+All-to-all goes through `torch.distributed.all_to_all_single` on every backend: NCCL implements it, and so does
+gloo on CPU tensors (checked with torch 2.13), so the CPU tests run the code path the GPUs run.
 
 Layouts (W ranks in the group, rank i holding sequence shard i of length s_local):
     seq_to_heads: (batch, s_local, H, d) on every rank -> (batch, W * s_local, H / W, d): the whole sequence
@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ..api.errors import fail
 
-try:  # where the argument checks live (api/checks.py); older trees keep check_device in interface.py
+try:  # check_device belongs with the argument checks (api/checks.py); interface.py held it before
     from ..api.checks import check_device
 except ImportError:  # pragma: no cover - depends on the tree's layout
     from ..interface import check_device
@@ -96,7 +96,7 @@ class _HeadsToSeq(torch.autograd.Function):
         return (None, None, *_a2a_seq_to_heads(packed, ctx.group).split(ctx.groups, dim=2))
 
 
-def _check_heads(xs: Sequence[torch.Tensor], world: int, fn: str) -> None:
+def _check_heads(xs: Sequence[torch.Tensor], fn: str) -> None:
     for i, x in enumerate(xs):
         if x.dim() != 4:
             fail(f"{fn}: tensor {i}.dim()", x.dim(), "4: (batch, seqlen, heads, headdim)")
@@ -111,7 +111,7 @@ def seq_to_heads(xs: Sequence[torch.Tensor], group=None) -> List[torch.Tensor]:
     """Trade sequence shards for head shards, differentiably: each x (batch, s_local, H, d) -> (batch,
     W * s_local, H / W, d). H of every tensor divisible by the group size W; one exchange for all of them."""
     world = dist.get_world_size(group)
-    _check_heads(xs, world, "seq_to_heads")
+    _check_heads(xs, "seq_to_heads")
     for i, x in enumerate(xs):
         if x.shape[2] % world:
             fail(f"seq_to_heads: tensor {i}.shape[2] (heads)", x.shape[2], f"a multiple of the group size {world}")
@@ -123,7 +123,7 @@ def seq_to_heads(xs: Sequence[torch.Tensor], group=None) -> List[torch.Tensor]:
 def heads_to_seq(xs: Sequence[torch.Tensor], group=None) -> List[torch.Tensor]:
     """The inverse of seq_to_heads: each x (batch, W * s_local, G, d) -> (batch, s_local, W * G, d)."""
     world = dist.get_world_size(group)
-    _check_heads(xs, world, "heads_to_seq")
+    _check_heads(xs, "heads_to_seq")
     if xs[0].shape[1] % world:
         fail("heads_to_seq: tensor 0.shape[1] (seqlen)", xs[0].shape[1], f"a multiple of the group size {world}")
     if world == 1:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -38,7 +38,7 @@ from ..api import problem as P
 from ..api.errors import fail
 from .comm import check_device, heads_to_seq, require_process_group, seq_to_heads
 from .ring import check_group_agrees, ring_flash_attn_func
-from .varlen import ring_flash_attn_varlen_func
+from .varlen import _cu_values, ring_flash_attn_varlen_func
 
 
 def kv_head_replication(nheads: int, nheads_k: int, world_size: int) -> int:
@@ -53,13 +53,16 @@ def kv_head_replication(nheads: int, nheads_k: int, world_size: int) -> int:
     return world_size // math.gcd(nheads_k, world_size)
 
 
-def _exchange_in(q, k, v, group, fn: str):
-    """Check the group agrees on shapes, replicate KV heads where the rule says, and trade sequence shards for
-    head shards: returns (q, k, v) of (batch, W s_local, heads / W, headdim)."""
+def _exchange_in(q, k, v, group, fn: str, cu: Tuple[int, ...] = ()):
+    """Check the group agrees on shapes (and cu_seqlens' values `cu`), replicate KV heads where the rule says,
+    and trade sequence shards for head shards: returns (q, k, v) of (batch, W s_local, heads / W, headdim)."""
     world = dist.get_world_size(group)
+    # first the group, then the heads rule: ranks that disagree all raise here, ranks that agree raise alike below
+    check_group_agrees(group, f"{fn}: q/k shard shapes (and cu_seqlens) across the ranks of the Ulysses group "
+                       "(rank: q.shape + k.shape (+ len(cu_seqlens), checksum))",
+                       [*q.shape, *k.shape] + ([len(cu), hash(cu) & (2 ** 62 - 1)] if cu else []),
+                       "equal on every rank", q.device)
     rep = kv_head_replication(q.shape[-2], k.shape[-2], world)
-    check_group_agrees(group, f"{fn}: q/k shard shapes across the ranks of the Ulysses group (rank: q.shape + "
-                       "k.shape)", [*q.shape, *k.shape], "equal shapes on every rank", q.device)
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=-2), v.repeat_interleave(rep, dim=-2)
     return seq_to_heads([q, k, v], group)
@@ -147,7 +150,8 @@ def ulysses_flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Te
         fail("k.shape[0] (rows of this rank's shard)", k.shape[0], f"q's {q.shape[0]}")
     cu = _cu_tensor(cu_seqlens, q.device)
     alibi = _alibi_heads(alibi_slopes, group, q.shape[1])
-    qh, kh, vh = (t[0] for t in _exchange_in(q[None], k[None], v[None], group, "ulysses_flash_attn_varlen_func"))
+    fn = "ulysses_flash_attn_varlen_func"
+    qh, kh, vh = (t[0] for t in _exchange_in(q[None], k[None], v[None], group, fn, _cu_values(cu)))
     p = P.varlen(qh, kh, vh, cu, cu, max_seqlen, max_seqlen, 0.0, softmax_scale, causal, window_size, softcap, alibi,
                  deterministic, False)
     pad = P.cu_seqlens_values("cu_seqlens", cu, qh.shape[0], max_seqlen, "max_seqlen")
