@@ -18,9 +18,10 @@ flashtile.distributed.context_parallel_attention on a device mesh):
 1. Agreement (--check-tokens, default 16k; varlen: 8 documents of 1/32 .. 1/4 of it): each mode's out/dq/dk/dv,
    gathered, against one GPU in the same dtype and one GPU in float32 on the same inputs. Pass:
    |cp - fp32| <= 2 |one GPU - fp32| + 2^-7 max|fp32| (the rule of bench_ring.py).
-2. One GPU: the whole problem on one GPU (every rank at once; the fastest counts). A problem that does not fit
-   is measured on half of it (dense: half the tokens, time scaled by N^2; varlen: the first half of the
-   documents, scaled by sum L_i^2), halving again if needed, and marked "extrapolated".
+2. One GPU: the whole problem on one GPU (every rank at once; the fastest counts; timed once for the modes that
+   share it). A problem that does not fit is measured on half of it (dense: half the tokens, time scaled by N^2;
+   varlen: the first half of the documents, scaled by sum L_i^2), halving again if needed, and marked
+   "extrapolated".
 3. CP fwd+bwd, the slowest rank's time; per-GPU efficiency = t_1GPU / (W t_CP); peak memory per GPU (the
    largest over ranks, torch.cuda.max_memory_allocated) of the CP run and of the one-GPU run.
 
@@ -299,6 +300,7 @@ def main():
                                                          max(1, a.check_tokens // 4)), a, dtype))
 
     last = None   # (FLOPs, seconds) of the previous mode: projects the next one
+    baselines = {}
     for mode in modes:
         if mode == "usp" and meshes.usp is None:
             continue
@@ -309,7 +311,10 @@ def main():
             env.log(f"{mode} skipped: projected {est:.0f} s does not fit the budget")
             skipped.append(dict(mode=mode, projected_s=est))
             continue
-        t1, t1f, peak1, extrap, measured = one_gpu(env, prob, a, dtype)
+        key = (tuple(prob.lens), prob.varlen)   # ring, Ulysses and USP share one dense problem: timed once
+        if key not in baselines:
+            baselines[key] = one_gpu(env, prob, a, dtype)
+        t1, t1f, peak1, extrap, measured = baselines[key]
         env.log(f"one GPU {mode} ({prob.describe()}): " + ("-" if t1 is None else f"{t1 * 1e3:,.0f} ms fwd+bwd"
                 + (f" (extrapolated from {measured})" if extrap else "")))
         t, tf, it, peak = cp_run(env, meshes, prob, a, dtype)
