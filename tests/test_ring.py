@@ -5,6 +5,7 @@ every case; rendezvous through a FileStore in a temporary directory), kernels un
 interpreter. The parent draws the full-sequence inputs from the per-test seed, the workers shard them,
 run ring attention forward and backward, and send their shards back; the parent reassembles them and
 compares with flashtile.flash_attn_func in one process (fp32, tight tolerance) and with the float64 oracle.
+The pool also runs other modules' tasks (kind "call": tests/test_cp_modes.py).
 """
 from __future__ import annotations
 
@@ -73,6 +74,8 @@ def _worker(rank, world, init_file, tasks, results):
                 q, k, v = task["per_rank"][rank]
                 ring_flash_attn_func(q, k, v, **kw)
                 res = dict(error=None)
+            elif kind == "call":  # another test module's task: a module-level function fn(rank, world, task)
+                res = task["fn"](rank, world, task)
             else:
                 raise ValueError(kind)
         except Exception as e:  # noqa: BLE001 - sent back to the test process

@@ -290,16 +290,27 @@ def _wait(reqs):
         r.wait()
 
 
+def check_group_agrees(group, name: str, values, expected: str, device: torch.device) -> None:
+    """Every rank of `group` must pass equal `values` (ints): one tiny all-gather, after which all ranks raise
+    alike (one rank raising alone would leave the others waiting in the ring forever). device: where the
+    inputs live (NCCL gathers there, gloo on the CPU)."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    dev = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    mine = torch.tensor(list(values), dtype=torch.int64, device=dev)
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine, group=group)
+    seen = [tuple(t.tolist()) for t in every]
+    if any(s != seen[0] for s in seen):
+        fail(name, dict(enumerate(seen)), expected)
+
+
 def _check_group_shapes(ring: _Ring, q, k):
-    """Every rank must hold shards of the same shape (one tiny all-gather; all ranks raise alike)."""
-    dev = q.device if dist.get_backend(ring.group) == "nccl" else torch.device("cpu")
-    mine = torch.tensor([*q.shape, *k.shape], dtype=torch.int64, device=dev)
-    every = [torch.empty_like(mine) for _ in range(ring.world)]
-    dist.all_gather(every, mine, group=ring.group)
-    shapes = [tuple(t.tolist()) for t in every]
-    if any(s != shapes[0] for s in shapes):
-        fail("q/k shard shapes across the ranks of group (rank: q.shape + k.shape)", dict(enumerate(shapes)),
-             "equal shapes: every rank must hold an equal shard of the sequence")
+    """Every rank must hold shards of the same shape."""
+    check_group_agrees(ring.group, "q/k shard shapes across the ranks of group (rank: q.shape + k.shape)",
+                       [*q.shape, *k.shape], "equal shapes: every rank must hold an equal shard of the sequence",
+                       q.device)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -311,7 +322,28 @@ def _block(p: Problem, c) -> Problem:
     return dataclasses.replace(p, seqlen_q=c.q1 - c.q0, seqlen_k=c.k1 - c.k0, params=params)
 
 
-def _ring_forward(ring: _Ring, q, k, v, plans, p: Problem):
+class DenseBlocks:
+    """Runs the BlockCalls of a dense plan, each on a rectangle of the (batch, seqlen_local, heads, headdim)
+    shards. The ring passes (`_ring_forward` / `_ring_backward`) drive any object with this interface:
+    rows(c) -> (query rows, key rows) of the local shards a call reads, forward(c, q, k, v) -> (out, lse)
+    on those rows, backward(c, dout, q, k, v, out, lse) -> (dq, dk, dv) on those rows, all batch-first."""
+
+    def __init__(self, p: Problem):
+        self.p = p
+
+    @staticmethod
+    def rows(c):
+        return slice(c.q0, c.q1), slice(c.k0, c.k1)
+
+    def forward(self, c, q, k, v):
+        out, lse, _, _ = _interface.forward(_block(self.p, c), q, k, v)
+        return out, lse
+
+    def backward(self, c, dout, q, k, v, out, lse):
+        return _interface.backward(_block(self.p, c), dout, q, k, v, out, lse, None)
+
+
+def _ring_forward(ring: _Ring, q, k, v, plans, blocks):
     b, s, h, d = q.shape
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full((b, h, s), -_INF, dtype=torch.float32, device=q.device)
@@ -321,18 +353,18 @@ def _ring_forward(ring: _Ring, q, k, v, plans, p: Problem):
             kv_next = torch.empty_like(kv)
             reqs = ring.shift(kv, kv_next, _TAG_KV)  # posted before the compute it hides behind
         for c in plans[step]:
-            blk_out, blk_lse, _, _ = _interface.forward(_block(p, c), q[:, c.q0:c.q1], kv[0][:, c.k0:c.k1],
-                                                        kv[1][:, c.k0:c.k1])
-            m_out, m_lse = merge_attention(out[:, c.q0:c.q1], lse[:, :, c.q0:c.q1], blk_out, blk_lse)
-            out[:, c.q0:c.q1] = m_out
-            lse[:, :, c.q0:c.q1] = m_lse
+            qs, ks = blocks.rows(c)
+            blk_out, blk_lse = blocks.forward(c, q[:, qs], kv[0][:, ks], kv[1][:, ks])
+            m_out, m_lse = merge_attention(out[:, qs], lse[:, :, qs], blk_out, blk_lse)
+            out[:, qs] = m_out
+            lse[:, :, qs] = m_lse
         if step + 1 < ring.world:
             _wait(reqs)
             kv = kv_next
     return out.to(q.dtype), lse
 
 
-def _ring_backward(ring: _Ring, dout, q, k, v, out, lse, plans, p: Problem):
+def _ring_backward(ring: _Ring, dout, q, k, v, out, lse, plans, blocks):
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kv = torch.stack([k, v])
     # (requests, buffer being sent, buffer being received) of the dK/dV transfer in flight; the send buffer
@@ -346,12 +378,12 @@ def _ring_backward(ring: _Ring, dout, q, k, v, out, lse, plans, p: Problem):
         for c in plans[step]:
             # global out and lse: P = exp(S - lse_global), D = rowsum(dO * O_global) -> exactly this
             # block's share of dQ and of the shard's dK, dV
-            dq_b, dk_b, dv_b = _interface.backward(
-                _block(p, c), dout[:, c.q0:c.q1], q[:, c.q0:c.q1], kv[0][:, c.k0:c.k1], kv[1][:, c.k0:c.k1],
-                out[:, c.q0:c.q1], lse[:, :, c.q0:c.q1].contiguous(), None)
-            dq[:, c.q0:c.q1] += dq_b
-            dkv[0][:, c.k0:c.k1] += dk_b
-            dkv[1][:, c.k0:c.k1] += dv_b
+            qs, ks = blocks.rows(c)
+            dq_b, dk_b, dv_b = blocks.backward(c, dout[:, qs], q[:, qs], kv[0][:, ks], kv[1][:, ks], out[:, qs],
+                                               lse[:, :, qs].contiguous())
+            dq[:, qs] += dq_b
+            dkv[0][:, ks] += dk_b
+            dkv[1][:, ks] += dv_b
         if dkv_flight is not None:  # the shard's dK/dV accumulated by the ranks it visited before us
             _wait(dkv_flight[0])
             dkv += dkv_flight[2]
@@ -369,18 +401,21 @@ def _ring_backward(ring: _Ring, dout, q, k, v, out, lse, plans, p: Problem):
 
 
 class RingFlashAttnFunc(torch.autograd.Function):
+    """The ring passes as one autograd node: `blocks` (DenseBlocks, or the varlen plan's executor) runs each
+    step's kernel calls on batch-first (batch, seqlen_local, heads, headdim) shards."""
+
     @staticmethod
-    def forward(ctx, q, k, v, ring, plans, p):
-        out, lse = _ring_forward(ring, q, k, v, plans, p)
+    def forward(ctx, q, k, v, ring, plans, blocks):
+        out, lse = _ring_forward(ring, q, k, v, plans, blocks)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.plans, ctx.p = ring, plans, p
+        ctx.ring, ctx.plans, ctx.blocks = ring, plans, blocks
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(ctx.ring, dout, q, k, v, out, lse, ctx.plans, ctx.p)
+        dq, dk, dv = _ring_backward(ctx.ring, dout, q, k, v, out, lse, ctx.plans, ctx.blocks)
         return dq, dk, dv, None, None, None
 
 
@@ -419,5 +454,5 @@ def ring_flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grou
     if ring.world > 1:
         _check_group_shapes(ring, q, k)
     plans = ring_plan(ring.rank, ring.world, layout, q.shape[1], params.window_left, params.window_right)
-    out, lse = RingFlashAttnFunc.apply(q, k, v, ring, plans, p)
+    out, lse = RingFlashAttnFunc.apply(q, k, v, ring, plans, DenseBlocks(p))
     return (out, lse) if return_softmax_lse else out
