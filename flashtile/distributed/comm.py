@@ -20,10 +20,7 @@ import torch.distributed as dist
 
 from ..api.errors import fail
 
-try:  # check_device belongs with the argument checks (api/checks.py); interface.py held it before
-    from ..api.checks import check_device
-except ImportError:  # pragma: no cover - depends on the tree's layout
-    from ..interface import check_device
+from ..api.checks import check_device
 
 __all__ = ["check_device", "require_process_group", "seq_to_heads", "heads_to_seq"]
 
