@@ -297,3 +297,17 @@ def test_cu_seqlens_values_read_once_per_tensor_version(monkeypatch, seed):
         flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 11, 11)
     flashtile.flash_attn_varlen_func(q, k, v, _i32([0, 4, 10]), cu.new_tensor([0, 4, 10]), 6, 6)   # new tensors
     assert len(reads) == 5
+
+
+def test_a_replaced_problem_has_a_cache_of_its_own():
+    """dispatch keeps plans and launch templates in Problem.cache: a problem derived with dataclasses.replace (ring
+    attention's per-block lengths and windows, a call's features, varlen padding rows) must not share them, or a
+    plan made for one geometry would launch over another's tensors."""
+    import dataclasses
+    from flashtile.api import problem as P
+    q, k, v = _qkv(sq=24, sk=40)
+    p = P.dense(q, k, v, 0.0, None, True, (-1, -1), 0.0, None, False, False)
+    p.cache["fwd"] = "a plan"
+    for other in (dataclasses.replace(p, seqlen_q=12), dataclasses.replace(p, bias=True),
+                  P.Problem.unpack(q, k, *p.pack(), batch=1)):
+        assert other.cache == {} and other.cache is not p.cache

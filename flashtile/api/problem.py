@@ -67,8 +67,9 @@ class Problem:
     # KV cache: seqlen_k is the cache capacity (positions a batch element can hold); page_size > 0: paged
     page_size: int = 0
     seqlen_new: int = 0   # tokens appended before attending
-    # what kernels.dispatch decided for this problem (its plans), kept with it: not part of its value
-    cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+    # what kernels.dispatch decided for this problem (its plans), kept with it: not part of its value, and not an
+    # init field, so that dataclasses.replace gives a problem of other lengths or features a cache of its own
+    cache: dict = field(default_factory=dict, init=False, compare=False, hash=False, repr=False)
 
     @property
     def varlen(self) -> bool:
