@@ -1,10 +1,11 @@
 """Compiles the Gluon FA3 kernels (flashtile/kernels/gluon/_fa3_fwd.py, _fa3_bwd.py) for sm_90 on a machine
 without a GPU. Arguments `fwd|fwdshort|bwd|fp8|paged,<head_dim>,<causal 0|1>,<bf16|fp16>[,<seqlen>]` (fwdshort: the
-forward's config at sequences of that length, default 1: fa3.SHORT_CONFIGS; fp8: e4m3 inputs, that output dtype;
+forward's config at sequences of that length, default 1: fa3.SHORT_CONFIGS; fwdx: the forward with the features
+of its third field, '+'-joined FEATURES and 'causal', on; fp8: e4m3 inputs, that output dtype;
 paged: the paged decode (gluon/_decode.py) for
 pages of <seqlen> keys, printing `ok paged ... page=<keys> shared=<bytes> wgmma=<count> tma=<count>`);
 prints one line per variant:
-`ok <kind> d<head_dim> causal=<0|1> <dtype> shared=<bytes> wgmma=<count> reduce=<count> arrives=<count>
+`ok <kind> d<head_dim> causal=<0|1, fwdx: its features> <dtype> shared=<bytes> wgmma=<count> reduce=<count> arrives=<count>
 unsynced=<count> e4m3_mma=<count> shfl_idx=<count>` (reduce: TMA reduce-add instructions, the backward's dQ;
 e4m3_mma: FP8 wgmmas; shfl_idx: indexed warp shuffles, which a P operand needing data exchange would bring).
 `unsynced` counts the plain mbarrier arrivals (one thread of a consumer warpgroup, or of the forward's one-warp
@@ -43,21 +44,36 @@ def _desc(t, rows, cols):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [rows, cols], fa3._smem_layout(rows, cols, t.dtype))
 
 
-def compile_fwd(head_dim: int, causal: bool, dtype: torch.dtype, seqlen: int = 1 << 20):
-    """The bf16 / fp16 forward as fa3.fwd launches it at this sequence length (fa3.fwd_config)."""
+FEATURES = ("varlen", "left", "right", "softcap", "alibi", "tail", "guard")
+_FLAGS = dict(zip(FEATURES, ("VARLEN", "HAS_LEFT", "HAS_RIGHT", "SOFTCAP", "ALIBI", "TAIL", "GUARD")))
+
+
+def _fwd_runtime(q, k, v, o, lse, block_n, head_dim, h, s, fp8=False):
+    """fa3_fwd_kernel's runtime arguments over 2-D (rows, heads x d) tensors."""
+    i32 = torch.zeros(3, dtype=torch.int32)
+    return dict(q_desc=_desc(q, fa3.WG_ROWS, head_dim), k_desc=_desc(k, block_n, head_dim),
+                v_desc=_desc(v, head_dim, block_n) if fp8 else _desc(v, block_n, head_dim),
+                o_desc=_desc(o, fa3.WG_ROWS, head_dim), lse_ptr=lse, q_scale_ptr=lse, k_scale_ptr=lse,
+                v_scale_ptr=lse, counter_ptr=torch.zeros(1, dtype=torch.int32), out_ptr=o, cu_seqlens_q=i32,
+                cu_seqlens_k=i32, alibi_ptr=torch.zeros(h), stride_lse_b=lse.stride(0), stride_lse_h=lse.stride(1),
+                stride_o_row=o.stride(0), stride_alibi_b=0, seqlen_q=s, seqlen_k=s, n_bh=2 * h, nheads=h, group=1,
+                qk_scale=0.1, softcap_log2=0.5, window_left=64, window_right=0)
+
+
+def compile_fwd(head_dim: int, causal: bool, dtype: torch.dtype, seqlen: int = 1 << 20, features=()):
+    """The bf16 / fp16 forward as fa3.fwd launches it at this sequence length (fa3.fwd_config), with the feature
+    flags named in `features` (FEATURES) on; causal: HAS_RIGHT, the causal config."""
     num_wg, block_n, stages, pingpong = fa3.fwd_config(head_dim, seqlen, causal)
     b, s, h = 2, 1024, 4
     t = torch.randn(b * s, h * head_dim, dtype=dtype)
     lse = torch.empty(b, h, s)
-    runtime = dict(q_desc=_desc(t, fa3.WG_ROWS, head_dim), k_desc=_desc(t, block_n, head_dim),
-                   v_desc=_desc(t, block_n, head_dim), o_desc=_desc(t, fa3.WG_ROWS, head_dim),
-                   lse_ptr=lse, stride_lse_b=lse.stride(0), stride_lse_h=lse.stride(1), q_scale_ptr=lse,
-                   k_scale_ptr=lse, v_scale_ptr=lse, counter_ptr=torch.zeros(1, dtype=torch.int32), seqlen_q=s,
-                   seqlen_k=s, n_bh=b * h, nheads=h, group=1, qk_scale=0.1)
+    runtime = _fwd_runtime(t, t, t, t, lse, block_n, head_dim, h, s)
     launch = fa3._regs(head_dim, False, num_wg)
-    consts = dict(HEAD_D=head_dim, BLOCK_M=fa3.WG_ROWS, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
+    flags = {_FLAGS[f]: f in features for f in FEATURES}
+    flags["HAS_RIGHT"] = flags["HAS_RIGHT"] or causal
+    consts = dict(HEAD_D=head_dim, BLOCK_M=fa3.WG_ROWS, BLOCK_N=block_n, STAGES=stages,
                   NUM_WG=num_wg, Q_BUFS=fa3.q_buffers(head_dim, num_wg, block_n, stages, t.element_size(), False),
-                  PINGPONG=pingpong, FP8=False,
+                  PINGPONG=pingpong, FP8=False, **flags,
                   CONSUMER_REGS=launch["CONSUMER_REGS"], num_warps=4)
     return _compile(_fa3_fwd.fa3_fwd_kernel, runtime, consts, launch["maxnreg"])
 
@@ -70,14 +86,12 @@ def compile_fp8(head_dim: int, causal: bool, out_dtype: torch.dtype):
     vt = torch.randn(b * h * head_dim, s).to(torch.float8_e4m3fn)
     out = torch.empty(b * s, h * head_dim, dtype=out_dtype)
     lse = torch.empty(b, h, s)
-    runtime = dict(q_desc=_desc(x8, fa3.WG_ROWS, head_dim), k_desc=_desc(x8, block_n, head_dim),
-                   v_desc=_desc(vt, head_dim, block_n), o_desc=_desc(out, fa3.WG_ROWS, head_dim), lse_ptr=lse,
-                   stride_lse_b=lse.stride(0), stride_lse_h=lse.stride(1), q_scale_ptr=lse, k_scale_ptr=lse,
-                   v_scale_ptr=lse, counter_ptr=torch.zeros(1, dtype=torch.int32), seqlen_q=s, seqlen_k=s,
-                   n_bh=b * h, nheads=h, group=1, qk_scale=0.1)
+    runtime = _fwd_runtime(x8, x8, vt, out, lse, block_n, head_dim, h, s, fp8=True)
     num_wg, _, stages = fa3.FP8_CONFIGS[head_dim]
     launch = fa3._regs(head_dim, True, num_wg)
-    consts = dict(HEAD_D=head_dim, BLOCK_M=fa3.WG_ROWS, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
+    flags = {_FLAGS[f]: False for f in FEATURES}
+    flags["HAS_RIGHT"] = causal
+    consts = dict(HEAD_D=head_dim, BLOCK_M=fa3.WG_ROWS, BLOCK_N=block_n, STAGES=stages, **flags,
                   NUM_WG=num_wg, Q_BUFS=fa3.q_buffers(head_dim, num_wg, block_n, stages, 1, True),
                   PINGPONG=fa3.FP8_PINGPONG[head_dim][causal], FP8=True,
                   CONSUMER_REGS=launch["CONSUMER_REGS"], num_warps=4)
@@ -137,8 +151,13 @@ if __name__ == "__main__":
                   f"wgmma={ck.asm['ptx'].count('wgmma.mma_async')} "
                   f"tma={ck.asm['ptx'].count('cp.async.bulk.tensor')}", flush=True)
             continue
-        ck = {"fwd": compile_fwd, "bwd": compile_bwd, "fp8": compile_fp8,
-              "fwdshort": lambda d, c, t: compile_fwd(d, c, t, seqlen=short_len)}[kind](int(d), causal == "1", dtype)
+        if kind == "fwdx":   # the third field: '+'-joined FEATURES (causal: 'right' with the causal config)
+            feats = tuple(f for f in causal.split("+") if f and f != "causal")
+            ck = compile_fwd(int(d), "causal" in causal.split("+"), dtype, features=feats)
+        else:
+            ck = {"fwd": compile_fwd, "bwd": compile_bwd, "fp8": compile_fp8,
+                  "fwdshort": lambda d, c, t: compile_fwd(d, c, t, seqlen=short_len)}[kind](int(d), causal == "1",
+                                                                                         dtype)
         ptx = ck.asm["ptx"].splitlines()
         arrives = [i for i, line in enumerate(ptx) if "mbarrier.arrive" in line and "expect_tx" not in line]
         unsynced = [i for i in arrives if not any(("bar.sync" in ptx[j] and ", 128;" in ptx[j])

@@ -31,6 +31,11 @@ FULL, CAUSAL = AttnParams(softmax_scale=0.1), AttnParams(softmax_scale=0.1, wind
     (dict(sq=512, sk=1536), FULL), (dict(sq=1536, sk=256, d=128), FULL), (dict(d=256, sk=1984), FULL),
     (dict(sq=704, sk=640), FULL), (dict(sq=1088, sk=1088, d=256), CAUSAL),   # the last tile: one warpgroup
     (dict(d=64), FULL), (dict(d=64, sq=1088, sk=1152, hk=1), FULL), (dict(d=64, sq=2048, sk=2048), CAUSAL),
+    (dict(d=64, sq=1088, sk=1088), FULL), (dict(sq=1000, sk=1000), FULL), (dict(sk=1000), FULL),   # any length
+    (dict(sq=1024, sk=2048), CAUSAL), (dict(sq=2048, sk=1000), CAUSAL),   # bottom-right causal
+    (dict(), AttnParams(softmax_scale=0.1, window_left=256, window_right=0)),
+    (dict(), AttnParams(softmax_scale=0.1, window_left=100, window_right=37)),
+    (dict(), AttnParams(softmax_scale=0.1, softcap=20.0)),
 ])
 def test_eligible_problems(kw, params):
     assert fa3.eligible(*_qkv(**kw), params)
@@ -38,13 +43,8 @@ def test_eligible_problems(kw, params):
 
 @pytest.mark.parametrize("kw,params", [
     (dict(d=96), FULL),
-    (dict(d=64, sq=1088, sk=1088), FULL),                # d64: Bc = 128
     (dict(dtype=torch.float32), FULL),
-    (dict(sq=1000, sk=1000), FULL),                      # not a multiple of a warpgroup's 64 rows
-    (dict(sk=1000), FULL),                               # not a multiple of Bc
-    (dict(sq=1024, sk=2048), CAUSAL),                    # causal needs s_q == s_k
-    (dict(), AttnParams(softmax_scale=0.1, window_left=256, window_right=0)),
-    (dict(), AttnParams(softmax_scale=0.1, softcap=20.0)),
+    (dict(sq=0), FULL),
     (dict(), AttnParams(softmax_scale=0.1, dropout_p=0.1)),
     (dict(), AttnParams(softmax_scale=0.0)),             # the kernel scales the row max: scale must be > 0
     (dict(), AttnParams(softmax_scale=-0.1, window_right=0)),
@@ -134,12 +134,23 @@ def test_disabled_forward_gets_triton_backward(monkeypatch):
     assert seen == [False, True]
 
 
-def test_ineligible_features_and_layouts():
+def test_forward_features_and_layouts():
+    """The forward takes ALiBi (float32 slopes), varlen (packed q with cu_seqlens) and slices of packed tensors;
+    not bool masks, bias, (b, h, s, d) tensors seen transposed, or a packed q without cu_seqlens."""
     q, k, v = _qkv()
-    assert not fa3.eligible(q, k, v, FULL, alibi=torch.ones(4))
+    assert fa3.eligible(q, k, v, FULL, alibi=torch.ones(4))
+    assert fa3.eligible(q, k, v, CAUSAL, alibi=torch.ones(2, 4))
+    assert not fa3.eligible(q, k, v, FULL, alibi=torch.ones(4, dtype=torch.float64))
+    assert not fa3.eligible(q, k, v, FULL, alibi=torch.ones(4), backward=True)
     assert not fa3.eligible(q, k, v, FULL, mask=torch.ones(1, 1, 1024, 1024, dtype=torch.bool))
+    assert not fa3.eligible(q, k, v, FULL, bias=torch.ones(1, 1, 1024, 1024))
     assert not fa3.eligible(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, FULL)   # strided q
-    assert not fa3.eligible(q[0], k[0], v[0], FULL)                                        # packed (varlen) layout
+    assert not fa3.eligible(q[0], k[0], v[0], FULL)                                        # packed, no cu_seqlens
+    cu = torch.tensor([0, 100, 1024], dtype=torch.int32)
+    assert fa3.eligible(q[0], k[0], v[0], CAUSAL, cu_seqlens_q=cu)
+    assert not fa3.eligible(q[0], k[0], v[0], CAUSAL, cu_seqlens_q=cu, backward=True)
+    qkv = torch.randn(2, 1024, 3, 4, 128, dtype=torch.bfloat16)                           # slices of packed qkv
+    assert fa3.eligible(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], FULL)
     buf = torch.empty(q.numel() + 1, dtype=q.dtype)
     q_odd = buf[1:].view(q.shape)                     # contiguous, but not 16-byte aligned: TMA cannot read it
     assert q_odd.is_contiguous() and not fa3.eligible(q_odd, k, v, FULL)
@@ -158,6 +169,9 @@ def test_kernels_compile_for_sm90():
     arrival follows a bar.sync of its warpgroup (the barrier counts rely on it)."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     specs = [f"fwd,{d},{c},bf16" for d in sorted(fa3.CONFIGS) for c in (0, 1)] + ["fwd,128,0,fp16"]
+    # the forward's features, each alone and together (fa3.fwd_flags), at each head dim
+    specs += [f"fwdx,{d},{f},bf16" for d in sorted(fa3.CONFIGS) for f in
+              ("causal+tail", "left+right+tail+guard", "softcap+alibi", "causal+varlen+tail+guard+softcap+alibi")]
     specs += [f"fwdshort,{d},{int(c)},bf16,{n}" for (d, c), entries in sorted(fa3.SHORT_CONFIGS.items())
               for n, _ in entries]
     specs += [f"bwd,{d},{c},bf16" for d in sorted(fa3.BWD_CONFIGS) for c in (0, 1)] + ["bwd,64,1,fp16"]
@@ -309,8 +323,7 @@ def test_row_descriptor_reuses_a_checked_geometry():
 
 def test_forward_config_by_length():
     """fa3.fwd_config: each SHORT_CONFIGS entry from just past the previous entry's length up to its own
-    (inclusive), CONFIGS and PINGPONG beyond the last, and for head dims / masks without a short entry; eligible()
-    takes the Bc of the config a length gets (Bc 64 at 512: a multiple of 64 suffices there)."""
+    (inclusive), CONFIGS and PINGPONG beyond the last, and for head dims / masks without a short entry."""
     for (d, causal), entries in fa3.SHORT_CONFIGS.items():
         assert list(entries) == sorted(entries, key=lambda e: e[0])
         prev = 0
@@ -321,10 +334,6 @@ def test_forward_config_by_length():
     assert fa3.fwd_config(64, 512, True)[1] == 64 and fa3.fwd_config(64, 576, True)[1] == 128
     assert (128, False) not in fa3.SHORT_CONFIGS
     assert fa3.fwd_config(128, 512, False) == (*fa3.CONFIGS[128], fa3.PINGPONG[128][False])
-    causal = launch.AttnParams(softmax_scale=0.125, window_right=0)
-    for s, takes in ((448, True), (576, False), (640, True)):   # Bc 64 up to 512, 128 beyond
-        t = torch.empty(1, s, 2, 64, dtype=torch.bfloat16)
-        assert fa3.eligible(t, t, t, causal) is takes, s
 
 
 def test_disabled_context_nests():

@@ -38,7 +38,7 @@ def flash_fwd(q, k, v, out, lse, params, alibi=None, cu_seqlens_q=None, cu_seqle
     max_sk = max_seqlen_k if cu_seqlens_k is not None else k.shape[1]
     attends = not (q.numel() == 0 or k.shape[-3] == 0 or max_sk == 0)   # (else the launcher writes 0 and -inf)
     if attends and fa3.supports(q, k, v, params, alibi, cu_seqlens_q, bias, mask, sparse, mods):
-        fa3.fwd(q, k, v, out, lse, params)
+        fa3.fwd(q, k, v, out, lse, params, alibi, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         return
     launch.flash_fwd(q, k, v, out, lse, params, alibi, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                      bias=bias, mask=mask, sparse=sparse, mods=mods, memo=memo)
@@ -68,10 +68,13 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params, alibi=None, cu_seqlen
 # --------------------------------------------------------------------------------------------------
 # The training path: a plan per problem
 # --------------------------------------------------------------------------------------------------
-def _gluon_candidate(p, params) -> bool:
-    """The problem's features allow the FA3 kernels (their shapes are checked by fa3.supports)."""
-    return (p.plain and not p.varlen and params.dropout_p == 0 and params.softcap == 0
-            and (params.is_causal or not (params.has_left or params.has_right)))
+def _gluon_candidate(p, params, backward: bool) -> bool:
+    """The problem's features allow the FA3 kernels (their shapes are checked by fa3.supports): the forward takes
+    every window, softcap, ALiBi and varlen; the backward only causal or no mask, dense."""
+    if backward:
+        return (p.plain and not p.varlen and params.dropout_p == 0 and params.softcap == 0
+                and (params.is_causal or not (params.has_left or params.has_right)))
+    return not (p.bias or p.mask or p.sparse_block or p.mod_key) and params.dropout_p == 0
 
 
 def _attends(q, k) -> bool:
@@ -86,10 +89,11 @@ def forward(p, params, q, k, v, out, lse, x, bias=None, mods=None) -> None:
     plan = p.cache.get("fwd", False)
     if plan is False:
         plan = None
-        if _gluon_candidate(p, params) and _attends(q, k) and fa3.supports(q, k, v, params):
-            plan = fa3.ForwardPlan(q, k, v, lse, params.softmax_scale, params.is_causal)
+        if (_gluon_candidate(p, params, False) and _attends(q, k)
+                and fa3.supports(q, k, v, params, x.alibi, x.cu_seqlens_q)):
+            plan = fa3.ForwardPlan(q, k, v, lse, params, x.alibi, x.cu_seqlens_q, p.seqlen_q, p.seqlen_k)
         p.cache["fwd"] = plan
-    if plan is not None and plan(q, k, v, out, lse, params):
+    if plan is not None and plan(q, k, v, out, lse, params, x.alibi, x.cu_seqlens_q, x.cu_seqlens_k):
         return
     flash_fwd(q, k, v, out, lse, params, x.alibi, x.cu_seqlens_q, x.cu_seqlens_k, p.seqlen_q, p.seqlen_k,
               bias=bias, mask=x.mask, sparse=x.sparse, mods=mods, memo=p.cache)
@@ -137,7 +141,7 @@ def backward(p, params, dout, q, k, v, out, lse, dq, dk, dv, x, bias=None, dbias
     plan = p.cache.get("bwd", False)
     if plan is False:
         plan = None
-        if (_gluon_candidate(p, params) and _attends(q, k) and not p.deterministic and out.is_contiguous()
+        if (_gluon_candidate(p, params, True) and _attends(q, k) and not p.deterministic and out.is_contiguous()
                 and fa3.supports(q, k, v, params, backward=True)):
             plan = _GluonBackward(q, k, v, lse, params)
         p.cache["bwd"] = plan

@@ -20,8 +20,9 @@ CASES = [
     Case(2, 1024, 1024, 8, 8, 128, bf16, causal=True),     # Gluon forward and backward plans
     Case(2, 1024, 1024, 8, 2, 64, fp16),                   # Gluon, GQA
     Case(1, 1024, 1024, 4, 4, 256, bf16, causal=True),     # Gluon forward, Triton backward template (split dK / dV)
-    Case(2, 1000, 1000, 4, 4, 128, bf16, causal=True),     # Triton templates (a length the Gluon tiles do not divide)
-    Case(1, 700, 1300, 4, 2, 96, fp16, window=(200, 0), softcap=20.0, alibi="bh"),   # Triton templates, features
+    Case(2, 1000, 1000, 4, 4, 128, bf16, causal=True),     # Gluon forward (ragged tiles), Triton backward template
+    Case(2, 900, 1300, 8, 2, 128, bf16, window=(200, 0), softcap=20.0, alibi="bh"),   # Gluon forward, features
+    Case(1, 700, 1300, 4, 2, 96, fp16, window=(200, 0), softcap=20.0, alibi="bh"),   # Triton templates (d96)
     Case(2, 512, 512, 8, 8, 64, bf16, causal=True, deterministic=True),   # the two-pass backward
 ]
 

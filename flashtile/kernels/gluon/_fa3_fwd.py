@@ -30,6 +30,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from .. import params
 
 LN2 = gl.constexpr(params.LN2)
+LOG2E = gl.constexpr(params.LOG2E)
 LOG2_E4M3_MAX = gl.constexpr(params.LOG2_E4M3_MAX)   # log2(448), e4m3's largest finite value
 # TMA copies: Triton 3.6 (the GPU image's) names them async_copy_global_to_shared / async_copy_shared_to_global;
 # later releases async_load / async_store and drop the old store name
@@ -38,73 +39,159 @@ tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 
 @gluon.jit
-def _tile(tile, n_m, seqlen_k, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-    """Tile number `tile` -> (bh, pid_m, q_start, n_blocks). Tiles are numbered head by head (a head's tiles share
-    its K / V in L2), each head's longest (causal: last) query tile first, the short ones fill the tail."""
+def _tile_coords(tile, n_m, LONGEST_FIRST: gl.constexpr):
+    """Tile number `tile` -> (bh, pid_m). Tiles are numbered head by head (a head's tiles share its K / V in L2);
+    LONGEST_FIRST (a right window, causal included): each head's last query tile, which sees the most keys, first,
+    so the short ones fill the tail."""
     bh = tile // n_m
     pid_m = tile % n_m
-    if CAUSAL:
+    if LONGEST_FIRST:
         pid_m = n_m - 1 - pid_m
-    q_start = pid_m * TILE_M
-    if CAUSAL:   # (capped: a sequence's last tile may reach past it)
-        n_blocks = gl.minimum(gl.cdiv(q_start + TILE_M, BLOCK_N), seqlen_k // BLOCK_N)
+    return bh, pid_m
+
+
+@gluon.jit
+def _seq_info(b, seq, VARLEN: gl.constexpr):
+    """Sequence b's first query row and first key row in the 2-D (rows, heads x d) views the descriptors tile, and
+    its lengths: dense, the batch's seqlen_q / seqlen_k; VARLEN, from cu_seqlens (packed tokens)."""
+    cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k = seq
+    if VARLEN:
+        q_row0 = gl.load(cu_seqlens_q + b)
+        k_row0 = gl.load(cu_seqlens_k + b)
+        len_q = gl.load(cu_seqlens_q + b + 1) - q_row0
+        len_k = gl.load(cu_seqlens_k + b + 1) - k_row0
     else:
-        n_blocks = seqlen_k // BLOCK_N
-    return bh, pid_m, q_start, n_blocks
+        q_row0 = b * seqlen_q
+        k_row0 = b * seqlen_k
+        len_q = seqlen_q
+        len_k = seqlen_k
+    return q_row0, k_row0, len_q, len_k
+
+
+@gluon.jit
+def _key_blocks(row_lo, row_hi, len_q, len_k, window, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
+                HAS_RIGHT: gl.constexpr):
+    """The mask rule, per key block (the Triton kernels' mods.key_range): query i of a sequence sees key j iff
+    j < len_k and, with the window's bounds, i + shift - left <= j <= i + shift + right, shift = len_k - len_q
+    (bottom-right aligned; causal is right = 0). Rows [row_lo, row_hi) see key blocks [lo, hi), and each of them
+    sees blocks [full_lo, full_hi) whole (no element mask there)."""
+    window_left, window_right = window
+    shift = len_k - len_q
+    lo = 0
+    full_lo = 0
+    hi = gl.cdiv(len_k, BLOCK_N)
+    full_hi = len_k // BLOCK_N
+    if HAS_RIGHT:   # the last row's last key; the first row's
+        hi = gl.minimum(hi, gl.cdiv(gl.maximum(row_hi + shift + window_right, 0), BLOCK_N))
+        full_hi = gl.minimum(full_hi, gl.maximum(row_lo + shift + window_right + 1, 0) // BLOCK_N)
+    if HAS_LEFT:    # the first row's first key; the last row's
+        lo = gl.maximum(row_lo + shift - window_left, 0) // BLOCK_N
+        full_lo = gl.cdiv(gl.maximum(row_hi - 1 + shift - window_left, 0), BLOCK_N)
+    return lo, full_lo, full_hi, hi
+
+
+@gluon.jit
+def _tile_blocks(q_start, tile_rows, len_q, len_k, window, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
+                 HAS_RIGHT: gl.constexpr):
+    """Key blocks [lo, hi) a query tile loads: those its rows see, at least one (a tile whose rows see no key,
+    e.g. a sequence without keys, computes one block fully masked: its rows output 0)."""
+    lo, _, _, hi = _key_blocks(q_start, q_start + tile_rows, len_q, len_k, window, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    return lo, gl.maximum(hi, lo + 1)
+
+
+@gluon.jit
+def _visible(s, rows, cols, len_q, len_k, window, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+             TAIL: gl.constexpr):
+    """The mask rule per element (_key_blocks'): S with -inf where query rows[i] does not see key cols[j] (TAIL:
+    keys past len_k as well; without it every block ends within the sequence)."""
+    window_left, window_right = window
+    diag = gl.expand_dims(rows + (len_k - len_q), 1)
+    keys = gl.expand_dims(cols, 0)
+    if HAS_RIGHT:
+        s = gl.where(keys <= diag + window_right, s, float("-inf"))
+    if HAS_LEFT:
+        s = gl.where(keys >= diag - window_left, s, float("-inf"))
+    if TAIL:
+        s = gl.where(keys < len_k, s, float("-inf"))
+    return s
+
+
+@gluon.jit
+def _scores_log2(s, rows, cols, len_q, len_k, score, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr):
+    """Raw Q K^T -> scores in log2 units with softcap and / or ALiBi (the Triton kernels' mods.scores_log2):
+    softcap: softcap log2(e) tanh(S softmax_scale / softcap), tanh(x) = 1 - 2 / (exp(2x) + 1); else
+    S softmax_scale log2(e); ALiBi adds -slope log2(e) |i + len_k - len_q - j|. score = (score_scale (softcap:
+    softmax_scale / softcap), softcap log2(e), slope log2(e))."""
+    score_scale, softcap_log2, slope_log2 = score
+    if SOFTCAP:
+        e = gl.exp2(s * (score_scale * 2.0 * LOG2E))
+        s = (1.0 - gl.fdiv(gl.full_like(e, 2.0), e + 1.0)) * softcap_log2
+    else:
+        s = s * score_scale
+    if ALIBI:
+        dist = gl.expand_dims(rows + (len_k - len_q), 1) - gl.expand_dims(cols, 0)
+        dist = gl.where(dist < 0, -dist, dist)
+        s = s - slope_log2 * dist.to(gl.float32)
+    return s
 
 
 @gluon.jit
 def _load_partition(loads, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                    NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr):
+                    NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr, FP8: gl.constexpr, VARLEN: gl.constexpr,
+                    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
     """Producer and tile scheduler. It draws the program's next tile from a counter shared by the launch (dynamic
-    scheduling: a program that drew short causal tiles draws more), writes its number into the slot of a free Q
-    buffer (Q_BUFS per consumer warpgroup: the next tile's Q loads while this one's keys run) and loads each
-    consumer warpgroup's Q rows there, then K_j / V_j for j < n_blocks into ring buffer c % STAGES (c counts the
-    program's blocks over its tiles) once every consumer warpgroup released it. FP8: V_j from V^T, a (HEAD_D,
-    BLOCK_N) block. The counter: every program draws until it gets a number >= n_tiles (the consumers see it and
-    stop); the last of those n_tiles + G draws resets it to 0 for the launch after this one on the stream.
+    scheduling: a program that drew short tiles draws more), skips a tile past its sequence's end (VARLEN: the
+    tiles are counted for the longest sequence), writes its number into the slot of a free Q buffer (Q_BUFS per
+    consumer warpgroup: the next tile's Q loads while this one's keys run) and loads each consumer warpgroup's Q
+    rows there, then K_j / V_j for the tile's key blocks [lo, hi) (_tile_blocks) into ring buffer c % STAGES (c
+    counts the program's blocks over its tiles) once every consumer warpgroup released it. FP8: V_j from V^T, a
+    (HEAD_D, BLOCK_N) block. The counter: every program draws until it gets a number >= n_tiles (the consumers see
+    it and stop); the last of those n_tiles + G draws resets it to 0 for the launch after this one on the stream.
     `loads`: the descriptors, buffers, barriers and scalars it uses (as the kernel names them)."""
     (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, slots,
-     counter_ptr, n_m, n_tiles, nheads, group, seqlen_q, seqlen_k) = loads
+     counter_ptr, n_m, n_tiles, nheads, group, seq, window) = loads
     slot_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     c = 0
     it = 0
     tile = gl.atomic_add(counter_ptr, 1)
     while tile < n_tiles:
-        bh, pid_m, q_start, n_blocks = _tile(tile, n_m, seqlen_k, NUM_WG * BLOCK_M, BLOCK_N, CAUSAL)
+        bh, pid_m = _tile_coords(tile, n_m, HAS_RIGHT)
         b = bh // nheads
         h = bh % nheads
-        qb = it % Q_BUFS
-        for wg in gl.static_range(NUM_WG):
-            # mbarriers start with phase 1 complete, so each buffer's first wait passes at once
-            mbarrier.wait(q_empty.index(qb * NUM_WG + wg), ((it // Q_BUFS) & 1) ^ 1)
-        # every warpgroup is done with the buffer's previous tile, so its slot is free; the expect below (an
-        # arrive) publishes the slot to the consumers that wait on q_ready
-        slots.index(qb).store(gl.full([1], tile, gl.int32, slot_layout))
-        for wg in gl.static_range(NUM_WG):
-            mbarrier.expect(q_ready.index(qb * NUM_WG + wg), q_desc.block_type.nbytes)
-            tma_load(q_desc, [b * seqlen_q + q_start + wg * BLOCK_M, h * HEAD_D], q_ready.index(qb * NUM_WG + wg),
-                     q_bufs.index(qb * NUM_WG + wg))
-        kv_row = b * seqlen_k
-        kv_col = (h // group) * HEAD_D
-        vt_row = (b * (nheads // group) + h // group) * HEAD_D
-        for j in range(n_blocks):
-            s = c % STAGES
-            # K_j's buffer frees as soon as S_{j-STAGES} is computed, V_j's only once P~ V of that block is:
-            # separate barriers let K run ahead
-            phase = ((c // STAGES) & 1) ^ 1
-            row = kv_row + j * BLOCK_N
-            mbarrier.wait(k_empty.index(s), phase)
-            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-            tma_load(k_desc, [row, kv_col], k_ready.index(s), k_bufs.index(s))
-            mbarrier.wait(v_empty.index(s), phase)
-            mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-            if FP8:
-                tma_load(v_desc, [vt_row, j * BLOCK_N], v_ready.index(s), v_bufs.index(s))
-            else:
-                tma_load(v_desc, [row, kv_col], v_ready.index(s), v_bufs.index(s))
-            c += 1
-        it += 1
+        q_row0, k_row0, len_q, len_k = _seq_info(b, seq, VARLEN)
+        q_start = pid_m * (NUM_WG * BLOCK_M)
+        if q_start < len_q:
+            lo, hi = _tile_blocks(q_start, NUM_WG * BLOCK_M, len_q, len_k, window, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+            qb = it % Q_BUFS
+            for wg in gl.static_range(NUM_WG):
+                # mbarriers start with phase 1 complete, so each buffer's first wait passes at once
+                mbarrier.wait(q_empty.index(qb * NUM_WG + wg), ((it // Q_BUFS) & 1) ^ 1)
+            # every warpgroup is done with the buffer's previous tile, so its slot is free; the expect below (an
+            # arrive) publishes the slot to the consumers that wait on q_ready
+            slots.index(qb).store(gl.full([1], tile, gl.int32, slot_layout))
+            for wg in gl.static_range(NUM_WG):
+                mbarrier.expect(q_ready.index(qb * NUM_WG + wg), q_desc.block_type.nbytes)
+                tma_load(q_desc, [q_row0 + q_start + wg * BLOCK_M, h * HEAD_D], q_ready.index(qb * NUM_WG + wg),
+                         q_bufs.index(qb * NUM_WG + wg))
+            kv_col = (h // group) * HEAD_D
+            vt_row = (b * (nheads // group) + h // group) * HEAD_D
+            for j in range(lo, hi):
+                s = c % STAGES
+                # K_j's buffer frees as soon as S_{j-STAGES} is computed, V_j's only once P~ V of that block is:
+                # separate barriers let K run ahead
+                phase = ((c // STAGES) & 1) ^ 1
+                row = k_row0 + j * BLOCK_N
+                mbarrier.wait(k_empty.index(s), phase)
+                mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+                tma_load(k_desc, [row, kv_col], k_ready.index(s), k_bufs.index(s))
+                mbarrier.wait(v_empty.index(s), phase)
+                mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+                if FP8:
+                    tma_load(v_desc, [vt_row, j * BLOCK_N], v_ready.index(s), v_bufs.index(s))
+                else:
+                    tma_load(v_desc, [row, kv_col], v_ready.index(s), v_bufs.index(s))
+                c += 1
+            it += 1
         tile = gl.atomic_add(counter_ptr, 1)
     if tile == n_tiles + gl.num_programs(0) - 1:
         gl.atomic_xchg(counter_ptr, 0)
@@ -118,26 +205,39 @@ def _load_partition(loads, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N:
 
 
 @gluon.jit
-def _online_softmax(s, m_i, l_i, qk_scale, j, n_unmasked, q_start, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    s_layout: gl.constexpr, FP8: gl.constexpr, CAUSAL: gl.constexpr):
-    """Algorithm 1 lines 9-10 for one S block, in base 2 (qk_scale = softmax_scale * log2 e > 0, which lets the
-    row max be taken before scaling): m_new = max(m_i, rowmax(S) * scale); P~ = exp2(S * scale - m_new);
-    l_new = exp2(m_i - m_new) l_i + rowsum(P~). Blocks j >= n_unmasked (the warpgroup's) reach the causal
-    diagonal: columns after a row's own index get -inf first. Block 0 has a visible column for every row, so m_i
-    is finite from then on (a row's masked columns add P~ = 0, no NaN).
+def _online_softmax(s, m_i, l_i, qk_scale, masked, rows, cols, mask, FP8: gl.constexpr, SCORED: gl.constexpr,
+                    GUARD: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, TAIL: gl.constexpr,
+                    SOFTCAP: gl.constexpr, ALIBI: gl.constexpr):
+    MASKED: gl.constexpr = HAS_LEFT or HAS_RIGHT or TAIL
+    """Algorithm 1 lines 9-10 for one S block, in base 2: m_new = max(m_i, rowmax(S2)); P~ = exp2(S2 - m_new);
+    l_new = exp2(m_i - m_new) l_i + rowsum(P~), with S2 = S * qk_scale (qk_scale = softmax_scale * log2 e > 0,
+    which lets the row max be taken before scaling) or, SCORED (softcap / ALiBi), _scores_log2(S). A `masked`
+    block (one some of the warpgroup's rows do not see whole: _key_blocks) gets -inf where the mask rule hides a
+    key (_visible). GUARD: a row may have seen no key yet (m = -inf); its exponentials are taken against 0
+    instead of NaN, so it adds nothing. Without GUARD the warpgroup's first block has a visible key in every row.
+    mask = (len_q, len_k, (left, right), score), rows / cols the block's query and key indices in the sequence.
     FP8: P~ = exp2(S * scale - m_new + log2 448) fills e4m3's range [0, 448] for the P V product; l carries the
     same factor, so it cancels in O = acc / l (the LSE subtracts it)."""
-    if CAUSAL:
-        if j >= n_unmasked:
-            rows = q_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-            cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            s = gl.where(gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1), s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-    alpha = gl.exp2(m_i - m_new)
-    if FP8:
-        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new - LOG2_E4M3_MAX, 1))
+    len_q, len_k, window, score = mask
+    if SCORED:
+        s = _scores_log2(s, rows, cols, len_q, len_k, score, SOFTCAP, ALIBI)
+    if MASKED:   # (a problem without a mask compiles none of it)
+        if masked:
+            s = _visible(s, rows, cols, len_q, len_k, window, HAS_LEFT, HAS_RIGHT, TAIL)
+    if SCORED:
+        m_new = gl.maximum(m_i, gl.max(s, 1))
     else:
-        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    m_use = m_new
+    if GUARD:
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_use)
+    if FP8:
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_use - LOG2_E4M3_MAX, 1))
+    elif SCORED:
+        p = gl.exp2(s - gl.expand_dims(m_use, 1))
+    else:
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
     l_new = l_i * alpha + gl.sum(p, 1)
     return p, m_new, l_new, alpha
 
@@ -166,13 +266,16 @@ def _pass_turn(bars, wg: gl.constexpr, NUM_WG: gl.constexpr, PINGPONG: gl.conste
 @gluon.jit
 def _consumer_partition(wg: gl.constexpr, shared, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr,
-                        PINGPONG: gl.constexpr, FP8: gl.constexpr, CAUSAL: gl.constexpr):
+                        PINGPONG: gl.constexpr, FP8: gl.constexpr, VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                        SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, TAIL: gl.constexpr, GUARD: gl.constexpr):
     """Consumer warpgroup `wg`, tile after tile as the producer hands them over (the tile number in the slot of
     the Q buffer, >= n_tiles: none left): c counts the program's K / V blocks (ring position), t its turns, `it`
-    its tiles (Q buffer). `shared`: the buffers, barriers and scalars it uses (as the kernel names them)."""
+    its tiles (Q buffer). `shared`: the buffers, barriers and scalars it uses (as the kernel names them);
+    the feature flags: fa3_fwd_kernel's."""
     (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, slots, o_desc,
      lse_ptr, stride_lse_b, stride_lse_h, q_scale_ptr, k_scale_ptr, v_scale_ptr, n_m, n_tiles, nheads, group,
-     seqlen_q, seqlen_k, qk_scale) = shared
+     qk_scale, seq, window, epilogue, alibi) = shared
+    alibi_ptr, stride_alibi_b, softcap_log2 = alibi
     slot_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     c = 0
     t = 0
@@ -180,27 +283,38 @@ def _consumer_partition(wg: gl.constexpr, shared, HEAD_D: gl.constexpr, BLOCK_M:
     mbarrier.wait(q_ready.index(wg), 0)
     tile = gl.max(slots.index(0).load(slot_layout), 0)
     while tile < n_tiles:
-        bh, pid_m, q_start, n_blocks = _tile(tile, n_m, seqlen_k, NUM_WG * BLOCK_M, BLOCK_N, CAUSAL)
+        bh, pid_m = _tile_coords(tile, n_m, HAS_RIGHT)
         b = bh // nheads
         h = bh % nheads
+        q_row0, k_row0, len_q, len_k = _seq_info(b, seq, VARLEN)
+        q_start = pid_m * (NUM_WG * BLOCK_M)
+        lo, hi = _tile_blocks(q_start, NUM_WG * BLOCK_M, len_q, len_k, window, BLOCK_N, HAS_LEFT, HAS_RIGHT)
         tile_scale = qk_scale
         k_scales = k_scale_ptr
         v_scales = v_scale_ptr
         if FP8:   # the descale of this warpgroup's 64 Q rows joins the softmax scale (clamped: a sequence's last
             # tile may end before this warpgroup's rows); K_j's and V_j's are read per block
-            q_blocks = seqlen_q // BLOCK_M
+            q_blocks = len_q // BLOCK_M
             tile_scale = qk_scale * gl.load(q_scale_ptr + bh * q_blocks + gl.minimum(pid_m * NUM_WG + wg,
                                                                                      q_blocks - 1))
             bhk = b * (nheads // group) + h // group
-            k_scales = k_scale_ptr + bhk * (seqlen_k // BLOCK_N)
-            v_scales = v_scale_ptr + bhk * (seqlen_k // BLOCK_N)
+            k_scales = k_scale_ptr + bhk * (len_k // BLOCK_N)
+            v_scales = v_scale_ptr + bhk * (len_k // BLOCK_N)
+        slope_log2 = softcap_log2 * 0.0
+        if ALIBI:
+            slope_log2 = gl.load(alibi_ptr + b * stride_alibi_b + h) * LOG2E
+        lse_row = lse_ptr + b * stride_lse_b + h * stride_lse_h
+        if VARLEN:   # (nheads, total_q): the sequence's rows start at its first token
+            lse_row = lse_row + q_row0
         qb = (it % Q_BUFS) * NUM_WG + wg
+        rows = (q_row0, q_start, len_q, len_k, h * HEAD_D)
+        mask = (len_q, len_k, window, (tile_scale, softcap_log2, slope_log2))
         _consumer_tile(wg, q_bufs.index(qb), q_empty.index(qb), k_bufs, v_bufs, o_bufs, k_ready, v_ready, k_empty,
-                       v_empty, turns, o_desc, lse_ptr + b * stride_lse_b + h * stride_lse_h, k_scales, v_scales,
-                       b * seqlen_q + q_start, h * HEAD_D, q_start, seqlen_q, n_blocks, tile_scale, c, t, BLOCK_M,
-                       BLOCK_N, HEAD_D, STAGES, NUM_WG, PINGPONG, FP8, CAUSAL)
-        c += n_blocks
-        t += n_blocks + 1
+                       v_empty, turns, o_desc, lse_row, k_scales, v_scales, rows, mask, epilogue, lo, hi,
+                       tile_scale, c, t, BLOCK_M, BLOCK_N, HEAD_D, STAGES, NUM_WG, PINGPONG, FP8, HAS_LEFT,
+                       HAS_RIGHT, SOFTCAP, ALIBI, TAIL, GUARD)
+        c += hi - lo
+        t += hi - lo + 1
         it += 1
         # the next tile's Q (or the end): its slot is valid once q_ready completes
         mbarrier.wait(q_ready.index((it % Q_BUFS) * NUM_WG + wg), (it // Q_BUFS) & 1)
@@ -208,17 +322,37 @@ def _consumer_partition(wg: gl.constexpr, shared, HEAD_D: gl.constexpr, BLOCK_M:
 
 
 @gluon.jit
+def _release(j0, j1, k_ready, v_ready, k_empty, v_empty, turns, c, t, wg: gl.constexpr, STAGES: gl.constexpr,
+             NUM_WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """Blocks j0 <= j < j1 of the ring (positions c + j, turns t + j) that this warpgroup does not read: released
+    once loaded (an early release would complete the phase of the block STAGES before, which the other
+    warpgroups may still be reading), their turns passed on."""
+    for j in range(j0, j1):
+        cur = (c + j) % STAGES
+        mbarrier.wait(k_ready.index(cur), ((c + j) // STAGES) & 1)
+        mbarrier.arrive(k_empty.index(cur), count=1)
+        mbarrier.wait(v_ready.index(cur), ((c + j) // STAGES) & 1)
+        mbarrier.arrive(v_empty.index(cur), count=1)
+        _turn(turns, wg, t + j, NUM_WG, PINGPONG)
+        _pass_turn(turns, wg, NUM_WG, PINGPONG)
+
+
+@gluon.jit
 def _consumer_tile(wg: gl.constexpr, q_smem, q_empty, k_bufs, v_bufs, o_bufs, k_ready, v_ready,
-                   k_empty, v_empty, turns, o_desc, lse_ptr, k_scale_ptr, v_scale_ptr, q_row, q_col, q_start,
-                   seqlen_q, n_blocks, qk_scale, c, t, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   k_empty, v_empty, turns, o_desc, lse_row, k_scale_ptr, v_scale_ptr, rows, mask, epilogue,
+                   lo, hi, qk_scale, c, t, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    HEAD_D: gl.constexpr, STAGES: gl.constexpr, NUM_WG: gl.constexpr, PINGPONG: gl.constexpr,
-                   FP8: gl.constexpr, CAUSAL: gl.constexpr):
+                   FP8: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
+                   ALIBI: gl.constexpr, TAIL: gl.constexpr, GUARD: gl.constexpr):
     """Consumer warpgroup `wg` on one tile: rows [wg * BLOCK_M, (wg + 1) * BLOCK_M) of its Q tile (in q_smem),
-    through the whole key loop (Algorithm 1 lines 6-11), then its part of the epilogue (lines 12-15). Block j of
-    the tile is the program's block c + j (ring buffer (c + j) % STAGES), its turns t .. t + n_blocks.
+    through the whole key loop (Algorithm 1 lines 6-11), then its part of the epilogue (lines 12-15). The tile's
+    key blocks are [lo, hi) (_tile_blocks); block j is the program's block c + j - lo (ring buffer
+    (c + j - lo) % STAGES), turns t .. t + hi - lo. rows: (the sequence's first row in the 2-D views, the tile's
+    first row in the sequence, len_q, len_k, the head's first column); mask: _online_softmax's.
     FP8 (FA3 §3.3): Q, K, V^T are e4m3 with one descale per block; qk_scale already holds Q_i's, K_j's joins it
     per block (k_scale_ptr[j]), and V_j's (v_scale_ptr[j]) rides on the row rescale: acc is kept in units of
     the last V block's descale, so block quantization costs a scalar per block."""
+    SCORED: gl.constexpr = SOFTCAP or ALIBI
     dtype: gl.constexpr = q_smem.dtype
     INSTR_K: gl.constexpr = 256 // dtype.primitive_bitwidth   # a wgmma's reduction depth: 32 bytes of K
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -229,48 +363,56 @@ def _consumer_tile(wg: gl.constexpr, q_smem, q_empty, k_bufs, v_bufs, o_bufs, k_
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout,
                                                  k_width=32 // dtype.primitive_bitwidth)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-    q_start = q_start + wg * BLOCK_M
-    # this warpgroup's key blocks: it computes blocks < n_mine and masks those >= n_unmasked; the program's other
-    # blocks (n_mine <= j < n_blocks: past its rows' causal diagonal, or every block after the first for rows past
-    # the sequence) it only releases, after the key loop
-    n_mine = n_blocks
-    n_unmasked = n_blocks
-    if CAUSAL:
-        n_mine = gl.minimum(gl.cdiv(q_start + BLOCK_M, BLOCK_N), n_blocks)
-        n_unmasked = q_start // BLOCK_N
-    if q_start >= seqlen_q:
-        n_mine = 1
+    q_row0, q_start, len_q, len_k, q_col = rows
+    len_q, len_k, window, score = mask
+    row_lo = q_start + wg * BLOCK_M
+    q_rows = row_lo + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    key_cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    # this warpgroup's key blocks: it computes blocks [mine_lo, mine_hi) of the tile's and masks those outside
+    # [full_lo, full_hi); the tile's other blocks (before or past its rows' window, or every block after the first
+    # for rows past the sequence) it only releases (_release)
+    mine_lo, full_lo, full_hi, mine_hi = _key_blocks(row_lo, row_lo + BLOCK_M, len_q, len_k, window, BLOCK_N,
+                                                     HAS_LEFT, HAS_RIGHT)
+    mine_lo = gl.minimum(gl.maximum(mine_lo, lo), hi - 1)
+    mine_hi = gl.minimum(gl.maximum(mine_hi, mine_lo + 1), hi)
+    if row_lo >= len_q:
+        mine_hi = mine_lo + 1
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
     acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
     s_init = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    # ring positions and turns relative to the tile's first block
+    c = c - lo
+    t = t - lo
+    _release(lo, mine_lo, k_ready, v_ready, k_empty, v_empty, turns, c, t, wg, STAGES, NUM_WG, PINGPONG)
     scale_j = qk_scale
-    if FP8:   # block 0's descales, and block 1's loaded a turn ahead of their use (latency hidden by a whole turn)
-        scale_j = qk_scale * gl.load(k_scale_ptr)
-        dv_prev = gl.load(v_scale_ptr)
-        ks_next = gl.load(k_scale_ptr + gl.minimum(1, n_mine - 1))
-        dv_next = gl.load(v_scale_ptr + gl.minimum(1, n_mine - 1))
+    if FP8:   # the first block's descales, and the next one's loaded a turn ahead of their use (latency hidden)
+        scale_j = qk_scale * gl.load(k_scale_ptr + mine_lo)
+        dv_prev = gl.load(v_scale_ptr + mine_lo)
+        ks_next = gl.load(k_scale_ptr + gl.minimum(mine_lo + 1, mine_hi - 1))
+        dv_next = gl.load(v_scale_ptr + gl.minimum(mine_lo + 1, mine_hi - 1))
 
     # (Q_i has landed: the caller waited for q_ready to read the tile number)
-    # turn 0: S_0 = Q K_0^T (nothing to overlap it with yet)
-    first = c % STAGES
-    mbarrier.wait(k_ready.index(first), (c // STAGES) & 1)
-    _turn(turns, wg, t, NUM_WG, PINGPONG)
+    # first turn: S_j = Q K_j^T (nothing to overlap it with yet)
+    first = (c + mine_lo) % STAGES
+    mbarrier.wait(k_ready.index(first), ((c + mine_lo) // STAGES) & 1)
+    _turn(turns, wg, t + mine_lo, NUM_WG, PINGPONG)
     s_tok = warpgroup_mma(q_smem, k_bufs.index(first).permute((1, 0)), s_init, use_acc=False, is_async=True)
     _pass_turn(turns, wg, NUM_WG, PINGPONG)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
     mbarrier.arrive(k_empty.index(first), count=1)
-    p, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, scale_j, 0, n_unmasked, q_start, BLOCK_M, BLOCK_N, s_layout,
-                                         FP8, CAUSAL)
+    masked = (mine_lo < full_lo) | (mine_lo >= full_hi)
+    p, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, scale_j, masked, q_rows, mine_lo * BLOCK_N + key_cols, mask, FP8,
+                                         SCORED, GUARD, HAS_LEFT, HAS_RIGHT, TAIL, SOFTCAP, ALIBI)
     p = _p_operand(p, dtype, p_layout, BLOCK_M, BLOCK_N, FP8)
-    for j in range(1, n_mine):
+    for j in range(mine_lo + 1, mine_hi):
         cur = (c + j) % STAGES
         prev = (c + j - 1) % STAGES
         if FP8:   # block j's descales (loaded last turn); block j + 1's
             scale_j = qk_scale * ks_next
             dv_j = dv_next
-            ks_next = gl.load(k_scale_ptr + gl.minimum(j + 1, n_mine - 1))
-            dv_next = gl.load(v_scale_ptr + gl.minimum(j + 1, n_mine - 1))
+            ks_next = gl.load(k_scale_ptr + gl.minimum(j + 1, mine_hi - 1))
+            dv_next = gl.load(v_scale_ptr + gl.minimum(j + 1, mine_hi - 1))
         # turn j: issue S_j = Q K_j^T, then O += P~_{j-1} V_{j-1}; both run on the tensor cores meanwhile
         mbarrier.wait(k_ready.index(cur), ((c + j) // STAGES) & 1)
         mbarrier.wait(v_ready.index(prev), ((c + j - 1) // STAGES) & 1)
@@ -281,8 +423,10 @@ def _consumer_tile(wg: gl.constexpr, q_smem, q_empty, k_bufs, v_bufs, o_bufs, k_
         # wgmma groups retire in order: <= 1 outstanding means S_j is done (P~_{j-1} V_{j-1} may still run)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
         mbarrier.arrive(k_empty.index(cur), count=1)   # K_j read: the producer may refill its buffer
-        p_next, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, scale_j, j, n_unmasked, q_start,
-                                                  BLOCK_M, BLOCK_N, s_layout, FP8, CAUSAL)
+        masked = (j < full_lo) | (j >= full_hi)
+        p_next, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, scale_j, masked, q_rows, j * BLOCK_N + key_cols,
+                                                  mask, FP8, SCORED, GUARD, HAS_LEFT, HAS_RIGHT, TAIL, SOFTCAP,
+                                                  ALIBI)
         if FP8:   # (the wait cannot carry 8-bit registers; the e4m3 P~ is a temporary of this turn)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, ))
         else:
@@ -295,46 +439,75 @@ def _consumer_tile(wg: gl.constexpr, q_smem, q_empty, k_bufs, v_bufs, o_bufs, k_
             dv_prev = dv_j
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
         p = _p_operand(p_next, dtype, p_layout, BLOCK_M, BLOCK_N, FP8)
-    last = (c + n_mine - 1) % STAGES
-    mbarrier.wait(v_ready.index(last), ((c + n_mine - 1) // STAGES) & 1)
-    _turn(turns, wg, t + n_mine, NUM_WG, PINGPONG)
+    last = (c + mine_hi - 1) % STAGES
+    mbarrier.wait(v_ready.index(last), ((c + mine_hi - 1) // STAGES) & 1)
+    _turn(turns, wg, t + mine_hi, NUM_WG, PINGPONG)
     o_tok = warpgroup_mma(_p_cast(p, FP8), _v_operand(v_bufs, last, FP8), acc, is_async=True)
     _pass_turn(turns, wg, NUM_WG, PINGPONG)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, ))
     mbarrier.arrive(v_empty.index(last), count=1)
 
-    # epilogue (Algorithm 1 lines 12-15): O_i = diag(l_i)^-1 acc, L_i = m_i + log(l_i); every row saw >= 1 key.
-    # The output goes through this warpgroup's Q buffer (free: its S wgmmas have retired), FP8: its own buffer;
-    # the TMA store has read it before the Q buffer is released to the producer
+    # epilogue (Algorithm 1 lines 12-15): O_i = diag(l_i)^-1 acc, L_i = m_i + log(l_i); GUARD: a row that saw no
+    # key has l_i = 0 and outputs 0 with L = -inf. The output goes through this warpgroup's Q buffer (free: its S
+    # wgmmas have retired), FP8: its own buffer; the TMA store has read it before the Q buffer is released
+    l_safe = l_i
+    if GUARD:
+        l_safe = gl.where(l_i == 0.0, 1.0, l_i)
     if FP8:
-        o = acc * gl.expand_dims(gl.convert_layout(dv_prev / l_i, o_rows), 1)
+        o = acc * gl.expand_dims(gl.convert_layout(dv_prev / l_safe, o_rows), 1)
         o_smem = o_bufs.index(wg)
     else:
-        o = acc / gl.expand_dims(gl.convert_layout(l_i, o_rows), 1)
+        o = acc / gl.expand_dims(gl.convert_layout(l_safe, o_rows), 1)
         o_smem = q_smem
-    # With 3 warpgroups (Br = 192) a sequence's last tile may end before the third warpgroup's rows: those rows
-    # (the next sequence's, or TMA's zero fill) were computed but are not stored
-    if q_start < seqlen_q:
-        o_smem.store(o.to(o_desc.dtype))
-        fence_async_shared()
-        tma_store(o_desc, [q_row + wg * BLOCK_M, q_col], o_smem)
-        rows = q_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-        if FP8:   # l_i carries P~'s factor 448
-            gl.store(lse_ptr + rows, (m_i + gl.log2(l_i) - LOG2_E4M3_MAX) * LN2)
+    if FP8:   # l_i carries P~'s factor 448
+        lse = (m_i + gl.log2(l_safe) - LOG2_E4M3_MAX) * LN2
+    else:
+        lse = (m_i + gl.log2(l_safe)) * LN2
+    if GUARD:
+        lse = gl.where(l_i == 0.0, float("-inf"), lse)
+    # Rows past the sequence (the next sequence's, or TMA's zero fill) were computed but are not stored: a
+    # warpgroup's rows all past it store nothing; TAIL: rows partly past it store through masked pointer stores
+    # (a TMA store would write the next sequence's rows)
+    if row_lo < len_q:
+        if TAIL:
+            if row_lo + BLOCK_M > len_q:
+                _store_rows(o, lse, epilogue, q_row0, row_lo, len_q, lse_row, q_col, BLOCK_M, HEAD_D)
+            else:
+                _store_tile(o, lse, o_smem, o_desc, q_row0, row_lo, q_col, lse_row, q_rows)
         else:
-            gl.store(lse_ptr + rows, (m_i + gl.log2(l_i)) * LN2)
-        tma.store_wait(pendings=0)
+            _store_tile(o, lse, o_smem, o_desc, q_row0, row_lo, q_col, lse_row, q_rows)
     mbarrier.arrive(q_empty, count=1)
-    # the blocks this warpgroup does not read: released once loaded (an early release would complete the phase
-    # of the block STAGES before, which the other warpgroups may still be reading), turns passed on
-    for j in range(n_mine, n_blocks):
-        cur = (c + j) % STAGES
-        mbarrier.wait(k_ready.index(cur), ((c + j) // STAGES) & 1)
-        mbarrier.arrive(k_empty.index(cur), count=1)
-        mbarrier.wait(v_ready.index(cur), ((c + j) // STAGES) & 1)
-        mbarrier.arrive(v_empty.index(cur), count=1)
-        _turn(turns, wg, t + j + 1, NUM_WG, PINGPONG)
-        _pass_turn(turns, wg, NUM_WG, PINGPONG)
+    _release(mine_hi, hi, k_ready, v_ready, k_empty, v_empty, turns, c, t + 1, wg, STAGES, NUM_WG, PINGPONG)
+
+
+@gluon.jit
+def _store_tile(o, lse, o_smem, o_desc, q_row0, row_lo, q_col, lse_row, q_rows):
+    """A warpgroup's output rows by one TMA store (through o_smem), and their LSE."""
+    o_smem.store(o.to(o_desc.dtype))
+    fence_async_shared()
+    tma_store(o_desc, [q_row0 + row_lo, q_col], o_smem)
+    gl.store(lse_row + q_rows, lse)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _store_rows(o, lse, epilogue, q_row0, row_lo, len_q, lse_row, q_col, BLOCK_M: gl.constexpr,
+                HEAD_D: gl.constexpr):
+    """A warpgroup's output rows that end past the sequence, by pointer stores masked at len_q (epilogue: the
+    output's pointer and row stride), and their LSE; in a blocked layout of 16-byte column runs (coalesced)."""
+    out_ptr, stride_o_row = epilogue
+    COLS: gl.constexpr = HEAD_D // 8 if HEAD_D // 8 < 32 else 32   # threads along a row, 8 columns each
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // COLS, COLS], [4, 1], [1, 0])
+    row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    o = gl.convert_layout(o.to(out_ptr.dtype.element_ty), layout)
+    r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, layout))
+    offs = (gl.expand_dims((q_row0 + row_lo + r).to(gl.int64) * stride_o_row, 1)
+            + gl.expand_dims((q_col + d).to(gl.int64), 0))
+    keep = gl.expand_dims(row_lo + r < len_q, 1) & gl.expand_dims(d < HEAD_D, 0)
+    gl.store(out_ptr + offs, o, mask=keep)
+    rows = row_lo + gl.arange(0, BLOCK_M, layout=row_layout)
+    gl.store(lse_row + rows, gl.convert_layout(lse, row_layout), mask=rows < len_q)
 
 
 @gluon.jit
@@ -384,20 +557,37 @@ def _v_operand(v_bufs, i, FP8: gl.constexpr):
 
 @gluon.jit
 def fa3_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, counter_ptr,
-                   stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, n_bh, nheads, group, qk_scale, HEAD_D: gl.constexpr,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                   out_ptr, cu_seqlens_q, cu_seqlens_k, alibi_ptr,
+                   stride_lse_b, stride_lse_h, stride_o_row, stride_alibi_b, seqlen_q, seqlen_k, n_bh, nheads, group,
+                   qk_scale, softcap_log2, window_left, window_right,
+                   HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                    NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr, PINGPONG: gl.constexpr, FP8: gl.constexpr,
+                   VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
+                   ALIBI: gl.constexpr, TAIL: gl.constexpr, GUARD: gl.constexpr,
                    CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """Persistent: G programs (at most one per SM) share the cdiv(seqlen_q, NUM_WG * BLOCK_M) output tiles of each
     of the n_bh = batch * nheads heads, drawing them from counter_ptr (an int32 that is 0 at the launch and
-    again after it; _tile: the order), so one tile's epilogue overlaps the next one's loads; with G = the tile
-    count it is one tile per program. BLOCK_M = 64 rows per consumer warpgroup (num_warps = 4: the first consumer is the
-    default partition). q/k/v/o descriptors are over the 2-D views (batch * seqlen, nheads * HEAD_D) with blocks
-    (BLOCK_M or BLOCK_N, HEAD_D); seqlen_q % BLOCK_M == 0 and seqlen_k % BLOCK_N == 0 (the host checks), causal
-    only with seqlen_q == seqlen_k. lse: (batch, nheads, seqlen_q) fp32, natural log.
-    FP8: q, k e4m3 as above, v_desc over V^T viewed (batch * nheads_k * HEAD_D, seqlen_k) with blocks
-    (HEAD_D, BLOCK_N); o_desc over the bf16 / fp16 output; descales q_scale (batch, nheads, seqlen_q / BLOCK_M),
-    k_scale, v_scale (batch, nheads_k, seqlen_k / BLOCK_N), contiguous float32 (unused otherwise)."""
+    again after it; _tile_coords: the order), so one tile's epilogue overlaps the next one's loads; with G = the
+    tile count it is one tile per program. BLOCK_M = 64 rows per consumer warpgroup (num_warps = 4: the first
+    consumer is the default partition). q/k/v/o descriptors are over the 2-D views (rows, nheads * HEAD_D) with
+    blocks (BLOCK_M or BLOCK_N, HEAD_D); rows = batch * seqlen (dense) or tokens (VARLEN: sequence b's are
+    cu_seqlens[b] .. cu_seqlens[b + 1], seqlen_q / seqlen_k the longest). lse: (batch, nheads, seqlen_q) or
+    (VARLEN, stride_lse_b = 0) (nheads, total_q), fp32, natural log.
+    The problem's features (constexpr, so a problem without them compiles none of their code):
+    - HAS_LEFT / HAS_RIGHT: a window (window_left / window_right keys around each row's bottom-right diagonal;
+      causal is right = 0) - _key_blocks;
+    - SOFTCAP (softcap_log2 = softcap log2 e; qk_scale = softmax_scale / softcap), ALIBI (alibi_ptr: float32
+      slopes, (nheads) or (batch, nheads) with stride_alibi_b) - _scores_log2; else qk_scale = softmax_scale
+      log2 e;
+    - TAIL: a sequence may end inside a tile (seqlen_q % 64, seqlen_k % BLOCK_N, VARLEN): keys past it are
+      masked, and output rows past it are not stored (out_ptr, stride_o_row: pointer stores where a TMA store
+      would write past the sequence);
+    - GUARD: a row may see no key (left windows, VARLEN, a right window above the diagonal): its output is 0 and
+      its LSE -inf.
+    FP8: dense, seqlen_q % 64 == 0 and seqlen_k % BLOCK_N == 0, causal only with seqlen_q == seqlen_k; q, k
+    e4m3, v_desc over V^T viewed (batch * nheads_k * HEAD_D, seqlen_k) with blocks (HEAD_D, BLOCK_N); o_desc over
+    the bf16 / fp16 output; descales q_scale (batch, nheads, seqlen_q / BLOCK_M), k_scale, v_scale (batch,
+    nheads_k, seqlen_k / BLOCK_N), contiguous float32 (unused otherwise)."""
     dtype: gl.constexpr = q_desc.dtype
     n_m = gl.cdiv(seqlen_q, NUM_WG * BLOCK_M)
     n_tiles = n_m * n_bh
@@ -433,23 +623,32 @@ def fa3_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_scale_ptr, k_scale
     # producer warp; each worker gets its own copy of the (scalar / shared-memory) arguments. Registers:
     # CONSUMER_REGS per consumer thread, 24 for the producer (setmaxnreg within the kernel's limit: fa3._regs)
     gl.static_assert(NUM_WG == 2 or NUM_WG == 3)
+    seq = (cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k)
+    window = (window_left, window_right)
     shared = (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, slots,
               o_desc, lse_ptr, stride_lse_b, stride_lse_h, q_scale_ptr, k_scale_ptr, v_scale_ptr, n_m, n_tiles,
-              nheads, group, seqlen_q, seqlen_k, qk_scale)
+              nheads, group, qk_scale, seq, window, (out_ptr, stride_o_row), (alibi_ptr, stride_alibi_b, softcap_log2))
     loads = (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-             slots, counter_ptr, n_m, n_tiles, nheads, group, seqlen_q, seqlen_k)
+             slots, counter_ptr, n_m, n_tiles, nheads, group, seq, window)
     if NUM_WG == 2:
         gl.warp_specialize([
-            (_consumer_partition, (0, shared, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8, CAUSAL)),
-            (_consumer_partition, (1, shared, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8, CAUSAL)),
-            (_load_partition, (loads, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, CAUSAL, FP8)),
+            (_consumer_partition, (0, shared, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8, VARLEN,
+                                   HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, GUARD)),
+            (_consumer_partition, (1, shared, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8, VARLEN,
+                                   HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, GUARD)),
+            (_load_partition, (loads, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, FP8, VARLEN, HAS_LEFT,
+                               HAS_RIGHT)),
         ], [4, 1], [CONSUMER_REGS, 24])
     else:
         gl.warp_specialize([
-            (_consumer_partition, (0, shared, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8, CAUSAL)),
-            (_consumer_partition, (1, shared, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8, CAUSAL)),
-            (_consumer_partition, (2, shared, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8, CAUSAL)),
-            (_load_partition, (loads, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, CAUSAL, FP8)),
+            (_consumer_partition, (0, shared, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8, VARLEN,
+                                   HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, GUARD)),
+            (_consumer_partition, (1, shared, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8, VARLEN,
+                                   HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, GUARD)),
+            (_consumer_partition, (2, shared, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8, VARLEN,
+                                   HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, GUARD)),
+            (_load_partition, (loads, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, FP8, VARLEN, HAS_LEFT,
+                               HAS_RIGHT)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
     for i in gl.static_range(Q_BUFS * NUM_WG):

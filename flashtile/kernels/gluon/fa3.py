@@ -16,8 +16,8 @@ import os
 import torch
 
 from .. import relaunch, support
-from ..params import LOG2E
-from ..runtime import DescriptorType, descriptor_fields, row_descriptor, tickets
+from ..params import LOG2E, AttnParams
+from ..runtime import DescriptorType, descriptor_fields, row_descriptor, tickets, tma_row_view
 
 SMEM_LIMIT = 227 * 1024 - 1024   # an SM's shared memory per block, less room for the mbarriers
 # the forward runs persistent (at most one program per SM, each drawing tile after tile from a counter of the
@@ -103,28 +103,30 @@ def _kernels(device_index: int):
 def eligible(q, k, v, params, alibi=None, cu_seqlens_q=None, bias=None, mask=None, sparse=None,
              mods=None, backward=False) -> bool:
     """Whether the FA3 kernel (forward, or backward) computes this problem (dtype, layout, shapes, features),
-    whatever the device."""
-    if not (q.dim() == 4 and q.dtype in (torch.float16, torch.bfloat16)):
+    whatever the device. The forward: dense or varlen, any lengths, windows and causal (bottom-right), softcap,
+    ALiBi (float32 slopes), GQA; q / k / v as (rows, heads x d) views TMA can tile (tma_viewable). Not: dropout,
+    bias, bool masks, block sparsity, mods (the Triton kernels). The backward: dense, causal or none, seqlen_q a
+    multiple of its Br and seqlen_k of its Bc, causal with seqlen_q == seqlen_k, contiguous."""
+    if q.dtype not in (torch.float16, torch.bfloat16):
         return False
-    if cu_seqlens_q is not None or alibi is not None or bias is not None or mask is not None:
-        return False
-    if sparse is not None or mods is not None:
-        return False
-    if params.dropout_p > 0 or params.softcap > 0 or params.is_local:
+    if bias is not None or mask is not None or sparse is not None or mods is not None or params.dropout_p > 0:
         return False
     if not params.softmax_scale > 0:   # the kernel takes max(S) * scale for max(S * scale), and masks with -inf
         return False
-    head_dim, sq, sk = q.shape[-1], q.shape[1], k.shape[1]
-    if head_dim not in (BWD_CONFIGS if backward else CONFIGS):
+    head_dim = q.shape[-1]
+    if not backward:
+        if head_dim not in CONFIGS or (q.dim() == 3) != (cu_seqlens_q is not None) or q.shape[-3] == 0:
+            return False
+        if alibi is not None and not (alibi.dtype == torch.float32 and alibi.stride(-1) == 1):
+            return False
+        return tma_viewable(q, k, v)
+    if q.dim() != 4 or cu_seqlens_q is not None or alibi is not None or params.softcap > 0 or params.is_local:
         return False
-    if not tma_aligned(q, k, v):
+    if head_dim not in BWD_CONFIGS or not tma_aligned(q, k, v):
         return False   # TMA needs 16-byte aligned bases (the row strides are: head_dim x nheads x 2 bytes)
-    causal = params.is_causal
-    if backward:
-        block_m, block_n = BWD_CONFIGS[head_dim][:2]
-    else:   # the forward's last tile may end after any of its warpgroups' 64 rows
-        block_m, block_n = WG_ROWS, fwd_config(head_dim, sq, causal)[1]
-    return not (sq % block_m or sk % block_n or sq == 0 or (causal and sq != sk))
+    sq, sk = q.shape[1], k.shape[1]
+    block_m, block_n = BWD_CONFIGS[head_dim][:2]
+    return not (sq % block_m or sk % block_n or sq == 0 or (params.is_causal and sq != sk))
 
 
 def supports(q, k, v, params, *args, **kwargs) -> bool:
@@ -149,6 +151,12 @@ def tma_aligned(*ts: torch.Tensor) -> bool:
     return all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in ts)
 
 
+def tma_viewable(*ts: torch.Tensor) -> bool:
+    """Whether every tensor is a (rows, heads x d) view TMA can tile (runtime.tma_row_view: contiguous, or a slice
+    of a packed tensor, with 16-byte aligned base and row stride)."""
+    return all(tma_row_view(t) is not None for t in ts)
+
+
 def tma_ready(x: torch.Tensor) -> torch.Tensor:
     """x, or a copy of it, contiguous with a 16-byte aligned base."""
     x = x.contiguous()
@@ -166,14 +174,26 @@ def _gluon_language():
     return gl
 
 
-def fwd(q, k, v, out, lse, params) -> None:
-    """out = attention(q, k, v), lse = its row log-sum-exp (natural log), by the Gluon FA3 kernel. Call only
-    where supports() said yes; out and lse contiguous."""
-    head_dim = q.shape[-1]
-    causal = params.is_causal
-    num_wg, block_n, stages, pingpong = fwd_config(head_dim, q.shape[1], causal)
-    _launch_fwd(q, k, v, out, lse, (lse, lse, lse), params.softmax_scale, causal, num_wg, block_n, stages,
-                pingpong, fp8=False)
+def fwd(q, k, v, out, lse, params, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+        max_seqlen_k=None) -> None:
+    """out = attention(q, k, v), lse = its row log-sum-exp (natural log; -inf where a row sees no key), by the
+    Gluon FA3 kernel: dense (batch, seqlen, nheads, d) or varlen (tokens, nheads, d) with cu_seqlens and the
+    longest lengths. Call only where supports() said yes; out contiguous, lse (batch, nheads, seqlen_q) or
+    (nheads, total_q)."""
+    varlen = cu_seqlens_q is not None
+    sq = max_seqlen_q if varlen else q.shape[1]
+    sk = max_seqlen_k if varlen else k.shape[1]
+    cfg = fwd_config(q.shape[-1], sq, params.has_right)
+    _launch_fwd(q, k, v, out, lse, (lse, lse, lse), params, cfg, False, alibi, cu_seqlens_q, cu_seqlens_k, sq, sk)
+
+
+def fwd_flags(params, varlen: bool, alibi, sq: int, sk: int, block_n: int) -> dict:
+    """fa3_fwd_kernel's feature flags for a problem (its docstring says what each compiles in)."""
+    has_left, has_right = params.has_left, params.has_right
+    tail = varlen or sq % WG_ROWS != 0 or sk % block_n != 0
+    guard = varlen or has_left or (has_right and sk - sq + params.window_right < 0)
+    return dict(VARLEN=varlen, HAS_LEFT=has_left, HAS_RIGHT=has_right, SOFTCAP=params.softcap > 0,
+                ALIBI=alibi is not None, TAIL=tail, GUARD=guard)
 
 
 def fwd_config(head_dim: int, seqlen_q: int, causal: bool):
@@ -186,10 +206,11 @@ def fwd_config(head_dim: int, seqlen_q: int, causal: bool):
 
 
 # fa3_fwd_kernel's first _FWD_LIVE parameters are the descriptors and tensors a call changes (q, k, v, out, lse, the
-# descales, the tile counter); the rest are sizes, strides and the scale, fixed by the problem
-_FWD_LIVE = 9
-# (q / k / v shapes, dtype, device, lse strides, softmax_scale, causal) -> _FwdTemplate of a bf16 / fp16 launch seen
-# before
+# descales, the tile counter, out's pointer, cu_seqlens, the ALiBi slopes); the rest are sizes, strides and scalars,
+# fixed by the problem
+_FWD_LIVE = 13
+# (q / k / v shapes, dtype, device, lse strides, the scalars, ALiBi's shape, the longest lengths) -> _FwdTemplate of
+# a bf16 / fp16 launch seen before
 _FWD_TEMPLATES: dict = {}
 
 
@@ -204,32 +225,48 @@ class _FwdTemplate:
         self.bound, self.kwargs = bound, kwargs
         self.descs = [DescriptorType(cls, f) for f in fields]
 
-    def launch(self, grid, q, k, v, out, lse, scales, counter) -> bool:
+    def launch(self, grid, q, k, v, out, lse, scales, counter, extras) -> bool:
+        """extras: (cu_seqlens_q, cu_seqlens_k, alibi), None where absent."""
         d = self.descs
         descs = (d[0](q), d[1](k), d[2](v), d[3](out))
         if None in descs:
             return False
+        cu_q, cu_k, alibi = extras
         # (the descriptors have the bound ones' class, block and layout and the base dtype of the key's q)
-        return self.bound(grid, (*descs, lse, *scales, counter), trusted=4)
+        return self.bound(grid, (*descs, lse, *scales, counter, out, lse if cu_q is None else cu_q,
+                                 lse if cu_k is None else cu_k, lse if alibi is None else alibi), trusted=4)
 
 
-def _launch_fwd(q, k, v, out, lse, scales, softmax_scale, causal, num_wg, block_n, stages, pingpong, fp8):
-    """fa3_fwd_kernel over (batch, seqlen, nheads, d) q, k and v (fp8: V^T (batch, nheads_k, d, seqlen_k) and the
-    three descale tensors; else unused pointers)."""
+def _fwd_key(q, k, v, lse, params, alibi, sq, sk):
+    """The key of a forward's launch template: what fixes every argument but the live ones (q, k, v, out, lse and
+    the extras contiguous: _launch_fwd keeps templates only then)."""
+    return (q.shape, k.shape, v.shape, q.dtype, q.device, lse.stride(), params.softmax_scale, params.window_left,
+            params.window_right, params.softcap, None if alibi is None else alibi.stride(), sq, sk)
+
+
+def _launch_fwd(q, k, v, out, lse, scales, params, cfg, fp8, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                sq=None, sk=None):
+    """fa3_fwd_kernel over dense (batch, seqlen, nheads, d) or varlen (tokens, nheads, d) q, k and v (fp8: dense,
+    V^T (batch, nheads_k, d, seqlen_k) and the three descale tensors; else unused pointers); cfg: fwd_config's."""
+    num_wg, block_n, stages, pingpong = cfg
     kern, _, TensorDescriptor = _kernels(_device_index(q))
-    batch, sq, nheads, head_dim = q.shape
-    sk, nheads_k = k.shape[1], k.shape[2]
+    varlen = cu_seqlens_q is not None
+    batch = cu_seqlens_q.shape[0] - 1 if varlen else q.shape[0]
+    sq = q.shape[1] if sq is None else sq
+    sk = k.shape[1] if sk is None else sk
+    nheads, head_dim, nheads_k = q.shape[-2], q.shape[-1], k.shape[-2]
     n_tiles = -(-sq // (num_wg * WG_ROWS)) * batch * nheads   # (not triton.cdiv: ~2 us of host time per call)
     programs = min(n_tiles, _sm_count(_device_index(q))) if PERSISTENT else n_tiles
-    kwargs = dict(HEAD_D=head_dim, BLOCK_M=WG_ROWS, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, NUM_WG=num_wg,
+    kwargs = dict(HEAD_D=head_dim, BLOCK_M=WG_ROWS, BLOCK_N=block_n, STAGES=stages, NUM_WG=num_wg,
                   Q_BUFS=q_buffers(head_dim, num_wg, block_n, stages, q.element_size(), fp8), PINGPONG=pingpong,
-                  FP8=fp8, **_regs(head_dim, fp8, num_wg))
+                  FP8=fp8, **fwd_flags(params, varlen, alibi, sq, sk, block_n), **_regs(head_dim, fp8, num_wg))
     counter = tickets(q.device, 1)
-    key = None if fp8 else (q.shape, k.shape, v.shape, q.dtype, q.device, lse.stride(), softmax_scale, causal)
+    extras = (cu_seqlens_q, cu_seqlens_k, alibi)
+    contiguous = tma_aligned(q, k, v, out)
+    key = None if fp8 or not contiguous else _fwd_key(q, k, v, lse, params, alibi, sq, sk)
     tpl = _FWD_TEMPLATES.get(key) if key is not None else None
-    # (q, k, v are contiguous - eligible() - and out must be: the template's descriptors have their first geometry)
-    if (tpl is not None and tpl.kwargs == kwargs and out.is_contiguous()
-            and tpl.launch((programs, 1, 1), q, k, v, out, lse, scales, counter)):
+    if tpl is not None and tpl.kwargs == kwargs and tpl.launch((programs, 1, 1), q, k, v, out, lse, scales, counter,
+                                                               extras):
         return
 
     def desc(t, rows):
@@ -242,10 +279,14 @@ def _launch_fwd(q, k, v, out, lse, scales, softmax_scale, causal, num_wg, block_
     else:
         v_desc = desc(v, block_n)
     descs = (desc(q, WG_ROWS), desc(k, block_n), v_desc, desc(out, WG_ROWS))
-    args = (*descs, lse, *scales, counter, lse.stride(0), lse.stride(1), sq, sk, batch * nheads, nheads,
-            nheads // nheads_k, softmax_scale * LOG2E)
+    lse_strides = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
+    score_scale, softcap_log2 = params.score_args()
+    args = (*descs, lse, *scales, counter, out, *(lse if t is None else t for t in extras), *lse_strides,
+            tma_row_view(out).stride(0), 0 if alibi is None or alibi.dim() == 1 else alibi.stride(0), sq, sk,
+            batch * nheads, nheads, nheads // nheads_k, score_scale, softcap_log2, max(params.window_left, 0),
+            max(params.window_right, 0))
     relaunch.launch(kern.fa3_fwd_kernel, (programs, ), args, kwargs)
-    if key is not None and out.is_contiguous():
+    if key is not None:
         bound = relaunch.bind(kern.fa3_fwd_kernel, args, kwargs, _FWD_LIVE)
         if bound is not None:
             relaunch.remember(_FWD_TEMPLATES, key, _FwdTemplate(bound, kwargs, TensorDescriptor,
@@ -301,8 +342,9 @@ def fwd_fp8(q8, k8, vt8, q_scale, k_scale, v_scale, out, lse, softmax_scale: flo
     for name, t in (("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale)):
         assert t.is_contiguous() and t.dtype == torch.float32, name
     assert vt8.shape == (k8.shape[0], k8.shape[2], head_dim, k8.shape[1]) and vt8.is_contiguous()
-    _launch_fwd(q8, k8, vt8, out, lse, (q_scale, k_scale, v_scale), softmax_scale, causal, num_wg, block_n,
-                stages, FP8_PINGPONG[head_dim][causal], fp8=True)
+    params = AttnParams(softmax_scale=softmax_scale, window_right=0 if causal else -1)
+    _launch_fwd(q8, k8, vt8, out, lse, (q_scale, k_scale, v_scale), params,
+                (num_wg, block_n, stages, FP8_PINGPONG[head_dim][causal]), True)
 
 
 def bwd_dq_tile(block_m: int, head_dim: int):
@@ -389,30 +431,40 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None) -> None:
 
 
 class ForwardPlan:
-    """fwd() of one problem (shapes, dtype, device, LSE strides, scale, causal) called again and again (a training
-    loop): what fwd() derives from the problem is derived once, and a call launches the template fwd() left
-    (_FwdTemplate), checking only the config it was made with (benchmark sweeps change the tables). Call only where
-    supports() said yes for these tensors."""
-    __slots__ = ("key", "cfg", "grid", "tpl")
+    """fwd() of one problem (shapes, dtype, device, LSE strides, the scalars, extras' layout) called again and
+    again (a training loop): what fwd() derives from the problem is derived once, and a call launches the
+    template fwd() left (_FwdTemplate), checking only the config it was made with (benchmark sweeps change the
+    tables). Call only where supports() said yes for these tensors."""
+    __slots__ = ("key", "cfg", "grid", "tpl", "sizes")
 
-    def __init__(self, q, k, v, lse, softmax_scale: float, causal: bool):
-        head_dim, sq = q.shape[-1], q.shape[1]
-        self.cfg = fwd_config(head_dim, sq, causal)
-        n_tiles = -(-sq // (self.cfg[0] * WG_ROWS)) * q.shape[0] * q.shape[2]
+    def __init__(self, q, k, v, lse, params, alibi=None, cu_seqlens_q=None, max_seqlen_q=None, max_seqlen_k=None):
+        varlen = cu_seqlens_q is not None
+        head_dim = q.shape[-1]
+        sq = max_seqlen_q if varlen else q.shape[1]
+        sk = max_seqlen_k if varlen else k.shape[1]
+        batch = cu_seqlens_q.shape[0] - 1 if varlen else q.shape[0]
+        self.sizes = (sq, sk)
+        self.cfg = fwd_config(head_dim, sq, params.has_right)
+        n_tiles = -(-sq // (self.cfg[0] * WG_ROWS)) * batch * q.shape[-2]
         self.grid = (min(n_tiles, _sm_count(_device_index(q))) if PERSISTENT else n_tiles, 1, 1)
-        self.key = (q.shape, k.shape, v.shape, q.dtype, q.device, lse.stride(), softmax_scale, causal)
+        self.key = _fwd_key(q, k, v, lse, params, alibi, sq, sk)
         self.tpl = None
 
-    def __call__(self, q, k, v, out, lse, params) -> bool:
-        """False (nothing launched) where this call cannot take the kernel: Gluon turned off, or a tensor not
-        contiguous or not 16-byte aligned."""
-        if not (enabled() and tma_aligned(q, k, v, out)):
+    def __call__(self, q, k, v, out, lse, params, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None) -> bool:
+        """False (nothing launched) where this call cannot take the kernel: Gluon turned off, or a tensor TMA
+        cannot tile."""
+        if not enabled():
             return False
         tpl = self.tpl
-        if (tpl is None or self.cfg != fwd_config(q.shape[-1], q.shape[1], self.key[-1])
-                or not tpl.launch(self.grid, q, k, v, out, lse, (lse, lse, lse), tickets(q.device, 1))):
-            fwd(q, k, v, out, lse, params)
-            self.tpl = _FWD_TEMPLATES.get(self.key)
+        if (tpl is not None and tma_aligned(q, k, v, out)
+                and self.cfg == fwd_config(q.shape[-1], self.sizes[0], params.has_right)
+                and tpl.launch(self.grid, q, k, v, out, lse, (lse, lse, lse), tickets(q.device, 1),
+                               (cu_seqlens_q, cu_seqlens_k, alibi))):
+            return True
+        if not tma_viewable(q, k, v, out):
+            return False
+        fwd(q, k, v, out, lse, params, alibi, cu_seqlens_q, cu_seqlens_k, *self.sizes)
+        self.tpl = _FWD_TEMPLATES.get(self.key)
         return True
 
 

@@ -1,0 +1,141 @@
+"""The Hopper forward (flashtile/kernels/gluon/_fa3_fwd.py) on every input it takes beyond dense aligned problems,
+on an H100/H200: lengths its tiles do not divide, causal and windows aligned bottom-right, softcap, ALiBi, GQA and
+varlen (random lengths, zero-length sequences) - each checked against float64 (output, LSE, and the gradients of
+the Triton backward that follows it), each asserting that the Gluon forward ran, and compared with the Triton
+forward on the same inputs. Skipped without a CUDA device of compute capability 9.x.
+"""
+import pytest
+import torch
+
+if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+    pytest.skip("Hopper-only tests", allow_module_level=True)
+
+import flashtile  # noqa: E402
+from flashtile.kernels.gluon import fa3  # noqa: E402
+from flashtile.kernels.params import AttnParams  # noqa: E402
+from flashtile.varlen import flash_attn_varlen_func  # noqa: E402
+from attn_utils import Case, case_inputs, check_against_reference, flash_kwargs  # noqa: E402
+from test_varlen import VCase, check_varlen, cu, packed_inputs  # noqa: E402
+
+fp16, bf16 = torch.float16, torch.bfloat16
+
+DENSE_CASES = [
+    Case(2, 1000, 1000, 4, 4, 128, bf16, causal=True),             # lengths the tiles do not divide
+    Case(2, 1000, 1000, 8, 2, 64, fp16),
+    Case(1, 777, 1299, 4, 1, 256, bf16),
+    Case(2, 1024, 2048, 4, 4, 128, bf16, causal=True),             # bottom-right causal, s_q < s_k
+    Case(2, 2048, 1000, 4, 2, 128, fp16, causal=True),             # s_q > s_k: the first rows see no key
+    Case(1, 1024, 1024, 4, 4, 128, fp16, window=(256, 0)),
+    Case(2, 1500, 1300, 4, 2, 64, bf16, window=(100, 37)),
+    Case(1, 2048, 2048, 4, 4, 256, bf16, window=(0, 0)),           # each row sees its diagonal key only
+    Case(1, 1024, 1024, 4, 4, 256, bf16, softcap=20.0),
+    Case(2, 1100, 1100, 4, 4, 128, fp16, softcap=30.0, causal=True),
+    Case(1, 1024, 1024, 4, 4, 128, bf16, alibi="h"),
+    Case(2, 900, 1400, 8, 4, 64, bf16, alibi="bh", causal=True, softcap=15.0, window=(300, 0)),
+    Case(1, 4096, 4096, 16, 2, 128, bf16, window=(1024, 1024)),
+]
+
+
+@pytest.fixture(autouse=True)
+def _free_gpu_memory():
+    yield
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def _count_gluon_forwards(monkeypatch) -> dict:
+    calls = {"fwd": 0}
+    real = fa3.fwd
+
+    def counted(*a, **kw):
+        calls["fwd"] += 1
+        return real(*a, **kw)
+    monkeypatch.setattr(fa3, "fwd", counted)
+    return calls
+
+
+@pytest.mark.parametrize("c", DENSE_CASES, ids=lambda c: c.id)
+def test_gluon_forward_features_gpu(c: Case, seed, monkeypatch):
+    calls = _count_gluon_forwards(monkeypatch)
+    q, k, v, dout, alibi = case_inputs(c, "cuda")
+    out, lse, _ = flashtile.flash_attn_func(q, k, v, **flash_kwargs(c, alibi, return_attn_probs=True))
+    assert calls["fwd"] == 1, f"the Gluon forward did not take [{c.id}]"
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    check_against_reference(c, q, k, v, dout, alibi, out, lse, None, grads)
+    with fa3.disabled(), torch.no_grad():   # the Triton forward on the same inputs
+        out_t, lse_t, _ = flashtile.flash_attn_func(q, k, v, **flash_kwargs(c, alibi, return_attn_probs=True))
+    tol = 2e-2 if c.dtype == bf16 else 4e-3
+    torch.testing.assert_close(out.float(), out_t.float(), rtol=0, atol=tol * out_t.abs().max().item() + 1e-6)
+    finite = torch.isfinite(lse_t)
+    assert torch.equal(finite, torch.isfinite(lse)), "rows without keys differ"
+    torch.testing.assert_close(lse[finite], lse_t[finite], rtol=1e-4, atol=1e-4)
+
+
+VARLEN_CASES = [
+    VCase((1000, 0, 3000, 517), (1000, 0, 3000, 517), 16, 2, 128, bf16, causal=True),
+    VCase((2048, 1, 777), (4096, 100, 777), 8, 8, 64, fp16, window=(256, 0), softcap=20.0, alibi="bh"),
+    VCase((640, 1024, 3), (640, 0, 3), 4, 2, 256, bf16, causal=True),      # a sequence without keys
+    VCase((129, 63, 64, 65, 1), (200, 63, 1, 65, 300), 4, 1, 128, fp16),
+    VCase((700, 1300), (1700, 1300), 8, 2, 128, bf16, window=(128, 64), alibi="h"),
+]
+
+
+@pytest.mark.parametrize("c", VARLEN_CASES, ids=lambda c: c.id)
+def test_gluon_varlen_forward_gpu(c: VCase, seed, monkeypatch):
+    calls = _count_gluon_forwards(monkeypatch)
+    q, k, v, dout, alibi = packed_inputs(c)
+    args = (q, k, v, cu(c.lens_q), cu(c.lens_k), max(c.lens_q), max(c.lens_k))
+    kw = dict(causal=c.causal, window_size=c.window, softcap=c.softcap, alibi_slopes=alibi, return_attn_probs=True)
+    out, lse, _ = flash_attn_varlen_func(*args, **kw)
+    assert calls["fwd"] == 1, f"the Gluon forward did not take [{c.id}]"
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    check_varlen(c, q, k, v, dout, alibi, out, lse, grads)
+    with fa3.disabled(), torch.no_grad():
+        out_t, lse_t, _ = flash_attn_varlen_func(*args, **kw)
+    tol = 2e-2 if c.dtype == bf16 else 4e-3
+    torch.testing.assert_close(out.float(), out_t.float(), rtol=0, atol=tol * out_t.abs().max().item() + 1e-6)
+    finite = torch.isfinite(lse_t)
+    assert torch.equal(finite, torch.isfinite(lse))
+    torch.testing.assert_close(lse[finite], lse_t[finite], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_gluon_varlen_writes_only_its_rows_gpu(d, seed):
+    """Outputs poisoned with NaN before the kernel: every row of a sequence is written (finite), and the rows past
+    cu_seqlens_q[-1] (no sequence's) keep the poison - a tile's masked stores never write past its sequence."""
+    lens_q, lens_k = (70, 1, 200, 0, 333), (70, 5, 129, 10, 400)
+    total_q = sum(lens_q) + 17
+    h, hk = 4, 2
+    q = torch.randn(total_q, h, d, dtype=bf16, device="cuda")
+    k = torch.randn(sum(lens_k), hk, d, dtype=bf16, device="cuda")
+    v = torch.randn_like(k)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((h, total_q), float("nan"), device="cuda")
+    params = AttnParams(softmax_scale=d ** -0.5, window_right=0)
+    cq, ck = cu(lens_q), cu(lens_k)
+    assert fa3.supports(q, k, v, params, None, cq)
+    fa3.fwd(q, k, v, out, lse, params, None, cq, ck, max(lens_q), max(lens_k))
+    end = sum(lens_q)
+    assert torch.isfinite(out[:end]).all() and not torch.isnan(lse[:, :end]).any()
+    assert torch.isnan(out[end:]).all() and torch.isnan(lse[:, end:]).all()
+    # the zero-key sequence's row: output 0, LSE -inf
+    row = sum(lens_q[:3])
+    assert (out[row:row + lens_q[3]] == 0).all()
+
+
+def test_gluon_forward_templates_follow_the_extras_gpu(seed):
+    """A repeated varlen / ALiBi call launches the forward's template: it must read this call's cu_seqlens and
+    slopes (live arguments), not the first call's."""
+    h, d = 4, 128
+    q = torch.randn(600, h, d, dtype=bf16, device="cuda")
+    k, v = torch.randn_like(q), torch.randn_like(q)
+    outs = []
+    for lens in ((300, 300), (100, 500)):
+        cq = cu(lens)
+        for slopes in (torch.full((h,), 0.1, device="cuda"), torch.full((h,), 0.5, device="cuda")):
+            out = flash_attn_varlen_func(q, k, v, cq, cq, 600, 600, causal=True, alibi_slopes=slopes)
+            with fa3.disabled():
+                ref = flash_attn_varlen_func(q, k, v, cq, cq, 600, 600, causal=True, alibi_slopes=slopes)
+            torch.testing.assert_close(out.float(), ref.float(), rtol=0, atol=2e-2)
+            outs.append(out)
+    assert not torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], outs[2])
