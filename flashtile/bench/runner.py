@@ -169,7 +169,7 @@ def _release(device: torch.device):
         torch.cuda.empty_cache()
 
 
-def _first_call(fn, *args):
+def first_call(fn, *args):
     """(fn(*args), None), or (None, (status, reason)) when it raises. The call runs with warnings recorded:
     SDPA explains why a backend refused the inputs only in warnings, which then go into the reason."""
     with warnings.catch_warnings(record=True) as caught:
@@ -214,7 +214,7 @@ def _bench_one(name: str, prov: Provider, attn, shape: Shape, causal: bool, inpu
     records = {}
 
     # Forward: one untimed call, checked against the oracle, then timed.
-    out, failed = _first_call(attn, q, k, v, causal)
+    out, failed = first_call(attn, q, k, v, causal)
     if failed is None and not isinstance(out, torch.Tensor):
         failed = ("skipped", f"returned {type(out).__name__}, expected a tensor")
     if failed is not None:
@@ -235,7 +235,7 @@ def _bench_one(name: str, prov: Provider, attn, shape: Shape, causal: bool, inpu
     # Backward: one untimed backward, gradients checked, then o.backward(do) timed (and the training step, forward
     # + backward in one call)
     if "bwd" in cfg.modes or "train" in cfg.modes:
-        _, failed = _first_call(lambda: out.backward(do, retain_graph=True))
+        _, failed = first_call(lambda: out.backward(do, retain_graph=True))
         grads = {"dq": q.grad, "dk": k.grad, "dv": v.grad}
         if failed is None and any(g is None for g in grads.values()):
             failed = ("skipped", "backward left a gradient of q, k or v unset")
