@@ -177,9 +177,11 @@ def ratio(a: Optional[float], b: Optional[float]) -> str:
     return f"{a / b:.2f}x" if a is not None and b else "–"
 
 
-def md_table(header: List[str], rows: List[List[str]], align: str = "---:") -> str:
-    """A Markdown table: header, an alignment row (align for every column), one line per row of cells."""
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(align for _ in header) + "|"]
+def md_table(header: List[str], rows: List[List[str]], align: str | List[str] = "---:") -> str:
+    """A Markdown table: header, an alignment row (align for every column, or one entry per column), one line per
+    row of cells."""
+    aligns = [align] * len(header) if isinstance(align, str) else list(align)
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(aligns) + "|"]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines)
 
