@@ -65,7 +65,7 @@ if not torch.cuda.is_available():   # CPU run: kernels through the Triton interp
 
 import flashtile  # noqa: E402
 from flashtile.bench import measure, report  # noqa: E402
-from flashtile.bench.providers import PROVIDERS, ProviderUnavailable, first_output  # noqa: E402
+from flashtile.bench.providers import PROVIDERS, available_providers, first_output  # noqa: E402
 from flashtile.bench.runner import DTYPE_NAMES, DTYPES, first_call  # noqa: E402
 from flashtile.reference.dense import attention_ref, visible_mask  # noqa: E402
 
@@ -238,21 +238,6 @@ def cudnn_call(point: Point, inp: Inputs, device, dtype) -> Callable:
 
 
 CALLS = {"flashtile": (flashtile_call, "bshd"), "fa4": (fa4_call, "bshd"), "cudnn": (cudnn_call, "bhsd")}
-
-
-def availability(names, device, dtype) -> Dict[str, dict]:
-    """name -> {"available", "reason", "description"}, from the bench registry's factory for this device and dtype
-    (it checks the device and the import)."""
-    out = {}
-    for name in names:
-        prov = PROVIDERS[name]
-        try:
-            prov.make(device, dtype)
-            reason = None
-        except Exception as e:   # ProviderUnavailable, or a broken third-party install
-            reason = str(e) if isinstance(e, ProviderUnavailable) else measure.describe(e)
-        out[name] = {"available": reason is None, "reason": reason, "description": prov.description}
-    return out
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -603,9 +588,12 @@ def main(argv=None) -> int:
     if device.type == "cpu":
         log("bench_features: CPU run: times come from time.perf_counter through the Triton interpreter and say "
             "nothing about the kernels")
+        if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+            log("bench_features: warning: CUDA is present, so TRITON_INTERPRET was not set before flashtile loaded: "
+                "flashtile cannot run on CPU tensors (run with TRITON_INTERPRET=1)")
 
     env = report.collect_environment(device)
-    avail = availability(providers, device, dtype)
+    avail = available_providers(device, dtype, registry={name: PROVIDERS[name] for name in providers})
     for name, info in avail.items():
         if not info["available"]:
             log(f"bench_features: {name} unavailable: {info['reason']}")
