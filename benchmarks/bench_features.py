@@ -66,7 +66,7 @@ if not torch.cuda.is_available():   # CPU run: kernels through the Triton interp
 import flashtile  # noqa: E402
 from flashtile.bench import measure, report  # noqa: E402
 from flashtile.bench.providers import PROVIDERS, available_providers, first_output  # noqa: E402
-from flashtile.bench.runner import DTYPE_NAMES, DTYPES, first_call  # noqa: E402
+from flashtile.bench.runner import DTYPE_NAMES, DTYPES, first_call, positive_int, positive_ints  # noqa: E402
 from flashtile.reference.dense import attention_ref, visible_mask  # noqa: E402
 
 SCHEMA = "flashtile.bench_features/1"
@@ -498,22 +498,13 @@ def _windows(text: str):
     return out
 
 
-def _positive_list(text: str) -> List[int]:
-    try:
-        out = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers") from None
-    if not out or min(out) <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected positive integers")
-    return out
-
-
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--headdim", type=int, nargs="+", default=[128], help="head dims (default 128)")
-    ap.add_argument("--seqlen", type=int, nargs="+", default=[8192], help="tokens per batch row (default 8192)")
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--nheads", type=int, default=16)
+    ap.add_argument("--headdim", type=positive_int, nargs="+", default=[128], help="head dims (default 128)")
+    ap.add_argument("--seqlen", type=positive_int, nargs="+", default=[8192],
+                    help="tokens per batch row (default 8192; 8k = 8192)")
+    ap.add_argument("--batch", type=positive_int, default=2)
+    ap.add_argument("--nheads", type=positive_int, default=16)
     ap.add_argument("--dtype", choices=sorted(DTYPES) + ["bfloat16", "float16", "float32"], default="bf16")
     ap.add_argument("--mode", nargs="+", choices=MODES, default=["fwd", "train"],
                     help="fwd, bwd, train (forward + backward in one call); default fwd train")
@@ -523,7 +514,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--softcap", type=float, default=30.0, help="softcap of the softcap rows (default 30)")
     ap.add_argument("--windows", type=_windows, default=[(4096, 0), (1024, 1024)],
                     help="LEFT:RIGHT window rows (default 4096:0,1024:1024)")
-    ap.add_argument("--doc-lens", type=_positive_list, default=[2048, 1024],
+    ap.add_argument("--doc-lens", type=positive_ints, default=[2048, 1024],
                     help="document lengths of the varlen rows (default 2048,1024)")
     ap.add_argument("--unaligned-offset", type=int, default=192,
                     help="the unaligned rows run seqlen minus this many tokens (default 192)")
@@ -576,9 +567,6 @@ def main(argv=None) -> int:
     problems += [f"--providers: unknown {p!r} (known: {', '.join(PROVIDER_NAMES)})" for p in providers
                  if p not in PROVIDER_NAMES]
     problems += [f"--rows: unknown {r!r} (known: {', '.join(by_name)})" for r in args.rows or [] if r not in by_name]
-    problems += [f"--{k} {v}: expected a positive integer" for k, vals in
-                 (("headdim", args.headdim), ("seqlen", args.seqlen), ("batch", [args.batch]),
-                  ("nheads", [args.nheads])) for v in vals if v <= 0]
     if not 0 <= args.unaligned_offset < min(args.seqlen):
         problems.append(f"--unaligned-offset {args.unaligned_offset}: expected 0 <= offset < the shortest --seqlen")
     if problems or not providers:

@@ -149,16 +149,45 @@ def test_cpu_run_records_every_requested_row(bench, tmp_path, capsys):
 
 
 def test_cpu_run_times_backward_and_training(bench, tmp_path):
-    rows = ["dense-causal", "varlen-48-causal"]
     code, result, _ = _run(bench, tmp_path, ["--mode", "fwd", "bwd", "train", "--providers", "flashtile",
-                                             "--rows", *rows])
+                                             "--rows", "varlen-48-causal"])
     assert code == 0
-    recs = {(r["row"], r["mode"]): r for r in result["results"]}
-    assert set(recs) == {(row, m) for row in rows for m in ("fwd", "bwd", "train")}
+    recs = {r["mode"]: r for r in result["results"]}
+    assert set(recs) == {"fwd", "bwd", "train"}
     for r in recs.values():
         assert r["status"] == "ok" and math.isfinite(r["tflops"]), r
-    fwd, bwd, train = (recs[("dense-causal", m)]["flops"] for m in ("fwd", "bwd", "train"))
-    assert bwd == 2.5 * fwd and train == 3.5 * fwd
+    assert recs["bwd"]["flops"] == 2.5 * recs["fwd"]["flops"] and recs["train"]["flops"] == 3.5 * recs["fwd"]["flops"]
+
+
+def test_peers_are_checked_against_flashtile_and_timed_beside_it(bench, tmp_path, monkeypatch):
+    """FA4 and cuDNN stood in for by torch SDPA on the CPU, FA4's in flash-attn's layout and cuDNN's in PyTorch's:
+    every output and gradient is compared with flashtile's, and the ratios are filled in."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def fake_fa4(point, inp, device, dtype):
+        return lambda q, k, v: sdpa(*(x.transpose(1, 2) for x in (q, k, v)), is_causal=point.row.causal
+                                    ).transpose(1, 2)
+
+    def fake_cudnn(point, inp, device, dtype):
+        return lambda q, k, v: sdpa(q, k, v, is_causal=point.row.causal)
+
+    monkeypatch.setitem(bench.CALLS, "fa4", (fake_fa4, "bshd"))
+    monkeypatch.setitem(bench.CALLS, "cudnn", (fake_cudnn, "bhsd"))
+    ready = {"available": True, "reason": None, "description": "", "importable": True, "layout": ""}
+    monkeypatch.setattr(bench, "available_providers", lambda device, dtype, registry: {p: ready for p in registry})
+    code, result, md = _run(bench, tmp_path, ["--mode", "fwd", "train", "--rows", "unaligned-causal"])
+    assert code == 0
+    recs = {(r["provider"], r["mode"]): r for r in result["results"]}
+    assert set(recs) == {(p, m) for p in ("flashtile", "fa4", "cudnn") for m in ("fwd", "train")}
+    for (provider, mode), r in recs.items():
+        assert r["status"] == "ok" and math.isfinite(r["tflops"]), r
+        names = {"out_vs_reference"} | ({"out_vs_flashtile", "dq_vs_flashtile", "dk_vs_flashtile",
+                                         "dv_vs_flashtile"} if provider != "flashtile" else set())
+        assert set(r["errors"]) == names
+        assert all(e < 1e-4 for e in r["errors"].values()), r["errors"]
+    table = md.split("forward + backward: TFLOP/s")[1]
+    line = next(ln for ln in table.splitlines() if ln.startswith("| dense 104 causal (unaligned) |"))
+    assert line.count("x |") == 2 and "skip" not in line      # flashtile / FA4 and flashtile / cuDNN SDPA
 
 
 def test_a_wrong_output_is_reported_and_not_timed(bench, tmp_path, monkeypatch):
