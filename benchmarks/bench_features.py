@@ -1,8 +1,9 @@
 """Feature benchmark: flashtile beside FlashAttention-4 and cuDNN SDPA on the inputs real models send, one process.
 
-GPU run (repo root, one H100/H200; FA4 importable, e.g. installed as benchmarks/fa4_peer.sh says):
+GPU run (repo root, one H100/H200; FA4 importable, e.g. installed into /tmp/fa4 as benchmarks/fa4_peer.sh says):
 
-    PYTHONPATH=. python benchmarks/bench_features.py --out DIR/features.json
+    PYTHONPATH=.:/tmp/fa4:/tmp/fa4/nvidia_cutlass_dsl/dsl_packages python benchmarks/bench_features.py \
+        --budget-s 480 --out DIR/features.json
 
 CPU smoke run (Triton interpreter, tiny sizes; FA4 and cuDNN are recorded as skipped, with the reason):
 
