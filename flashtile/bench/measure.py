@@ -33,6 +33,26 @@ TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 2e-2, torch.float32: 1e-2}
 # ----------------------------------------------------------------------------------------------------------
 # FLOPs
 # ----------------------------------------------------------------------------------------------------------
+# Matmul FLOPs of a pass relative to the forward's (FA papers): the backward runs five matmuls to the forward's two.
+MODE_FACTORS = {"fwd": 1.0, "bwd": 2.5, "train": 3.5, "fwd_bwd": 3.5}
+
+
+def visible_pairs(seqlen_q: int, seqlen_k: int, window_size=(-1, -1), causal: bool = False) -> int:
+    """Exact number of (query, key) pairs one head of one sequence attends, under flash-attn's mask rule.
+
+    Bottom-right aligned: key j is visible from query i iff i + sk - sq - left <= j <= i + sk - sq + right, with
+    window_size = (left, right), -1 = unbounded on that side; causal forces right = 0
+    (flashtile.reference.dense.visible_mask is the same rule as a matrix).
+    """
+    left, right = window_size
+    if causal:
+        right = 0
+    diag = torch.arange(seqlen_q, dtype=torch.int64) + (seqlen_k - seqlen_q)
+    lo = (diag - left).clamp_min(0) if left >= 0 else torch.zeros_like(diag)
+    hi = (diag + right).clamp_max(seqlen_k - 1) if right >= 0 else torch.full_like(diag, seqlen_k - 1)
+    return int((hi - lo + 1).clamp_min(0).sum())
+
+
 def attention_flops(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, headdim: int, causal: bool,
                     mode: str = "fwd") -> float:
     """Matmul FLOPs of one attention call, the FA papers' convention.
@@ -49,10 +69,9 @@ def attention_flops(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, headd
     if causal:
         if seqlen_q == seqlen_k:
             flops *= 0.5
-        else:  # query i sees keys j <= i + sk - sq: sum over i of clamp(i + sk - sq + 1, 0, sk)
-            visible = sum(min(seqlen_k, max(0, i + seqlen_k - seqlen_q + 1)) for i in range(seqlen_q))
-            flops *= visible / (seqlen_q * seqlen_k)
-    factor = {"fwd": 1.0, "bwd": 2.5, "train": 3.5, "fwd_bwd": 3.5}.get(mode)
+        else:
+            flops *= visible_pairs(seqlen_q, seqlen_k, causal=True) / (seqlen_q * seqlen_k)
+    factor = MODE_FACTORS.get(mode)
     if factor is None:
         raise ValueError(f"attention_flops: mode={mode!r}, expected 'fwd', 'bwd', 'train' or 'fwd_bwd'")
     return flops * factor

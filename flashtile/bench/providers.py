@@ -17,7 +17,7 @@ Adding a provider is one decorated function::
     @register_provider("flashtile-fp8", layout="bshd", description="flashtile FP8 forward", tolerance=5e-2)
     def _flashtile_fp8(device, dtype):
         from flashtile.fp8 import flash_attn_fp8_func  # ImportError -> skipped, with the reason
-        return lambda q, k, v, causal: _first(flash_attn_fp8_func(q, k, v, causal=causal))
+        return lambda q, k, v, causal: first_output(flash_attn_fp8_func(q, k, v, causal=causal))
 
 (a forward-only provider is timed in fwd and reported 'skipped' in bwd, with the error its backward raised).
 """
@@ -145,7 +145,7 @@ def available_providers(device=None, dtype: Optional[torch.dtype] = None,
     return out
 
 
-def _first(out):
+def first_output(out):
     """FA3 and FA4 return (out, lse) in some versions; the benchmark needs only out."""
     return out[0] if isinstance(out, (tuple, list)) else out
 
@@ -287,7 +287,7 @@ def _flex(device, dtype):
 def _fa2(device, dtype):
     from flash_attn import flash_attn_func
 
-    return lambda q, k, v, causal: _first(flash_attn_func(q, k, v, causal=causal))
+    return lambda q, k, v, causal: first_output(flash_attn_func(q, k, v, causal=causal))
 
 
 @register_provider("fa3", layout="bshd", description="flash_attn_interface.flash_attn_func (FlashAttention-3)",
@@ -295,7 +295,7 @@ def _fa2(device, dtype):
 def _fa3(device, dtype):
     from flash_attn_interface import flash_attn_func
 
-    return lambda q, k, v, causal: _first(flash_attn_func(q, k, v, causal=causal))
+    return lambda q, k, v, causal: first_output(flash_attn_func(q, k, v, causal=causal))
 
 
 @register_provider("fa4", layout="bshd", description="flash_attn.cute.flash_attn_func (FlashAttention-4, CuTe DSL)",
@@ -303,4 +303,4 @@ def _fa3(device, dtype):
 def _fa4(device, dtype):
     from flash_attn.cute import flash_attn_func
 
-    return lambda q, k, v, causal: _first(flash_attn_func(q, k, v, causal=causal))
+    return lambda q, k, v, causal: first_output(flash_attn_func(q, k, v, causal=causal))

@@ -157,9 +157,10 @@ def write_script_results(out_dir, stem: str, md: str, meta: dict, **payload) -> 
         f.write(md + "\n")
 
 
-def write_json(result: dict, path: str | Path) -> Path:
+def write_json(result: dict, path: str | Path, schema: str = "flashtile.bench/1") -> Path:
+    """result as strict JSON at path, under a "schema" key naming its layout (non-finite floats as strings)."""
     path = Path(path)
-    doc = {"schema": "flashtile.bench/1", **result}
+    doc = {"schema": schema, **result}
     path.write_text(json.dumps(_finite(doc), indent=1, allow_nan=False) + "\n")
     return path
 
@@ -171,17 +172,22 @@ def _fmt(x: float) -> str:
     return f"{x:.1f}" if x >= 10 else f"{x:.3g}"
 
 
-def _ratio(a: Optional[float], b: Optional[float]) -> str:
+def ratio(a: Optional[float], b: Optional[float]) -> str:
+    """a / b as '1.23x', or '–' where either is missing."""
     return f"{a / b:.2f}x" if a is not None and b else "–"
 
 
-def _md_table(header: List[str], rows: List[List[str]], align: str = "---:") -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(align for _ in header) + "|"]
+def md_table(header: List[str], rows: List[List[str]], align: str | List[str] = "---:") -> str:
+    """A Markdown table: header, an alignment row (align for every column, or one entry per column), one line per
+    row of cells."""
+    aligns = [align] * len(header) if isinstance(align, str) else list(align)
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(aligns) + "|"]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines)
 
 
-def _cell(r: Optional[dict], value_key: str, scale: float = 1.0) -> str:
+def cell(r: Optional[dict], value_key: str, scale: float = 1.0) -> str:
+    """A record's value (x scale) when its status is 'ok', else its status in one word; '' for no record."""
     if r is None:
         return ""
     if r["status"] == "ok":
@@ -205,12 +211,12 @@ def speed_tables(result: dict) -> str:
             for key in sorted({k[:4] for k in recs}):
                 get = lambda p: recs.get(key + (p,))  # noqa: E731
                 tf = lambda p: (get(p) or {}).get("tflops")  # noqa: E731
-                rows.append([str(x) for x in key] + [_cell(get(p), "tflops") for p in providers]
-                            + [_ratio(tf(p), tf(baseline)) for p in compare])
+                rows.append([str(x) for x in key] + [cell(get(p), "tflops") for p in providers]
+                            + [ratio(tf(p), tf(baseline)) for p in compare])
             header = ["headdim", "seqlen", "batch", "nheads"] + providers + [f"{p} / {baseline}" for p in compare]
             title = f"### {MODE_TITLES[mode].lower()}, {'causal' if causal else 'full'}, " \
                     f"{s['dtype']}: TFLOP/s"
-            parts.append(title + "\n\n" + _md_table(header, rows))
+            parts.append(title + "\n\n" + md_table(header, rows))
     return "\n\n".join(parts)
 
 
@@ -223,9 +229,9 @@ def memory_tables(result: dict) -> str:
     for key in sorted({k[:5] for k in recs}):
         d, b, h, c, n = key
         rows.append([str(d), str(b), str(h), "causal" if c else "full", str(n)]
-                    + [_cell(recs.get(key + (p,)), "peak_bytes", 1 / 2**30) for p in s["providers"]])
+                    + [cell(recs.get(key + (p,)), "peak_bytes", 1 / 2**30) for p in s["providers"]])
     header = ["headdim", "batch", "nheads", "mask", "seqlen"] + s["providers"]
-    return f"### peak memory of forward + backward, {s['dtype']}: GiB\n\n" + _md_table(header, rows)
+    return f"### peak memory of forward + backward, {s['dtype']}: GiB\n\n" + md_table(header, rows)
 
 
 def not_measured(result: dict) -> str:
@@ -259,14 +265,19 @@ def correctness_table(result: dict) -> str:
     rows = [[p] + [f"{worst[p][n]:.2e}" if n in worst[p] else "" for n in names] for p in worst]
     tol = result["settings"].get("tolerance")
     return (f"### correctness: max relative error vs float64 reference (tolerance {tol})\n\n"
-            + _md_table(["provider"] + names, rows))
+            + md_table(["provider"] + names, rows))
+
+
+def environment_table(env: dict) -> str:
+    """The run's GPU, versions, commit, date and command line (collect_environment's keys) as a Markdown table."""
+    return md_table(["", ""], [[k, f"`{env[k]}`" if k == "command" else str(env[k])]
+                               for k in ENV_KEYS if env.get(k) is not None], align=":---")
 
 
 def markdown(result: dict) -> str:
     env, s = result.get("environment", {}), result["settings"]
     head = [f"# flashtile benchmark: {env.get('gpu', '?')}, {str(env.get('date', ''))[:10]}", ""]
-    head += [_md_table(["", ""], [[k, f"`{env[k]}`" if k == "command" else str(env[k])]
-                                  for k in ENV_KEYS if env.get(k) is not None], align=":---"), ""]
+    head += [environment_table(env), ""]
     if result["kind"] == "speed":
         head += [f"Timing: {s['timer']}; warm-up {s['warmup_ms']} ms, repetitions {s['rep_ms']} ms. "
                  f"Forward timed as {s['forward_timed']}; backward as {s['backward_timed']}. "

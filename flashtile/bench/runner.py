@@ -169,7 +169,7 @@ def _release(device: torch.device):
         torch.cuda.empty_cache()
 
 
-def _first_call(fn, *args):
+def first_call(fn, *args):
     """(fn(*args), None), or (None, (status, reason)) when it raises. The call runs with warnings recorded:
     SDPA explains why a backend refused the inputs only in warnings, which then go into the reason."""
     with warnings.catch_warnings(record=True) as caught:
@@ -214,7 +214,7 @@ def _bench_one(name: str, prov: Provider, attn, shape: Shape, causal: bool, inpu
     records = {}
 
     # Forward: one untimed call, checked against the oracle, then timed.
-    out, failed = _first_call(attn, q, k, v, causal)
+    out, failed = first_call(attn, q, k, v, causal)
     if failed is None and not isinstance(out, torch.Tensor):
         failed = ("skipped", f"returned {type(out).__name__}, expected a tensor")
     if failed is not None:
@@ -235,7 +235,7 @@ def _bench_one(name: str, prov: Provider, attn, shape: Shape, causal: bool, inpu
     # Backward: one untimed backward, gradients checked, then o.backward(do) timed (and the training step, forward
     # + backward in one call)
     if "bwd" in cfg.modes or "train" in cfg.modes:
-        _, failed = _first_call(lambda: out.backward(do, retain_graph=True))
+        _, failed = first_call(lambda: out.backward(do, retain_graph=True))
         grads = {"dq": q.grad, "dk": k.grad, "dv": v.grad}
         if failed is None and any(g is None for g in grads.values()):
             failed = ("skipped", "backward left a gradient of q, k or v unset")
@@ -394,7 +394,7 @@ def _memory_one(prov: Provider, attn, shape: Shape, causal: bool, cfg: BenchConf
 # ----------------------------------------------------------------------------------------------------------
 # Command line
 # ----------------------------------------------------------------------------------------------------------
-def _positive_ints(text: str) -> List[int]:
+def positive_ints(text: str) -> List[int]:
     """'128', '64,128', '8k' -> positive ints (k = 1024)."""
     out = []
     for item in str(text).split(","):
@@ -423,7 +423,7 @@ def _single(parse_list, what: str):
     return parse
 
 
-_positive_int = _single(_positive_ints, "value")
+positive_int = _single(positive_ints, "value")
 
 
 def _positive_float(text: str) -> float:
@@ -496,13 +496,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g.add_argument("--compare", type=_provider_names, default=None,
                    help="providers shown as ratios to the baseline (default: the flashtile ones)")
     g = parser.add_argument_group("grid (values: comma or space separated; 8k = 8192)")
-    g.add_argument("--headdim", type=_positive_ints, nargs="+", default=None, help="head dims (default 64 128 256)")
-    g.add_argument("--seqlen", type=_positive_ints, nargs="+", default=None,
+    g.add_argument("--headdim", type=positive_ints, nargs="+", default=None, help="head dims (default 64 128 256)")
+    g.add_argument("--seqlen", type=positive_ints, nargs="+", default=None,
                    help="sequence lengths (default 512 .. 16k; memory mode 512 .. 64k)")
-    g.add_argument("--batch", type=_positive_int, default=None, help="batch (default: --total-tokens // seqlen)")
-    g.add_argument("--nheads", type=_positive_int, default=None, help="heads (default: --hidden // headdim)")
-    g.add_argument("--total-tokens", type=_positive_int, default=TOTAL_TOKENS, help="for the default batch (16384)")
-    g.add_argument("--hidden", type=_positive_int, default=HIDDEN, help="for the default nheads (2048)")
+    g.add_argument("--batch", type=positive_int, default=None, help="batch (default: --total-tokens // seqlen)")
+    g.add_argument("--nheads", type=positive_int, default=None, help="heads (default: --hidden // headdim)")
+    g.add_argument("--total-tokens", type=positive_int, default=TOTAL_TOKENS, help="for the default batch (16384)")
+    g.add_argument("--hidden", type=positive_int, default=HIDDEN, help="for the default nheads (2048)")
     g.add_argument("--causal", choices=("both", "true", "false"), default=None,
                    help="masks to run (default: both; memory mode: false)")
     g.add_argument("--mode", choices=("fwd", "bwd", "both", "train", "all"), default="both",

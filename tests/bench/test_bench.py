@@ -185,7 +185,7 @@ def test_available_providers_says_what_runs_here_and_why_not():
 
 def test_fa3_fa4_tuple_outputs_are_unwrapped():
     t = torch.ones(1)
-    assert providers._first((t, torch.zeros(1))) is t and providers._first(t) is t
+    assert providers.first_output((t, torch.zeros(1))) is t and providers.first_output(t) is t
 
 
 # ----------------------------------------------------------------------------------------------------------
