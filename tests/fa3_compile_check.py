@@ -1,7 +1,7 @@
 """Compiles the Gluon FA3 kernels (flashtile/kernels/gluon/_fa3_fwd.py, _fa3_bwd.py) for sm_90 on a machine
 without a GPU. Arguments `fwd|fwdshort|bwd|fp8|paged,<head_dim>,<causal 0|1>,<bf16|fp16>[,<seqlen>]` (fwdshort: the
-forward's config at sequences of that length, default 1: fa3.SHORT_CONFIGS; fwdx: the forward with the features
-of its third field, '+'-joined FEATURES and 'causal', on; fp8: e4m3 inputs, that output dtype;
+forward's config at sequences of that length, default 1: fa3.SHORT_CONFIGS; fwdx / bwdx: the forward / backward
+with the features of its third field, '+'-joined FEATURES and 'causal', on; fp8: e4m3 inputs, that output dtype;
 paged: the paged decode (gluon/_decode.py) for
 pages of <seqlen> keys, printing `ok paged ... page=<keys> shared=<bytes> wgmma=<count> tma=<count>`);
 prints one line per variant:
@@ -98,24 +98,29 @@ def compile_fp8(head_dim: int, causal: bool, out_dtype: torch.dtype):
     return _compile(_fa3_fwd.fa3_fwd_kernel, runtime, consts, launch["maxnreg"])
 
 
-def compile_bwd(head_dim: int, causal: bool, dtype: torch.dtype):
+def compile_bwd(head_dim: int, causal: bool, dtype: torch.dtype, features=()):
     """The backward as fa3.bwd launches it (tiles from fa3.BWD_CONFIGS, dQ tile as fa3.bwd chooses it, dK / dV
-    stored by TMA)."""
+    stored by TMA), with the feature flags named in `features` (FEATURES but guard) on; causal: HAS_RIGHT."""
     block_m, block_n, stages = fa3.BWD_CONFIGS[head_dim]
     b, s, h = 2, 1024, 4
     t = torch.randn(b * s, h * head_dim, dtype=dtype)
     dq = torch.zeros(b * s, h * head_dim)
     lse = torch.empty(b, h, s)
+    i32 = torch.zeros(3, dtype=torch.int32)
     dq_tile = fa3.bwd_dq_tile(block_m, head_dim)
     runtime = dict(k_desc=_desc(t, block_n, head_dim), v_desc=_desc(t, block_n, head_dim),
                    q_desc=_desc(t, block_m, head_dim), do_desc=_desc(t, block_m, head_dim),
                    dq_desc=_desc(dq, *dq_tile), lse_ptr=lse, delta_ptr=lse,
-                   dk_desc=_desc(t, block_n // 2, head_dim), dv_desc=_desc(t, block_n // 2, head_dim),
-                   stride_lse_b=lse.stride(0), stride_lse_h=lse.stride(1), seqlen_q=s, seqlen_k=s, nheads_k=h,
-                   group=1, sm_scale=0.1, qk_scale=0.1)
-    consts = dict(HEAD_D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
+                   dk_desc=_desc(t, block_n // 2, head_dim), dv_desc=_desc(t, block_n // 2, head_dim), dk_ptr=t,
+                   dv_ptr=t, cu_seqlens_q=i32, cu_seqlens_k=i32, alibi_ptr=torch.zeros(h),
+                   stride_lse_b=lse.stride(0), stride_lse_h=lse.stride(1), stride_dk_row=t.stride(0),
+                   stride_dv_row=t.stride(0), stride_alibi_b=0, seqlen_q=s, seqlen_k=s, nheads_k=h,
+                   group=1, sm_scale=0.1, qk_scale=0.1, softcap_log2=0.5, window_left=64, window_right=0)
+    flags = {_FLAGS[f]: f in features for f in FEATURES if f != "guard"}
+    flags["HAS_RIGHT"] = flags["HAS_RIGHT"] or causal
+    consts = dict(HEAD_D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
                   P_LAYOUT=fa3._smem_layout(block_m, block_n // 2, dtype),
-                  PINGPONG=fa3.BWD_PINGPONG.get((head_dim, causal), False), num_warps=4)
+                  PINGPONG=fa3.BWD_PINGPONG.get((head_dim, causal), False), **flags, num_warps=4)
     return _compile(_fa3_bwd.fa3_bwd_kernel, runtime, consts)
 
 
@@ -151,9 +156,10 @@ if __name__ == "__main__":
                   f"wgmma={ck.asm['ptx'].count('wgmma.mma_async')} "
                   f"tma={ck.asm['ptx'].count('cp.async.bulk.tensor')}", flush=True)
             continue
-        if kind == "fwdx":   # the third field: '+'-joined FEATURES (causal: 'right' with the causal config)
+        if kind in ("fwdx", "bwdx"):   # the third field: '+'-joined FEATURES (causal: 'right', the causal config)
             feats = tuple(f for f in causal.split("+") if f and f != "causal")
-            ck = compile_fwd(int(d), "causal" in causal.split("+"), dtype, features=feats)
+            ck = (compile_fwd if kind == "fwdx" else compile_bwd)(int(d), "causal" in causal.split("+"), dtype,
+                                                                  features=feats)
         else:
             ck = {"fwd": compile_fwd, "bwd": compile_bwd, "fp8": compile_fp8,
                   "fwdshort": lambda d, c, t: compile_fwd(d, c, t, seqlen=short_len)}[kind](int(d), causal == "1",

@@ -57,6 +57,9 @@ def test_ineligible_problems(kw, params):
     (dict(), FULL), (dict(), CAUSAL), (dict(d=64), CAUSAL), (dict(d=64, hk=1), FULL),
     (dict(sq=704, sk=640), FULL),                        # d128: Br 64, Bc 128
     (dict(sq=512, sk=1536, d=64), FULL), (dict(dtype=torch.float16, hk=2), CAUSAL),
+    (dict(d=64, sq=1088, sk=1088), FULL), (dict(sq=1000, sk=1024), FULL), (dict(sk=1088), FULL),   # any length
+    (dict(sq=1024, sk=2048), CAUSAL), (dict(), AttnParams(softmax_scale=0.1, softcap=20.0)),
+    (dict(), AttnParams(softmax_scale=0.1, window_left=100, window_right=0)),
 ])
 def test_backward_eligible_problems(kw, params):
     assert fa3.eligible(*_qkv(**kw), params, backward=True)
@@ -64,11 +67,8 @@ def test_backward_eligible_problems(kw, params):
 
 @pytest.mark.parametrize("kw,params", [
     (dict(d=256), FULL),                                 # dK, dV of 64 keys x 256 do not fit the registers
-    (dict(d=64, sq=1088, sk=1088), FULL),                # d64: Br = 128
-    (dict(sq=1000, sk=1024), FULL), (dict(sk=1088), FULL),
-    (dict(sq=1024, sk=2048), CAUSAL),
-    (dict(), AttnParams(softmax_scale=0.1, softcap=20.0)),
     (dict(dtype=torch.float32), FULL),
+    (dict(), AttnParams(softmax_scale=0.1, dropout_p=0.1)),
 ])
 def test_backward_ineligible_problems(kw, params):
     assert not fa3.eligible(*_qkv(**kw), params, backward=True)
@@ -134,21 +134,21 @@ def test_disabled_forward_gets_triton_backward(monkeypatch):
     assert seen == [False, True]
 
 
-def test_forward_features_and_layouts():
-    """The forward takes ALiBi (float32 slopes), varlen (packed q with cu_seqlens) and slices of packed tensors;
+def test_features_and_layouts():
+    """The kernels take ALiBi (float32 slopes), varlen (packed q with cu_seqlens) and slices of packed tensors;
     not bool masks, bias, (b, h, s, d) tensors seen transposed, or a packed q without cu_seqlens."""
     q, k, v = _qkv()
     assert fa3.eligible(q, k, v, FULL, alibi=torch.ones(4))
     assert fa3.eligible(q, k, v, CAUSAL, alibi=torch.ones(2, 4))
     assert not fa3.eligible(q, k, v, FULL, alibi=torch.ones(4, dtype=torch.float64))
-    assert not fa3.eligible(q, k, v, FULL, alibi=torch.ones(4), backward=True)
+    assert fa3.eligible(q, k, v, FULL, alibi=torch.ones(4), backward=True)
     assert not fa3.eligible(q, k, v, FULL, mask=torch.ones(1, 1, 1024, 1024, dtype=torch.bool))
     assert not fa3.eligible(q, k, v, FULL, bias=torch.ones(1, 1, 1024, 1024))
     assert not fa3.eligible(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, FULL)   # strided q
     assert not fa3.eligible(q[0], k[0], v[0], FULL)                                        # packed, no cu_seqlens
     cu = torch.tensor([0, 100, 1024], dtype=torch.int32)
     assert fa3.eligible(q[0], k[0], v[0], CAUSAL, cu_seqlens_q=cu)
-    assert not fa3.eligible(q[0], k[0], v[0], CAUSAL, cu_seqlens_q=cu, backward=True)
+    assert fa3.eligible(q[0], k[0], v[0], CAUSAL, cu_seqlens_q=cu, backward=True)
     qkv = torch.randn(2, 1024, 3, 4, 128, dtype=torch.bfloat16)                           # slices of packed qkv
     assert fa3.eligible(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], FULL)
     buf = torch.empty(q.numel() + 1, dtype=q.dtype)
@@ -175,6 +175,8 @@ def test_kernels_compile_for_sm90():
     specs += [f"fwdshort,{d},{int(c)},bf16,{n}" for (d, c), entries in sorted(fa3.SHORT_CONFIGS.items())
               for n, _ in entries]
     specs += [f"bwd,{d},{c},bf16" for d in sorted(fa3.BWD_CONFIGS) for c in (0, 1)] + ["bwd,64,1,fp16"]
+    specs += [f"bwdx,{d},{f},bf16" for d in sorted(fa3.BWD_CONFIGS) for f in
+              ("causal+tail", "left+right+tail", "softcap+alibi", "causal+varlen+tail+softcap+alibi")]
     specs += [f"fp8,{d},{c},bf16" for d in sorted(fa3.FP8_CONFIGS) for c in (0, 1)] + ["fp8,128,0,fp16"]
     # the paged decode (gluon/_decode.py), every page size of its table, both epilogues, both head dims
     specs += [f"paged,{d},{c},{dt},{page}" for page in sorted(paged.PAGE_CONFIGS) for d, c, dt in
@@ -234,7 +236,7 @@ def test_bwd_launch_follows_the_tables(d, causal, monkeypatch):
         fa3.bwd(torch.randn_like(q), q, k, v, lse, torch.randn_like(lse), *grads, params)
         (kernel, grid, args, kw), = launches
         assert kernel is kernels.fa3_bwd_kernel and grid == (1024 // block_n, 2 * 2)
-        assert (kw["BLOCK_M"], kw["BLOCK_N"], kw["STAGES"], kw["CAUSAL"]) == (block_m, block_n, stages, causal)
+        assert (kw["BLOCK_M"], kw["BLOCK_N"], kw["STAGES"], kw["HAS_RIGHT"]) == (block_m, block_n, stages, causal)
         assert kw["PINGPONG"] is turns
         dk_out, dv_out = args[7], args[8]
         assert isinstance(dk_out, _FakeDescriptor) and dk_out.block_shape == [block_n // 2, d]

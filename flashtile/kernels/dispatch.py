@@ -58,7 +58,8 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params, alibi=None, cu_seqlen
     if (attends and not deterministic
             and fa3.supports(q, k, v, params, alibi, cu_seqlens_q, bias, mask, sparse, mods, backward=True)):
         delta = launch.bwd_delta(out, dout, lse, dlse, cu_seqlens_q, max_seqlen_q)
-        fa3.bwd(dout, q, k, v, lse, delta, dq, dk, dv, params)
+        fa3.bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, None, alibi, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                max_seqlen_k)
         return
     launch.flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params, alibi, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                      max_seqlen_k, deterministic=deterministic, bias=bias, mask=mask, sparse=sparse, dbias=dbias,
@@ -69,12 +70,11 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params, alibi=None, cu_seqlen
 # The training path: a plan per problem
 # --------------------------------------------------------------------------------------------------
 def _gluon_candidate(p, params, backward: bool) -> bool:
-    """The problem's features allow the FA3 kernels (their shapes are checked by fa3.supports): the forward takes
-    every window, softcap, ALiBi and varlen; the backward only causal or no mask, dense."""
-    if backward:
-        return (p.plain and not p.varlen and params.dropout_p == 0 and params.softcap == 0
-                and (params.is_causal or not (params.has_left or params.has_right)))
-    return not (p.bias or p.mask or p.sparse_block or p.mod_key) and params.dropout_p == 0
+    """The problem's features allow the FA3 kernels' plans (their shapes are checked by fa3.supports): no bias,
+    bool mask, block mask, mods or dropout; the backward's plan, dense problems (varlen backwards go through
+    flash_bwd, which the Gluon backward takes too)."""
+    plain = not (p.bias or p.mask or p.sparse_block or p.mod_key) and params.dropout_p == 0
+    return plain and not (backward and p.varlen)
 
 
 def _attends(q, k) -> bool:
@@ -106,13 +106,13 @@ class _GluonBackward:
 
     PRE_ROWS = 64
 
-    def __init__(self, q, k, v, lse, params):
+    def __init__(self, q, k, v, lse, params, alibi=None):
         dk, dv = torch.empty_like(k), torch.empty_like(v)   # (the gradients' strides: contiguous, as backward makes them)
-        self.fa3 = fa3.BackwardPlan(q, k, v, lse, dk, dv, params.softmax_scale, params.is_causal)
+        self.fa3 = fa3.BackwardPlan(q, k, v, lse, dk, dv, params, alibi)
         self.pre_grid = (cdiv(q.shape[1], self.PRE_ROWS), q.shape[0] * q.shape[2], 1)
         self.pre = None
 
-    def __call__(self, dout, q, k, v, out, lse, dq, dk, dv, params, dlse) -> bool:
+    def __call__(self, dout, q, k, v, out, lse, dq, dk, dv, params, dlse, alibi=None) -> bool:
         """False (nothing launched) where this call cannot take the plan (Gluon off, or a tensor not contiguous or
         not 16-byte aligned)."""
         if not (fa3.enabled() and fa3.tma_aligned(q, k, v, out, dq, dk, dv)):
@@ -132,7 +132,7 @@ class _GluonBackward:
             # a gradient arriving through the LSE output: d lse_i / d S_ij = P_ij, so dS_ij gains P_ij * dlse_i,
             # i.e. dS = P o (dP - (D - dlse)): folded into D, the kernels are unchanged
             delta.sub_(dlse)
-        self.fa3(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc)
+        self.fa3(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc, alibi)
         return True
 
 
@@ -142,10 +142,10 @@ def backward(p, params, dout, q, k, v, out, lse, dq, dk, dv, x, bias=None, dbias
     if plan is False:
         plan = None
         if (_gluon_candidate(p, params, True) and _attends(q, k) and not p.deterministic and out.is_contiguous()
-                and fa3.supports(q, k, v, params, backward=True)):
-            plan = _GluonBackward(q, k, v, lse, params)
+                and fa3.supports(q, k, v, params, x.alibi, backward=True)):
+            plan = _GluonBackward(q, k, v, lse, params, x.alibi)
         p.cache["bwd"] = plan
-    if plan is not None and plan(dout, q, k, v, out, lse, dq, dk, dv, params, dlse):
+    if plan is not None and plan(dout, q, k, v, out, lse, dq, dk, dv, params, dlse, x.alibi):
         return
     flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params, x.alibi, x.cu_seqlens_q, x.cu_seqlens_k, p.seqlen_q,
               p.seqlen_k, deterministic=p.deterministic, bias=bias, mask=x.mask, sparse=x.sparse, dbias=dbias,

@@ -1,8 +1,8 @@
-"""The Hopper forward (flashtile/kernels/gluon/_fa3_fwd.py) on every input it takes beyond dense aligned problems,
-on an H100/H200: lengths its tiles do not divide, causal and windows aligned bottom-right, softcap, ALiBi, GQA and
-varlen (random lengths, zero-length sequences) - each checked against float64 (output, LSE, and the gradients of
-the Triton backward that follows it), each asserting that the Gluon forward ran, and compared with the Triton
-forward on the same inputs. Skipped without a CUDA device of compute capability 9.x.
+"""The Hopper forward and backward (flashtile/kernels/gluon/_fa3_fwd.py, _fa3_bwd.py) on every input they take
+beyond dense aligned problems, on an H100/H200: lengths their tiles do not divide, causal and windows aligned
+bottom-right, softcap, ALiBi, GQA and varlen (random lengths, zero-length sequences) - each checked against float64
+(output, LSE and gradients), each asserting which Gluon kernels ran (the backward at its head dims, 64 and 128),
+and compared with the Triton kernels on the same inputs. Skipped without a CUDA device of compute capability 9.x.
 """
 import pytest
 import torch
@@ -33,6 +33,8 @@ DENSE_CASES = [
     Case(1, 1024, 1024, 4, 4, 128, bf16, alibi="h"),
     Case(2, 900, 1400, 8, 4, 64, bf16, alibi="bh", causal=True, softcap=15.0, window=(300, 0)),
     Case(1, 4096, 4096, 16, 2, 128, bf16, window=(1024, 1024)),
+    Case(2, 1024, 1024, 8, 8, 64, fp16, causal=True, softcap=30.0),
+    Case(1, 1088, 1000, 4, 1, 64, bf16, window=(0, 0)),
 ]
 
 
@@ -43,32 +45,47 @@ def _free_gpu_memory():
     torch.cuda.empty_cache()
 
 
-def _count_gluon_forwards(monkeypatch) -> dict:
-    calls = {"fwd": 0}
-    real = fa3.fwd
+def _count_gluon_calls(monkeypatch) -> dict:
+    calls = {"fwd": 0, "bwd": 0}
+    for name in calls:
+        real = getattr(fa3, name)
 
-    def counted(*a, **kw):
-        calls["fwd"] += 1
-        return real(*a, **kw)
-    monkeypatch.setattr(fa3, "fwd", counted)
+        def counted(*a, _n=name, _f=real, **kw):
+            calls[_n] += 1
+            return _f(*a, **kw)
+        monkeypatch.setattr(fa3, name, counted)
     return calls
 
 
+def _triton_grads(fn, inputs, dout):
+    with fa3.disabled():
+        out = fn()
+        return torch.autograd.grad(out, inputs, dout)
+
+
+def _agree(name, ours, theirs, dtype):
+    tol = 2e-2 if dtype == bf16 else 4e-3
+    torch.testing.assert_close(ours.float(), theirs.float(), rtol=0, atol=tol * theirs.abs().max().item() + 1e-6,
+                               msg=lambda m: f"{name}: {m}")
+
+
 @pytest.mark.parametrize("c", DENSE_CASES, ids=lambda c: c.id)
-def test_gluon_forward_features_gpu(c: Case, seed, monkeypatch):
-    calls = _count_gluon_forwards(monkeypatch)
+def test_gluon_features_gpu(c: Case, seed, monkeypatch):
+    calls = _count_gluon_calls(monkeypatch)
     q, k, v, dout, alibi = case_inputs(c, "cuda")
     out, lse, _ = flashtile.flash_attn_func(q, k, v, **flash_kwargs(c, alibi, return_attn_probs=True))
-    assert calls["fwd"] == 1, f"the Gluon forward did not take [{c.id}]"
     grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert calls == {"fwd": 1, "bwd": int(c.d in fa3.BWD_CONFIGS)}, f"Gluon kernels ran {calls} [{c.id}]"
     check_against_reference(c, q, k, v, dout, alibi, out, lse, None, grads)
-    with fa3.disabled(), torch.no_grad():   # the Triton forward on the same inputs
+    with fa3.disabled(), torch.no_grad():   # the Triton kernels on the same inputs
         out_t, lse_t, _ = flashtile.flash_attn_func(q, k, v, **flash_kwargs(c, alibi, return_attn_probs=True))
-    tol = 2e-2 if c.dtype == bf16 else 4e-3
-    torch.testing.assert_close(out.float(), out_t.float(), rtol=0, atol=tol * out_t.abs().max().item() + 1e-6)
+    _agree("out", out, out_t, c.dtype)
     finite = torch.isfinite(lse_t)
     assert torch.equal(finite, torch.isfinite(lse)), "rows without keys differ"
     torch.testing.assert_close(lse[finite], lse_t[finite], rtol=1e-4, atol=1e-4)
+    ref = _triton_grads(lambda: flashtile.flash_attn_func(q, k, v, **flash_kwargs(c, alibi)), (q, k, v), dout)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref):
+        _agree(name, g, r, c.dtype)
 
 
 VARLEN_CASES = [
@@ -81,22 +98,24 @@ VARLEN_CASES = [
 
 
 @pytest.mark.parametrize("c", VARLEN_CASES, ids=lambda c: c.id)
-def test_gluon_varlen_forward_gpu(c: VCase, seed, monkeypatch):
-    calls = _count_gluon_forwards(monkeypatch)
+def test_gluon_varlen_gpu(c: VCase, seed, monkeypatch):
+    calls = _count_gluon_calls(monkeypatch)
     q, k, v, dout, alibi = packed_inputs(c)
     args = (q, k, v, cu(c.lens_q), cu(c.lens_k), max(c.lens_q), max(c.lens_k))
-    kw = dict(causal=c.causal, window_size=c.window, softcap=c.softcap, alibi_slopes=alibi, return_attn_probs=True)
-    out, lse, _ = flash_attn_varlen_func(*args, **kw)
-    assert calls["fwd"] == 1, f"the Gluon forward did not take [{c.id}]"
+    kw = dict(causal=c.causal, window_size=c.window, softcap=c.softcap, alibi_slopes=alibi)
+    out, lse, _ = flash_attn_varlen_func(*args, **kw, return_attn_probs=True)
     grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert calls == {"fwd": 1, "bwd": int(c.d in fa3.BWD_CONFIGS)}, f"Gluon kernels ran {calls} [{c.id}]"
     check_varlen(c, q, k, v, dout, alibi, out, lse, grads)
     with fa3.disabled(), torch.no_grad():
-        out_t, lse_t, _ = flash_attn_varlen_func(*args, **kw)
-    tol = 2e-2 if c.dtype == bf16 else 4e-3
-    torch.testing.assert_close(out.float(), out_t.float(), rtol=0, atol=tol * out_t.abs().max().item() + 1e-6)
+        out_t, lse_t, _ = flash_attn_varlen_func(*args, **kw, return_attn_probs=True)
+    _agree("out", out, out_t, c.dtype)
     finite = torch.isfinite(lse_t)
     assert torch.equal(finite, torch.isfinite(lse))
     torch.testing.assert_close(lse[finite], lse_t[finite], rtol=1e-4, atol=1e-4)
+    ref = _triton_grads(lambda: flash_attn_varlen_func(*args, **kw), (q, k, v), dout)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref):
+        _agree(name, g, r, c.dtype)
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
@@ -139,3 +158,33 @@ def test_gluon_forward_templates_follow_the_extras_gpu(seed):
             torch.testing.assert_close(out.float(), ref.float(), rtol=0, atol=2e-2)
             outs.append(out)
     assert not torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], outs[2])
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_gluon_backward_writes_only_its_rows_gpu(d, seed):
+    """Gradients poisoned with NaN before the backward: every key row of a sequence gets its dK / dV (finite), the
+    rows past cu_seqlens_k[-1] keep the poison (the masked stores of a key block that ends past its sequence never
+    write the next rows), and a sequence no query sees (or with no queries) gets dK = dV = 0."""
+    from flashtile.kernels.triton import launch
+    lens_q, lens_k = (70, 0, 200, 5, 333), (70, 130, 129, 0, 400)
+    total_k = sum(lens_k) + 9
+    h, hk = 4, 2
+    q = torch.randn(sum(lens_q), h, d, dtype=bf16, device="cuda")
+    k = torch.randn(total_k, hk, d, dtype=bf16, device="cuda")
+    v = torch.randn_like(k)
+    out = torch.empty_like(q)
+    lse = torch.empty(h, sum(lens_q), device="cuda")
+    params = AttnParams(softmax_scale=d ** -0.5, window_right=0)
+    cq, ck = cu(lens_q), cu(lens_k)
+    fa3.fwd(q, k, v, out, lse, params, None, cq, ck, max(lens_q), max(lens_k))
+    dout = torch.randn_like(q)
+    delta = launch.bwd_delta(out, dout, lse, None, cq, max(lens_q))
+    dq = torch.full_like(q, float("nan"))
+    dk, dv = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
+    assert fa3.supports(q, k, v, params, None, cq, backward=True)
+    fa3.bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, None, None, cq, ck, max(lens_q), max(lens_k))
+    end = sum(lens_k)
+    assert torch.isfinite(dk[:end]).all() and torch.isfinite(dv[:end]).all() and torch.isfinite(dq).all()
+    assert torch.isnan(dk[end:]).all() and torch.isnan(dv[end:]).all()
+    first = lens_k[0]
+    assert (dk[first:first + lens_k[1]] == 0).all() and (dv[first:first + lens_k[1]] == 0).all()   # no queries

@@ -117,22 +117,46 @@ def _visible(s, rows, cols, len_q, len_k, window, HAS_LEFT: gl.constexpr, HAS_RI
 
 
 @gluon.jit
+def _softcap_tanh(s, score_scale):
+    """tanh(S * score_scale) = 1 - 2 / (exp(2 S score_scale) + 1) (exact at both ends: exp2 saturates to 0 or inf)."""
+    e = gl.exp2(s * (score_scale * 2.0 * LOG2E))
+    return 1.0 - gl.fdiv(gl.full_like(e, 2.0), e + 1.0)
+
+
+@gluon.jit
 def _scores_log2(s, rows, cols, len_q, len_k, score, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr):
     """Raw Q K^T -> scores in log2 units with softcap and / or ALiBi (the Triton kernels' mods.scores_log2):
-    softcap: softcap log2(e) tanh(S softmax_scale / softcap), tanh(x) = 1 - 2 / (exp(2x) + 1); else
-    S softmax_scale log2(e); ALiBi adds -slope log2(e) |i + len_k - len_q - j|. score = (score_scale (softcap:
-    softmax_scale / softcap), softcap log2(e), slope log2(e))."""
+    softcap: softcap log2(e) tanh(S softmax_scale / softcap); else S softmax_scale log2(e); ALiBi adds
+    -slope log2(e) |i + len_k - len_q - j|. score = (score_scale (softcap: softmax_scale / softcap), softcap
+    log2(e), slope log2(e)). Also returns tanh(.) (softcap; else S), which the backward's dS needs."""
     score_scale, softcap_log2, slope_log2 = score
     if SOFTCAP:
-        e = gl.exp2(s * (score_scale * 2.0 * LOG2E))
-        s = (1.0 - gl.fdiv(gl.full_like(e, 2.0), e + 1.0)) * softcap_log2
+        t = _softcap_tanh(s, score_scale)
+        s = t * softcap_log2
     else:
+        t = s
         s = s * score_scale
     if ALIBI:
         dist = gl.expand_dims(rows + (len_k - len_q), 1) - gl.expand_dims(cols, 0)
         dist = gl.where(dist < 0, -dist, dist)
         s = s - slope_log2 * dist.to(gl.float32)
-    return s
+    return s, t
+
+
+@gluon.jit
+def store_rows(tile, ptr, stride_row, row0, n_rows, col, ROWS: gl.constexpr, COLS: gl.constexpr):
+    """A (ROWS, COLS) tile staged in shared memory into rows row0 + [0, n_rows) of a row-major 2-D view at columns
+    [col, +COLS), by pointer stores masked at n_rows (where a TMA store of the whole tile would write rows past a
+    sequence), read back in a blocked layout of 16-byte column runs (coalesced)."""
+    VEC: gl.constexpr = 128 // ptr.dtype.element_ty.primitive_bitwidth   # 16 bytes
+    T_COLS: gl.constexpr = COLS // VEC if COLS // VEC < 32 else 32   # threads along a row
+    layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // T_COLS, T_COLS], [4, 1], [1, 0])
+    x = tile.load(layout)
+    r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    d = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+    offs = (gl.expand_dims((row0 + r).to(gl.int64) * stride_row, 1) + gl.expand_dims((col + d).to(gl.int64), 0))
+    keep = gl.expand_dims(r < n_rows, 1) & gl.expand_dims(d < COLS, 0)
+    gl.store(ptr + offs, x, mask=keep)
 
 
 @gluon.jit
@@ -220,7 +244,7 @@ def _online_softmax(s, m_i, l_i, qk_scale, masked, rows, cols, mask, FP8: gl.con
     same factor, so it cancels in O = acc / l (the LSE subtracts it)."""
     len_q, len_k, window, score = mask
     if SCORED:
-        s = _scores_log2(s, rows, cols, len_q, len_k, score, SOFTCAP, ALIBI)
+        s, _ = _scores_log2(s, rows, cols, len_q, len_k, score, SOFTCAP, ALIBI)
     if MASKED:   # (a problem without a mask compiles none of it)
         if masked:
             s = _visible(s, rows, cols, len_q, len_k, window, HAS_LEFT, HAS_RIGHT, TAIL)
@@ -471,7 +495,7 @@ def _consumer_tile(wg: gl.constexpr, q_smem, q_empty, k_bufs, v_bufs, o_bufs, k_
     if row_lo < len_q:
         if TAIL:
             if row_lo + BLOCK_M > len_q:
-                _store_rows(o, lse, epilogue, q_row0, row_lo, len_q, lse_row, q_col, BLOCK_M, HEAD_D)
+                _store_rows(o, lse, o_smem, epilogue, q_row0, row_lo, len_q, lse_row, q_col, BLOCK_M, HEAD_D)
             else:
                 _store_tile(o, lse, o_smem, o_desc, q_row0, row_lo, q_col, lse_row, q_rows)
         else:
@@ -491,21 +515,14 @@ def _store_tile(o, lse, o_smem, o_desc, q_row0, row_lo, q_col, lse_row, q_rows):
 
 
 @gluon.jit
-def _store_rows(o, lse, epilogue, q_row0, row_lo, len_q, lse_row, q_col, BLOCK_M: gl.constexpr,
+def _store_rows(o, lse, o_smem, epilogue, q_row0, row_lo, len_q, lse_row, q_col, BLOCK_M: gl.constexpr,
                 HEAD_D: gl.constexpr):
-    """A warpgroup's output rows that end past the sequence, by pointer stores masked at len_q (epilogue: the
-    output's pointer and row stride), and their LSE; in a blocked layout of 16-byte column runs (coalesced)."""
+    """A warpgroup's output rows that end past the sequence, through o_smem by masked pointer stores (store_rows;
+    epilogue: the output's pointer and row stride), and their LSE."""
     out_ptr, stride_o_row = epilogue
-    COLS: gl.constexpr = HEAD_D // 8 if HEAD_D // 8 < 32 else 32   # threads along a row, 8 columns each
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // COLS, COLS], [4, 1], [1, 0])
+    o_smem.store(o.to(out_ptr.dtype.element_ty))
+    store_rows(o_smem, out_ptr, stride_o_row, q_row0 + row_lo, len_q - row_lo, q_col, BLOCK_M, HEAD_D)
     row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    o = gl.convert_layout(o.to(out_ptr.dtype.element_ty), layout)
-    r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
-    d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, layout))
-    offs = (gl.expand_dims((q_row0 + row_lo + r).to(gl.int64) * stride_o_row, 1)
-            + gl.expand_dims((q_col + d).to(gl.int64), 0))
-    keep = gl.expand_dims(row_lo + r < len_q, 1) & gl.expand_dims(d < HEAD_D, 0)
-    gl.store(out_ptr + offs, o, mask=keep)
     rows = row_lo + gl.arange(0, BLOCK_M, layout=row_layout)
     gl.store(lse_row + rows, gl.convert_layout(lse, row_layout), mask=rows < len_q)
 

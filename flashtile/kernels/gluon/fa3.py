@@ -1,12 +1,10 @@
-"""When and how the dense forward and backward run FlashAttention-3's Hopper kernel (_fa3_fwd.py, Gluon) instead of the
-portable Triton kernel: a CUDA device of compute capability 9.x with Gluon importable, fp16/bf16, the
-(batch, seqlen, nheads, headdim) layout contiguous with 16-byte aligned bases, headdim 64, 128 or 256, a positive
-softmax scale, no feature but causal / GQA (no window, softcap, ALiBi, dropout, bias, mask or block sparsity),
-seqlen_q a multiple of 64 (a consumer warpgroup's rows) and seqlen_k of Bc (CONFIGS), causal with
-seqlen_q == seqlen_k. The backward
-(_fa3_bwd.py) takes the same problems at the head dims of BWD_CONFIGS (seqlen_q a multiple of its Br, seqlen_k of
-its Bc) unless deterministic gradients are asked for (it adds dQ with TMA reduce-add). FLASHTILE_GLUON=0 turns
-both off."""
+"""When and how the forward and backward run FlashAttention-3's Hopper kernels (_fa3_fwd.py, _fa3_bwd.py, Gluon) instead
+of the portable Triton kernels: a CUDA device of compute capability 9.x with Gluon importable, fp16/bf16, dense
+(batch, seqlen, nheads, headdim) or varlen (tokens, nheads, headdim) tensors TMA can tile (16-byte aligned base and
+row stride), headdim 64, 128 or 256 (the backward: 64 or 128), a positive softmax scale, any lengths, causal and
+windows aligned bottom-right, softcap, ALiBi, GQA (eligible); not dropout, bias, bool masks, block sparsity or
+mods, nor (the backward) deterministic gradients: it adds dQ with TMA reduce-add. FLASHTILE_GLUON=0 turns both
+off."""
 from __future__ import annotations
 
 import contextlib
@@ -103,30 +101,23 @@ def _kernels(device_index: int):
 def eligible(q, k, v, params, alibi=None, cu_seqlens_q=None, bias=None, mask=None, sparse=None,
              mods=None, backward=False) -> bool:
     """Whether the FA3 kernel (forward, or backward) computes this problem (dtype, layout, shapes, features),
-    whatever the device. The forward: dense or varlen, any lengths, windows and causal (bottom-right), softcap,
-    ALiBi (float32 slopes), GQA; q / k / v as (rows, heads x d) views TMA can tile (tma_viewable). Not: dropout,
-    bias, bool masks, block sparsity, mods (the Triton kernels). The backward: dense, causal or none, seqlen_q a
-    multiple of its Br and seqlen_k of its Bc, causal with seqlen_q == seqlen_k, contiguous."""
+    whatever the device: dense or varlen, any lengths, windows and causal (bottom-right), softcap, ALiBi (float32
+    slopes), GQA; q / k / v as (rows, heads x d) views TMA can tile (tma_viewable); head dims of CONFIGS (the
+    forward) or BWD_CONFIGS (the backward). Not: dropout, bias, bool masks, block sparsity, mods (the Triton
+    kernels)."""
     if q.dtype not in (torch.float16, torch.bfloat16):
         return False
     if bias is not None or mask is not None or sparse is not None or mods is not None or params.dropout_p > 0:
         return False
     if not params.softmax_scale > 0:   # the kernel takes max(S) * scale for max(S * scale), and masks with -inf
         return False
-    head_dim = q.shape[-1]
-    if not backward:
-        if head_dim not in CONFIGS or (q.dim() == 3) != (cu_seqlens_q is not None) or q.shape[-3] == 0:
-            return False
-        if alibi is not None and not (alibi.dtype == torch.float32 and alibi.stride(-1) == 1):
-            return False
-        return tma_viewable(q, k, v)
-    if q.dim() != 4 or cu_seqlens_q is not None or alibi is not None or params.softcap > 0 or params.is_local:
+    if q.shape[-1] not in (BWD_CONFIGS if backward else CONFIGS):
         return False
-    if head_dim not in BWD_CONFIGS or not tma_aligned(q, k, v):
-        return False   # TMA needs 16-byte aligned bases (the row strides are: head_dim x nheads x 2 bytes)
-    sq, sk = q.shape[1], k.shape[1]
-    block_m, block_n = BWD_CONFIGS[head_dim][:2]
-    return not (sq % block_m or sk % block_n or sq == 0 or (params.is_causal and sq != sk))
+    if (q.dim() == 3) != (cu_seqlens_q is not None) or q.shape[-3] == 0:
+        return False
+    if alibi is not None and not (alibi.dtype == torch.float32 and alibi.stride(-1) == 1):
+        return False
+    return tma_viewable(q, k, v)
 
 
 def supports(q, k, v, params, *args, **kwargs) -> bool:
@@ -354,9 +345,11 @@ def bwd_dq_tile(block_m: int, head_dim: int):
 
 
 # fa3_bwd_kernel's first _BWD_LIVE parameters are the descriptors and tensors a call changes (k, v, q, dO, the dQ
-# accumulator, lse, delta, dK and dV); the rest are sizes, strides and scales, fixed by the problem
-_BWD_LIVE = 9
-# (shapes, dtype, device, lse / dK / dV strides, scale, causal) -> _BwdTemplate of a backward launch seen before
+# accumulator, lse, delta, dK and dV, their pointers, cu_seqlens, the ALiBi slopes); the rest are sizes, strides and
+# scalars, fixed by the problem
+_BWD_LIVE = 14
+# (shapes, dtype, device, lse / dK / dV strides, the scalars, ALiBi's strides, the longest lengths, dQ tile) ->
+# _BwdTemplate of a backward launch seen before
 _BWD_TEMPLATES: dict = {}
 
 
@@ -365,46 +358,65 @@ class _BwdTemplate(_FwdTemplate):
     k, v, q, dO, dQ-accumulator, dK and dV descriptors."""
     __slots__ = ()
 
-    def launch(self, grid, tensors, lse, delta) -> bool:
+    def launch(self, grid, tensors, lse, delta, extras) -> bool:
+        """tensors: (k, v, q, dO, dQ accumulator, dK, dV); extras: (cu_seqlens_q, cu_seqlens_k, alibi), None where
+        absent."""
         descs = [d(t) for d, t in zip(self.descs, tensors)]
         if None in descs:
             return False
         # (descriptors from the bound ones' fields over tensors of the key's dtype: their keys are the bound ones)
-        return self.bound(grid, (*descs[:5], lse, delta, *descs[5:]), trusted=5)
+        return self.bound(grid, (*descs[:5], lse, delta, *descs[5:], *tensors[5:],
+                                 *(lse if t is None else t for t in extras)), trusted=5)
 
 
-def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None) -> None:
+def _bwd_key(q, k, v, lse, dk, dv, params, alibi, sq, sk):
+    """The key of a backward's launch template: what fixes every argument but the live ones."""
+    head_dim = q.shape[-1]
+    return (q.shape, k.shape, v.shape, q.dtype, q.device, lse.stride(), dk.stride(), dv.stride(),
+            params.softmax_scale, params.window_left, params.window_right, params.softcap,
+            None if alibi is None else alibi.stride(), sq, sk, bwd_dq_tile(BWD_CONFIGS[head_dim][0], head_dim))
+
+
+def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, cu_seqlens_q=None,
+        cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None) -> None:
     """dq, dk, dv of attention(q, k, v) by the Gluon FA3 backward, from the forward's lse (natural log) and
-    delta = rowsum(dout o out) (- dlse), both (batch, nheads, seqlen_q) float32 with equal strides. Call only where
-    supports(..., backward=True) said yes; dout is made contiguous here, dk / dv may be strided. dq_acc: a zeroed
-    float32 accumulator of q's shape, contiguous (None: made here)."""
+    delta = rowsum(dout o out) (- dlse), both (batch, nheads, seqlen_q) or (varlen) (nheads, total_q) float32 with
+    equal strides. Call only where supports(..., backward=True) said yes; dout is made contiguous here, dk / dv
+    may be strided. dq_acc: a zeroed float32 accumulator of q's shape, contiguous (None: made here)."""
     _, kern, TensorDescriptor = _kernels(_device_index(q))
-    batch, sq, nheads, head_dim = q.shape
-    sk, nheads_k = k.shape[1], k.shape[2]
+    varlen = cu_seqlens_q is not None
+    batch = cu_seqlens_q.shape[0] - 1 if varlen else q.shape[0]
+    sq = max_seqlen_q if varlen else q.shape[1]
+    sk = max_seqlen_k if varlen else k.shape[1]
+    nheads, head_dim, nheads_k = q.shape[-2], q.shape[-1], k.shape[-2]
     block_m, block_n, stages = BWD_CONFIGS[head_dim]
-    causal = params.is_causal
     dout = tma_ready(dout)
-    assert lse.stride() == delta.stride() and lse.stride(2) == 1
+    assert lse.stride() == delta.stride() and lse.stride(-1) == 1
     assert dk.stride(-1) == 1 and dv.stride(-1) == 1
     if dq_acc is None:
         dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     dq_tile = bwd_dq_tile(block_m, head_dim)
-    grid = (sk // block_n, batch * nheads_k, 1)
-    kwargs = dict(HEAD_D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
+    grid = (-(-sk // block_n), batch * nheads_k, 1)
+    has_right = params.has_right
+    tail = varlen or sq % block_m != 0 or sk % block_n != 0
+    kwargs = dict(HEAD_D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
                   P_LAYOUT=_smem_layout(block_m, block_n // 2, q.dtype),
-                  PINGPONG=BWD_PINGPONG.get((head_dim, causal), False), num_warps=4, maxnreg=MAXNREG)
-    key = (q.shape, k.shape, v.shape, q.dtype, q.device, lse.stride(), dk.stride(), dv.stride(), params.softmax_scale,
-           causal, dq_tile)
+                  PINGPONG=BWD_PINGPONG.get((head_dim, has_right), False), VARLEN=varlen, HAS_LEFT=params.has_left,
+                  HAS_RIGHT=has_right, SOFTCAP=params.softcap > 0, ALIBI=alibi is not None, TAIL=tail,
+                  num_warps=4, maxnreg=MAXNREG)
+    extras = (cu_seqlens_q, cu_seqlens_k, alibi)
+    key = _bwd_key(q, k, v, lse, dk, dv, params, alibi, sq, sk)
     tpl = _BWD_TEMPLATES.get(key)
-    if tpl is not None and tpl.kwargs == kwargs and tpl.launch(grid, (k, v, q, dout, dq_acc, dk, dv), lse, delta):
+    if tpl is not None and tpl.kwargs == kwargs and tpl.launch(grid, (k, v, q, dout, dq_acc, dk, dv), lse, delta,
+                                                               extras):
         dq.copy_(dq_acc)
         return
 
     def desc(t, rows, cols):
         return _desc(TensorDescriptor, t, rows, cols, t.dtype)
 
-    # dK, dV by TMA: through a (batch * seqlen_k, nheads_k * d) view of dk / dv where their strides allow one (e.g.
-    # slices of a packed gradient), else through a contiguous buffer copied into them
+    # dK, dV by TMA: through a (rows, nheads_k * d) view of dk / dv where their strides allow one (e.g. slices of a
+    # packed gradient), else through a contiguous buffer copied into them
     dkv = []
     for g in (dk, dv):
         g_desc = desc(g, block_n // 2, head_dim)
@@ -416,8 +428,12 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None) -> None:
 
     descs = (desc(k, block_n, head_dim), desc(v, block_n, head_dim), desc(q, block_m, head_dim),
              desc(dout, block_m, head_dim), desc(dq_acc, *dq_tile))
-    args = (*descs, lse, delta, dk_desc, dv_desc, lse.stride(0), lse.stride(1),
-            sq, sk, nheads_k, nheads // nheads_k, params.softmax_scale, params.softmax_scale * LOG2E)
+    lse_strides = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
+    score_scale, softcap_log2 = params.score_args()
+    args = (*descs, lse, delta, dk_desc, dv_desc, dk_out, dv_out, *(lse if t is None else t for t in extras),
+            *lse_strides, tma_row_view(dk_out).stride(0), tma_row_view(dv_out).stride(0),
+            0 if alibi is None or alibi.dim() == 1 else alibi.stride(0), sq, sk, nheads_k, nheads // nheads_k,
+            params.softmax_scale, score_scale, softcap_log2, max(params.window_left, 0), max(params.window_right, 0))
     relaunch.launch(kern.fa3_bwd_kernel, grid[:2], args, kwargs)
     if dk_out is dk and dv_out is dv:   # (not through copies: their descriptors are over per-call buffers)
         bound = relaunch.bind(kern.fa3_bwd_kernel, args, kwargs, _BWD_LIVE)
@@ -473,22 +489,22 @@ class BackwardPlan:
     with the config it was made with checked. Call only where supports(..., backward=True) said yes."""
     __slots__ = ("key", "grid", "tpl", "cfg")
 
-    def __init__(self, q, k, v, lse, dk, dv, softmax_scale: float, causal: bool):
+    def __init__(self, q, k, v, lse, dk, dv, params, alibi=None):
         batch, head_dim = q.shape[0], q.shape[-1]
-        self.cfg = (BWD_CONFIGS[head_dim], BWD_PINGPONG.get((head_dim, causal), False))
+        self.cfg = (BWD_CONFIGS[head_dim], BWD_PINGPONG.get((head_dim, params.has_right), False))
         block_m, block_n, _ = self.cfg[0]
-        self.grid = (k.shape[1] // block_n, batch * k.shape[2], 1)
-        self.key = (q.shape, k.shape, v.shape, q.dtype, q.device, lse.stride(), dk.stride(), dv.stride(),
-                    softmax_scale, causal, bwd_dq_tile(block_m, head_dim))
+        self.grid = (-(-k.shape[1] // block_n), batch * k.shape[2], 1)
+        self.key = _bwd_key(q, k, v, lse, dk, dv, params, alibi, q.shape[1], k.shape[1])
         self.tpl = None
 
-    def __call__(self, dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc) -> None:
+    def __call__(self, dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc, alibi=None) -> None:
         """dq_acc: zeroed, float32, q's shape, contiguous; dq is filled from it here. dout contiguous and aligned."""
-        tpl, causal = self.tpl, self.key[9]
+        tpl = self.tpl
         head_dim = q.shape[-1]
-        if (tpl is not None and self.cfg == (BWD_CONFIGS[head_dim], BWD_PINGPONG.get((head_dim, causal), False))
-                and tpl.launch(self.grid, (k, v, q, dout, dq_acc, dk, dv), lse, delta)):
+        if (tpl is not None
+                and self.cfg == (BWD_CONFIGS[head_dim], BWD_PINGPONG.get((head_dim, params.has_right), False))
+                and tpl.launch(self.grid, (k, v, q, dout, dq_acc, dk, dv), lse, delta, (None, None, alibi))):
             dq.copy_(dq_acc)
             return
-        bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc)
+        bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc, alibi)
         self.tpl = _BWD_TEMPLATES.get(self.key)
