@@ -24,6 +24,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E4
 from triton.runtime.jit import mangle_type  # noqa: E402
 
 from flashtile.kernels.gluon import _fa3_bwd, _fa3_fwd, fa3  # noqa: E402
+from flashtile.kernels.params import AttnParams  # noqa: E402
 
 
 def _compile(kernel, runtime: dict, consts: dict, maxnreg=fa3.MAXNREG):
@@ -118,6 +119,12 @@ def compile_bwd(head_dim: int, causal: bool, dtype: torch.dtype, features=()):
                    group=1, sm_scale=0.1, qk_scale=0.1, softcap_log2=0.5, window_left=64, window_right=0)
     flags = {_FLAGS[f]: f in features for f in FEATURES if f != "guard"}
     flags["HAS_RIGHT"] = flags["HAS_RIGHT"] or causal
+    params = AttnParams(softmax_scale=0.1, window_left=64 if flags["HAS_LEFT"] else -1,
+                        window_right=0 if flags["HAS_RIGHT"] else -1)
+    flags.update({f: v for f, v in fa3.bwd_flags(params, flags["VARLEN"], None, s, s, block_m, block_n).items()
+                  if f in ("SKIP", "EMPTY")})
+    flags["SKIP"] = flags["SKIP"] or flags["TAIL"]
+    flags["EMPTY"] = flags["EMPTY"] or flags["TAIL"]
     consts = dict(HEAD_D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
                   P_LAYOUT=fa3._smem_layout(block_m, block_n // 2, dtype),
                   PINGPONG=fa3.BWD_PINGPONG.get((head_dim, causal), False), **flags, num_warps=4)

@@ -169,13 +169,13 @@ def _step(t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs, p_
           seq, score, wg: gl.constexpr, s_layout: gl.constexpr, dq_init, turns, BLOCK_M: gl.constexpr,
           BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
           HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-          TAIL: gl.constexpr):
+          TAIL: gl.constexpr, SKIP: gl.constexpr, EMPTY: gl.constexpr):
     """Iteration t of consumer warpgroup wg: query block i of head h against the warpgroup's 64 keys (Algorithm 2
     lines 8-20); lse_row: the head's LSE / Delta row (lse_ptr, delta_ptr + lse_row); seq: (len_q, len_k,
     window); score: _scores_log2's (slope of head h). Returns dK_w, dV_w and where this step's dQ tile goes: it is
-    computed at the next step (or after the loop). A block whose rows see none of the warpgroup's keys (the mask
-    rule: _tile_mask) computes no product but dQ_{t-1}, with dS_w = 0 for dQ_i; one where some pair is hidden
-    masks P."""
+    computed at the next step (or after the loop). SKIP (a step may see none of the warpgroup's keys): a block
+    whose rows see none of them (the mask rule: _tile_mask) computes no product but dQ_{t-1}, with dS_w = 0 for
+    dQ_i; one where some pair is hidden masks P."""
     MASKED: gl.constexpr = HAS_LEFT or HAS_RIGHT or TAIL
     WG_N: gl.constexpr = k_w.shape[0]
     # this warpgroup's dQ tile: rows [wg * 64, +64) when Br = 128, else columns [wg * d/2, +d/2)
@@ -190,19 +190,25 @@ def _step(t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs, p_
     mbarrier.wait(qdo_ready.index(s), (t // STAGES) & 1)
     if MASKED:
         none, some = _tile_mask(q_start, BLOCK_M, c0, WG_N, len_q, len_k, window, HAS_LEFT, HAS_RIGHT)
-        if none:
-            _skip(t, ds_bufs, ds_ready, ds_free, k_smem, dq_init, dq_desc, dq_smem, dq_row, dq_col, sm_scale, turns,
-                  wg, s_layout, BLOCK_M, WG_N, PINGPONG)
+        if SKIP:
+            if none:
+                _skip(t, ds_bufs, ds_ready, ds_free, k_smem, dq_init, dq_desc, dq_smem, dq_row, dq_col, sm_scale,
+                      turns, wg, s_layout, BLOCK_M, WG_N, PINGPONG)
+            else:
+                dk, dv = _products(t, q_start, c0, some, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs.index(s),
+                                   do_bufs.index(s), p_smem, ds_bufs, dq_smem, ds_ready, ds_free, dq_desc, lse_ptr,
+                                   delta_ptr, lse_row, sm_scale, qk_scale, seq, score, wg, s_layout, dq_init, turns,
+                                   BLOCK_M, PINGPONG, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, EMPTY)
         else:
             dk, dv = _products(t, q_start, c0, some, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs.index(s),
                                do_bufs.index(s), p_smem, ds_bufs, dq_smem, ds_ready, ds_free, dq_desc, lse_ptr,
                                delta_ptr, lse_row, sm_scale, qk_scale, seq, score, wg, s_layout, dq_init, turns,
-                               BLOCK_M, PINGPONG, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL)
+                               BLOCK_M, PINGPONG, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, EMPTY)
     else:
         dk, dv = _products(t, q_start, c0, False, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs.index(s),
                            do_bufs.index(s), p_smem, ds_bufs, dq_smem, ds_ready, ds_free, dq_desc, lse_ptr,
                            delta_ptr, lse_row, sm_scale, qk_scale, seq, score, wg, s_layout, dq_init, turns,
-                           BLOCK_M, PINGPONG, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL)
+                           BLOCK_M, PINGPONG, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, EMPTY)
     mbarrier.arrive(qdo_empty.index(s), count=1)   # Q_i, dO_i read by every product: the buffer may refill
     return dk, dv, q_row0 + q_start + DQ_ROW, h * HEAD_D + DQ_COL
 
@@ -232,9 +238,10 @@ def _products(t, q_start, c0, hidden, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, 
               ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr, lse_row, sm_scale, qk_scale, seq, score,
               wg: gl.constexpr, s_layout: gl.constexpr, dq_init, turns, BLOCK_M: gl.constexpr,
               PINGPONG: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-              ALIBI: gl.constexpr, TAIL: gl.constexpr):
+              ALIBI: gl.constexpr, TAIL: gl.constexpr, EMPTY: gl.constexpr):
     """Algorithm 2 lines 11-19 of a step: S, dP, P (masked where `hidden`: some pair of the tile is), dS, then
-    dV_w, dK_w and dQ_{t-1}'s product. Returns dK_w, dV_w."""
+    dV_w, dK_w and dQ_{t-1}'s product. EMPTY: a row may have seen no key in the forward (L = -inf) or lie past
+    the sequence. Returns dK_w, dV_w."""
     MASKED: gl.constexpr = HAS_LEFT or HAS_RIGHT or TAIL
     dtype: gl.constexpr = q_s.dtype
     WG_N: gl.constexpr = k_w.shape[0]
@@ -247,7 +254,7 @@ def _products(t, q_start, c0, hidden, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, 
         lse = gl.load(lse_ptr + lse_row + q_idx)
         delta = gl.load(delta_ptr + lse_row + q_idx)
     lse2 = lse * LOG2E
-    if MASKED:   # a row that saw no key (L = -inf) gets P = exp2(S - inf) = 0, not NaN
+    if EMPTY:   # a row that saw no key (L = -inf) gets P = exp2(S - inf) = 0, not NaN
         lse2 = gl.where(lse == float("-inf"), float("inf"), lse2)
     # lines 11 and 16 for this warpgroup's keys: S = Q_i K_w^T and dP = dO_i V_w^T
     s_init = gl.zeros([BLOCK_M, WG_N], gl.float32, s_layout)
@@ -261,12 +268,12 @@ def _products(t, q_start, c0, hidden, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, 
     k_idx = c0 + gl.arange(0, WG_N, layout=gl.SliceLayout(0, s_layout))
     if SOFTCAP or ALIBI:
         s2, tanh = _scores_log2(sc, q_idx, k_idx, len_q, len_k, score, SOFTCAP, ALIBI)
-    else:
-        s2 = sc * qk_scale
+        p = gl.exp2(s2 - gl.expand_dims(lse2, 1))
+    else:   # (one FMA per element)
+        p = gl.exp2(sc * qk_scale - gl.expand_dims(lse2, 1))
     if MASKED:
         if hidden:
-            s2 = _visible(s2, q_idx, k_idx, len_q, len_k, window, HAS_LEFT, HAS_RIGHT, TAIL)
-    p = gl.exp2(s2 - gl.expand_dims(lse2, 1))
+            p = _visible(p, q_idx, k_idx, len_q, len_k, window, HAS_LEFT, HAS_RIGHT, TAIL, 0.0)
     # P through shared memory: dV's A operand is P^T (keys x queries), a transposed read of the tile
     p_smem.store(p.to(dtype))
     dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
@@ -299,7 +306,8 @@ def _consumer_partition(wg: gl.constexpr, k_smem, v_smem, q_bufs, do_bufs, p_buf
                         dkv, kv_row, kv_col, b, kv_start, q_row0, n_iters, n_i, i_start, hk, group, sm_scale,
                         qk_scale, seq, alibi, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                         STAGES: gl.constexpr, PINGPONG: gl.constexpr, VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr,
-                        HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, TAIL: gl.constexpr):
+                        HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, TAIL: gl.constexpr,
+                        SKIP: gl.constexpr, EMPTY: gl.constexpr):
     """Consumer warpgroup `wg`: key rows [wg * 64, wg * 64 + 64) of the program's block through every query block
     (per query head of the group), then its rows of dK_j, dV_j (Algorithm 2 line 22). lse_rows: (stride_lse_b,
     stride_lse_h, the sequence's first LSE column); dkv: the dK / dV descriptors, pointers and row strides; seq:
@@ -338,7 +346,7 @@ def _consumer_partition(wg: gl.constexpr, k_smem, v_smem, q_bufs, do_bufs, p_buf
             qdo_ready, qdo_empty, ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr,
             b * stride_lse_b + h * stride_lse_h + lse_col0, kv_start, q_row0, sm_scale, qk_scale, seq,
             (qk_scale, softcap_log2, slope_log2), wg, s_layout, dq_init, turns, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
-            PINGPONG, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL)
+            PINGPONG, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, SKIP, EMPTY)
     # the last query block's dQ, issued first: dK_j and dV_j (line 22) are stored while it runs - by TMA, or (TAIL:
     # key rows past the sequence) by masked pointer stores
     dq_tok = _dq_product(ds_bufs, ds_ready, k_smem, dq_init, n_iters - 1, wg, WG_N, BLOCK_M)
@@ -396,7 +404,7 @@ def fa3_bwd_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr,
                    HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                    P_LAYOUT: gl.constexpr, PINGPONG: gl.constexpr, VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr,
                    HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, TAIL: gl.constexpr,
-                   num_warps: gl.constexpr):
+                   SKIP: gl.constexpr, EMPTY: gl.constexpr, num_warps: gl.constexpr):
     """Grid (cdiv(seqlen_k, BLOCK_N), batch * nheads_k); BLOCK_N = 2 x 64 key rows (one 64-row half per consumer
     warpgroup, num_warps = 4), BLOCK_M query rows per step. k/v descriptors: 2-D views (rows, nheads_k * HEAD_D),
     blocks (BLOCK_N, HEAD_D); q/dO: (rows, nheads * HEAD_D), blocks (BLOCK_M, HEAD_D); rows = batch * seqlen
@@ -408,7 +416,9 @@ def fa3_bwd_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr,
     lse, delta: (batch, nheads, seqlen_q) or (VARLEN, stride_lse_b = 0) (nheads, total_q) fp32 with the same
     strides. P_LAYOUT: the shared layout of a (BLOCK_M, BLOCK_N / 2) tile of q's dtype (a warpgroup's P or dS).
     Features as fa3_fwd_kernel's (HAS_LEFT / HAS_RIGHT windows, SOFTCAP, ALIBI, TAIL: a sequence may end inside
-    a block; qk_scale and softcap_log2 as there); sm_scale: softmax_scale."""
+    a block; qk_scale and softcap_log2 as there); SKIP: a query block may see none of a warpgroup's keys (else
+    every step computes); EMPTY: a query row may have no key or lie past its sequence; sm_scale:
+    softmax_scale."""
     dtype: gl.constexpr = q_desc.dtype
     # one head's key blocks after another: they share the head's Q_i, dO_i in L2 (every head's first block, then
     # every head's second... measured slower)
@@ -461,12 +471,12 @@ def fa3_bwd_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr,
                                qdo_empty, ds_ready, ds_free, turns, dq_desc, lse_ptr, delta_ptr, lse_rows, dkv, kv_row,
                                hk * HEAD_D, b, kv_start, q_row0, n_iters, n_i, i_start, hk, group, sm_scale, qk_scale,
                                seq, alibi, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, VARLEN, HAS_LEFT, HAS_RIGHT,
-                               SOFTCAP, ALIBI, TAIL)),
+                               SOFTCAP, ALIBI, TAIL, SKIP, EMPTY)),
         (_consumer_partition, (1, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, qdo_ready,
                                qdo_empty, ds_ready, ds_free, turns, dq_desc, lse_ptr, delta_ptr, lse_rows, dkv, kv_row,
                                hk * HEAD_D, b, kv_start, q_row0, n_iters, n_i, i_start, hk, group, sm_scale, qk_scale,
                                seq, alibi, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, VARLEN, HAS_LEFT, HAS_RIGHT,
-                               SOFTCAP, ALIBI, TAIL)),
+                               SOFTCAP, ALIBI, TAIL, SKIP, EMPTY)),
         (_load_partition, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, qdo_ready,
                            qdo_empty, kv_row, hk * HEAD_D, q_row0, n_iters, n_i, i_start, hk, group, BLOCK_M,
                            HEAD_D, STAGES)),

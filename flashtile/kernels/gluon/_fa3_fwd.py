@@ -101,18 +101,18 @@ def _tile_blocks(q_start, tile_rows, len_q, len_k, window, BLOCK_N: gl.constexpr
 
 @gluon.jit
 def _visible(s, rows, cols, len_q, len_k, window, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-             TAIL: gl.constexpr):
-    """The mask rule per element (_key_blocks'): S with -inf where query rows[i] does not see key cols[j] (TAIL:
-    keys past len_k as well; without it every block ends within the sequence)."""
+             TAIL: gl.constexpr, fill: gl.constexpr = float("-inf")):
+    """The mask rule per element (_key_blocks'): s with `fill` (S: -inf, P: 0) where query rows[i] does not see key
+    cols[j] (TAIL: keys past len_k as well; without it every block ends within the sequence)."""
     window_left, window_right = window
     diag = gl.expand_dims(rows + (len_k - len_q), 1)
     keys = gl.expand_dims(cols, 0)
     if HAS_RIGHT:
-        s = gl.where(keys <= diag + window_right, s, float("-inf"))
+        s = gl.where(keys <= diag + window_right, s, fill)
     if HAS_LEFT:
-        s = gl.where(keys >= diag - window_left, s, float("-inf"))
+        s = gl.where(keys >= diag - window_left, s, fill)
     if TAIL:
-        s = gl.where(keys < len_k, s, float("-inf"))
+        s = gl.where(keys < len_k, s, fill)
     return s
 
 

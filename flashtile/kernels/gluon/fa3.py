@@ -377,6 +377,19 @@ def _bwd_key(q, k, v, lse, dk, dv, params, alibi, sq, sk):
             None if alibi is None else alibi.stride(), sq, sk, bwd_dq_tile(BWD_CONFIGS[head_dim][0], head_dim))
 
 
+def bwd_flags(params, varlen: bool, alibi, sq: int, sk: int, block_m: int, block_n: int) -> dict:
+    """fa3_bwd_kernel's feature flags for a problem (its docstring and fa3_fwd_kernel's say what each compiles in).
+    SKIP: a query block may see none of a consumer warpgroup's 64 keys - a left window, a sequence's end, or a right
+    window other than causal over equal lengths with Br <= 64 (with Br 128, aligned causal blocks always see some)."""
+    has_left, has_right = params.has_left, params.has_right
+    tail = varlen or sq % block_m != 0 or sk % block_n != 0
+    guard = varlen or has_left or (has_right and sk - sq + params.window_right < 0)
+    aligned_causal = params.window_right == 0 and sq == sk and block_m > block_n // 2
+    return dict(VARLEN=varlen, HAS_LEFT=has_left, HAS_RIGHT=has_right, SOFTCAP=params.softcap > 0,
+                ALIBI=alibi is not None, TAIL=tail, SKIP=has_left or tail or (has_right and not aligned_causal),
+                EMPTY=guard or tail)
+
+
 def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, cu_seqlens_q=None,
         cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None) -> None:
     """dq, dk, dv of attention(q, k, v) by the Gluon FA3 backward, from the forward's lse (natural log) and
@@ -397,13 +410,10 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, 
         dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     dq_tile = bwd_dq_tile(block_m, head_dim)
     grid = (-(-sk // block_n), batch * nheads_k, 1)
-    has_right = params.has_right
-    tail = varlen or sq % block_m != 0 or sk % block_n != 0
     kwargs = dict(HEAD_D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
                   P_LAYOUT=_smem_layout(block_m, block_n // 2, q.dtype),
-                  PINGPONG=BWD_PINGPONG.get((head_dim, has_right), False), VARLEN=varlen, HAS_LEFT=params.has_left,
-                  HAS_RIGHT=has_right, SOFTCAP=params.softcap > 0, ALIBI=alibi is not None, TAIL=tail,
-                  num_warps=4, maxnreg=MAXNREG)
+                  PINGPONG=BWD_PINGPONG.get((head_dim, params.has_right), False),
+                  **bwd_flags(params, varlen, alibi, sq, sk, block_m, block_n), num_warps=4, maxnreg=MAXNREG)
     extras = (cu_seqlens_q, cu_seqlens_k, alibi)
     key = _bwd_key(q, k, v, lse, dk, dv, params, alibi, sq, sk)
     tpl = _BWD_TEMPLATES.get(key)
