@@ -187,6 +187,18 @@ def _step(t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs, p_
     s = t % STAGES
     q_start = i * BLOCK_M
     c0 = kv_start + wg * WG_N
+    # L_i and D_i (lines 8-9), loaded before the wait for Q_i, dO_i: their latency hides behind it
+    q_idx = q_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    if TAIL:   # rows past the sequence: L = -inf (P = 0 below), D = 0
+        lse = gl.load(lse_ptr + lse_row + q_idx, mask=q_idx < len_q, other=float("-inf"))
+        delta = gl.load(delta_ptr + lse_row + q_idx, mask=q_idx < len_q, other=0.0)
+    else:
+        lse = gl.load(lse_ptr + lse_row + q_idx)
+        delta = gl.load(delta_ptr + lse_row + q_idx)
+    lse2 = lse * LOG2E
+    if EMPTY:   # a row that saw no key (L = -inf) gets P = exp2(S - inf) = 0, not NaN
+        lse2 = gl.where(lse == float("-inf"), float("inf"), lse2)
+    rows = (q_idx, lse2, delta)
     mbarrier.wait(qdo_ready.index(s), (t // STAGES) & 1)
     if MASKED:
         none, some = _tile_mask(q_start, BLOCK_M, c0, WG_N, len_q, len_k, window, HAS_LEFT, HAS_RIGHT)
@@ -196,19 +208,19 @@ def _step(t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs, p_
                       turns, wg, s_layout, BLOCK_M, WG_N, PINGPONG)
             else:
                 dk, dv = _products(t, q_start, c0, some, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs.index(s),
-                                   do_bufs.index(s), p_smem, ds_bufs, dq_smem, ds_ready, ds_free, dq_desc, lse_ptr,
-                                   delta_ptr, lse_row, sm_scale, qk_scale, seq, score, wg, s_layout, dq_init, turns,
-                                   BLOCK_M, PINGPONG, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, EMPTY)
+                                   do_bufs.index(s), p_smem, ds_bufs, dq_smem, ds_ready, ds_free, dq_desc, rows,
+                                   sm_scale, qk_scale, seq, score, wg, s_layout, dq_init, turns, BLOCK_M, PINGPONG,
+                                   HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL)
         else:
             dk, dv = _products(t, q_start, c0, some, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs.index(s),
-                               do_bufs.index(s), p_smem, ds_bufs, dq_smem, ds_ready, ds_free, dq_desc, lse_ptr,
-                               delta_ptr, lse_row, sm_scale, qk_scale, seq, score, wg, s_layout, dq_init, turns,
-                               BLOCK_M, PINGPONG, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, EMPTY)
+                               do_bufs.index(s), p_smem, ds_bufs, dq_smem, ds_ready, ds_free, dq_desc, rows,
+                               sm_scale, qk_scale, seq, score, wg, s_layout, dq_init, turns, BLOCK_M, PINGPONG,
+                               HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL)
     else:
         dk, dv = _products(t, q_start, c0, False, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs.index(s),
-                           do_bufs.index(s), p_smem, ds_bufs, dq_smem, ds_ready, ds_free, dq_desc, lse_ptr,
-                           delta_ptr, lse_row, sm_scale, qk_scale, seq, score, wg, s_layout, dq_init, turns,
-                           BLOCK_M, PINGPONG, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, EMPTY)
+                           do_bufs.index(s), p_smem, ds_bufs, dq_smem, ds_ready, ds_free, dq_desc, rows,
+                           sm_scale, qk_scale, seq, score, wg, s_layout, dq_init, turns, BLOCK_M, PINGPONG,
+                           HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL)
     mbarrier.arrive(qdo_empty.index(s), count=1)   # Q_i, dO_i read by every product: the buffer may refill
     return dk, dv, q_row0 + q_start + DQ_ROW, h * HEAD_D + DQ_COL
 
@@ -235,27 +247,18 @@ def _skip(t, ds_bufs, ds_ready, ds_free, k_smem, dq_init, dq_desc, dq_smem, dq_r
 
 @gluon.jit
 def _products(t, q_start, c0, hidden, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_s, do_s, p_smem, ds_bufs, dq_smem,
-              ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr, lse_row, sm_scale, qk_scale, seq, score,
+              ds_ready, ds_free, dq_desc, rows, sm_scale, qk_scale, seq, score,
               wg: gl.constexpr, s_layout: gl.constexpr, dq_init, turns, BLOCK_M: gl.constexpr,
               PINGPONG: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-              ALIBI: gl.constexpr, TAIL: gl.constexpr, EMPTY: gl.constexpr):
+              ALIBI: gl.constexpr, TAIL: gl.constexpr):
     """Algorithm 2 lines 11-19 of a step: S, dP, P (masked where `hidden`: some pair of the tile is), dS, then
-    dV_w, dK_w and dQ_{t-1}'s product. EMPTY: a row may have seen no key in the forward (L = -inf) or lie past
-    the sequence. Returns dK_w, dV_w."""
+    dV_w, dK_w and dQ_{t-1}'s product. rows: the block's query indices, L_i (log2 units) and D_i. Returns dK_w,
+    dV_w."""
     MASKED: gl.constexpr = HAS_LEFT or HAS_RIGHT or TAIL
     dtype: gl.constexpr = q_s.dtype
     WG_N: gl.constexpr = k_w.shape[0]
     len_q, len_k, window = seq
-    q_idx = q_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-    if TAIL:   # rows past the sequence: L = -inf (P = 0 below), D = 0
-        lse = gl.load(lse_ptr + lse_row + q_idx, mask=q_idx < len_q, other=float("-inf"))
-        delta = gl.load(delta_ptr + lse_row + q_idx, mask=q_idx < len_q, other=0.0)
-    else:
-        lse = gl.load(lse_ptr + lse_row + q_idx)
-        delta = gl.load(delta_ptr + lse_row + q_idx)
-    lse2 = lse * LOG2E
-    if EMPTY:   # a row that saw no key (L = -inf) gets P = exp2(S - inf) = 0, not NaN
-        lse2 = gl.where(lse == float("-inf"), float("inf"), lse2)
+    q_idx, lse2, delta = rows
     # lines 11 and 16 for this warpgroup's keys: S = Q_i K_w^T and dP = dO_i V_w^T
     s_init = gl.zeros([BLOCK_M, WG_N], gl.float32, s_layout)
     _turn(turns, wg, 2 * t, 2, PINGPONG)   # with PINGPONG the warpgroups take turns issuing their GEMMs
@@ -265,15 +268,18 @@ def _products(t, q_start, c0, hidden, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, 
     sc = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
     # line 13: P = exp(S * scale - L_i) (base 2; softcap / ALiBi: the forward's scores), 0 where the mask hides
     # the key
-    k_idx = c0 + gl.arange(0, WG_N, layout=gl.SliceLayout(0, s_layout))
+    # (the key indices are made where they are used: kept live across the step, they cost registers that the
+    # step's accumulators need)
     if SOFTCAP or ALIBI:
-        s2, tanh = _scores_log2(sc, q_idx, k_idx, len_q, len_k, score, SOFTCAP, ALIBI)
+        s2, tanh = _scores_log2(sc, q_idx, c0 + gl.arange(0, WG_N, layout=gl.SliceLayout(0, s_layout)), len_q,
+                                len_k, score, SOFTCAP, ALIBI)
         p = gl.exp2(s2 - gl.expand_dims(lse2, 1))
     else:   # (one FMA per element)
         p = gl.exp2(sc * qk_scale - gl.expand_dims(lse2, 1))
     if MASKED:
         if hidden:
-            p = _visible(p, q_idx, k_idx, len_q, len_k, window, HAS_LEFT, HAS_RIGHT, TAIL, 0.0)
+            p = _visible(p, q_idx, c0 + gl.arange(0, WG_N, layout=gl.SliceLayout(0, s_layout)), len_q, len_k,
+                         window, HAS_LEFT, HAS_RIGHT, TAIL, 0.0)
     # P through shared memory: dV's A operand is P^T (keys x queries), a transposed read of the tile
     p_smem.store(p.to(dtype))
     dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
