@@ -122,7 +122,8 @@ def compile_bwd(head_dim: int, causal: bool, dtype: torch.dtype, features=()):
     params = AttnParams(softmax_scale=0.1, window_left=64 if flags["HAS_LEFT"] else -1,
                         window_right=0 if flags["HAS_RIGHT"] else -1)
     flags.update({f: v for f, v in fa3.bwd_flags(params, flags["VARLEN"], None, s, s, block_m, block_n).items()
-                  if f in ("SKIP", "EMPTY")})
+                  if f in ("SKIP", "EMPTY", "ALIGNED")})
+    flags["ALIGNED"] = flags["ALIGNED"] and not flags["TAIL"]
     flags["SKIP"] = flags["SKIP"] or flags["TAIL"]
     flags["EMPTY"] = flags["EMPTY"] or flags["TAIL"]
     consts = dict(HEAD_D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,

@@ -74,13 +74,16 @@ def _query_blocks(c0, c1, len_q, len_k, window, BLOCK_M: gl.constexpr, HAS_LEFT:
 
 @gluon.jit
 def _tile_mask(r0, R: gl.constexpr, c0, C: gl.constexpr, len_q, len_k, window, HAS_LEFT: gl.constexpr,
-               HAS_RIGHT: gl.constexpr):
+               HAS_RIGHT: gl.constexpr, TAIL: gl.constexpr):
     """For rows [r0, r0 + R) against keys [c0, c0 + C) of a sequence: (no pair visible, some pair hidden) under
     the mask rule (the forward's _visible), the sequence's ends included."""
     window_left, window_right = window
     shift = len_k - len_q
-    none = (c0 >= len_k) | (r0 >= len_q)
-    some = (c0 + C > len_k) | (r0 + R > len_q)
+    none = c0 < 0   # (False; the first term of the runtime flags)
+    some = c0 < 0
+    if TAIL:
+        none = (c0 >= len_k) | (r0 >= len_q)
+        some = (c0 + C > len_k) | (r0 + R > len_q)
     if HAS_RIGHT:   # keys past the last row's last visible key; past the first row's
         none = none | (c0 > r0 + R - 1 + shift + window_right)
         some = some | (c0 + C - 1 > r0 + shift + window_right)
@@ -201,7 +204,7 @@ def _step(t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs, p_
     rows = (q_idx, lse2, delta)
     mbarrier.wait(qdo_ready.index(s), (t // STAGES) & 1)
     if MASKED:
-        none, some = _tile_mask(q_start, BLOCK_M, c0, WG_N, len_q, len_k, window, HAS_LEFT, HAS_RIGHT)
+        none, some = _tile_mask(q_start, BLOCK_M, c0, WG_N, len_q, len_k, window, HAS_LEFT, HAS_RIGHT, TAIL)
         if SKIP:
             if none:
                 _skip(t, ds_bufs, ds_ready, ds_free, k_smem, dq_init, dq_desc, dq_smem, dq_row, dq_col, sm_scale,
@@ -410,7 +413,7 @@ def fa3_bwd_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr,
                    HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                    P_LAYOUT: gl.constexpr, PINGPONG: gl.constexpr, VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr,
                    HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, TAIL: gl.constexpr,
-                   SKIP: gl.constexpr, EMPTY: gl.constexpr, num_warps: gl.constexpr):
+                   SKIP: gl.constexpr, EMPTY: gl.constexpr, ALIGNED: gl.constexpr, num_warps: gl.constexpr):
     """Grid (cdiv(seqlen_k, BLOCK_N), batch * nheads_k); BLOCK_N = 2 x 64 key rows (one 64-row half per consumer
     warpgroup, num_warps = 4), BLOCK_M query rows per step. k/v descriptors: 2-D views (rows, nheads_k * HEAD_D),
     blocks (BLOCK_N, HEAD_D); q/dO: (rows, nheads * HEAD_D), blocks (BLOCK_M, HEAD_D); rows = batch * seqlen
@@ -423,7 +426,8 @@ def fa3_bwd_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr,
     strides. P_LAYOUT: the shared layout of a (BLOCK_M, BLOCK_N / 2) tile of q's dtype (a warpgroup's P or dS).
     Features as fa3_fwd_kernel's (HAS_LEFT / HAS_RIGHT windows, SOFTCAP, ALIBI, TAIL: a sequence may end inside
     a block; qk_scale and softcap_log2 as there); SKIP: a query block may see none of a warpgroup's keys (else
-    every step computes); EMPTY: a query row may have no key or lie past its sequence; sm_scale:
+    every step computes); EMPTY: a query row may have no key or lie past its sequence; ALIGNED: dense, equal
+    lengths that the tiles divide, no window or causal's (the mask's shift and window are constants 0); sm_scale:
     softmax_scale."""
     dtype: gl.constexpr = q_desc.dtype
     # one head's key blocks after another: they share the head's Q_i, dO_i in L2 (every head's first block, then
@@ -468,7 +472,10 @@ def fa3_bwd_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr,
         mbarrier.init(qdo_ready.index(i), count=1)
         mbarrier.init(qdo_empty.index(i), count=2)
 
-    seq = (len_q, len_k, window)
+    if ALIGNED:   # equal lengths, no window but causal's: the mask rule with constant shift and window (registers)
+        seq = (0, 0, (0, 0))
+    else:
+        seq = (len_q, len_k, window)
     lse_rows = (stride_lse_b, stride_lse_h, lse_col0)
     dkv = (dk_desc, dv_desc, dk_ptr, dv_ptr, stride_dk_row, stride_dv_row)
     alibi = (alibi_ptr, stride_alibi_b, softcap_log2)

@@ -385,9 +385,10 @@ def bwd_flags(params, varlen: bool, alibi, sq: int, sk: int, block_m: int, block
     tail = varlen or sq % block_m != 0 or sk % block_n != 0
     guard = varlen or has_left or (has_right and sk - sq + params.window_right < 0)
     aligned_causal = params.window_right == 0 and sq == sk and block_m > block_n // 2
+    aligned = not (tail or has_left) and sq == sk and params.window_right <= 0
     return dict(VARLEN=varlen, HAS_LEFT=has_left, HAS_RIGHT=has_right, SOFTCAP=params.softcap > 0,
                 ALIBI=alibi is not None, TAIL=tail, SKIP=has_left or tail or (has_right and not aligned_causal),
-                EMPTY=guard or tail)
+                EMPTY=guard or tail, ALIGNED=aligned)
 
 
 def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, cu_seqlens_q=None,
