@@ -101,35 +101,37 @@ def compile_fp8(head_dim: int, causal: bool, out_dtype: torch.dtype):
 
 def compile_bwd(head_dim: int, causal: bool, dtype: torch.dtype, features=()):
     """The backward as fa3.bwd launches it (tiles from fa3.BWD_CONFIGS, dQ tile as fa3.bwd chooses it, dK / dV
-    stored by TMA), with the feature flags named in `features` (FEATURES but guard) on; causal: HAS_RIGHT."""
+    stored by TMA): the dense kernel, or with `features` (FEATURES but guard) fa3_bwd_any_kernel with those flags on;
+    causal: HAS_RIGHT."""
     block_m, block_n, stages = fa3.BWD_CONFIGS[head_dim]
     b, s, h = 2, 1024, 4
     t = torch.randn(b * s, h * head_dim, dtype=dtype)
     dq = torch.zeros(b * s, h * head_dim)
     lse = torch.empty(b, h, s)
-    i32 = torch.zeros(3, dtype=torch.int32)
     dq_tile = fa3.bwd_dq_tile(block_m, head_dim)
     runtime = dict(k_desc=_desc(t, block_n, head_dim), v_desc=_desc(t, block_n, head_dim),
                    q_desc=_desc(t, block_m, head_dim), do_desc=_desc(t, block_m, head_dim),
                    dq_desc=_desc(dq, *dq_tile), lse_ptr=lse, delta_ptr=lse,
-                   dk_desc=_desc(t, block_n // 2, head_dim), dv_desc=_desc(t, block_n // 2, head_dim), dk_ptr=t,
-                   dv_ptr=t, cu_seqlens_q=i32, cu_seqlens_k=i32, alibi_ptr=torch.zeros(h),
-                   stride_lse_b=lse.stride(0), stride_lse_h=lse.stride(1), stride_dk_row=t.stride(0),
-                   stride_dv_row=t.stride(0), stride_alibi_b=0, seqlen_q=s, seqlen_k=s, nheads_k=h,
-                   group=1, sm_scale=0.1, qk_scale=0.1, softcap_log2=0.5, window_left=64, window_right=0)
+                   dk_desc=_desc(t, block_n // 2, head_dim), dv_desc=_desc(t, block_n // 2, head_dim),
+                   stride_lse_b=lse.stride(0), stride_lse_h=lse.stride(1), seqlen_q=s, seqlen_k=s, nheads_k=h,
+                   group=1, sm_scale=0.1, qk_scale=0.1)
+    consts = dict(HEAD_D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
+                  P_LAYOUT=fa3._smem_layout(block_m, block_n // 2, dtype),
+                  PINGPONG=fa3.BWD_PINGPONG.get((head_dim, causal), False), num_warps=4)
+    if not features:
+        return _compile(_fa3_bwd.fa3_bwd_kernel, runtime, dict(consts, CAUSAL=causal))
+    from flashtile.kernels.gluon import _fa3_bwd_any
+    i32 = torch.zeros(3, dtype=torch.int32)
+    runtime.update(dk_ptr=t, dv_ptr=t, cu_seqlens_q=i32, cu_seqlens_k=i32, alibi_ptr=torch.zeros(h),
+                   stride_dk_row=t.stride(0), stride_dv_row=t.stride(0), stride_alibi_b=0, softcap_log2=0.5,
+                   window_left=64, window_right=0)
     flags = {_FLAGS[f]: f in features for f in FEATURES if f != "guard"}
     flags["HAS_RIGHT"] = flags["HAS_RIGHT"] or causal
     params = AttnParams(softmax_scale=0.1, window_left=64 if flags["HAS_LEFT"] else -1,
                         window_right=0 if flags["HAS_RIGHT"] else -1)
-    flags.update({f: v for f, v in fa3.bwd_flags(params, flags["VARLEN"], None, s, s, block_m, block_n).items()
-                  if f in ("SKIP", "EMPTY", "ALIGNED")})
-    flags["ALIGNED"] = flags["ALIGNED"] and not flags["TAIL"]
-    flags["SKIP"] = flags["SKIP"] or flags["TAIL"]
-    flags["EMPTY"] = flags["EMPTY"] or flags["TAIL"]
-    consts = dict(HEAD_D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
-                  P_LAYOUT=fa3._smem_layout(block_m, block_n // 2, dtype),
-                  PINGPONG=fa3.BWD_PINGPONG.get((head_dim, causal), False), **flags, num_warps=4)
-    return _compile(_fa3_bwd.fa3_bwd_kernel, runtime, consts)
+    ours = fa3.bwd_flags(params, flags["VARLEN"], None, s, s, block_m, block_n)
+    flags.update(SKIP=ours["SKIP"] or flags["TAIL"], EMPTY=ours["EMPTY"] or flags["TAIL"])
+    return _compile(_fa3_bwd_any.fa3_bwd_any_kernel, runtime, dict(consts, **flags))
 
 
 def compile_paged(head_dim: int, causal: bool, dtype: torch.dtype, page: int):

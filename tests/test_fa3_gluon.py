@@ -236,7 +236,7 @@ def test_bwd_launch_follows_the_tables(d, causal, monkeypatch):
         fa3.bwd(torch.randn_like(q), q, k, v, lse, torch.randn_like(lse), *grads, params)
         (kernel, grid, args, kw), = launches
         assert kernel is kernels.fa3_bwd_kernel and grid == (1024 // block_n, 2 * 2)
-        assert (kw["BLOCK_M"], kw["BLOCK_N"], kw["STAGES"], kw["HAS_RIGHT"]) == (block_m, block_n, stages, causal)
+        assert (kw["BLOCK_M"], kw["BLOCK_N"], kw["STAGES"], kw["CAUSAL"]) == (block_m, block_n, stages, causal)
         assert kw["PINGPONG"] is turns
         dk_out, dv_out = args[7], args[8]
         assert isinstance(dk_out, _FakeDescriptor) and dk_out.block_shape == [block_n // 2, d]

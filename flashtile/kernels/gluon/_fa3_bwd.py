@@ -33,7 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from ..params import LOG2E as _LOG2E
-from ._fa3_fwd import _pass_turn, _scores_log2, _seq_info, _turn, _visible, store_rows, tma_load, tma_store
+from ._fa3_fwd import _pass_turn, _turn, tma_load, tma_store
 
 LOG2E = gl.constexpr(_LOG2E)
 
@@ -54,43 +54,6 @@ def _query_block(t, n_i, i_start, hk, group):
     """Iteration t of a program -> (query head, query block index): the group's heads one after another, each
     from block i_start (the first one the key block is visible to) to the last."""
     return hk * group + t // n_i, i_start + t % n_i
-
-
-@gluon.jit
-def _query_blocks(c0, c1, len_q, len_k, window, BLOCK_M: gl.constexpr, HAS_LEFT: gl.constexpr,
-                  HAS_RIGHT: gl.constexpr):
-    """The transpose of the forward's _key_blocks (the mask rule): query blocks [lo, hi) some of whose rows see a
-    key of [c0, c1); at least one (a block no query sees computes one query block fully masked: dK = dV = 0)."""
-    window_left, window_right = window
-    shift = len_k - len_q
-    lo = 0
-    hi = gl.cdiv(len_q, BLOCK_M)
-    if HAS_RIGHT:   # query i sees key j <= i + shift + right
-        lo = gl.maximum(c0 - shift - window_right, 0) // BLOCK_M
-    if HAS_LEFT:    # query i sees key j >= i + shift - left
-        hi = gl.minimum(hi, gl.cdiv(gl.maximum(c1 - shift + window_left, 0), BLOCK_M))
-    return lo, gl.maximum(hi, lo + 1)
-
-
-@gluon.jit
-def _tile_mask(r0, R: gl.constexpr, c0, C: gl.constexpr, len_q, len_k, window, HAS_LEFT: gl.constexpr,
-               HAS_RIGHT: gl.constexpr, TAIL: gl.constexpr):
-    """For rows [r0, r0 + R) against keys [c0, c0 + C) of a sequence: (no pair visible, some pair hidden) under
-    the mask rule (the forward's _visible), the sequence's ends included."""
-    window_left, window_right = window
-    shift = len_k - len_q
-    none = c0 < 0   # (False; the first term of the runtime flags)
-    some = c0 < 0
-    if TAIL:
-        none = (c0 >= len_k) | (r0 >= len_q)
-        some = (c0 + C > len_k) | (r0 + R > len_q)
-    if HAS_RIGHT:   # keys past the last row's last visible key; past the first row's
-        none = none | (c0 > r0 + R - 1 + shift + window_right)
-        some = some | (c0 + C - 1 > r0 + shift + window_right)
-    if HAS_LEFT:    # keys before the first row's first visible key; before the last row's
-        none = none | (c0 + C - 1 < r0 + shift - window_left)
-        some = some | (c0 < r0 + R - 1 + shift - window_left)
-    return none, some | none
 
 
 @gluon.jit
@@ -168,159 +131,95 @@ def _add_dq(dq, ds_free, t, dq_desc, dq_smem, sm_scale, row, col):
 
 @gluon.jit
 def _step(t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs, p_smem, ds_bufs, dq_smem, qdo_ready,
-          qdo_empty, ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr, lse_row, kv_start, q_row0, sm_scale, qk_scale,
-          seq, score, wg: gl.constexpr, s_layout: gl.constexpr, dq_init, turns, BLOCK_M: gl.constexpr,
-          BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
-          HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-          TAIL: gl.constexpr, SKIP: gl.constexpr, EMPTY: gl.constexpr):
+          qdo_empty, ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr, lse_off, kv_start, q_row0, sm_scale, qk_scale,
+          wg: gl.constexpr, s_layout: gl.constexpr, dq_init, turns, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+          HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
     """Iteration t of consumer warpgroup wg: query block i of head h against the warpgroup's 64 keys (Algorithm 2
-    lines 8-20); lse_row: the head's LSE / Delta row (lse_ptr, delta_ptr + lse_row); seq: (len_q, len_k,
-    window); score: _scores_log2's (slope of head h). Returns dK_w, dV_w and where this step's dQ tile goes: it is
-    computed at the next step (or after the loop). SKIP (a step may see none of the warpgroup's keys): a block
-    whose rows see none of them (the mask rule: _tile_mask) computes no product but dQ_{t-1}, with dS_w = 0 for
-    dQ_i; one where some pair is hidden masks P."""
-    MASKED: gl.constexpr = HAS_LEFT or HAS_RIGHT or TAIL
+    lines 8-20), lse_off: (batch, head)'s offset into lse / delta. Returns dK_w, dV_w and where this step's dQ tile
+    goes: it is computed at the next step (or after the loop)."""
+    dtype: gl.constexpr = q_bufs.dtype
     WG_N: gl.constexpr = k_w.shape[0]
     # this warpgroup's dQ tile: rows [wg * 64, +64) when Br = 128, else columns [wg * d/2, +d/2)
     DQ_M: gl.constexpr = dq_init.shape[0]
     DQ_N: gl.constexpr = dq_init.shape[1]
     DQ_ROW: gl.constexpr = wg * DQ_M if DQ_M < BLOCK_M else 0
     DQ_COL: gl.constexpr = 0 if DQ_M < BLOCK_M else wg * DQ_N
-    len_q, len_k, window = seq
     s = t % STAGES
     q_start = i * BLOCK_M
-    c0 = kv_start + wg * WG_N
-    # L_i and D_i (lines 8-9), loaded before the wait for Q_i, dO_i: their latency hides behind it
     q_idx = q_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-    if TAIL:   # rows past the sequence: L = -inf (P = 0 below), D = 0
-        lse = gl.load(lse_ptr + lse_row + q_idx, mask=q_idx < len_q, other=float("-inf"))
-        delta = gl.load(delta_ptr + lse_row + q_idx, mask=q_idx < len_q, other=0.0)
-    else:
-        lse = gl.load(lse_ptr + lse_row + q_idx)
-        delta = gl.load(delta_ptr + lse_row + q_idx)
-    lse2 = lse * LOG2E
-    if EMPTY:   # a row that saw no key (L = -inf) gets P = exp2(S - inf) = 0, not NaN
-        lse2 = gl.where(lse == float("-inf"), float("inf"), lse2)
-    rows = (q_idx, lse2, delta)
+    lse2 = gl.load(lse_ptr + lse_off + q_idx) * LOG2E
+    delta = gl.load(delta_ptr + lse_off + q_idx)
+    q_s = q_bufs.index(s)
+    do_s = do_bufs.index(s)
     mbarrier.wait(qdo_ready.index(s), (t // STAGES) & 1)
-    if MASKED:
-        none, some = _tile_mask(q_start, BLOCK_M, c0, WG_N, len_q, len_k, window, HAS_LEFT, HAS_RIGHT, TAIL)
-        if SKIP:
-            if none:
-                _skip(t, ds_bufs, ds_ready, ds_free, k_smem, dq_init, dq_desc, dq_smem, dq_row, dq_col, sm_scale,
-                      turns, wg, s_layout, BLOCK_M, WG_N, PINGPONG)
-            else:
-                dk, dv = _products(t, q_start, c0, some, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs.index(s),
-                                   do_bufs.index(s), p_smem, ds_bufs, dq_smem, ds_ready, ds_free, dq_desc, rows,
-                                   sm_scale, qk_scale, seq, score, wg, s_layout, dq_init, turns, BLOCK_M, PINGPONG,
-                                   HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL)
+    buf = t % 2
+    masked = False
+    if CAUSAL and BLOCK_M <= WG_N:
+        # every key of this warpgroup after every query of the block (Br = 64: the second warpgroup at the block that
+        # starts on the diagonal): P = dS = 0, dK_w and dV_w unchanged, no product but dQ_{t-1}; dS_w = 0 for dQ_i
+        masked = q_start + BLOCK_M <= kv_start + wg * WG_N
+    if masked:
+        _turn(turns, wg, 2 * t, 2, PINGPONG)
+        _pass_turn(turns, wg, 2, PINGPONG)
+        _store_ds(gl.zeros([BLOCK_M, WG_N], dtype, s_layout), ds_bufs, ds_free, t, wg)
+        mbarrier.arrive(ds_ready.index(buf), count=1)
+        _turn(turns, wg, 2 * t + 1, 2, PINGPONG)
+        if t > 0:
+            dq_tok = _dq_product(ds_bufs, ds_ready, k_smem, dq_init, t - 1, wg, WG_N, BLOCK_M)
+            _pass_turn(turns, wg, 2, PINGPONG)
+            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, ))
+            _add_dq(dq, ds_free, t, dq_desc, dq_smem, sm_scale, dq_row, dq_col)
         else:
-            dk, dv = _products(t, q_start, c0, some, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs.index(s),
-                               do_bufs.index(s), p_smem, ds_bufs, dq_smem, ds_ready, ds_free, dq_desc, rows,
-                               sm_scale, qk_scale, seq, score, wg, s_layout, dq_init, turns, BLOCK_M, PINGPONG,
-                               HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL)
+            _pass_turn(turns, wg, 2, PINGPONG)
     else:
-        dk, dv = _products(t, q_start, c0, False, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs.index(s),
-                           do_bufs.index(s), p_smem, ds_bufs, dq_smem, ds_ready, ds_free, dq_desc, rows,
-                           sm_scale, qk_scale, seq, score, wg, s_layout, dq_init, turns, BLOCK_M, PINGPONG,
-                           HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL)
+        # lines 11 and 16 for this warpgroup's keys: S = Q_i K_w^T and dP = dO_i V_w^T
+        s_init = gl.zeros([BLOCK_M, WG_N], gl.float32, s_layout)
+        _turn(turns, wg, 2 * t, 2, PINGPONG)   # with PINGPONG the warpgroups take turns issuing their GEMMs
+        s_tok = warpgroup_mma(q_s, k_w.permute((1, 0)), s_init, use_acc=False, is_async=True)
+        dp_tok = warpgroup_mma(do_s, v_w.permute((1, 0)), s_init, use_acc=False, is_async=True)
+        _pass_turn(turns, wg, 2, PINGPONG)
+        sc = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
+        # line 13: P = exp(S * scale - L_i) (base 2); under the causal mask, key > query -> 0
+        p = gl.exp2(sc * qk_scale - gl.expand_dims(lse2, 1))
+        if CAUSAL:
+            if q_start < kv_start + BLOCK_N:   # a block that reaches the diagonal
+                # key kv_start + wg * WG_N + c is visible to query r iff c <= r - kv_start - wg * WG_N
+                last = q_idx - (kv_start + wg * WG_N)
+                cols = gl.arange(0, WG_N, layout=gl.SliceLayout(0, s_layout))
+                p = gl.where(gl.expand_dims(cols, 0) <= gl.expand_dims(last, 1), p, 0.0)
+        # P through shared memory: dV's A operand is P^T (keys x queries), a transposed read of the tile
+        p_smem.store(p.to(dtype))
+        dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
+        # line 17: dS = P o (dP - D_i)
+        ds = (p * (dp - gl.expand_dims(delta, 1))).to(dtype)
+        ds_smem = _store_ds(ds, ds_bufs, ds_free, t, wg)
+        # line 14: dV_j += P^T dO_i; line 19: dK_j += dS^T Q_i
+        _turn(turns, wg, 2 * t + 1, 2, PINGPONG)
+        dv_tok = warpgroup_mma(p_smem.permute((1, 0)), do_s, dv, is_async=True)
+        dk_tok = warpgroup_mma(ds_smem.permute((1, 0)), q_s, dk, is_async=True)
+        mbarrier.arrive(ds_ready.index(buf), count=1)
+        if t > 0:
+            # line 18 one step late, so the warpgroups need not meet at every step (measured faster than meeting):
+            # dQ_{t-1} needs the other warpgroup's dS_{t-1}, which it stored half a step ago at the latest
+            dq_tok = _dq_product(ds_bufs, ds_ready, k_smem, dq_init, t - 1, wg, WG_N, BLOCK_M)
+            _pass_turn(turns, wg, 2, PINGPONG)
+            dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, dq_tok))
+            _add_dq(dq, ds_free, t, dq_desc, dq_smem, sm_scale, dq_row, dq_col)
+        else:
+            _pass_turn(turns, wg, 2, PINGPONG)
+            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok))
     mbarrier.arrive(qdo_empty.index(s), count=1)   # Q_i, dO_i read by every product: the buffer may refill
     return dk, dv, q_row0 + q_start + DQ_ROW, h * HEAD_D + DQ_COL
 
 
 @gluon.jit
-def _skip(t, ds_bufs, ds_ready, ds_free, k_smem, dq_init, dq_desc, dq_smem, dq_row, dq_col, sm_scale, turns,
-          wg: gl.constexpr, s_layout: gl.constexpr, BLOCK_M: gl.constexpr, WG_N: gl.constexpr,
-          PINGPONG: gl.constexpr):
-    """A step whose query rows see none of the warpgroup's keys: P = dS = 0, dK_w and dV_w unchanged, no product
-    but dQ_{t-1}; dS_w = 0 for dQ_i. Its turns pass as a computing step's do."""
-    _turn(turns, wg, 2 * t, 2, PINGPONG)
-    _pass_turn(turns, wg, 2, PINGPONG)
-    _store_ds(gl.zeros([BLOCK_M, WG_N], ds_bufs.dtype, s_layout), ds_bufs, ds_free, t, wg)
-    mbarrier.arrive(ds_ready.index(t % 2), count=1)
-    _turn(turns, wg, 2 * t + 1, 2, PINGPONG)
-    if t > 0:
-        dq_tok = _dq_product(ds_bufs, ds_ready, k_smem, dq_init, t - 1, wg, WG_N, BLOCK_M)
-        _pass_turn(turns, wg, 2, PINGPONG)
-        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, ))
-        _add_dq(dq, ds_free, t, dq_desc, dq_smem, sm_scale, dq_row, dq_col)
-    else:
-        _pass_turn(turns, wg, 2, PINGPONG)
-
-
-@gluon.jit
-def _products(t, q_start, c0, hidden, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_s, do_s, p_smem, ds_bufs, dq_smem,
-              ds_ready, ds_free, dq_desc, rows, sm_scale, qk_scale, seq, score,
-              wg: gl.constexpr, s_layout: gl.constexpr, dq_init, turns, BLOCK_M: gl.constexpr,
-              PINGPONG: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-              ALIBI: gl.constexpr, TAIL: gl.constexpr):
-    """Algorithm 2 lines 11-19 of a step: S, dP, P (masked where `hidden`: some pair of the tile is), dS, then
-    dV_w, dK_w and dQ_{t-1}'s product. rows: the block's query indices, L_i (log2 units) and D_i. Returns dK_w,
-    dV_w."""
-    MASKED: gl.constexpr = HAS_LEFT or HAS_RIGHT or TAIL
-    dtype: gl.constexpr = q_s.dtype
-    WG_N: gl.constexpr = k_w.shape[0]
-    len_q, len_k, window = seq
-    q_idx, lse2, delta = rows
-    # lines 11 and 16 for this warpgroup's keys: S = Q_i K_w^T and dP = dO_i V_w^T
-    s_init = gl.zeros([BLOCK_M, WG_N], gl.float32, s_layout)
-    _turn(turns, wg, 2 * t, 2, PINGPONG)   # with PINGPONG the warpgroups take turns issuing their GEMMs
-    s_tok = warpgroup_mma(q_s, k_w.permute((1, 0)), s_init, use_acc=False, is_async=True)
-    dp_tok = warpgroup_mma(do_s, v_w.permute((1, 0)), s_init, use_acc=False, is_async=True)
-    _pass_turn(turns, wg, 2, PINGPONG)
-    sc = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
-    # line 13: P = exp(S * scale - L_i) (base 2; softcap / ALiBi: the forward's scores), 0 where the mask hides
-    # the key
-    # (the key indices are made where they are used: kept live across the step, they cost registers that the
-    # step's accumulators need)
-    if SOFTCAP or ALIBI:
-        s2, tanh = _scores_log2(sc, q_idx, c0 + gl.arange(0, WG_N, layout=gl.SliceLayout(0, s_layout)), len_q,
-                                len_k, score, SOFTCAP, ALIBI)
-        p = gl.exp2(s2 - gl.expand_dims(lse2, 1))
-    else:   # (one FMA per element)
-        p = gl.exp2(sc * qk_scale - gl.expand_dims(lse2, 1))
-    if MASKED:
-        if hidden:
-            p = _visible(p, q_idx, c0 + gl.arange(0, WG_N, layout=gl.SliceLayout(0, s_layout)), len_q, len_k,
-                         window, HAS_LEFT, HAS_RIGHT, TAIL, 0.0)
-    # P through shared memory: dV's A operand is P^T (keys x queries), a transposed read of the tile
-    p_smem.store(p.to(dtype))
-    dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
-    # line 17: dS = P o (dP - D_i); softcap: times d(softcap tanh(x / softcap)) / dx = 1 - tanh^2
-    ds = p * (dp - gl.expand_dims(delta, 1))
-    if SOFTCAP:
-        ds = ds * (1.0 - tanh * tanh)
-    ds_smem = _store_ds(ds.to(dtype), ds_bufs, ds_free, t, wg)
-    # line 14: dV_j += P^T dO_i; line 19: dK_j += dS^T Q_i
-    _turn(turns, wg, 2 * t + 1, 2, PINGPONG)
-    dv_tok = warpgroup_mma(p_smem.permute((1, 0)), do_s, dv, is_async=True)
-    dk_tok = warpgroup_mma(ds_smem.permute((1, 0)), q_s, dk, is_async=True)
-    mbarrier.arrive(ds_ready.index(t % 2), count=1)
-    if t > 0:
-        # line 18 one step late, so the warpgroups need not meet at every step (measured faster than meeting):
-        # dQ_{t-1} needs the other warpgroup's dS_{t-1}, which it stored half a step ago at the latest
-        dq_tok = _dq_product(ds_bufs, ds_ready, k_smem, dq_init, t - 1, wg, WG_N, BLOCK_M)
-        _pass_turn(turns, wg, 2, PINGPONG)
-        dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, dq_tok))
-        _add_dq(dq, ds_free, t, dq_desc, dq_smem, sm_scale, dq_row, dq_col)
-    else:
-        _pass_turn(turns, wg, 2, PINGPONG)
-        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok))
-    return dk, dv
-
-
-@gluon.jit
 def _consumer_partition(wg: gl.constexpr, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar,
-                        qdo_ready, qdo_empty, ds_ready, ds_free, turns, dq_desc, lse_ptr, delta_ptr, lse_rows,
-                        dkv, kv_row, kv_col, b, kv_start, q_row0, n_iters, n_i, i_start, hk, group, sm_scale,
-                        qk_scale, seq, alibi, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-                        STAGES: gl.constexpr, PINGPONG: gl.constexpr, VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr,
-                        HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, TAIL: gl.constexpr,
-                        SKIP: gl.constexpr, EMPTY: gl.constexpr):
+                        qdo_ready, qdo_empty, ds_ready, ds_free, turns, dq_desc, lse_ptr, delta_ptr, stride_lse_b,
+                        stride_lse_h, dk_desc, dv_desc, kv_row, kv_col, b, kv_start, q_row0, n_iters, n_i, i_start,
+                        hk, group, sm_scale, qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
     """Consumer warpgroup `wg`: key rows [wg * 64, wg * 64 + 64) of the program's block through every query block
-    (per query head of the group), then its rows of dK_j, dV_j (Algorithm 2 line 22). lse_rows: (stride_lse_b,
-    stride_lse_h, the sequence's first LSE column); dkv: the dK / dV descriptors, pointers and row strides; seq:
-    (len_q, len_k, window); alibi: (slopes, their batch stride, softcap log2 e)."""
+    (per query head of the group), then its rows of dK_j, dV_j (Algorithm 2 line 22)."""
     WG_N: gl.constexpr = BLOCK_N // 2          # key rows of this warpgroup
     DQ_M: gl.constexpr = dq_desc.block_type.shape[0]   # this warpgroup's dQ tile (_dq_product)
     DQ_N: gl.constexpr = dq_desc.block_type.shape[1]
@@ -330,10 +229,6 @@ def _consumer_partition(wg: gl.constexpr, k_smem, v_smem, q_bufs, do_bufs, p_buf
                                                         instr_shape=[16, HEAD_D, 16])
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, DQ_N, 16])
-    stride_lse_b, stride_lse_h, lse_col0 = lse_rows
-    alibi_ptr, stride_alibi_b, softcap_log2 = alibi
-    dk_desc, dv_desc, dk_ptr, dv_ptr, stride_dk_row, stride_dv_row = dkv
-    len_q, len_k, window = seq
     k_w = k_smem.slice(wg * WG_N, WG_N, dim=0)
     v_w = v_smem.slice(wg * WG_N, WG_N, dim=0)
     p_smem = p_bufs.index(wg)
@@ -347,35 +242,27 @@ def _consumer_partition(wg: gl.constexpr, k_smem, v_smem, q_bufs, do_bufs, p_buf
     mbarrier.wait(kv_bar, 0)
     for t in range(n_iters):
         h, i = _query_block(t, n_i, i_start, hk, group)
-        slope_log2 = qk_scale * 0.0
-        if ALIBI:
-            slope_log2 = gl.load(alibi_ptr + b * stride_alibi_b + h) * LOG2E
         dk, dv, dq_row, dq_col = _step(
             t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs, p_smem, ds_bufs, dq_smem,
-            qdo_ready, qdo_empty, ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr,
-            b * stride_lse_b + h * stride_lse_h + lse_col0, kv_start, q_row0, sm_scale, qk_scale, seq,
-            (qk_scale, softcap_log2, slope_log2), wg, s_layout, dq_init, turns, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
-            PINGPONG, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, SKIP, EMPTY)
-    # the last query block's dQ, issued first: dK_j and dV_j (line 22) are stored while it runs - by TMA, or (TAIL:
-    # key rows past the sequence) by masked pointer stores
+            qdo_ready, qdo_empty, ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr, b * stride_lse_b + h * stride_lse_h,
+            kv_start, q_row0, sm_scale, qk_scale, wg, s_layout, dq_init, turns, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
+            CAUSAL, PINGPONG)
+    # the last query block's dQ, issued first: by TMA, dK_j and dV_j (line 22) are staged and stored while it runs
     dq_tok = _dq_product(ds_bufs, ds_ready, k_smem, dq_init, n_iters - 1, wg, WG_N, BLOCK_M)
-    _store_dkv(dk, dv, dkv, q_bufs, do_bufs, qdo_empty, kv_row + wg * WG_N, kv_col, len_k - (kv_start + wg * WG_N),
-               n_iters, sm_scale, wg, BLOCK_M, STAGES, TAIL)
+    _store_dkv_tma(dk, dv, dk_desc, dv_desc, q_bufs, do_bufs, qdo_empty, kv_row + wg * WG_N, kv_col, n_iters,
+                   sm_scale, wg, BLOCK_M, STAGES)
     dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, ))
     _dq_reduce_add(dq_desc, dq_smem, dq * sm_scale, dq_row, dq_col)
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
-def _store_dkv(dk, dv, dkv, q_bufs, do_bufs, qdo_empty, row, col, n_rows, n_iters, sm_scale, wg: gl.constexpr,
-               BLOCK_M: gl.constexpr, STAGES: gl.constexpr, TAIL: gl.constexpr):
-    """dK_w (scaled) and dV_w to rows [row, +64), staged in the Q_i / dO_i buffers, free once both warpgroups
-    released the last STAGES of them (qdo_empty): one TMA store each, or (TAIL, fewer than 64 of the rows in the
-    sequence: n_rows) masked pointer stores (store_rows). dkv: the descriptors, pointers and row strides."""
-    dk_desc, dv_desc, dk_ptr, dv_ptr, stride_dk_row, stride_dv_row = dkv
+def _store_dkv_tma(dk, dv, dk_desc, dv_desc, q_bufs, do_bufs, qdo_empty, row, col, n_iters, sm_scale,
+                   wg: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """dK_w (scaled) and dV_w to rows [row, +64) by TMA, staged in the Q_i / dO_i buffers, free once both
+    warpgroups released the last STAGES of them (qdo_empty): one bulk store each instead of 4-byte stores."""
     dtype: gl.constexpr = q_bufs.dtype
     WG_N: gl.constexpr = dk.shape[0]
-    HEAD_D: gl.constexpr = dk.shape[1]
     for k in range(gl.minimum(n_iters, STAGES)):
         t = n_iters - 1 - k
         mbarrier.wait(qdo_empty.index(t % STAGES), (t // STAGES) & 1)
@@ -387,18 +274,6 @@ def _store_dkv(dk, dv, dkv, q_bufs, do_bufs, qdo_empty, row, col, n_rows, n_iter
         dv_smem = do_bufs.index(0).slice(wg * WG_N, WG_N, dim=0)
     dk_smem.store((dk * sm_scale).to(dtype))
     dv_smem.store(dv.to(dtype))
-    if TAIL:
-        if n_rows < WG_N:
-            store_rows(dk_smem, dk_ptr, stride_dk_row, row, n_rows, col, WG_N, HEAD_D)
-            store_rows(dv_smem, dv_ptr, stride_dv_row, row, n_rows, col, WG_N, HEAD_D)
-        else:
-            _tma_store_dkv(dk_desc, dv_desc, dk_smem, dv_smem, row, col)
-    else:
-        _tma_store_dkv(dk_desc, dv_desc, dk_smem, dv_smem, row, col)
-
-
-@gluon.jit
-def _tma_store_dkv(dk_desc, dv_desc, dk_smem, dv_smem, row, col):
     fence_async_shared()
     tma_store(dk_desc, [row, col], dk_smem)
     tma_store(dv_desc, [row, col], dv_smem)
@@ -406,29 +281,20 @@ def _tma_store_dkv(dk_desc, dv_desc, dk_smem, dv_smem, row, col):
 
 
 @gluon.jit
-def fa3_bwd_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr, dk_desc, dv_desc, dk_ptr, dv_ptr,
-                   cu_seqlens_q, cu_seqlens_k, alibi_ptr,
-                   stride_lse_b, stride_lse_h, stride_dk_row, stride_dv_row, stride_alibi_b, seqlen_q, seqlen_k,
-                   nheads_k, group, sm_scale, qk_scale, softcap_log2, window_left, window_right,
+def fa3_bwd_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr, dk_desc, dv_desc, stride_lse_b,
+                   stride_lse_h, seqlen_q, seqlen_k, nheads_k, group, sm_scale, qk_scale,
                    HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                   P_LAYOUT: gl.constexpr, PINGPONG: gl.constexpr, VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr,
-                   HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, TAIL: gl.constexpr,
-                   SKIP: gl.constexpr, EMPTY: gl.constexpr, ALIGNED: gl.constexpr, num_warps: gl.constexpr):
-    """Grid (cdiv(seqlen_k, BLOCK_N), batch * nheads_k); BLOCK_N = 2 x 64 key rows (one 64-row half per consumer
-    warpgroup, num_warps = 4), BLOCK_M query rows per step. k/v descriptors: 2-D views (rows, nheads_k * HEAD_D),
-    blocks (BLOCK_N, HEAD_D); q/dO: (rows, nheads * HEAD_D), blocks (BLOCK_M, HEAD_D); rows = batch * seqlen
-    (dense) or tokens (VARLEN: cu_seqlens, seqlen_q / seqlen_k the longest); dk_desc / dv_desc: descriptors over
-    dK, dV as k/v's, blocks (BLOCK_N / 2, HEAD_D) (one consumer warpgroup's rows), dk_ptr / dv_ptr with their row
-    strides for the rows TMA must not write (TAIL); dq_desc: the float32 accumulator (zero-filled) in q's layout,
-    blocks fa3.bwd_dq_tile: (64, HEAD_D) when BLOCK_M = 128 (each warpgroup adds half the rows of dQ_i), else
-    (BLOCK_M, HEAD_D / 2) (half the columns); a query block past its sequence adds exact zeros there.
-    lse, delta: (batch, nheads, seqlen_q) or (VARLEN, stride_lse_b = 0) (nheads, total_q) fp32 with the same
-    strides. P_LAYOUT: the shared layout of a (BLOCK_M, BLOCK_N / 2) tile of q's dtype (a warpgroup's P or dS).
-    Features as fa3_fwd_kernel's (HAS_LEFT / HAS_RIGHT windows, SOFTCAP, ALIBI, TAIL: a sequence may end inside
-    a block; qk_scale and softcap_log2 as there); SKIP: a query block may see none of a warpgroup's keys (else
-    every step computes); EMPTY: a query row may have no key or lie past its sequence; ALIGNED: dense, equal
-    lengths that the tiles divide, no window or causal's (the mask's shift and window are constants 0); sm_scale:
-    softmax_scale."""
+                   CAUSAL: gl.constexpr, P_LAYOUT: gl.constexpr, PINGPONG: gl.constexpr, num_warps: gl.constexpr):
+    """Grid (seqlen_k / BLOCK_N, batch * nheads_k); BLOCK_N = 2 x 64 key rows (one 64-row half per consumer
+    warpgroup, num_warps = 4), BLOCK_M query rows per step. k/v descriptors: 2-D views (batch * seqlen_k,
+    nheads_k * HEAD_D), blocks (BLOCK_N, HEAD_D); q/dO: (batch * seqlen_q, nheads * HEAD_D), blocks
+    (BLOCK_M, HEAD_D); dk_desc / dv_desc: descriptors over dK, dV as k/v's, blocks (BLOCK_N / 2, HEAD_D) (one
+    consumer warpgroup's rows); dq_desc: the float32 accumulator
+    (zero-filled) in q's layout, blocks fa3.bwd_dq_tile: (64, HEAD_D) when BLOCK_M = 128 (each warpgroup adds half
+    the rows of dQ_i), else (BLOCK_M, HEAD_D / 2) (half the columns).
+    lse, delta: (batch, nheads, seqlen_q) fp32 with the same strides. P_LAYOUT: the shared layout of a
+    (BLOCK_M, BLOCK_N / 2) tile of q's dtype (a warpgroup's P or dS). seqlen_q % BLOCK_M == 0 and
+    seqlen_k % BLOCK_N == 0 (the host checks); causal only with seqlen_q == seqlen_k."""
     dtype: gl.constexpr = q_desc.dtype
     # one head's key blocks after another: they share the head's Q_i, dO_i in L2 (every head's first block, then
     # every head's second... measured slower)
@@ -436,19 +302,15 @@ def fa3_bwd_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr,
     bh = gl.program_id(1)
     b = bh // nheads_k
     hk = bh % nheads_k
-    q_row0, k_row0, len_q, len_k = _seq_info(b, (cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k), VARLEN)
     kv_start = pid_n * BLOCK_N
-    if VARLEN:   # (the grid counts the longest sequence's key blocks)
-        if kv_start >= len_k:
-            return
-    kv_row = k_row0 + kv_start
-    window = (window_left, window_right)
-    i_start, i_end = _query_blocks(kv_start, kv_start + BLOCK_N, len_q, len_k, window, BLOCK_M, HAS_LEFT, HAS_RIGHT)
-    n_i = i_end - i_start
+    kv_row = b * seqlen_k + kv_start
+    q_row0 = b * seqlen_q
+    n_qblocks = seqlen_q // BLOCK_M
+    i_start = 0
+    if CAUSAL:   # query blocks entirely above the diagonal see none of this block's keys
+        i_start = kv_start // BLOCK_M
+    n_i = n_qblocks - i_start
     n_iters = n_i * group
-    lse_col0 = 0
-    if VARLEN:
-        lse_col0 = q_row0
 
     k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], v_desc.layout)
@@ -472,24 +334,17 @@ def fa3_bwd_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr,
         mbarrier.init(qdo_ready.index(i), count=1)
         mbarrier.init(qdo_empty.index(i), count=2)
 
-    if ALIGNED:   # equal lengths, no window but causal's: the mask rule with constant shift and window (registers)
-        seq = (0, 0, (0, 0))
-    else:
-        seq = (len_q, len_k, window)
-    lse_rows = (stride_lse_b, stride_lse_h, lse_col0)
-    dkv = (dk_desc, dv_desc, dk_ptr, dv_ptr, stride_dk_row, stride_dv_row)
-    alibi = (alibi_ptr, stride_alibi_b, softcap_log2)
     gl.warp_specialize([
         (_consumer_partition, (0, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, qdo_ready,
-                               qdo_empty, ds_ready, ds_free, turns, dq_desc, lse_ptr, delta_ptr, lse_rows, dkv, kv_row,
-                               hk * HEAD_D, b, kv_start, q_row0, n_iters, n_i, i_start, hk, group, sm_scale, qk_scale,
-                               seq, alibi, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, VARLEN, HAS_LEFT, HAS_RIGHT,
-                               SOFTCAP, ALIBI, TAIL, SKIP, EMPTY)),
+                               qdo_empty, ds_ready, ds_free, turns, dq_desc, lse_ptr, delta_ptr, stride_lse_b,
+                               stride_lse_h, dk_desc, dv_desc, kv_row, hk * HEAD_D, b, kv_start, q_row0, n_iters,
+                               n_i, i_start, hk, group, sm_scale, qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL,
+                               PINGPONG)),
         (_consumer_partition, (1, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, qdo_ready,
-                               qdo_empty, ds_ready, ds_free, turns, dq_desc, lse_ptr, delta_ptr, lse_rows, dkv, kv_row,
-                               hk * HEAD_D, b, kv_start, q_row0, n_iters, n_i, i_start, hk, group, sm_scale, qk_scale,
-                               seq, alibi, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, VARLEN, HAS_LEFT, HAS_RIGHT,
-                               SOFTCAP, ALIBI, TAIL, SKIP, EMPTY)),
+                               qdo_empty, ds_ready, ds_free, turns, dq_desc, lse_ptr, delta_ptr, stride_lse_b,
+                               stride_lse_h, dk_desc, dv_desc, kv_row, hk * HEAD_D, b, kv_start, q_row0, n_iters,
+                               n_i, i_start, hk, group, sm_scale, qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL,
+                               PINGPONG)),
         (_load_partition, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, qdo_ready,
                            qdo_empty, kv_row, hk * HEAD_D, q_row0, n_iters, n_i, i_start, hk, group, BLOCK_M,
                            HEAD_D, STAGES)),

@@ -91,11 +91,11 @@ def _kernels(device_index: int):
     if not support.GLUON or torch.cuda.get_device_capability(device_index)[0] != 9:
         return None
     try:
-        from . import _fa3_bwd, _fa3_fwd
+        from . import _fa3_bwd, _fa3_bwd_any, _fa3_fwd
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     except ImportError:
         return None
-    return _fa3_fwd, _fa3_bwd, TensorDescriptor
+    return _fa3_fwd, _Backward(_fa3_bwd.fa3_bwd_kernel, _fa3_bwd_any.fa3_bwd_any_kernel), TensorDescriptor
 
 
 def eligible(q, k, v, params, alibi=None, cu_seqlens_q=None, bias=None, mask=None, sparse=None,
@@ -158,6 +158,14 @@ def _desc(TensorDescriptor, t, rows, cols, dtype):
     """A TMA descriptor over t viewed as (batch * seqlen, nheads * head_dim) (launch.tma_row_view), blocks (rows,
     cols); None where t is no such view."""
     return row_descriptor(TensorDescriptor, t, (rows, cols), _smem_layout(rows, cols, dtype))
+
+
+class _Backward:
+    """The two backward kernels: `dense` (_fa3_bwd.py: the problems dense_bwd names) and `any` (_fa3_bwd_any.py)."""
+    __slots__ = ("fa3_bwd_kernel", "fa3_bwd_any_kernel")
+
+    def __init__(self, dense, any_):
+        self.fa3_bwd_kernel, self.fa3_bwd_any_kernel = dense, any_
 
 
 def _gluon_language():
@@ -344,19 +352,23 @@ def bwd_dq_tile(block_m: int, head_dim: int):
     return (WG_ROWS, head_dim) if block_m == 2 * WG_ROWS else (block_m, head_dim // 2)
 
 
-# fa3_bwd_kernel's first _BWD_LIVE parameters are the descriptors and tensors a call changes (k, v, q, dO, the dQ
-# accumulator, lse, delta, dK and dV, their pointers, cu_seqlens, the ALiBi slopes); the rest are sizes, strides and
-# scalars, fixed by the problem
-_BWD_LIVE = 14
+# the backward kernels' first parameters that a call changes: fa3_bwd_kernel's _BWD_LIVE (k, v, q, dO, the dQ
+# accumulator, lse, delta, dK and dV), fa3_bwd_any_kernel's _BWD_LIVE + 5 (dK's and dV's pointers, cu_seqlens, the ALiBi
+# slopes); the rest are sizes, strides and scalars, fixed by the problem
+_BWD_LIVE = 9
 # (shapes, dtype, device, lse / dK / dV strides, the scalars, ALiBi's strides, the longest lengths, dQ tile) ->
 # _BwdTemplate of a backward launch seen before
 _BWD_TEMPLATES: dict = {}
 
 
 class _BwdTemplate(_FwdTemplate):
-    """_FwdTemplate's counterpart for the backward: the bound kernel, its launch options, and the fields of the
-    k, v, q, dO, dQ-accumulator, dK and dV descriptors."""
-    __slots__ = ()
+    """_FwdTemplate's counterpart for the backward: the bound kernel, its launch options, the fields of the k, v, q,
+    dO, dQ-accumulator, dK and dV descriptors, and whether it is fa3_bwd_any_kernel's (more live arguments)."""
+    __slots__ = ("any",)
+
+    def __init__(self, bound, kwargs, cls, fields, any_kernel: bool):
+        super().__init__(bound, kwargs, cls, fields)
+        self.any = any_kernel
 
     def launch(self, grid, tensors, lse, delta, extras) -> bool:
         """tensors: (k, v, q, dO, dQ accumulator, dK, dV); extras: (cu_seqlens_q, cu_seqlens_k, alibi), None where
@@ -365,8 +377,10 @@ class _BwdTemplate(_FwdTemplate):
         if None in descs:
             return False
         # (descriptors from the bound ones' fields over tensors of the key's dtype: their keys are the bound ones)
-        return self.bound(grid, (*descs[:5], lse, delta, *descs[5:], *tensors[5:],
-                                 *(lse if t is None else t for t in extras)), trusted=5)
+        live = (*descs[:5], lse, delta, *descs[5:])
+        if self.any:
+            live += (*tensors[5:], *(lse if t is None else t for t in extras))
+        return self.bound(grid, live, trusted=5)
 
 
 def _bwd_key(q, k, v, lse, dk, dv, params, alibi, sq, sk):
@@ -377,18 +391,28 @@ def _bwd_key(q, k, v, lse, dk, dv, params, alibi, sq, sk):
             None if alibi is None else alibi.stride(), sq, sk, bwd_dq_tile(BWD_CONFIGS[head_dim][0], head_dim))
 
 
+def dense_bwd(q, k, params, alibi, varlen: bool) -> bool:
+    """Whether the dense backward kernel (_fa3_bwd.fa3_bwd_kernel) takes the problem: dense, no softcap, ALiBi or
+    window but causal's, lengths its tiles divide, causal with equal lengths; else fa3_bwd_any_kernel does."""
+    if varlen or alibi is not None or params.softcap > 0 or params.is_local:
+        return False
+    block_m, block_n, _ = BWD_CONFIGS[q.shape[-1]]
+    sq, sk = q.shape[1], k.shape[1]
+    return not (sq % block_m or sk % block_n or (params.is_causal and sq != sk))
+
+
 def bwd_flags(params, varlen: bool, alibi, sq: int, sk: int, block_m: int, block_n: int) -> dict:
-    """fa3_bwd_kernel's feature flags for a problem (its docstring and fa3_fwd_kernel's say what each compiles in).
+    """fa3_bwd_any_kernel's feature flags for a problem (its docstring and fa3_fwd_kernel's say what each compiles
+    in).
     SKIP: a query block may see none of a consumer warpgroup's 64 keys - a left window, a sequence's end, or a right
     window other than causal over equal lengths with Br <= 64 (with Br 128, aligned causal blocks always see some)."""
     has_left, has_right = params.has_left, params.has_right
     tail = varlen or sq % block_m != 0 or sk % block_n != 0
     guard = varlen or has_left or (has_right and sk - sq + params.window_right < 0)
     aligned_causal = params.window_right == 0 and sq == sk and block_m > block_n // 2
-    aligned = not (tail or has_left) and sq == sk and params.window_right <= 0
     return dict(VARLEN=varlen, HAS_LEFT=has_left, HAS_RIGHT=has_right, SOFTCAP=params.softcap > 0,
                 ALIBI=alibi is not None, TAIL=tail, SKIP=has_left or tail or (has_right and not aligned_causal),
-                EMPTY=guard or tail, ALIGNED=aligned)
+                EMPTY=guard or tail)
 
 
 def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, cu_seqlens_q=None,
@@ -411,10 +435,14 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, 
         dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     dq_tile = bwd_dq_tile(block_m, head_dim)
     grid = (-(-sk // block_n), batch * nheads_k, 1)
+    dense = dense_bwd(q, k, params, alibi, varlen)
     kwargs = dict(HEAD_D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
                   P_LAYOUT=_smem_layout(block_m, block_n // 2, q.dtype),
-                  PINGPONG=BWD_PINGPONG.get((head_dim, params.has_right), False),
-                  **bwd_flags(params, varlen, alibi, sq, sk, block_m, block_n), num_warps=4, maxnreg=MAXNREG)
+                  PINGPONG=BWD_PINGPONG.get((head_dim, params.has_right), False), num_warps=4, maxnreg=MAXNREG)
+    if dense:
+        kwargs["CAUSAL"] = params.is_causal
+    else:
+        kwargs.update(bwd_flags(params, varlen, alibi, sq, sk, block_m, block_n))
     extras = (cu_seqlens_q, cu_seqlens_k, alibi)
     key = _bwd_key(q, k, v, lse, dk, dv, params, alibi, sq, sk)
     tpl = _BWD_TEMPLATES.get(key)
@@ -439,18 +467,25 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, 
 
     descs = (desc(k, block_n, head_dim), desc(v, block_n, head_dim), desc(q, block_m, head_dim),
              desc(dout, block_m, head_dim), desc(dq_acc, *dq_tile))
-    lse_strides = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
-    score_scale, softcap_log2 = params.score_args()
-    args = (*descs, lse, delta, dk_desc, dv_desc, dk_out, dv_out, *(lse if t is None else t for t in extras),
-            *lse_strides, tma_row_view(dk_out).stride(0), tma_row_view(dv_out).stride(0),
-            0 if alibi is None or alibi.dim() == 1 else alibi.stride(0), sq, sk, nheads_k, nheads // nheads_k,
-            params.softmax_scale, score_scale, softcap_log2, max(params.window_left, 0), max(params.window_right, 0))
-    relaunch.launch(kern.fa3_bwd_kernel, grid[:2], args, kwargs)
+    if dense:
+        kernel, n_live = kern.fa3_bwd_kernel, _BWD_LIVE
+        args = (*descs, lse, delta, dk_desc, dv_desc, lse.stride(0), lse.stride(1), sq, sk, nheads_k,
+                nheads // nheads_k, params.softmax_scale, params.softmax_scale * LOG2E)
+    else:
+        kernel, n_live = kern.fa3_bwd_any_kernel, _BWD_LIVE + 5
+        lse_strides = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
+        score_scale, softcap_log2 = params.score_args()
+        args = (*descs, lse, delta, dk_desc, dv_desc, dk_out, dv_out, *(lse if t is None else t for t in extras),
+                *lse_strides, tma_row_view(dk_out).stride(0), tma_row_view(dv_out).stride(0),
+                0 if alibi is None or alibi.dim() == 1 else alibi.stride(0), sq, sk, nheads_k, nheads // nheads_k,
+                params.softmax_scale, score_scale, softcap_log2, max(params.window_left, 0),
+                max(params.window_right, 0))
+    relaunch.launch(kernel, grid[:2], args, kwargs)
     if dk_out is dk and dv_out is dv:   # (not through copies: their descriptors are over per-call buffers)
-        bound = relaunch.bind(kern.fa3_bwd_kernel, args, kwargs, _BWD_LIVE)
+        bound = relaunch.bind(kernel, args, kwargs, n_live)
         if bound is not None:
             relaunch.remember(_BWD_TEMPLATES, key, _BwdTemplate(bound, kwargs, TensorDescriptor, [
-                descriptor_fields(d) for d in (*descs, dk_desc, dv_desc)]))
+                descriptor_fields(d) for d in (*descs, dk_desc, dv_desc)], not dense))
     dq.copy_(dq_acc)
     for out, grad in ((dk_out, dk), (dv_out, dv)):
         if out is not grad:
