@@ -45,6 +45,7 @@ def test_eligible_problems(kw, params):
     (dict(d=96), FULL),
     (dict(dtype=torch.float32), FULL),
     (dict(sq=0), FULL),
+    (dict(sq=1), FULL),                                  # (Gluon's lowering fails on seqlen_q == 1 folded)
     (dict(), AttnParams(softmax_scale=0.1, dropout_p=0.1)),
     (dict(), AttnParams(softmax_scale=0.0)),             # the kernel scales the row max: scale must be > 0
     (dict(), AttnParams(softmax_scale=-0.1, window_right=0)),
@@ -199,7 +200,7 @@ def test_kernels_compile_for_sm90():
             continue
         assert int(fields["wgmma"]) > 0 and 0 < int(fields["shared"]) <= 227 * 1024, ln
         assert int(fields["arrives"]) > 0 and int(fields["unsynced"]) == 0, ln
-        assert (int(fields["reduce"]) > 0) == (ln.split()[1] == "bwd"), ln
+        assert (int(fields["reduce"]) > 0) == (ln.split()[1] in ("bwd", "bwdx")), ln
         # FP8: e4m3 wgmmas for both GEMMs, and P~ handed to the P V wgmma without exchanging bytes between threads
         # (that exchange took 32 indexed shuffles per P~ tile, 64+ per kernel; a few remain for warp indices)
         assert (int(fields["e4m3_mma"]) > 0) == (ln.split()[1] == "fp8"), ln

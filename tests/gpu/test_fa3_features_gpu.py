@@ -94,6 +94,7 @@ VARLEN_CASES = [
     VCase((640, 1024, 3), (640, 0, 3), 4, 2, 256, bf16, causal=True),      # a sequence without keys
     VCase((129, 63, 64, 65, 1), (200, 63, 1, 65, 300), 4, 1, 128, fp16),
     VCase((700, 1300), (1700, 1300), 8, 2, 128, bf16, window=(128, 64), alibi="h"),
+    VCase((1, 1, 1), (100, 5, 300), 8, 1, 64, bf16, causal=True),         # one query per sequence (max_seqlen_q 1)
 ]
 
 

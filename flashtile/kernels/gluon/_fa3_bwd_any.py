@@ -307,9 +307,9 @@ def fa3_bwd_any_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_
     """Grid (cdiv(seqlen_k, BLOCK_N), batch * nheads_k); BLOCK_N = 2 x 64 key rows (one 64-row half per consumer
     warpgroup, num_warps = 4), BLOCK_M query rows per step. k/v descriptors: 2-D views (rows, nheads_k * HEAD_D),
     blocks (BLOCK_N, HEAD_D); q/dO: (rows, nheads * HEAD_D), blocks (BLOCK_M, HEAD_D); rows = batch * seqlen
-    (dense) or tokens (VARLEN: cu_seqlens, seqlen_q / seqlen_k the longest); dk_desc / dv_desc: descriptors over
-    dK, dV as k/v's, blocks (BLOCK_N / 2, HEAD_D) (one consumer warpgroup's rows), dk_ptr / dv_ptr with their row
-    strides for the rows TMA must not write (TAIL); dq_desc: the float32 accumulator (zero-filled) in q's layout,
+    (dense) or tokens (VARLEN: cu_seqlens, seqlen_q / seqlen_k the longest, seqlen_q >= 2); dk_desc / dv_desc:
+    descriptors over dK, dV as k/v's, blocks (BLOCK_N / 2, HEAD_D) (one consumer warpgroup's rows), dk_ptr /
+    dv_ptr with their row strides for the rows TMA must not write (TAIL); dq_desc: the float32 accumulator (zero-filled) in q's layout,
     blocks fa3.bwd_dq_tile: (64, HEAD_D) when BLOCK_M = 128 (each warpgroup adds half the rows of dQ_i), else
     (BLOCK_M, HEAD_D / 2) (half the columns); a query block past its sequence adds exact zeros there.
     lse, delta: (batch, nheads, seqlen_q) or (VARLEN, stride_lse_b = 0) (nheads, total_q) fp32 with the same

@@ -290,7 +290,8 @@ def _pass_turn(bars, wg: gl.constexpr, NUM_WG: gl.constexpr, PINGPONG: gl.conste
 @gluon.jit
 def _consumer_partition(wg: gl.constexpr, shared, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr,
-                        PINGPONG: gl.constexpr, FP8: gl.constexpr, VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                        PINGPONG: gl.constexpr, FP8: gl.constexpr, VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr,
+                        HAS_RIGHT: gl.constexpr,
                         SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, TAIL: gl.constexpr, GUARD: gl.constexpr):
     """Consumer warpgroup `wg`, tile after tile as the producer hands them over (the tile number in the slot of
     the Q buffer, >= n_tiles: none left): c counts the program's K / V blocks (ring position), t its turns, `it`
@@ -588,8 +589,8 @@ def fa3_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_scale_ptr, k_scale
     tile count it is one tile per program. BLOCK_M = 64 rows per consumer warpgroup (num_warps = 4: the first
     consumer is the default partition). q/k/v/o descriptors are over the 2-D views (rows, nheads * HEAD_D) with
     blocks (BLOCK_M or BLOCK_N, HEAD_D); rows = batch * seqlen (dense) or tokens (VARLEN: sequence b's are
-    cu_seqlens[b] .. cu_seqlens[b + 1], seqlen_q / seqlen_k the longest). lse: (batch, nheads, seqlen_q) or
-    (VARLEN, stride_lse_b = 0) (nheads, total_q), fp32, natural log.
+    cu_seqlens[b] .. cu_seqlens[b + 1], seqlen_q / seqlen_k the longest, seqlen_q >= 2). lse: (batch, nheads,
+    seqlen_q) or (VARLEN, stride_lse_b = 0) (nheads, total_q), fp32, natural log.
     The problem's features (constexpr, so a problem without them compiles none of their code):
     - HAS_LEFT / HAS_RIGHT: a window (window_left / window_right keys around each row's bottom-right diagonal;
       causal is right = 0) - _key_blocks;

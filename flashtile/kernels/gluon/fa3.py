@@ -115,6 +115,10 @@ def eligible(q, k, v, params, alibi=None, cu_seqlens_q=None, bias=None, mask=Non
         return False
     if (q.dim() == 3) != (cu_seqlens_q is not None) or q.shape[-3] == 0:
         return False
+    if q.dim() == 4 and q.shape[1] == 1:
+        # (Triton compiles an int argument equal to 1 as a constant, and Gluon's lowering of the kernels fails on
+        # seqlen_q == 1 so folded: a dense single-query call runs the Triton kernels; varlen passes at least 2)
+        return False
     if alibi is not None and not (alibi.dtype == torch.float32 and alibi.stride(-1) == 1):
         return False
     return tma_viewable(q, k, v)
@@ -281,7 +285,8 @@ def _launch_fwd(q, k, v, out, lse, scales, params, cfg, fp8, alibi=None, cu_seql
     lse_strides = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
     score_scale, softcap_log2 = params.score_args()
     args = (*descs, lse, *scales, counter, out, *(lse if t is None else t for t in extras), *lse_strides,
-            tma_row_view(out).stride(0), 0 if alibi is None or alibi.dim() == 1 else alibi.stride(0), sq, sk,
+            tma_row_view(out).stride(0), 0 if alibi is None or alibi.dim() == 1 else alibi.stride(0),
+            max(sq, 2) if varlen else sq, sk,
             batch * nheads, nheads, nheads // nheads_k, score_scale, softcap_log2, max(params.window_left, 0),
             max(params.window_right, 0))
     relaunch.launch(kern.fa3_fwd_kernel, (programs, ), args, kwargs)
@@ -477,9 +482,9 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, 
         score_scale, softcap_log2 = params.score_args()
         args = (*descs, lse, delta, dk_desc, dv_desc, dk_out, dv_out, *(lse if t is None else t for t in extras),
                 *lse_strides, tma_row_view(dk_out).stride(0), tma_row_view(dv_out).stride(0),
-                0 if alibi is None or alibi.dim() == 1 else alibi.stride(0), sq, sk, nheads_k, nheads // nheads_k,
-                params.softmax_scale, score_scale, softcap_log2, max(params.window_left, 0),
-                max(params.window_right, 0))
+                0 if alibi is None or alibi.dim() == 1 else alibi.stride(0), max(sq, 2) if varlen else sq, sk,
+                nheads_k, nheads // nheads_k, params.softmax_scale, score_scale, softcap_log2,
+                max(params.window_left, 0), max(params.window_right, 0))
     relaunch.launch(kernel, grid[:2], args, kwargs)
     if dk_out is dk and dv_out is dv:   # (not through copies: their descriptors are over per-call buffers)
         bound = relaunch.bind(kernel, args, kwargs, n_live)
