@@ -281,6 +281,51 @@ def _store_dkv_tma(dk, dv, dk_desc, dv_desc, q_bufs, do_bufs, qdo_empty, row, co
 
 
 @gluon.jit
+def allocate(k_desc, v_desc, q_desc, do_desc, dq_desc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+             HEAD_D: gl.constexpr, STAGES: gl.constexpr, P_LAYOUT: gl.constexpr):
+    """A backward program's shared memory: K_j, V_j, STAGES (Q_i, dO_i) buffers, each consumer warpgroup's P, two
+    dS buffer pairs, each warpgroup's dQ staging tile; and its mbarriers, initialised (invalidate: their end)."""
+    dtype: gl.constexpr = q_desc.dtype
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], v_desc.layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], do_desc.layout)
+    p_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N // 2], P_LAYOUT)
+    ds_bufs = gl.allocate_shared_memory(dtype, [4, BLOCK_M, BLOCK_N // 2], P_LAYOUT)   # [2 x buffer + half]
+    dq_bufs = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    qdo_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    qdo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(2):   # per dS buffer pair; both consumer warpgroups arrive
+        mbarrier.init(ds_ready.index(i), count=2)
+        mbarrier.init(ds_free.index(i), count=2)
+        mbarrier.init(turns.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(qdo_ready.index(i), count=1)
+        mbarrier.init(qdo_empty.index(i), count=2)
+
+    return ((k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs),
+            (kv_bar, qdo_ready, qdo_empty, ds_ready, ds_free, turns))
+
+
+@gluon.jit
+def invalidate(barriers, STAGES: gl.constexpr):
+    kv_bar, qdo_ready, qdo_empty, ds_ready, ds_free, turns = barriers
+    mbarrier.invalidate(kv_bar)
+    for i in gl.static_range(2):
+        mbarrier.invalidate(ds_ready.index(i))
+        mbarrier.invalidate(ds_free.index(i))
+        mbarrier.invalidate(turns.index(i))
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(qdo_ready.index(i))
+        mbarrier.invalidate(qdo_empty.index(i))
+
+
+@gluon.jit
 def fa3_bwd_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr, dk_desc, dv_desc, stride_lse_b,
                    stride_lse_h, seqlen_q, seqlen_k, nheads_k, group, sm_scale, qk_scale,
                    HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
@@ -312,27 +357,9 @@ def fa3_bwd_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr,
     n_i = n_qblocks - i_start
     n_iters = n_i * group
 
-    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], v_desc.layout)
-    q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_desc.layout)
-    do_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], do_desc.layout)
-    p_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N // 2], P_LAYOUT)
-    ds_bufs = gl.allocate_shared_memory(dtype, [4, BLOCK_M, BLOCK_N // 2], P_LAYOUT)   # [2 x buffer + half]
-    dq_bufs = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    qdo_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    qdo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    for i in gl.static_range(2):   # per dS buffer pair; both consumer warpgroups arrive
-        mbarrier.init(ds_ready.index(i), count=2)
-        mbarrier.init(ds_free.index(i), count=2)
-        mbarrier.init(turns.index(i), count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(qdo_ready.index(i), count=1)
-        mbarrier.init(qdo_empty.index(i), count=2)
+    buffers, barriers = allocate(k_desc, v_desc, q_desc, do_desc, dq_desc, BLOCK_M, BLOCK_N, HEAD_D, STAGES, P_LAYOUT)
+    k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs = buffers
+    kv_bar, qdo_ready, qdo_empty, ds_ready, ds_free, turns = barriers
 
     gl.warp_specialize([
         (_consumer_partition, (0, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, qdo_ready,
@@ -350,11 +377,4 @@ def fa3_bwd_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr,
                            HEAD_D, STAGES)),
     ], [4, 1], [240, 24])
 
-    mbarrier.invalidate(kv_bar)
-    for i in gl.static_range(2):
-        mbarrier.invalidate(ds_ready.index(i))
-        mbarrier.invalidate(ds_free.index(i))
-        mbarrier.invalidate(turns.index(i))
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(qdo_ready.index(i))
-        mbarrier.invalidate(qdo_empty.index(i))
+    invalidate(barriers, STAGES)

@@ -15,7 +15,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-from ._fa3_bwd import (LOG2E, _add_dq, _dq_product, _dq_reduce_add, _load_partition, _query_block, _store_ds)
+from ._fa3_bwd import (LOG2E, _add_dq, _dq_product, _dq_reduce_add, _load_partition, _query_block, _store_ds,
+                       allocate, invalidate)
 from ._fa3_fwd import _pass_turn, _scores_log2, _seq_info, _turn, _visible, store_rows, tma_store
 
 
@@ -338,27 +339,9 @@ def fa3_bwd_any_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_
     if VARLEN:
         lse_col0 = q_row0
 
-    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], v_desc.layout)
-    q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_desc.layout)
-    do_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], do_desc.layout)
-    p_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N // 2], P_LAYOUT)
-    ds_bufs = gl.allocate_shared_memory(dtype, [4, BLOCK_M, BLOCK_N // 2], P_LAYOUT)   # [2 x buffer + half]
-    dq_bufs = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    qdo_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    qdo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    for i in gl.static_range(2):   # per dS buffer pair; both consumer warpgroups arrive
-        mbarrier.init(ds_ready.index(i), count=2)
-        mbarrier.init(ds_free.index(i), count=2)
-        mbarrier.init(turns.index(i), count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(qdo_ready.index(i), count=1)
-        mbarrier.init(qdo_empty.index(i), count=2)
+    buffers, barriers = allocate(k_desc, v_desc, q_desc, do_desc, dq_desc, BLOCK_M, BLOCK_N, HEAD_D, STAGES, P_LAYOUT)
+    k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs = buffers
+    kv_bar, qdo_ready, qdo_empty, ds_ready, ds_free, turns = barriers
 
     seq = (len_q, len_k, window)
     lse_rows = (stride_lse_b, stride_lse_h, lse_col0)
@@ -380,11 +363,4 @@ def fa3_bwd_any_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_
                            HEAD_D, STAGES)),
     ], [4, 1], [240, 24])
 
-    mbarrier.invalidate(kv_bar)
-    for i in gl.static_range(2):
-        mbarrier.invalidate(ds_ready.index(i))
-        mbarrier.invalidate(ds_free.index(i))
-        mbarrier.invalidate(turns.index(i))
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(qdo_ready.index(i))
-        mbarrier.invalidate(qdo_empty.index(i))
+    invalidate(barriers, STAGES)
