@@ -549,9 +549,102 @@ def transformers_section(doc, folder: Folder, name: str):
     return out
 
 
+# ----------------------------------------------------------------------------------------------- feature benchmark
+
+FEATURE_MODES = {"fwd": "fwd", "bwd": "bwd", "train": "fwd + bwd"}
+
+
+def features_files(folder: Folder):
+    """The benchmarks/bench_features.py files: flashtile beside its peers on the inputs models send."""
+    return sorted(n for n in folder.data if n.startswith("features-"))
+
+
+def features_points(data):
+    """{(head dim, seqlen): [(label, {mode: {provider: TFLOP/s, None where not measured}})]}, the points and rows in
+    the benchmark's order."""
+    s = data["settings"]
+    recs = {(r["headdim"], r["seqlen"], r["row"], r["mode"], r["provider"]): r for r in data["results"]}
+    labels = {(r["headdim"], r["seqlen"], r["row"]): r["label"] for r in data["results"]}
+
+    def tflops(key):
+        r = recs.get(key)
+        return r["tflops"] if r and r["status"] == "ok" else None
+
+    return {(d, n): [(labels[(d, n, row)], {m: {p: tflops((d, n, row, m, p)) for p in s["providers"]} for m in s["modes"]})
+                     for row in s["rows"] if (d, n, row) in labels]
+            for d in s["headdims"] for n in s["seqlens"]}
+
+
+def features_speedup(tflops, mode, peer):
+    """flashtile's TFLOP/s over the peer's in one mode of one row; None where either was not measured."""
+    mine, theirs = tflops.get(mode, {}).get("flashtile"), tflops.get(mode, {}).get(peer)
+    return mine / theirs if mine is not None and theirs is not None else None
+
+
+def features_section(doc, folder: Folder):
+    out = []
+    for name in features_files(folder):
+        data, src = folder.data[name], folder.file(name)
+        s = data["settings"]
+        peers = [p for p in s["providers"] if p in PEERS]
+        not_run = {}
+        for r in data["results"]:
+            if r["status"] != "ok":
+                kind = r["reason"].split(":")[0] if r["status"] == "skipped" else r["status"]
+                not_run.setdefault(PEERS.get(r["provider"], r["provider"]), set()).add(kind)
+        err = max(r["errors"]["out_vs_reference"] for r in data["results"] if r.get("errors"))
+        gpu = doc.text(environment(data)[0], src)
+        for (d, n), rows in features_points(data).items():
+            out.append(
+                f"`benchmarks/bench_features.py` on {gpu}: head dim {doc.fig(d, 'd', src)}, {doc.fig(n, 'd', src)} "
+                f"tokens per row (the labels give each input's length), batch {doc.fig(s['batch'], 'd', src)}, "
+                f"{doc.fig(s['nheads'], 'd', src)} heads, {doc.text(s['dtype'], src)}. TFLOP/s count the visible (query, "
+                "key) pairs only; " + " and ".join(f"/ {PEERS[p]}" for p in peers) + " are flashtile's speed over "
+                "the peer's, timed in the same process"
+                + ("; - marks a provider not run (" + "; ".join(f"{p}: {', '.join(doc.text(k, src) for k in sorted(ks))}"
+                                                                for p, ks in sorted(not_run.items()))
+                   + "; the JSON gives each reason)" if not_run else "")
+                + f". Every output was checked against a float64 oracle before timing: largest relative error "
+                f"{doc.fig(err, '.1e', src)} (tolerance {doc.fig(s['tolerance'], 'g', src)}). "
+                f"Command: `{doc.text(folder.runs[name]['command'], folder.readme)}`.")
+            out.append("")
+            group = ["flashtile TFLOP/s"] + [PEERS[p] for p in peers] + [f"/ {PEERS[p]}" for p in peers]
+            out.append("| input | " + " | ".join(f"{FEATURE_MODES[m]}: {group[0]} | " + " | ".join(group[1:])
+                                                 for m in s["modes"]) + " |")
+            out.append("|---|" + "---:|" * (len(group) * len(s["modes"])))
+            for label, tflops in rows:
+                row = [doc.text(label, src)]
+                for m in s["modes"]:
+                    row += [doc.fig(v, ".0f", src) if v is not None else "-"
+                            for v in (tflops[m].get(p) for p in ["flashtile"] + peers)]
+                    row += [doc.fig(x, "ratio", src) if x is not None else "-"
+                            for x in (features_speedup(tflops, m, p) for p in peers)]
+                out.append("| " + " | ".join(row) + " |")
+            out.append("")
+    return out
+
+
+def features_below_fa4(doc, fs):
+    """'fwd + bwd below FA4 ...' for every feature-benchmark point where flashtile's forward + backward is slower
+    than FA4's, as one sentence per GPU and point; '' where there is none."""
+    parts = []
+    for f in fs:
+        for name in features_files(f):
+            data, src = f.data[name], f.file(name)
+            for (d, n), rows in features_points(data).items():
+                below = [(label, x) for label, tflops in rows
+                         if (x := features_speedup(tflops, "train", "fa4")) is not None and x < 1]
+                if below:
+                    parts.append(f"{FEATURE_MODES['train']} below FA4 ({doc.text(environment(data)[0], src)}, head dim "
+                                 f"{doc.fig(d, 'd', src)}, {doc.fig(n, 'd', src)} tokens per row): "
+                                 + "; ".join(f"{doc.text(label, src)}: {doc.fig(x, 'ratio', src)}" for label, x in below)
+                                 + ". ")
+    return "".join(parts)
+
+
 # ------------------------------------------------------------------------------------------------------ known misses
 
-def misses_section(doc, folder: Folder, dense: Dense):
+def misses_section(doc, folder: Folder, dense: Dense, fs):
     limits = folder.limits()
     out = [doc.text(folder.limits_intro(), folder.readme), ""]
 
@@ -622,7 +715,7 @@ def misses_section(doc, folder: Folder, dense: Dense):
         out.append(text + ". " + limit("host-time"))
         out.append("")
     if "features" in limits:
-        out.append("**Features off the fast path.** " + limit("features"))
+        out.append("**Features off the fast path.** " + features_below_fa4(doc, fs) + limit("features"))
         out.append("")
     for key in sorted(limits):                        # a limit the script has no figures for: printed as written
         out.append(f"**{doc.text(key, folder.readme)}.** " + limit(key))
@@ -716,10 +809,12 @@ def build(results: Path = RESULTS, marked: bool = False):
             src = f.file(name)
             model = " and ".join(doc.text(c.upper(), src) for c in f.data[name]["configs"])
             out += [f"## End to end: transformers Llama {model} training, {label}", ""] + transformers_section(doc, f, name)
+        if features_files(f):
+            out += [f"## Inputs models send (feature benchmark), {label}", ""] + features_section(doc, f)
     out += ["## Known misses and their measured limits", "",
             "Where flashtile is below a peer it is measured against, and what limits it: the figures from the "
             "reference runs above, each limit from the table in the H200 results' README.", ""]
-    out += misses_section(doc, ref, ref_dense)
+    out += misses_section(doc, ref, ref_dense, fs)
     while out[-1] == "":
         out.pop()
     return "\n".join(out) + "\n", readme_table(doc, ref, ref_dense), doc

@@ -108,3 +108,41 @@ def test_a_results_file_missing_from_its_readme_is_refused(gen, tmp_path):
                                 if not line.startswith("| decode.json |")) + "\n")
     with pytest.raises(SystemExit, match="decode.json"):
         gen.build(copy)
+
+
+def _features_table(text):
+    """(header cells, {input label: cells}) of the feature benchmark's table in a BENCHMARKS.md text."""
+    section = text.split("## Inputs models send (feature benchmark)")[1].split("\n## ")[0]
+    rows = [line[2:-2].split(" | ") for line in section.splitlines() if line.startswith("| ")]
+    return rows[0], {cells[0]: cells for cells in rows[1:]}
+
+
+def test_the_feature_benchmark_section_follows_its_json(gen, tmp_path):
+    """The feature benchmark's table and its known-miss line come from features-*.json: one row per input in the
+    benchmark's order, a measurement changed in the JSON changes its cells, a provider the JSON records as skipped
+    shows as -, and a row no longer below FA4 in forward + backward leaves the known misses."""
+    copy = tmp_path / "benchmarks" / "results"
+    shutil.copytree(RESULTS, copy)
+    path = copy / "h100" / "features-d128.json"
+    data = json.loads(path.read_text())
+    recs = {(r["row"], r["mode"], r["provider"]): r for r in data["results"]}
+    dense = recs[("dense", "train", "flashtile")]["label"]
+    before, _, _ = gen.build(copy)
+    header, rows = _features_table(before)
+    assert list(rows) == list(dict.fromkeys(r["label"] for r in data["results"]))
+    fwd_cudnn = header.index("/ cuDNN")
+    train = header.index("fwd + bwd: flashtile TFLOP/s")
+    train_fa4 = train + header[train:].index("/ FA4")
+    alibi = recs[("alibi", "fwd", "fa4")]
+    assert alibi["status"] == "skipped" and rows[alibi["label"]][header.index("FA4")] == "-"
+    assert rows[dense][fwd_cudnn] != "-"
+    assert f"{dense}: " in before.split("**Features off the fast path.**")[1].split("\n")[0]
+
+    value = recs[("dense", "train", "flashtile")]["tflops"] = 2 * recs[("dense", "train", "fa4")]["tflops"]
+    recs[("dense", "fwd", "cudnn")].update(status="skipped", reason="unsupported: a test", ms=None, tflops=None)
+    path.write_text(json.dumps(data))
+    after, _, _ = gen.build(copy)
+    _, rows = _features_table(after)
+    assert rows[dense][train] == f"{value:.0f}" and rows[dense][train_fa4] == "2.00"
+    assert rows[dense][header.index("cuDNN")] == "-" and rows[dense][fwd_cudnn] == "-"
+    assert f"{dense}: " not in after.split("**Features off the fast path.**")[1].split("\n")[0]
