@@ -715,7 +715,7 @@ def misses_section(doc, folder: Folder, dense: Dense, fs):
         out.append(text + ". " + limit("host-time"))
         out.append("")
     if "features" in limits:
-        out.append("**Features off the fast path.** " + features_below_fa4(doc, fs) + limit("features"))
+        out.append("**Features below FA4.** " + features_below_fa4(doc, fs) + limit("features"))
         out.append("")
     for key in sorted(limits):                        # a limit the script has no figures for: printed as written
         out.append(f"**{doc.text(key, folder.readme)}.** " + limit(key))

@@ -136,7 +136,7 @@ def test_the_feature_benchmark_section_follows_its_json(gen, tmp_path):
     alibi = recs[("alibi", "fwd", "fa4")]
     assert alibi["status"] == "skipped" and rows[alibi["label"]][header.index("FA4")] == "-"
     assert rows[dense][fwd_cudnn] != "-"
-    assert f"{dense}: " in before.split("**Features off the fast path.**")[1].split("\n")[0]
+    assert f"{dense}: " in before.split("**Features below FA4.**")[1].split("\n")[0]
 
     value = recs[("dense", "train", "flashtile")]["tflops"] = 2 * recs[("dense", "train", "fa4")]["tflops"]
     recs[("dense", "fwd", "cudnn")].update(status="skipped", reason="unsupported: a test", ms=None, tflops=None)
@@ -145,4 +145,4 @@ def test_the_feature_benchmark_section_follows_its_json(gen, tmp_path):
     _, rows = _features_table(after)
     assert rows[dense][train] == f"{value:.0f}" and rows[dense][train_fa4] == "2.00"
     assert rows[dense][header.index("cuDNN")] == "-" and rows[dense][fwd_cudnn] == "-"
-    assert f"{dense}: " not in after.split("**Features off the fast path.**")[1].split("\n")[0]
+    assert f"{dense}: " not in after.split("**Features below FA4.**")[1].split("\n")[0]
