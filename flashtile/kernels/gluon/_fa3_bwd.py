@@ -213,6 +213,23 @@ def _step(t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs, p_
 
 
 @gluon.jit
+def warpgroup_state(wg: gl.constexpr, k_smem, v_smem, p_bufs, dq_bufs, dq_desc, BLOCK_N: gl.constexpr,
+                    HEAD_D: gl.constexpr):
+    """Consumer warpgroup wg's views of the program's shared memory (its 64 keys of K_j and V_j, its P and dQ staging
+    tiles) and its accumulators: dK_w = dV_w = 0, and the zero its dQ products start from."""
+    WG_N: gl.constexpr = BLOCK_N // 2          # key rows of this warpgroup
+    DQ_M: gl.constexpr = dq_desc.block_type.shape[0]   # this warpgroup's dQ tile (_dq_product)
+    DQ_N: gl.constexpr = dq_desc.block_type.shape[1]
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HEAD_D, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, DQ_N, 16])
+    return (k_smem.slice(wg * WG_N, WG_N, dim=0), v_smem.slice(wg * WG_N, WG_N, dim=0), p_bufs.index(wg),
+            dq_bufs.index(wg), gl.zeros([WG_N, HEAD_D], gl.float32, kv_layout),
+            gl.zeros([WG_N, HEAD_D], gl.float32, kv_layout), gl.zeros([DQ_M, DQ_N], gl.float32, dq_layout))
+
+
+@gluon.jit
 def _consumer_partition(wg: gl.constexpr, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar,
                         qdo_ready, qdo_empty, ds_ready, ds_free, turns, dq_desc, lse_ptr, delta_ptr, stride_lse_b,
                         stride_lse_h, dk_desc, dv_desc, kv_row, kv_col, b, kv_start, q_row0, n_iters, n_i, i_start,
@@ -221,21 +238,10 @@ def _consumer_partition(wg: gl.constexpr, k_smem, v_smem, q_bufs, do_bufs, p_buf
     """Consumer warpgroup `wg`: key rows [wg * 64, wg * 64 + 64) of the program's block through every query block
     (per query head of the group), then its rows of dK_j, dV_j (Algorithm 2 line 22)."""
     WG_N: gl.constexpr = BLOCK_N // 2          # key rows of this warpgroup
-    DQ_M: gl.constexpr = dq_desc.block_type.shape[0]   # this warpgroup's dQ tile (_dq_product)
-    DQ_N: gl.constexpr = dq_desc.block_type.shape[1]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, WG_N, 16])
-    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, HEAD_D, 16])
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, DQ_N, 16])
-    k_w = k_smem.slice(wg * WG_N, WG_N, dim=0)
-    v_w = v_smem.slice(wg * WG_N, WG_N, dim=0)
-    p_smem = p_bufs.index(wg)
-    dq_smem = dq_bufs.index(wg)
-    dk = gl.zeros([WG_N, HEAD_D], gl.float32, kv_layout)
-    dv = gl.zeros([WG_N, HEAD_D], gl.float32, kv_layout)
-    dq_init = gl.zeros([DQ_M, DQ_N], gl.float32, dq_layout)
+    k_w, v_w, p_smem, dq_smem, dk, dv, dq_init = warpgroup_state(wg, k_smem, v_smem, p_bufs, dq_bufs, dq_desc,
+                                                                  BLOCK_N, HEAD_D)
 
     dq_row = q_row0   # where the previous step's dQ tile goes
     dq_col = 0
@@ -259,8 +265,17 @@ def _consumer_partition(wg: gl.constexpr, k_smem, v_smem, q_bufs, do_bufs, p_buf
 @gluon.jit
 def _store_dkv_tma(dk, dv, dk_desc, dv_desc, q_bufs, do_bufs, qdo_empty, row, col, n_iters, sm_scale,
                    wg: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-    """dK_w (scaled) and dV_w to rows [row, +64) by TMA, staged in the Q_i / dO_i buffers, free once both
-    warpgroups released the last STAGES of them (qdo_empty): one bulk store each instead of 4-byte stores."""
+    """dK_w (scaled) and dV_w to rows [row, +64) by TMA (stage_dkv, tma_store_dkv): one bulk store each instead of
+    4-byte stores."""
+    dk_smem, dv_smem = stage_dkv(dk, dv, q_bufs, do_bufs, qdo_empty, n_iters, sm_scale, wg, BLOCK_M, STAGES)
+    tma_store_dkv(dk_desc, dv_desc, dk_smem, dv_smem, row, col)
+
+
+@gluon.jit
+def stage_dkv(dk, dv, q_bufs, do_bufs, qdo_empty, n_iters, sm_scale, wg: gl.constexpr, BLOCK_M: gl.constexpr,
+              STAGES: gl.constexpr):
+    """dK_w (scaled) and dV_w in q's dtype in the Q_i / dO_i buffers, free once both warpgroups released the last
+    STAGES of them (qdo_empty). Returns the two tiles."""
     dtype: gl.constexpr = q_bufs.dtype
     WG_N: gl.constexpr = dk.shape[0]
     for k in range(gl.minimum(n_iters, STAGES)):
@@ -274,10 +289,17 @@ def _store_dkv_tma(dk, dv, dk_desc, dv_desc, q_bufs, do_bufs, qdo_empty, row, co
         dv_smem = do_bufs.index(0).slice(wg * WG_N, WG_N, dim=0)
     dk_smem.store((dk * sm_scale).to(dtype))
     dv_smem.store(dv.to(dtype))
+    return dk_smem, dv_smem
+
+
+@gluon.jit
+def tma_store_dkv(dk_desc, dv_desc, dk_smem, dv_smem, row, col):
+    """Staged dK_w, dV_w to rows [row, +64) at column col by TMA, waited for (the stores have read shared memory
+    before the program ends)."""
     fence_async_shared()
     tma_store(dk_desc, [row, col], dk_smem)
     tma_store(dv_desc, [row, col], dv_smem)
-    tma.store_wait(pendings=0)   # the stores have read shared memory before the program ends
+    tma.store_wait(pendings=0)
 
 
 @gluon.jit
@@ -340,7 +362,6 @@ def fa3_bwd_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr,
     lse, delta: (batch, nheads, seqlen_q) fp32 with the same strides. P_LAYOUT: the shared layout of a
     (BLOCK_M, BLOCK_N / 2) tile of q's dtype (a warpgroup's P or dS). seqlen_q % BLOCK_M == 0 and
     seqlen_k % BLOCK_N == 0 (the host checks); causal only with seqlen_q == seqlen_k."""
-    dtype: gl.constexpr = q_desc.dtype
     # one head's key blocks after another: they share the head's Q_i, dO_i in L2 (every head's first block, then
     # every head's second... measured slower)
     pid_n = gl.program_id(0)

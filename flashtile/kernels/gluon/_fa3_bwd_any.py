@@ -13,11 +13,11 @@ Imported only on a CUDA device of compute capability 9.x (flashtile.kernels.gluo
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+    mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from ._fa3_bwd import (LOG2E, _add_dq, _dq_product, _dq_reduce_add, _load_partition, _query_block, _store_ds,
-                       allocate, invalidate)
-from ._fa3_fwd import _pass_turn, _scores_log2, _seq_info, _turn, _visible, store_rows, tma_store
+                       allocate, invalidate, stage_dkv, tma_store_dkv, warpgroup_state)
+from ._fa3_fwd import _pass_turn, _scores_log2, _seq_info, _turn, _visible, store_rows
 
 
 @gluon.jit
@@ -213,25 +213,14 @@ def _consumer_partition(wg: gl.constexpr, k_smem, v_smem, q_bufs, do_bufs, p_buf
     stride_lse_h, the sequence's first LSE column); dkv: the dK / dV descriptors, pointers and row strides; seq:
     (len_q, len_k, window); alibi: (slopes, their batch stride, softcap log2 e)."""
     WG_N: gl.constexpr = BLOCK_N // 2          # key rows of this warpgroup
-    DQ_M: gl.constexpr = dq_desc.block_type.shape[0]   # this warpgroup's dQ tile (_dq_product)
-    DQ_N: gl.constexpr = dq_desc.block_type.shape[1]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, WG_N, 16])
-    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, HEAD_D, 16])
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, DQ_N, 16])
     stride_lse_b, stride_lse_h, lse_col0 = lse_rows
     alibi_ptr, stride_alibi_b, softcap_log2 = alibi
     dk_desc, dv_desc, dk_ptr, dv_ptr, stride_dk_row, stride_dv_row = dkv
     len_q, len_k, window = seq
-    k_w = k_smem.slice(wg * WG_N, WG_N, dim=0)
-    v_w = v_smem.slice(wg * WG_N, WG_N, dim=0)
-    p_smem = p_bufs.index(wg)
-    dq_smem = dq_bufs.index(wg)
-    dk = gl.zeros([WG_N, HEAD_D], gl.float32, kv_layout)
-    dv = gl.zeros([WG_N, HEAD_D], gl.float32, kv_layout)
-    dq_init = gl.zeros([DQ_M, DQ_N], gl.float32, dq_layout)
+    k_w, v_w, p_smem, dq_smem, dk, dv, dq_init = warpgroup_state(wg, k_smem, v_smem, p_bufs, dq_bufs, dq_desc,
+                                                                  BLOCK_N, HEAD_D)
 
     dq_row = q_row0   # where the previous step's dQ tile goes
     dq_col = 0
@@ -260,40 +249,21 @@ def _consumer_partition(wg: gl.constexpr, k_smem, v_smem, q_bufs, do_bufs, p_buf
 @gluon.jit
 def _store_dkv(dk, dv, dkv, q_bufs, do_bufs, qdo_empty, row, col, n_rows, n_iters, sm_scale, wg: gl.constexpr,
                BLOCK_M: gl.constexpr, STAGES: gl.constexpr, TAIL: gl.constexpr):
-    """dK_w (scaled) and dV_w to rows [row, +64), staged in the Q_i / dO_i buffers, free once both warpgroups
-    released the last STAGES of them (qdo_empty): one TMA store each, or (TAIL, fewer than 64 of the rows in the
-    sequence: n_rows) masked pointer stores (store_rows). dkv: the descriptors, pointers and row strides."""
+    """dK_w (scaled) and dV_w to rows [row, +64), staged as the dense kernel does (stage_dkv): one TMA store each,
+    or (TAIL, fewer than 64 of the rows in the sequence: n_rows) masked pointer stores (store_rows). dkv: the
+    descriptors, pointers and row strides."""
     dk_desc, dv_desc, dk_ptr, dv_ptr, stride_dk_row, stride_dv_row = dkv
-    dtype: gl.constexpr = q_bufs.dtype
     WG_N: gl.constexpr = dk.shape[0]
     HEAD_D: gl.constexpr = dk.shape[1]
-    for k in range(gl.minimum(n_iters, STAGES)):
-        t = n_iters - 1 - k
-        mbarrier.wait(qdo_empty.index(t % STAGES), (t // STAGES) & 1)
-    if BLOCK_M == WG_N:   # a buffer per warpgroup
-        dk_smem = q_bufs.index(wg)
-        dv_smem = do_bufs.index(wg)
-    else:                 # this warpgroup's rows of the first buffer
-        dk_smem = q_bufs.index(0).slice(wg * WG_N, WG_N, dim=0)
-        dv_smem = do_bufs.index(0).slice(wg * WG_N, WG_N, dim=0)
-    dk_smem.store((dk * sm_scale).to(dtype))
-    dv_smem.store(dv.to(dtype))
+    dk_smem, dv_smem = stage_dkv(dk, dv, q_bufs, do_bufs, qdo_empty, n_iters, sm_scale, wg, BLOCK_M, STAGES)
     if TAIL:
         if n_rows < WG_N:
             store_rows(dk_smem, dk_ptr, stride_dk_row, row, n_rows, col, WG_N, HEAD_D)
             store_rows(dv_smem, dv_ptr, stride_dv_row, row, n_rows, col, WG_N, HEAD_D)
         else:
-            _tma_store_dkv(dk_desc, dv_desc, dk_smem, dv_smem, row, col)
+            tma_store_dkv(dk_desc, dv_desc, dk_smem, dv_smem, row, col)
     else:
-        _tma_store_dkv(dk_desc, dv_desc, dk_smem, dv_smem, row, col)
-
-
-@gluon.jit
-def _tma_store_dkv(dk_desc, dv_desc, dk_smem, dv_smem, row, col):
-    fence_async_shared()
-    tma_store(dk_desc, [row, col], dk_smem)
-    tma_store(dv_desc, [row, col], dv_smem)
-    tma.store_wait(pendings=0)   # the stores have read shared memory before the program ends
+        tma_store_dkv(dk_desc, dv_desc, dk_smem, dv_smem, row, col)
 
 
 @gluon.jit
@@ -318,7 +288,6 @@ def fa3_bwd_any_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_
     Features as fa3_fwd_kernel's (HAS_LEFT / HAS_RIGHT windows, SOFTCAP, ALIBI, TAIL: a sequence may end inside
     a block; qk_scale and softcap_log2 as there); SKIP: a query block may see none of a warpgroup's keys (else
     every step computes); EMPTY: a query row may have no key or lie past its sequence; sm_scale: softmax_scale."""
-    dtype: gl.constexpr = q_desc.dtype
     # one head's key blocks after another: they share the head's Q_i, dO_i in L2 (every head's first block, then
     # every head's second... measured slower)
     pid_n = gl.program_id(0)
