@@ -20,6 +20,7 @@ from flashtile.distributed import (
     varlen_positions,
 )
 from flashtile.reference.dense import visible_mask
+from test_cp_modes import _doc_mask
 
 
 def _cu(lens):
@@ -52,19 +53,6 @@ def _covered(layout, window):
     return full
 
 
-def _want(lens, window):
-    doc = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
-    pos = torch.arange(len(doc)) - torch.tensor(_cu(lens)[:-1])[doc]
-    rel = pos.view(1, -1) - pos.view(-1, 1)
-    left, right = window
-    m = doc.view(-1, 1) == doc.view(1, -1)
-    if left >= 0:
-        m &= rel >= -left
-    if right >= 0:
-        m &= rel <= right
-    return m
-
-
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_varlen_plan_covers_each_same_document_pair_once(world, seed):
     """Random documents (lengths 0 .. 40, most not multiples of 2W), random windows and padding multiples: over all
@@ -82,7 +70,7 @@ def test_varlen_plan_covers_each_same_document_pair_once(world, seed):
         full = _covered(layout, window)
         ctx = f"lens={lens} world={world} window={window} multiple={multiple}"
         assert full.max() <= 1, f"a pair computed twice: {ctx}"
-        assert torch.equal(full.bool(), _want(lens, window)), f"mask differs: {ctx}"
+        assert torch.equal(full.bool(), _doc_mask(lens, window, False)), f"mask differs: {ctx}"
 
 
 def test_causal_varlen_plan_is_one_call_per_step():

@@ -98,6 +98,22 @@ def _local_dense(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slo
     return out, lse
 
 
+def _checked(name: str, q, k, v, dims: int, window_size, causal, deterministic, return_softmax_lse):
+    """A Ulysses call's checks before any collective: a process group, the flags and window (validated), q / k / v
+    with `dims` dimensions on one device, and q and k / v shards of the same rows (their sequence dimension,
+    dims - 3, equal). Returns (window_size, causal, deterministic, return_softmax_lse)."""
+    require_process_group(name)
+    scalars = P.scalars(window_size, ("causal", causal), ("deterministic", deterministic),
+                        ("return_softmax_lse", return_softmax_lse))
+    P.qkv(q, k, v, dims)
+    check_device(q)
+    s = dims - 3
+    if k.shape[s] != q.shape[s]:
+        fail(f"k.shape[{s}] (this rank's rows of k)", k.shape[s], f"q's {q.shape[s]} (q and k / v are shards of the "
+             "same rows)")
+    return scalars
+
+
 def ulysses_flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, causal: bool = False,
                             softmax_scale: Optional[float] = None, window_size=(-1, -1), softcap: float = 0.0,
                             alibi_slopes=None, deterministic: bool = False, return_softmax_lse: bool = False):
@@ -110,14 +126,8 @@ def ulysses_flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     unsharded sequence. Returns out like q (and softmax_lse (batch, nheads, seqlen_local) float32 if
     return_softmax_lse); differentiable in q, k, v.
     """
-    require_process_group("ulysses_flash_attn_func")
-    window_size, causal, deterministic, return_softmax_lse = P.scalars(
-        window_size, ("causal", causal), ("deterministic", deterministic), ("return_softmax_lse", return_softmax_lse))
-    P.qkv(q, k, v, 4)
-    check_device(q)
-    if k.shape[1] != q.shape[1]:
-        fail("k.shape[1] (seqlen_local of k)", k.shape[1], f"q's seqlen_local {q.shape[1]} (q and k/v are shards of "
-             "the same sequence)")
+    window_size, causal, deterministic, return_softmax_lse = _checked(
+        "ulysses_flash_attn_func", q, k, v, 4, window_size, causal, deterministic, return_softmax_lse)
     alibi = _alibi_heads(alibi_slopes, group, q.shape[2])
     qh, kh, vh = _exchange_in(q, k, v, group, "ulysses_flash_attn_func")
     out, lse = _local_dense(qh, kh, vh, causal, softmax_scale, window_size, softcap, alibi, deterministic)
@@ -141,13 +151,8 @@ def ulysses_flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     of the GLOBAL packed batch; max_seqlen >= the longest document. Options as flash_attn_varlen_func with
     cu_seqlens_q = cu_seqlens_k = cu_seqlens. Returns out (total_local, nheads, headdim), zero on padding rows
     (and softmax_lse (nheads, total_local) if return_softmax_lse); differentiable in q, k, v."""
-    require_process_group("ulysses_flash_attn_varlen_func")
-    window_size, causal, deterministic, return_softmax_lse = P.scalars(
-        window_size, ("causal", causal), ("deterministic", deterministic), ("return_softmax_lse", return_softmax_lse))
-    P.qkv(q, k, v, 3)
-    check_device(q)
-    if k.shape[0] != q.shape[0]:
-        fail("k.shape[0] (rows of this rank's shard)", k.shape[0], f"q's {q.shape[0]}")
+    window_size, causal, deterministic, return_softmax_lse = _checked(
+        "ulysses_flash_attn_varlen_func", q, k, v, 3, window_size, causal, deterministic, return_softmax_lse)
     cu = _cu_tensor(cu_seqlens, q.device)
     alibi = _alibi_heads(alibi_slopes, group, q.shape[1])
     fn = "ulysses_flash_attn_varlen_func"
