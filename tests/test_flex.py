@@ -116,6 +116,16 @@ def test_softcap_score_with_sliding_mask_bf16(seed):
                   mask_mod=sliding_window_mask(24), score_fn=t_softcap(4.0), mask_fn=t_sliding(24))
 
 
+def test_block_mask_from_callable_masks_after_softcap_score(seed):
+    # a block mask's element mask (from a torch callable) hides keys after score_mod: softcap maps the -inf of a
+    # hidden key to -cap, which would make it visible again if the mask came first
+    q, k, v, dout = _inputs(1, 64, 64, 2, 2, 32, fp32)
+    q.data *= 3.0
+    bm = create_block_mask(t_causal(), None, None, 64, 64, BLOCK_SIZE=32, device=DEVICE)
+    run_and_check(q, k, v, dout, fp32, "[softcap 5 + block mask from a callable]", score_mod=softcap_score(5.0),
+                  block_mask=bm, score_fn=t_softcap(5.0), mask_fn=t_causal())
+
+
 # ----------------------------------------------------------------------------------------------------------
 # User-written mods
 

@@ -89,12 +89,16 @@ def _dkdv_tile(dk, dv, start_m, row, MASKED: tl.constexpr, HAS_MASK: tl.constexp
     # Alg. 2 lines 9-11: recompute S_ij^T = K_j Q_i^T and P_ij^T = exp(S^T - L_i)
     qkt = mma(k, qt, None, DOT_PREC)
     st, t = scores_log2(qkt, i, j, seqlen_q, seqlen_k, score_scale, softcap_log2, alibi_slope_log2, SOFTCAP, ALIBI)
-    if HAS_BIAS or HAS_MASK:
+    if HAS_BIAS:
         st = bias_mask_log2(st, i, j, seqlen_q, seqlen_k, bias_bh, stride_bias_m, stride_bias_n, mask_bh,
-                            stride_mask_m, stride_mask_n, HAS_BIAS, HAS_MASK)
+                            stride_mask_m, stride_mask_n, HAS_BIAS, False)
     st_in = st       # score_mod's input; only read when there is a score_mod (then set just below)
     if SCORE_MOD is not None or MASK_MOD is not None:
         st, st_in = user_mods_log2(st, b, h, i, j, score_aux, mask_aux, SCORE_MOD, MASK_MOD)
+    # attn_mask / a block mask's element mask after score_mod, which may map -inf to a finite score (softcap)
+    if HAS_MASK:
+        st = bias_mask_log2(st, i, j, seqlen_q, seqlen_k, bias_bh, stride_bias_m, stride_bias_n, mask_bh,
+                           stride_mask_m, stride_mask_n, False, True)
     if MASKED:
         st = tl.where(visible(i, j, seqlen_q, seqlen_k, window_left, window_right, HAS_LEFT, HAS_RIGHT),
                       st, float("-inf"))
@@ -321,11 +325,15 @@ def _dq_tile(dq, start_n, row, MASKED: tl.constexpr, HAS_MASK: tl.constexpr, MAS
     j = cols[None, :]
     qk = mma(q, kt, None, DOT_PREC)
     s, t = scores_log2(qk, i, j, seqlen_q, seqlen_k, score_scale, softcap_log2, alibi_slope_log2, SOFTCAP, ALIBI)
-    if HAS_BIAS or HAS_MASK:
+    if HAS_BIAS:
         s = bias_mask_log2(s, i, j, seqlen_q, seqlen_k, bias_bh, stride_bias_m, stride_bias_n, mask_bh,
-                           stride_mask_m, stride_mask_n, HAS_BIAS, HAS_MASK)
+                           stride_mask_m, stride_mask_n, HAS_BIAS, False)
     if SCORE_MOD is not None or MASK_MOD is not None:
         s, s_in = user_mods_log2(s, b, h, i, j, score_aux, mask_aux, SCORE_MOD, MASK_MOD)
+    # attn_mask / a block mask's element mask after score_mod, which may map -inf to a finite score (softcap)
+    if HAS_MASK:
+        s = bias_mask_log2(s, i, j, seqlen_q, seqlen_k, bias_bh, stride_bias_m, stride_bias_n, mask_bh,
+                           stride_mask_m, stride_mask_n, False, True)
     if MASKED:
         s = tl.where(visible(i, j, seqlen_q, seqlen_k, window_left, window_right, HAS_LEFT, HAS_RIGHT),
                      s, float("-inf"))

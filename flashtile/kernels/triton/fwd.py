@@ -51,11 +51,15 @@ def _fwd_tile(acc, l_i, m_i, start_n, row, MASKED: tl.constexpr, HAS_MASK: tl.co
         s, _ = scores_log2(qk, offs_m[:, None], cols[None, :], seqlen_q, seqlen_k, score_scale, softcap_log2,
                            alibi_slope_log2, SOFTCAP, ALIBI)
         scale = 1.0
-    if HAS_BIAS or HAS_MASK:
+    if HAS_BIAS:
         s = bias_mask_log2(s, offs_m[:, None], cols[None, :], seqlen_q, seqlen_k, bias_bh, stride_bias_m,
-                           stride_bias_n, mask_bh, stride_mask_m, stride_mask_n, HAS_BIAS, HAS_MASK)
+                           stride_bias_n, mask_bh, stride_mask_m, stride_mask_n, HAS_BIAS, False)
     if SCORE_MOD is not None or MASK_MOD is not None:
         s, _ = user_mods_log2(s, b, h, offs_m[:, None], cols[None, :], score_aux, mask_aux, SCORE_MOD, MASK_MOD)
+    # attn_mask / a block mask's element mask after score_mod, which may map -inf to a finite score (softcap)
+    if HAS_MASK:
+        s = bias_mask_log2(s, offs_m[:, None], cols[None, :], seqlen_q, seqlen_k, bias_bh, stride_bias_m, stride_bias_n, mask_bh,
+                           stride_mask_m, stride_mask_n, False, True)
     if MASKED:
         s = tl.where(visible(offs_m[:, None], cols[None, :], seqlen_q, seqlen_k, window_left, window_right, HAS_LEFT, HAS_RIGHT),
                      s, float("-inf"))
