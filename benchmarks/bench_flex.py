@@ -15,6 +15,8 @@ Masks (the same mask for every provider that claims it; BLOCK_SIZE 128 block mas
   sliding   causal sliding window of 1024 keys (q - kv < 1024) plus 4 attention sinks (kv < 4, causal)
 Providers:
   flashtile.flex   flashtile.flex.flex_attention(q, k, v, block_mask=create_block_mask(<ready-made MaskMod>))
+  flashtile.flex (Triton)  the same call with the Hopper kernels turned off (fa3.disabled()): the portable Triton
+                   kernels, forward and backward (GPU runs only)
   torch.flex       torch.nn.attention.flex_attention.flex_attention compiled with torch.compile(dynamic=False),
                    block mask from its own create_block_mask over the same mask written as a torch mask_mod;
                    inputs in its (batch, heads, seqlen, headdim) layout (contiguous copies)
@@ -53,6 +55,7 @@ from flashtile import flash_attn_func, flash_attn_varlen_func  # noqa: E402
 from flashtile.bench.report import write_script_results  # noqa: E402
 from flashtile.blocksparse import create_block_mask as ft_create_block_mask  # noqa: E402
 from flashtile.flex import document_mask, flex_attention, prefix_lm_mask, sliding_window_mask  # noqa: E402
+from flashtile.kernels.gluon import fa3  # noqa: E402
 
 try:
     from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
@@ -68,6 +71,12 @@ def _err(e):
 def sync():
     if HAS_CUDA:
         torch.cuda.synchronize()
+
+
+def portable(fn):
+    """fn() with the Hopper kernels turned off (the Triton kernels run it)."""
+    with fa3.disabled():
+        return fn()
 
 
 def bench_ms(fn, grads=None):
@@ -165,6 +174,7 @@ def main():
     ap.add_argument("--headdim", type=int, default=None)
     ap.add_argument("--window", type=int, default=None)
     ap.add_argument("--small", action="store_true", help="tiny sizes (CPU smoke run)")
+    ap.add_argument("--masks", default=None, help="comma-separated subset of document,prefix-lm,sliding")
     args = ap.parse_args()
     small = args.small or not HAS_CUDA
     dev = "cuda" if HAS_CUDA else "cpu"
@@ -190,6 +200,8 @@ def main():
     for seqlen in seqlens:
         window = args.window or (1024 if not small else seqlen // 8)
         masks = make_masks(seqlen, batch, window, sinks, dev)
+        if args.masks:
+            masks = {name: m for name, m in masks.items() if name in args.masks.split(",")}
         gen = torch.Generator(device=dev).manual_seed(seqlen)
         q, k, v, do = (torch.randn(batch, seqlen, heads, d, generator=gen, device=dev, dtype=dtype)
                        for _ in range(4))
@@ -235,6 +247,10 @@ def main():
             providers = {"flashtile.flex": dict(fn=lambda bm=bm_ft: flex_attention(q, k, v, block_mask=bm),
                                                 to_bshd=bshd, grads=[q, k, v], g_out=do, mask_fn=m["torch_fn"],
                                                 pairs=pairs)}
+            if HAS_CUDA:
+                providers["flashtile.flex (Triton)"] = dict(
+                    fn=lambda bm=bm_ft: portable(lambda: flex_attention(q, k, v, block_mask=bm)), to_bshd=bshd,
+                    grads=[q, k, v], g_out=do, mask_fn=m["torch_fn"], pairs=pairs)
             if bm_torch is not None and (use_torch_flex or small):
                 fx = flex_compiled if use_torch_flex else torch_flex_attention
                 providers["torch.flex"] = dict(fn=lambda bm=bm_torch, fx=fx: fx(qt, kt, vt, block_mask=bm),

@@ -1,7 +1,7 @@
 """Compiles the Gluon FA3 kernels (flashtile/kernels/gluon/_fa3_fwd.py, _fa3_bwd.py) for sm_90 on a machine
 without a GPU. Arguments `fwd|fwdshort|bwd|fp8|paged,<head_dim>,<causal 0|1>,<bf16|fp16>[,<seqlen>]` (fwdshort: the
 forward's config at sequences of that length, default 1: fa3.SHORT_CONFIGS; fwdx / bwdx: the forward / backward
-with the features of its third field, '+'-joined FEATURES and 'causal', on; fp8: e4m3 inputs, that output dtype;
+with the features of its third field, '+'-joined FEATURES, FLEX (the forward) and 'causal', on; fp8: e4m3 inputs, that output dtype;
 paged: the paged decode (gluon/_decode.py) for
 pages of <seqlen> keys, printing `ok paged ... page=<keys> shared=<bytes> wgmma=<count> tma=<count>`);
 prints one line per variant:
@@ -37,6 +37,10 @@ def _compile(kernel, runtime: dict, consts: dict, maxnreg=fa3.MAXNREG):
             signature[p.name] = "fp32"
         else:
             signature[p.name] = mangle_type(runtime[p.name])
+            if isinstance(runtime[p.name], tuple):   # (its elements equal to 1 specialize as constants, as at a launch)
+                for j, x in enumerate(runtime[p.name]):
+                    if signature[p.name][j] == "constexpr":
+                        constexprs[(i, j)] = x
     return triton.compile(GluonASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=4, **({} if maxnreg is None else dict(maxnreg=maxnreg))))
 
@@ -61,6 +65,32 @@ def _fwd_runtime(q, k, v, o, lse, block_n, head_dim, h, s, fp8=False):
                 qk_scale=0.1, softcap_log2=0.5, window_left=64, window_right=0)
 
 
+# the forward's flashtile.flex features (fwdx): a score_mod, a mask_mod, attn_bias, a bool mask, a block mask
+FLEX = ("scoremod", "maskmod", "bias", "mask", "sparse")
+
+
+def _flex_runtime(lse, features, b, h, s):
+    """fa3_fwd_kernel's flex arguments and constexprs (fa3.flex_args) for the FLEX features named."""
+    from flashtile import flex
+    from flashtile.blocksparse import create_block_mask
+    from flashtile.kernels.params import SparseLists, UserMods
+    score = flex.alibi_score(torch.zeros(h)) if "scoremod" in features else None
+    mask_mod = flex.document_mask(torch.zeros(s, dtype=torch.int32)) if "maskmod" in features else None
+    mods = None
+    if score is not None or mask_mod is not None:
+        mods = UserMods(score and score.fn, None, None, score and score.captured, mask_mod and mask_mod.fn,
+                        mask_mod and mask_mod.captured)
+    sparse = None
+    if "sparse" in features:
+        bm = create_block_mask(lambda b_, h_, q, kv: kv <= q, None, None, 256, 256, BLOCK_SIZE=128, device="cpu")
+        sparse = SparseLists(128, bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
+                             bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices)
+    bias = torch.zeros(1, h, s, s, dtype=torch.bfloat16) if "bias" in features else None
+    mask = torch.ones(s, s, dtype=torch.bool)[None, None] if "mask" in features else None
+    (bias_t, mask_t, lists, score_aux, mask_aux), consts = fa3.flex_args(lse, b, h, s, s, bias, mask, sparse, mods)
+    return dict(bias_t=bias_t, mask_t=mask_t, sparse=lists, score_aux=score_aux, mask_aux=mask_aux), consts, sparse
+
+
 def compile_fwd(head_dim: int, causal: bool, dtype: torch.dtype, seqlen: int = 1 << 20, features=()):
     """The bf16 / fp16 forward as fa3.fwd launches it at this sequence length (fa3.fwd_config), with the feature
     flags named in `features` (FEATURES) on; causal: HAS_RIGHT, the causal config."""
@@ -69,9 +99,15 @@ def compile_fwd(head_dim: int, causal: bool, dtype: torch.dtype, seqlen: int = 1
     t = torch.randn(b * s, h * head_dim, dtype=dtype)
     lse = torch.empty(b, h, s)
     runtime = _fwd_runtime(t, t, t, t, lse, block_n, head_dim, h, s)
+    flex_rt, flex_consts, sparse = _flex_runtime(lse, features, b, h, s)
+    runtime.update(flex_rt)
+    num_wg, block_n, stages, pingpong = fa3.flex_config((num_wg, block_n, stages, pingpong), sparse)
     launch = fa3._regs(head_dim, False, num_wg)
     flags = {_FLAGS[f]: f in features for f in FEATURES}
     flags["HAS_RIGHT"] = flags["HAS_RIGHT"] or causal
+    if any(f in FLEX for f in features):   # (fa3.fwd_flags)
+        flags.update(GUARD=True, TAIL=flags["TAIL"] or sparse is not None)
+    flags.update(flex_consts)
     consts = dict(HEAD_D=head_dim, BLOCK_M=fa3.WG_ROWS, BLOCK_N=block_n, STAGES=stages,
                   NUM_WG=num_wg, Q_BUFS=fa3.q_buffers(head_dim, num_wg, block_n, stages, t.element_size(), False),
                   PINGPONG=pingpong, FP8=False, **flags,
@@ -88,9 +124,12 @@ def compile_fp8(head_dim: int, causal: bool, out_dtype: torch.dtype):
     out = torch.empty(b * s, h * head_dim, dtype=out_dtype)
     lse = torch.empty(b, h, s)
     runtime = _fwd_runtime(x8, x8, vt, out, lse, block_n, head_dim, h, s, fp8=True)
+    flex_rt, flex_consts, _ = _flex_runtime(lse, (), b, h, s)
+    runtime.update(flex_rt)
     num_wg, _, stages = fa3.FP8_CONFIGS[head_dim]
     launch = fa3._regs(head_dim, True, num_wg)
     flags = {_FLAGS[f]: False for f in FEATURES}
+    flags.update(flex_consts)
     flags["HAS_RIGHT"] = causal
     consts = dict(HEAD_D=head_dim, BLOCK_M=fa3.WG_ROWS, BLOCK_N=block_n, STAGES=stages, **flags,
                   NUM_WG=num_wg, Q_BUFS=fa3.q_buffers(head_dim, num_wg, block_n, stages, 1, True),

@@ -38,7 +38,8 @@ def flash_fwd(q, k, v, out, lse, params, alibi=None, cu_seqlens_q=None, cu_seqle
     max_sk = max_seqlen_k if cu_seqlens_k is not None else k.shape[1]
     attends = not (q.numel() == 0 or k.shape[-3] == 0 or max_sk == 0)   # (else the launcher writes 0 and -inf)
     if attends and fa3.supports(q, k, v, params, alibi, cu_seqlens_q, bias, mask, sparse, mods):
-        fa3.fwd(q, k, v, out, lse, params, alibi, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        fa3.fwd(q, k, v, out, lse, params, alibi, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bias, mask,
+                sparse, mods)
         return
     launch.flash_fwd(q, k, v, out, lse, params, alibi, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                      bias=bias, mask=mask, sparse=sparse, mods=mods, memo=memo)

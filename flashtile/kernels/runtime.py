@@ -172,3 +172,27 @@ def tickets(device: torch.device, n: int) -> torch.Tensor:
     return t
 
 
+# --------------------------------------------------------------------------------------------------
+# Masks and biases as the kernels read them (Triton and Gluon)
+# --------------------------------------------------------------------------------------------------
+def pair_args(t, batch, nheads, sq, sk):
+    """(pointer, stride_b, stride_h, stride_m, stride_n) of a (b, h, sq, sk)-broadcastable 4-D tensor: an expand
+    view, so broadcast dimensions get stride 0 and nothing is materialised. bool masks are read as uint8."""
+    if t is None:
+        return (None, 0, 0, 0, 0)
+    if t.dtype == torch.bool:
+        t = t.view(torch.uint8)
+    e = t.expand(batch, nheads, sq, sk)
+    return (e, *e.stride())
+
+
+def sparse_args(lists, batch, nheads, transposed):
+    """(num, idx, full_num, full_idx, stride_b, stride_h, stride_block, n_blocks) for the kernels' block-sparse loop."""
+    if lists is None:
+        return (None, None, None, None, 0, 0, 0, 0)
+    if transposed:
+        num, idx, fnum, fidx = lists.q_num, lists.q_idx, lists.full_q_num, lists.full_q_idx
+    else:
+        num, idx, fnum, fidx = lists.kv_num, lists.kv_idx, lists.full_kv_num, lists.full_kv_idx
+    st = num.expand(batch, nheads, num.shape[2]).stride()
+    return (num, idx, fnum, fidx, st[0], st[1], st[2], idx.shape[-1])

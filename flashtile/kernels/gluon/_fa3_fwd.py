@@ -28,6 +28,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from .. import params
+from ..elementwise import bias_mask_log2, user_mods_log2
 
 LN2 = gl.constexpr(params.LN2)
 LOG2E = gl.constexpr(params.LOG2E)
@@ -100,6 +101,91 @@ def _tile_blocks(q_start, tile_rows, len_q, len_k, window, BLOCK_N: gl.constexpr
 
 
 @gluon.jit
+def _sparse_row(sparse, b, h, q_start, SPARSE_BLOCK: gl.constexpr, BLOCK_N: gl.constexpr):
+    """A block mask's lists for the query tile that starts at q_start (its rows lie in one mask row: they divide
+    SPARSE_BLOCK), as steps: step j is one BLOCK_N-key block of a listed mask block, the partial blocks' first.
+    Returns (partial steps, steps, the offset of the row in the index lists)."""
+    num, idx, full_num, full_idx, stride_b, stride_h, stride_m, n_blocks = sparse
+    PER: gl.constexpr = SPARSE_BLOCK // BLOCK_N
+    sp = b.to(gl.int64) * stride_b + h.to(gl.int64) * stride_h + (q_start // SPARSE_BLOCK) * stride_m
+    n_partial = gl.load(num + sp) * PER
+    return n_partial, n_partial + gl.load(full_num + sp) * PER, sp * n_blocks
+
+
+@gluon.jit
+def _sparse_steps(q_start, b, h, sparse, SPARSE_BLOCK: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Steps [0, hi) a query tile loads under a block mask: its listed blocks', at least one (a tile with nothing
+    listed computes one key block past the sequence, fully masked: its rows output 0)."""
+    _, n_steps, _ = _sparse_row(sparse, b, h, q_start, SPARSE_BLOCK, BLOCK_N)
+    return 0, gl.maximum(n_steps, 1)
+
+
+@gluon.jit
+def _sparse_block(j, row, sparse, len_k, SPARSE_BLOCK: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The key block (BLOCK_N keys) of step j of a tile's block-mask row (_sparse_row's); a row with nothing listed:
+    the first block past the sequence's keys."""
+    num, idx, full_num, full_idx, stride_b, stride_h, stride_m, n_blocks = sparse
+    n_partial, n_steps, off = row
+    PER: gl.constexpr = SPARSE_BLOCK // BLOCK_N
+    if j < n_partial:
+        blk = gl.load(idx + off + j // PER)
+    else:
+        blk = gl.load(full_idx + off + (j - n_partial) // PER)
+    kb = blk * PER + j % PER
+    if n_steps == 0:
+        kb = gl.cdiv(len_k, BLOCK_N)
+    return kb
+
+
+@gluon.jit
+def _step_block(j, srow, sparse, len_k, SPARSE_BLOCK: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(key block of step j, whether the element masks apply to it): block j itself and True without a block mask
+    (the masks then apply everywhere); with one, _sparse_block and whether j is a partial block's step."""
+    if SPARSE_BLOCK > 0:
+        return _sparse_block(j, srow, sparse, len_k, SPARSE_BLOCK, BLOCK_N), j < srow[0]
+    else:
+        return j, True
+
+
+@gluon.jit
+def _element_masks(s, i, j, len_q, len_k, user, USER: gl.constexpr):
+    """-inf where attn_mask (or a block mask's element mask) or mask_mod hides query i from key j (elementwise's
+    rules, as the Triton kernels apply them)."""
+    SCORE_MOD, MASK_MOD, HAS_BIAS, HAS_MASK, SPARSE_BLOCK = USER
+    b, h, score_aux, mask_aux, bias_t, mask_t = user
+    if HAS_MASK:
+        mask_bh, stride_mask_m, stride_mask_n = mask_t
+        s = bias_mask_log2(s, i, j, len_q, len_k, mask_bh, 0, 0, mask_bh, stride_mask_m, stride_mask_n, False, True)
+    if MASK_MOD is not None:
+        s = gl.where(MASK_MOD(b, h, i, j, mask_aux), s, float("-inf"))
+    return s
+
+
+@gluon.jit
+def _user_scores(s, rows, cols, len_q, len_k, user, partial, USER: gl.constexpr):
+    """flashtile.flex's features on a score tile (log2 units where it has a bias or score_mod): attn_bias and
+    score_mod on every block, then the element masks (_element_masks) on `partial` ones (every block without a
+    block mask, its partial blocks with one): a mask applies after score_mod, which may map -inf to a finite
+    score (softcap). user: (b, h, score_aux, mask_aux, (bias of the head, its row and column strides), (the
+    mask's)); USER: (SCORE_MOD, MASK_MOD, HAS_BIAS, HAS_MASK, SPARSE_BLOCK) as fa3_fwd_kernel's. Also returns
+    score_mod's input in natural-log units (its gradient's)."""
+    SCORE_MOD, MASK_MOD, HAS_BIAS, HAS_MASK, SPARSE_BLOCK = USER
+    b, h, score_aux, mask_aux, bias_t, mask_t = user
+    i = gl.expand_dims(rows, 1)
+    j = gl.expand_dims(cols, 0)
+    if HAS_BIAS:
+        bias_bh, stride_bias_m, stride_bias_n = bias_t
+        s = bias_mask_log2(s, i, j, len_q, len_k, bias_bh, stride_bias_m, stride_bias_n, bias_bh, 0, 0, True, False)
+    s, s_in = user_mods_log2(s, b, h, i, j, score_aux, mask_aux, SCORE_MOD, None)
+    if SPARSE_BLOCK > 0:
+        if partial:
+            s = _element_masks(s, i, j, len_q, len_k, user, USER)
+    else:
+        s = _element_masks(s, i, j, len_q, len_k, user, USER)
+    return s, s_in
+
+
+@gluon.jit
 def _visible(s, rows, cols, len_q, len_k, window, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
              TAIL: gl.constexpr, fill: gl.constexpr = float("-inf")):
     """The mask rule per element (_key_blocks'): s with `fill` (S: -inf, P: 0) where query rows[i] does not see key
@@ -162,18 +248,19 @@ def store_rows(tile, ptr, stride_row, row0, n_rows, col, ROWS: gl.constexpr, COL
 @gluon.jit
 def _load_partition(loads, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                     NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr, FP8: gl.constexpr, VARLEN: gl.constexpr,
-                    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+                    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SPARSE_BLOCK: gl.constexpr):
     """Producer and tile scheduler. It draws the program's next tile from a counter shared by the launch (dynamic
     scheduling: a program that drew short tiles draws more), skips a tile past its sequence's end (VARLEN: the
     tiles are counted for the longest sequence), writes its number into the slot of a free Q buffer (Q_BUFS per
     consumer warpgroup: the next tile's Q loads while this one's keys run) and loads each consumer warpgroup's Q
     rows there, then K_j / V_j for the tile's key blocks [lo, hi) (_tile_blocks) into ring buffer c % STAGES (c
-    counts the program's blocks over its tiles) once every consumer warpgroup released it. FP8: V_j from V^T, a
+    counts the program's blocks over its tiles) once every consumer warpgroup released it; SPARSE_BLOCK (a block
+    mask): the key blocks its lists name for the tile (_sparse_steps, _sparse_block). FP8: V_j from V^T, a
     (HEAD_D, BLOCK_N) block. The counter: every program draws until it gets a number >= n_tiles (the consumers see
     it and stop); the last of those n_tiles + G draws resets it to 0 for the launch after this one on the stream.
     `loads`: the descriptors, buffers, barriers and scalars it uses (as the kernel names them)."""
     (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, slots,
-     counter_ptr, n_m, n_tiles, nheads, group, seq, window) = loads
+     counter_ptr, n_m, n_tiles, nheads, group, seq, window, sparse) = loads
     slot_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     c = 0
     it = 0
@@ -185,7 +272,11 @@ def _load_partition(loads, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N:
         q_row0, k_row0, len_q, len_k = _seq_info(b, seq, VARLEN)
         q_start = pid_m * (NUM_WG * BLOCK_M)
         if q_start < len_q:
-            lo, hi = _tile_blocks(q_start, NUM_WG * BLOCK_M, len_q, len_k, window, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+            if SPARSE_BLOCK > 0:
+                lo, hi = _sparse_steps(q_start, b, h, sparse, SPARSE_BLOCK, BLOCK_N)
+                srow = _sparse_row(sparse, b, h, q_start, SPARSE_BLOCK, BLOCK_N)
+            else:
+                lo, hi = _tile_blocks(q_start, NUM_WG * BLOCK_M, len_q, len_k, window, BLOCK_N, HAS_LEFT, HAS_RIGHT)
             qb = it % Q_BUFS
             for wg in gl.static_range(NUM_WG):
                 # mbarriers start with phase 1 complete, so each buffer's first wait passes at once
@@ -204,14 +295,17 @@ def _load_partition(loads, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N:
                 # K_j's buffer frees as soon as S_{j-STAGES} is computed, V_j's only once P~ V of that block is:
                 # separate barriers let K run ahead
                 phase = ((c // STAGES) & 1) ^ 1
-                row = k_row0 + j * BLOCK_N
+                kb = j
+                if SPARSE_BLOCK > 0:
+                    kb = _sparse_block(j, srow, sparse, len_k, SPARSE_BLOCK, BLOCK_N)
+                row = k_row0 + kb * BLOCK_N
                 mbarrier.wait(k_empty.index(s), phase)
                 mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
                 tma_load(k_desc, [row, kv_col], k_ready.index(s), k_bufs.index(s))
                 mbarrier.wait(v_empty.index(s), phase)
                 mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
                 if FP8:
-                    tma_load(v_desc, [vt_row, j * BLOCK_N], v_ready.index(s), v_bufs.index(s))
+                    tma_load(v_desc, [vt_row, kb * BLOCK_N], v_ready.index(s), v_bufs.index(s))
                 else:
                     tma_load(v_desc, [row, kv_col], v_ready.index(s), v_bufs.index(s))
                 c += 1
@@ -229,9 +323,9 @@ def _load_partition(loads, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N:
 
 
 @gluon.jit
-def _online_softmax(s, m_i, l_i, qk_scale, masked, rows, cols, mask, FP8: gl.constexpr, SCORED: gl.constexpr,
-                    GUARD: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, TAIL: gl.constexpr,
-                    SOFTCAP: gl.constexpr, ALIBI: gl.constexpr):
+def _online_softmax(s, m_i, l_i, qk_scale, masked, rows, cols, mask, user, partial, FP8: gl.constexpr,
+                    SCORED: gl.constexpr, GUARD: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                    TAIL: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, USER: gl.constexpr):
     MASKED: gl.constexpr = HAS_LEFT or HAS_RIGHT or TAIL
     """Algorithm 1 lines 9-10 for one S block, in base 2: m_new = max(m_i, rowmax(S2)); P~ = exp2(S2 - m_new);
     l_new = exp2(m_i - m_new) l_i + rowsum(P~), with S2 = S * qk_scale (qk_scale = softmax_scale * log2 e > 0,
@@ -241,10 +335,15 @@ def _online_softmax(s, m_i, l_i, qk_scale, masked, rows, cols, mask, FP8: gl.con
     instead of NaN, so it adds nothing. Without GUARD the warpgroup's first block has a visible key in every row.
     mask = (len_q, len_k, (left, right), score), rows / cols the block's query and key indices in the sequence.
     FP8: P~ = exp2(S * scale - m_new + log2 448) fills e4m3's range [0, 448] for the P V product; l carries the
-    same factor, so it cancels in O = acc / l (the LSE subtracts it)."""
+    same factor, so it cancels in O = acc / l (the LSE subtracts it). USER (flashtile.flex's features, `user` and
+    `partial`: _user_scores) apply after softcap / ALiBi; SCORED then includes a bias or score_mod.
+    (SCORED: the scores are in log2 units before the max; else they are scaled inside the exponential.)"""
+    SCORE_MOD, MASK_MOD, HAS_BIAS, HAS_MASK, SPARSE_BLOCK = USER
     len_q, len_k, window, score = mask
     if SCORED:
         s, _ = _scores_log2(s, rows, cols, len_q, len_k, score, SOFTCAP, ALIBI)
+    if SCORE_MOD is not None or MASK_MOD is not None or HAS_BIAS or HAS_MASK:
+        s, _ = _user_scores(s, rows, cols, len_q, len_k, user, partial, USER)
     if MASKED:   # (a problem without a mask compiles none of it)
         if masked:
             s = _visible(s, rows, cols, len_q, len_k, window, HAS_LEFT, HAS_RIGHT, TAIL)
@@ -291,16 +390,18 @@ def _pass_turn(bars, wg: gl.constexpr, NUM_WG: gl.constexpr, PINGPONG: gl.conste
 def _consumer_partition(wg: gl.constexpr, shared, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr,
                         PINGPONG: gl.constexpr, FP8: gl.constexpr, VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr,
-                        HAS_RIGHT: gl.constexpr,
-                        SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, TAIL: gl.constexpr, GUARD: gl.constexpr):
+                        HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, TAIL: gl.constexpr,
+                        GUARD: gl.constexpr, USER: gl.constexpr):
     """Consumer warpgroup `wg`, tile after tile as the producer hands them over (the tile number in the slot of
     the Q buffer, >= n_tiles: none left): c counts the program's K / V blocks (ring position), t its turns, `it`
     its tiles (Q buffer). `shared`: the buffers, barriers and scalars it uses (as the kernel names them);
     the feature flags: fa3_fwd_kernel's."""
     (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, slots, o_desc,
      lse_ptr, stride_lse_b, stride_lse_h, q_scale_ptr, k_scale_ptr, v_scale_ptr, n_m, n_tiles, nheads, group,
-     qk_scale, seq, window, epilogue, alibi) = shared
+     qk_scale, seq, window, epilogue, alibi, flex) = shared
     alibi_ptr, stride_alibi_b, softcap_log2 = alibi
+    SCORE_MOD, MASK_MOD, HAS_BIAS, HAS_MASK, SPARSE_BLOCK = USER
+    score_aux, mask_aux, bias_t, mask_t, sparse = flex
     slot_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     c = 0
     t = 0
@@ -313,7 +414,13 @@ def _consumer_partition(wg: gl.constexpr, shared, HEAD_D: gl.constexpr, BLOCK_M:
         h = bh % nheads
         q_row0, k_row0, len_q, len_k = _seq_info(b, seq, VARLEN)
         q_start = pid_m * (NUM_WG * BLOCK_M)
-        lo, hi = _tile_blocks(q_start, NUM_WG * BLOCK_M, len_q, len_k, window, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        srow = (0, 0, 0)
+        if SPARSE_BLOCK > 0:
+            lo, hi = _sparse_steps(q_start, b, h, sparse, SPARSE_BLOCK, BLOCK_N)
+            srow = _sparse_row(sparse, b, h, q_start, SPARSE_BLOCK, BLOCK_N)
+        else:
+            lo, hi = _tile_blocks(q_start, NUM_WG * BLOCK_M, len_q, len_k, window, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        user = (b, h, score_aux, mask_aux, _head_tile(bias_t, b, h, HAS_BIAS), _head_tile(mask_t, b, h, HAS_MASK))
         tile_scale = qk_scale
         k_scales = k_scale_ptr
         v_scales = v_scale_ptr
@@ -336,14 +443,25 @@ def _consumer_partition(wg: gl.constexpr, shared, HEAD_D: gl.constexpr, BLOCK_M:
         mask = (len_q, len_k, window, (tile_scale, softcap_log2, slope_log2))
         _consumer_tile(wg, q_bufs.index(qb), q_empty.index(qb), k_bufs, v_bufs, o_bufs, k_ready, v_ready, k_empty,
                        v_empty, turns, o_desc, lse_row, k_scales, v_scales, rows, mask, epilogue, lo, hi,
-                       tile_scale, c, t, BLOCK_M, BLOCK_N, HEAD_D, STAGES, NUM_WG, PINGPONG, FP8, HAS_LEFT,
-                       HAS_RIGHT, SOFTCAP, ALIBI, TAIL, GUARD)
+                       tile_scale, c, t, (user, srow, sparse), BLOCK_M, BLOCK_N, HEAD_D, STAGES, NUM_WG, PINGPONG,
+                       FP8, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, GUARD, USER)
         c += hi - lo
         t += hi - lo + 1
         it += 1
         # the next tile's Q (or the end): its slot is valid once q_ready completes
         mbarrier.wait(q_ready.index((it % Q_BUFS) * NUM_WG + wg), (it // Q_BUFS) & 1)
         tile = gl.max(slots.index(it % Q_BUFS).load(slot_layout), 0)
+
+
+@gluon.jit
+def _head_tile(t, b, h, PRESENT: gl.constexpr):
+    """(pointer at (b, h), row stride, column stride) of an attn_bias / attn_mask given as (pointer, batch, head,
+    row and column strides; broadcast dimensions 0); t itself where absent."""
+    if PRESENT:
+        ptr, stride_b, stride_h, stride_m, stride_n = t
+        return ptr + b.to(gl.int64) * stride_b + h.to(gl.int64) * stride_h, stride_m, stride_n
+    else:
+        return t
 
 
 @gluon.jit
@@ -365,10 +483,10 @@ def _release(j0, j1, k_ready, v_ready, k_empty, v_empty, turns, c, t, wg: gl.con
 @gluon.jit
 def _consumer_tile(wg: gl.constexpr, q_smem, q_empty, k_bufs, v_bufs, o_bufs, k_ready, v_ready,
                    k_empty, v_empty, turns, o_desc, lse_row, k_scale_ptr, v_scale_ptr, rows, mask, epilogue,
-                   lo, hi, qk_scale, c, t, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   lo, hi, qk_scale, c, t, flex, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    HEAD_D: gl.constexpr, STAGES: gl.constexpr, NUM_WG: gl.constexpr, PINGPONG: gl.constexpr,
                    FP8: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-                   ALIBI: gl.constexpr, TAIL: gl.constexpr, GUARD: gl.constexpr):
+                   ALIBI: gl.constexpr, TAIL: gl.constexpr, GUARD: gl.constexpr, USER: gl.constexpr):
     """Consumer warpgroup `wg` on one tile: rows [wg * BLOCK_M, (wg + 1) * BLOCK_M) of its Q tile (in q_smem),
     through the whole key loop (Algorithm 1 lines 6-11), then its part of the epilogue (lines 12-15). The tile's
     key blocks are [lo, hi) (_tile_blocks); block j is the program's block c + j - lo (ring buffer
@@ -376,8 +494,13 @@ def _consumer_tile(wg: gl.constexpr, q_smem, q_empty, k_bufs, v_bufs, o_bufs, k_
     first row in the sequence, len_q, len_k, the head's first column); mask: _online_softmax's.
     FP8 (FA3 §3.3): Q, K, V^T are e4m3 with one descale per block; qk_scale already holds Q_i's, K_j's joins it
     per block (k_scale_ptr[j]), and V_j's (v_scale_ptr[j]) rides on the row rescale: acc is kept in units of
-    the last V block's descale, so block quantization costs a scalar per block."""
-    SCORED: gl.constexpr = SOFTCAP or ALIBI
+    the last V block's descale, so block quantization costs a scalar per block.
+    flex: (user, the tile's block-mask row (_sparse_row), the block mask's lists): with a block mask (USER's
+    SPARSE_BLOCK) step j reads key block _sparse_block(j), every warpgroup runs every step, and the element masks
+    apply on the partial blocks' steps."""
+    SCORE_MOD, MASK_MOD, HAS_BIAS, HAS_MASK, SPARSE_BLOCK = USER
+    SCORED: gl.constexpr = SOFTCAP or ALIBI or SCORE_MOD is not None or HAS_BIAS
+    user, srow, sparse = flex
     dtype: gl.constexpr = q_smem.dtype
     INSTR_K: gl.constexpr = 256 // dtype.primitive_bitwidth   # a wgmma's reduction depth: 32 bytes of K
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -400,6 +523,9 @@ def _consumer_tile(wg: gl.constexpr, q_smem, q_empty, k_bufs, v_bufs, o_bufs, k_
                                                      HAS_LEFT, HAS_RIGHT)
     mine_lo = gl.minimum(gl.maximum(mine_lo, lo), hi - 1)
     mine_hi = gl.minimum(gl.maximum(mine_hi, mine_lo + 1), hi)
+    if SPARSE_BLOCK > 0:   # (the steps are the listed blocks, not a range of them)
+        mine_lo = lo
+        mine_hi = hi
     if row_lo >= len_q:
         mine_hi = mine_lo + 1
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
@@ -416,6 +542,10 @@ def _consumer_tile(wg: gl.constexpr, q_smem, q_empty, k_bufs, v_bufs, o_bufs, k_
         dv_prev = gl.load(v_scale_ptr + mine_lo)
         ks_next = gl.load(k_scale_ptr + gl.minimum(mine_lo + 1, mine_hi - 1))
         dv_next = gl.load(v_scale_ptr + gl.minimum(mine_lo + 1, mine_hi - 1))
+    # the first step's key block, and (a block mask) the next one's read a turn ahead of its use, as FP8's descales
+    kb, partial = _step_block(mine_lo, srow, sparse, len_k, SPARSE_BLOCK, BLOCK_N)
+    kb_next, partial_next = _step_block(gl.minimum(mine_lo + 1, mine_hi - 1), srow, sparse, len_k, SPARSE_BLOCK,
+                                        BLOCK_N)
 
     # (Q_i has landed: the caller waited for q_ready to read the tile number)
     # first turn: S_j = Q K_j^T (nothing to overlap it with yet)
@@ -426,9 +556,9 @@ def _consumer_tile(wg: gl.constexpr, q_smem, q_empty, k_bufs, v_bufs, o_bufs, k_
     _pass_turn(turns, wg, NUM_WG, PINGPONG)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
     mbarrier.arrive(k_empty.index(first), count=1)
-    masked = (mine_lo < full_lo) | (mine_lo >= full_hi)
-    p, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, scale_j, masked, q_rows, mine_lo * BLOCK_N + key_cols, mask, FP8,
-                                         SCORED, GUARD, HAS_LEFT, HAS_RIGHT, TAIL, SOFTCAP, ALIBI)
+    masked = (kb < full_lo) | (kb >= full_hi)
+    p, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, scale_j, masked, q_rows, kb * BLOCK_N + key_cols, mask, user,
+                                         partial, FP8, SCORED, GUARD, HAS_LEFT, HAS_RIGHT, TAIL, SOFTCAP, ALIBI, USER)
     p = _p_operand(p, dtype, p_layout, BLOCK_M, BLOCK_N, FP8)
     for j in range(mine_lo + 1, mine_hi):
         cur = (c + j) % STAGES
@@ -438,6 +568,13 @@ def _consumer_tile(wg: gl.constexpr, q_smem, q_empty, k_bufs, v_bufs, o_bufs, k_
             dv_j = dv_next
             ks_next = gl.load(k_scale_ptr + gl.minimum(j + 1, mine_hi - 1))
             dv_next = gl.load(v_scale_ptr + gl.minimum(j + 1, mine_hi - 1))
+        if SPARSE_BLOCK > 0:
+            kb = kb_next
+            partial = partial_next
+            kb_next, partial_next = _step_block(gl.minimum(j + 1, mine_hi - 1), srow, sparse, len_k, SPARSE_BLOCK,
+                                                BLOCK_N)
+        else:
+            kb = j
         # turn j: issue S_j = Q K_j^T, then O += P~_{j-1} V_{j-1}; both run on the tensor cores meanwhile
         mbarrier.wait(k_ready.index(cur), ((c + j) // STAGES) & 1)
         mbarrier.wait(v_ready.index(prev), ((c + j - 1) // STAGES) & 1)
@@ -448,10 +585,10 @@ def _consumer_tile(wg: gl.constexpr, q_smem, q_empty, k_bufs, v_bufs, o_bufs, k_
         # wgmma groups retire in order: <= 1 outstanding means S_j is done (P~_{j-1} V_{j-1} may still run)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
         mbarrier.arrive(k_empty.index(cur), count=1)   # K_j read: the producer may refill its buffer
-        masked = (j < full_lo) | (j >= full_hi)
-        p_next, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, scale_j, masked, q_rows, j * BLOCK_N + key_cols,
-                                                  mask, FP8, SCORED, GUARD, HAS_LEFT, HAS_RIGHT, TAIL, SOFTCAP,
-                                                  ALIBI)
+        masked = (kb < full_lo) | (kb >= full_hi)
+        p_next, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, scale_j, masked, q_rows, kb * BLOCK_N + key_cols,
+                                                  mask, user, partial, FP8, SCORED, GUARD, HAS_LEFT, HAS_RIGHT, TAIL,
+                                                  SOFTCAP, ALIBI, USER)
         if FP8:   # (the wait cannot carry 8-bit registers; the e4m3 P~ is a temporary of this turn)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, ))
         else:
@@ -577,11 +714,12 @@ def _v_operand(v_bufs, i, FP8: gl.constexpr):
 def fa3_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, counter_ptr,
                    out_ptr, cu_seqlens_q, cu_seqlens_k, alibi_ptr,
                    stride_lse_b, stride_lse_h, stride_o_row, stride_alibi_b, seqlen_q, seqlen_k, n_bh, nheads, group,
-                   qk_scale, softcap_log2, window_left, window_right,
+                   qk_scale, softcap_log2, window_left, window_right, bias_t, mask_t, sparse, score_aux, mask_aux,
                    HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                    NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr, PINGPONG: gl.constexpr, FP8: gl.constexpr,
                    VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-                   ALIBI: gl.constexpr, TAIL: gl.constexpr, GUARD: gl.constexpr,
+                   ALIBI: gl.constexpr, TAIL: gl.constexpr, GUARD: gl.constexpr, SCORE_MOD: gl.constexpr,
+                   MASK_MOD: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr, SPARSE_BLOCK: gl.constexpr,
                    CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """Persistent: G programs (at most one per SM) share the cdiv(seqlen_q, NUM_WG * BLOCK_M) output tiles of each
     of the n_bh = batch * nheads heads, drawing them from counter_ptr (an int32 that is 0 at the launch and
@@ -600,8 +738,15 @@ def fa3_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_scale_ptr, k_scale
     - TAIL: a sequence may end inside a tile (seqlen_q % 64, seqlen_k % BLOCK_N, VARLEN): keys past it are
       masked, and output rows past it are not stored (out_ptr, stride_o_row: pointer stores where a TMA store
       would write past the sequence);
-    - GUARD: a row may see no key (left windows, VARLEN, a right window above the diagonal): its output is 0 and
-      its LSE -inf.
+    - GUARD: a row may see no key (left windows, VARLEN, a right window above the diagonal, the features below):
+      its output is 0 and its LSE -inf;
+    - flashtile.flex's features (dense problems; _user_scores): HAS_BIAS (bias_t: attn_bias's pointer and its
+      batch, head, row and column strides, 0 where it broadcasts), HAS_MASK (mask_t: a bool attn_mask or a block
+      mask's element mask read as uint8, likewise), SCORE_MOD / MASK_MOD (@triton.jit functions, or None, with
+      the values they capture in score_aux / mask_aux), SPARSE_BLOCK (> 0: a block mask of that block size,
+      sparse = its (num, idx, full_num, full_idx) lists with their batch, head and row strides and the index
+      lists' row length: a tile visits only the key blocks listed for its rows, SPARSE_BLOCK a multiple of the
+      tile's rows and of BLOCK_N; TAIL and GUARD on). Absent ones get placeholders the kernel does not read.
     FP8: dense, seqlen_q % 64 == 0 and seqlen_k % BLOCK_N == 0, causal only with seqlen_q == seqlen_k; q, k
     e4m3, v_desc over V^T viewed (batch * nheads_k * HEAD_D, seqlen_k) with blocks (HEAD_D, BLOCK_N); o_desc over
     the bf16 / fp16 output; descales q_scale (batch, nheads, seqlen_q / BLOCK_M), k_scale, v_scale (batch,
@@ -645,28 +790,30 @@ def fa3_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_scale_ptr, k_scale
     window = (window_left, window_right)
     shared = (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, slots,
               o_desc, lse_ptr, stride_lse_b, stride_lse_h, q_scale_ptr, k_scale_ptr, v_scale_ptr, n_m, n_tiles,
-              nheads, group, qk_scale, seq, window, (out_ptr, stride_o_row), (alibi_ptr, stride_alibi_b, softcap_log2))
+              nheads, group, qk_scale, seq, window, (out_ptr, stride_o_row), (alibi_ptr, stride_alibi_b, softcap_log2),
+              (score_aux, mask_aux, bias_t, mask_t, sparse))
     loads = (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-             slots, counter_ptr, n_m, n_tiles, nheads, group, seq, window)
+             slots, counter_ptr, n_m, n_tiles, nheads, group, seq, window, sparse)
+    USER: gl.constexpr = (SCORE_MOD, MASK_MOD, HAS_BIAS, HAS_MASK, SPARSE_BLOCK)
     if NUM_WG == 2:
         gl.warp_specialize([
             (_consumer_partition, (0, shared, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8, VARLEN,
-                                   HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, GUARD)),
+                                   HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, GUARD, USER)),
             (_consumer_partition, (1, shared, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8, VARLEN,
-                                   HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, GUARD)),
+                                   HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, GUARD, USER)),
             (_load_partition, (loads, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, FP8, VARLEN, HAS_LEFT,
-                               HAS_RIGHT)),
+                               HAS_RIGHT, SPARSE_BLOCK)),
         ], [4, 1], [CONSUMER_REGS, 24])
     else:
         gl.warp_specialize([
             (_consumer_partition, (0, shared, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8, VARLEN,
-                                   HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, GUARD)),
+                                   HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, GUARD, USER)),
             (_consumer_partition, (1, shared, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8, VARLEN,
-                                   HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, GUARD)),
+                                   HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, GUARD, USER)),
             (_consumer_partition, (2, shared, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8, VARLEN,
-                                   HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, GUARD)),
+                                   HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, GUARD, USER)),
             (_load_partition, (loads, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, FP8, VARLEN, HAS_LEFT,
-                               HAS_RIGHT)),
+                               HAS_RIGHT, SPARSE_BLOCK)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
     for i in gl.static_range(Q_BUFS * NUM_WG):

@@ -2,9 +2,9 @@
 of the portable Triton kernels: a CUDA device of compute capability 9.x with Gluon importable, fp16/bf16, dense
 (batch, seqlen, nheads, headdim) or varlen (tokens, nheads, headdim) tensors TMA can tile (16-byte aligned base and
 row stride), headdim 64, 128 or 256 (the backward: 64 or 128), a positive softmax scale, any lengths, causal and
-windows aligned bottom-right, softcap, ALiBi, GQA (eligible); not dropout, bias, bool masks, block sparsity or
-mods, nor (the backward) deterministic gradients: it adds dQ with TMA reduce-add. FLASHTILE_GLUON=0 turns both
-off."""
+windows aligned bottom-right, softcap, ALiBi, GQA, and (the forward, dense problems) flashtile.flex's features:
+attn_bias, bool masks, block masks, score_mod / mask_mod (eligible); not dropout, nor (the backward) flex's features
+or deterministic gradients: it adds dQ with TMA reduce-add. FLASHTILE_GLUON=0 turns both off."""
 from __future__ import annotations
 
 import contextlib
@@ -15,7 +15,8 @@ import torch
 
 from .. import relaunch, support
 from ..params import LOG2E, AttnParams
-from ..runtime import DescriptorType, descriptor_fields, row_descriptor, tickets, tma_row_view
+from ..runtime import (DescriptorType, descriptor_fields, pair_args, row_descriptor, sparse_args, tickets,
+                       tma_row_view)
 
 SMEM_LIMIT = 227 * 1024 - 1024   # an SM's shared memory per block, less room for the mbarriers
 # the forward runs persistent (at most one program per SM, each drawing tile after tile from a counter of the
@@ -103,12 +104,16 @@ def eligible(q, k, v, params, alibi=None, cu_seqlens_q=None, bias=None, mask=Non
     """Whether the FA3 kernel (forward, or backward) computes this problem (dtype, layout, shapes, features),
     whatever the device: dense or varlen, any lengths, windows and causal (bottom-right), softcap, ALiBi (float32
     slopes), GQA; q / k / v as (rows, heads x d) views TMA can tile (tma_viewable); head dims of CONFIGS (the
-    forward) or BWD_CONFIGS (the backward). Not: dropout, bias, bool masks, block sparsity, mods (the Triton
-    kernels)."""
+    forward) or BWD_CONFIGS (the backward). The forward of a dense problem also takes flashtile.flex's features:
+    attn_bias, a bool mask, score_mod / mask_mod, a block mask whose block size is a multiple of 128 (its tiles
+    lie inside one mask block: flex_config). Not: dropout, the backward of flex's features (the Triton kernels)."""
     if q.dtype not in (torch.float16, torch.bfloat16):
         return False
-    if bias is not None or mask is not None or sparse is not None or mods is not None or params.dropout_p > 0:
+    if params.dropout_p > 0:
         return False
+    if bias is not None or mask is not None or sparse is not None or mods is not None:
+        if backward or q.dim() != 4 or (sparse is not None and sparse.block_size % 128):
+            return False
     if not params.softmax_scale > 0:   # the kernel takes max(S) * scale for max(S * scale), and masks with -inf
         return False
     if q.shape[-1] not in (BWD_CONFIGS if backward else CONFIGS):
@@ -178,23 +183,59 @@ def _gluon_language():
 
 
 def fwd(q, k, v, out, lse, params, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-        max_seqlen_k=None) -> None:
+        max_seqlen_k=None, bias=None, mask=None, sparse=None, mods=None) -> None:
     """out = attention(q, k, v), lse = its row log-sum-exp (natural log; -inf where a row sees no key), by the
     Gluon FA3 kernel: dense (batch, seqlen, nheads, d) or varlen (tokens, nheads, d) with cu_seqlens and the
-    longest lengths. Call only where supports() said yes; out contiguous, lse (batch, nheads, seqlen_q) or
-    (nheads, total_q)."""
+    longest lengths; bias / mask (4-D, broadcastable to (batch, nheads, seqlen_q, seqlen_k)), sparse (a block
+    mask's params.SparseLists) and mods (params.UserMods) as launch.flash_fwd takes them. Call only where supports()
+    said yes; out contiguous, lse (batch, nheads, seqlen_q) or (nheads, total_q)."""
     varlen = cu_seqlens_q is not None
     sq = max_seqlen_q if varlen else q.shape[1]
     sk = max_seqlen_k if varlen else k.shape[1]
+    flex = None
     cfg = fwd_config(q.shape[-1], sq, params.has_right)
-    _launch_fwd(q, k, v, out, lse, (lse, lse, lse), params, cfg, False, alibi, cu_seqlens_q, cu_seqlens_k, sq, sk)
+    if bias is not None or mask is not None or sparse is not None or mods is not None:
+        flex = flex_args(lse, q.shape[0], q.shape[2], sq, sk, bias, mask, sparse, mods)
+        cfg = flex_config(cfg, sparse)
+    _launch_fwd(q, k, v, out, lse, (lse, lse, lse), params, cfg, False, alibi, cu_seqlens_q, cu_seqlens_k, sq, sk,
+                flex)
 
 
-def fwd_flags(params, varlen: bool, alibi, sq: int, sk: int, block_n: int) -> dict:
-    """fa3_fwd_kernel's feature flags for a problem (its docstring says what each compiles in)."""
+def flex_config(cfg, sparse):
+    """A forward config (fwd_config's) whose tiles lie inside one block of a block mask: Br = 128 (two consumer
+    warpgroups) and Bc dividing the block size, the tables' ping-pong and stages kept."""
+    if sparse is None:
+        return cfg
+    num_wg, block_n, stages, pingpong = cfg
+    return (2, block_n, stages, pingpong) if num_wg == 3 else cfg
+
+
+# fa3_fwd_kernel's flashtile.flex arguments where a problem has none of them: placeholders it does not read
+_NO_PAIR = (0, 0, 0, 0, 0)
+_NO_FLEX_CONSTS = dict(SCORE_MOD=None, MASK_MOD=None, HAS_BIAS=False, HAS_MASK=False, SPARSE_BLOCK=0)
+
+
+def flex_args(lse, batch: int, nheads: int, sq: int, sk: int, bias=None, mask=None, sparse=None, mods=None):
+    """(fa3_fwd_kernel's runtime arguments bias_t, mask_t, sparse, score_aux, mask_aux; its constexpr ones) of
+    flashtile.flex's features (fwd's), placeholders for the absent ones."""
+    def pair(t):
+        return _NO_PAIR if t is None else pair_args(t, batch, nheads, sq, sk)
+    lists = (lse, lse, lse, lse, 0, 0, 0, 0) if sparse is None else sparse_args(sparse, batch, nheads, False)
+    score_aux = mods.score_aux if mods is not None and mods.score_aux is not None else (0, )
+    mask_aux = mods.mask_aux if mods is not None and mods.mask_aux is not None else (0, )
+    consts = dict(SCORE_MOD=None if mods is None else mods.score_mod, MASK_MOD=None if mods is None else mods.mask_mod,
+                  HAS_BIAS=bias is not None, HAS_MASK=mask is not None,
+                  SPARSE_BLOCK=0 if sparse is None else sparse.block_size)
+    return (pair(bias), pair(mask), lists, score_aux, mask_aux), consts
+
+
+def fwd_flags(params, varlen: bool, alibi, sq: int, sk: int, block_n: int, flex: bool = False,
+              sparse: bool = False) -> dict:
+    """fa3_fwd_kernel's feature flags for a problem (its docstring says what each compiles in); flex: the problem has
+    flashtile.flex's features (its rows may see no key), sparse: a block mask (tiles may visit blocks past the keys)."""
     has_left, has_right = params.has_left, params.has_right
-    tail = varlen or sq % WG_ROWS != 0 or sk % block_n != 0
-    guard = varlen or has_left or (has_right and sk - sq + params.window_right < 0)
+    tail = varlen or sq % WG_ROWS != 0 or sk % block_n != 0 or sparse
+    guard = varlen or has_left or (has_right and sk - sq + params.window_right < 0) or flex
     return dict(VARLEN=varlen, HAS_LEFT=has_left, HAS_RIGHT=has_right, SOFTCAP=params.softcap > 0,
                 ALIBI=alibi is not None, TAIL=tail, GUARD=guard)
 
@@ -248,9 +289,10 @@ def _fwd_key(q, k, v, lse, params, alibi, sq, sk):
 
 
 def _launch_fwd(q, k, v, out, lse, scales, params, cfg, fp8, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                sq=None, sk=None):
+                sq=None, sk=None, flex=None):
     """fa3_fwd_kernel over dense (batch, seqlen, nheads, d) or varlen (tokens, nheads, d) q, k and v (fp8: dense,
-    V^T (batch, nheads_k, d, seqlen_k) and the three descale tensors; else unused pointers); cfg: fwd_config's."""
+    V^T (batch, nheads_k, d, seqlen_k) and the three descale tensors; else unused pointers); cfg: fwd_config's;
+    flex: flex_args' (None: no such feature)."""
     num_wg, block_n, stages, pingpong = cfg
     kern, _, TensorDescriptor = _kernels(_device_index(q))
     varlen = cu_seqlens_q is not None
@@ -260,13 +302,18 @@ def _launch_fwd(q, k, v, out, lse, scales, params, cfg, fp8, alibi=None, cu_seql
     nheads, head_dim, nheads_k = q.shape[-2], q.shape[-1], k.shape[-2]
     n_tiles = -(-sq // (num_wg * WG_ROWS)) * batch * nheads   # (not triton.cdiv: ~2 us of host time per call)
     programs = min(n_tiles, _sm_count(_device_index(q))) if PERSISTENT else n_tiles
+    flex_runtime, flex_consts = flex if flex is not None else ((_NO_PAIR, _NO_PAIR, (lse, lse, lse, lse, 0, 0, 0, 0),
+                                                                (0, ), (0, )), _NO_FLEX_CONSTS)
     kwargs = dict(HEAD_D=head_dim, BLOCK_M=WG_ROWS, BLOCK_N=block_n, STAGES=stages, NUM_WG=num_wg,
                   Q_BUFS=q_buffers(head_dim, num_wg, block_n, stages, q.element_size(), fp8), PINGPONG=pingpong,
-                  FP8=fp8, **fwd_flags(params, varlen, alibi, sq, sk, block_n), **_regs(head_dim, fp8, num_wg))
+                  FP8=fp8, **fwd_flags(params, varlen, alibi, sq, sk, block_n, flex is not None,
+                                       flex_consts["SPARSE_BLOCK"] > 0),
+                  **flex_consts, **_regs(head_dim, fp8, num_wg))
     counter = tickets(q.device, 1)
     extras = (cu_seqlens_q, cu_seqlens_k, alibi)
     contiguous = tma_aligned(q, k, v, out)
-    key = None if fp8 or not contiguous else _fwd_key(q, k, v, lse, params, alibi, sq, sk)
+    # (flex's tensors are not live arguments of a template: a problem with them launches the full way)
+    key = None if fp8 or not contiguous or flex is not None else _fwd_key(q, k, v, lse, params, alibi, sq, sk)
     tpl = _FWD_TEMPLATES.get(key) if key is not None else None
     if tpl is not None and tpl.kwargs == kwargs and tpl.launch((programs, 1, 1), q, k, v, out, lse, scales, counter,
                                                                extras):
@@ -288,7 +335,7 @@ def _launch_fwd(q, k, v, out, lse, scales, params, cfg, fp8, alibi=None, cu_seql
             tma_row_view(out).stride(0), 0 if alibi is None or alibi.dim() == 1 else alibi.stride(0),
             max(sq, 2) if varlen else sq, sk,
             batch * nheads, nheads, nheads // nheads_k, score_scale, softcap_log2, max(params.window_left, 0),
-            max(params.window_right, 0))
+            max(params.window_right, 0), *flex_runtime)
     relaunch.launch(kern.fa3_fwd_kernel, (programs, ), args, kwargs)
     if key is not None:
         bound = relaunch.bind(kern.fa3_fwd_kernel, args, kwargs, _FWD_LIVE)

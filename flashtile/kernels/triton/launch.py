@@ -20,7 +20,7 @@ from . import fwd as _fwd
 from .configs import Config
 from ..params import AttnParams, SparseLists, UserMods  # noqa: F401  (the launchers' side arguments)
 from ..runtime import (DescriptorType, TensorDescriptor, cdiv, descriptor_fields, descriptor_from,  # noqa: F401
-                       interpreting, next_pow2, row_descriptor, tma_row_view)
+                       interpreting, next_pow2, pair_args, row_descriptor, sparse_args, tma_row_view)
 
 
 def _rows(t: torch.Tensor):
@@ -136,29 +136,6 @@ def _user_mod_kwargs(mods: Optional[UserMods], kernel: str) -> dict:
     return {} if mods is None else mods.kernel_kwargs(kernel)
 
 
-def _pair_args(t, batch, nheads, sq, sk):
-    """(pointer, stride_b, stride_h, stride_m, stride_n) of a (b, h, sq, sk)-broadcastable 4-D tensor: an expand
-    view, so broadcast dimensions get stride 0 and nothing is materialised. bool masks are read as uint8."""
-    if t is None:
-        return (None, 0, 0, 0, 0)
-    if t.dtype == torch.bool:
-        t = t.view(torch.uint8)
-    e = t.expand(batch, nheads, sq, sk)
-    return (e, *e.stride())
-
-
-def _sparse_args(lists, batch, nheads, transposed):
-    """(num, idx, full_num, full_idx, stride_b, stride_h, stride_block, n_blocks) for the kernels' block-sparse loop."""
-    if lists is None:
-        return (None, None, None, None, 0, 0, 0, 0)
-    if transposed:
-        num, idx, fnum, fidx = lists.q_num, lists.q_idx, lists.full_q_num, lists.full_q_idx
-    else:
-        num, idx, fnum, fidx = lists.kv_num, lists.kv_idx, lists.full_kv_num, lists.full_kv_idx
-    st = num.expand(batch, nheads, num.shape[2]).stride()
-    return (num, idx, fnum, fidx, st[0], st[1], st[2], idx.shape[-1])
-
-
 def _sparse_config(cfg: Config, lists) -> Config:
     """With a block mask every kernel tile must lie inside one mask block: tile sizes divide block_size (both
     powers of two)."""
@@ -267,8 +244,8 @@ def flash_fwd(q, k, v, out, lse, params: AttnParams, alibi: Optional[torch.Tenso
         nheads, nheads // nheads_k, max_sq, max_sk, head_dim,
         score_scale, softcap_log2, params.window_left, params.window_right,
         params.dropout_p, params.seed, params.rng_offset, *rng,
-        *_pair_args(bias, batch, nheads, max_sq, max_sk), *_pair_args(mask, batch, nheads, max_sq, max_sk),
-        *_sparse_args(sparse, batch, nheads, False))
+        *pair_args(bias, batch, nheads, max_sq, max_sk), *pair_args(mask, batch, nheads, max_sq, max_sk),
+        *sparse_args(sparse, batch, nheads, False))
     kwargs = _launch(
         _fwd.attn_fwd_kernel, grid, *args,
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, EVEN_D=block_d == head_dim, USE_TMA=use_tma,
@@ -299,7 +276,7 @@ def attn_probs(q, k, lse, params: AttnParams, alibi=None, cu_seqlens_q=None, cu_
         nheads, nheads // nheads_k, max_sq, max_sk, head_dim,
         score_scale, softcap_log2, params.window_left, params.window_right,
         params.dropout_p, params.seed, params.rng_offset, *rng,
-        *_pair_args(bias, batch, nheads, max_sq, max_sk), *_pair_args(mask, batch, nheads, max_sq, max_sk),
+        *pair_args(bias, batch, nheads, max_sq, max_sk), *pair_args(mask, batch, nheads, max_sq, max_sk),
         BLOCK_M=32, BLOCK_N=32, num_warps=4, **_flags(params, alibi, cu_seqlens_q, head_dim, q.dtype),
         **_mod_flags(bias, mask, None))
     return p
@@ -419,8 +396,8 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
                                                      head_dim)
     cfg = _sparse_config(bwd_config(head_dim, q.dtype, causal, seqlen=seqlen), sparse)
     common = (*_lse_strides(lse), alibi_sb)
-    bias_args = _pair_args(bias, batch, nheads, max_sq, max_sk)
-    mask_args = _pair_args(mask, batch, nheads, max_sq, max_sk)
+    bias_args = pair_args(bias, batch, nheads, max_sq, max_sk)
+    mask_args = pair_args(mask, batch, nheads, max_sq, max_sk)
     mod_flags = _mod_flags(bias, mask, sparse, params, max_sq, max_sk)
     dbias_flags = {}
     if dbias is not None:
@@ -460,8 +437,8 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
             nheads_k, nheads // nheads_k, max_sq, max_sk, head_dim,
             params.softmax_scale, score_scale, softcap_log2, params.window_left, params.window_right,
             params.dropout_p, params.seed, params.rng_offset, *rng,
-            *bias_args, *mask_args, *_pair_args(dbias, batch, nheads, max_sq, max_sk),
-            *_sparse_args(sparse, batch, nheads, True))
+            *bias_args, *mask_args, *pair_args(dbias, batch, nheads, max_sq, max_sk),
+            *sparse_args(sparse, batch, nheads, True))
         kw = _launch(
             _bwd.attn_bwd_dkdv_kernel, dkdv_grid, *dkdv_args,
             BLOCK_M=cfg.BLOCK_M, BLOCK_N=block_n, EVEN_D=even_d, ATOMIC_DQ=atomic and with_ds, USE_TMA=use_tma,
@@ -484,7 +461,7 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
         nheads, nheads // nheads_k, max_sq, max_sk, head_dim,
         params.softmax_scale, score_scale, softcap_log2, params.window_left, params.window_right,
         params.dropout_p, params.seed, params.rng_offset, *rng,
-        *bias_args, *mask_args, *_sparse_args(sparse, batch, nheads, False))
+        *bias_args, *mask_args, *sparse_args(sparse, batch, nheads, False))
     kw = _launch(
         _bwd.attn_bwd_dq_kernel, dq_grid, *dq_args,
         BLOCK_M=dq_rows, BLOCK_N=dq_keys, EVEN_D=even_d, USE_TMA=use_tma,

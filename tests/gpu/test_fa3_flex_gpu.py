@@ -1,0 +1,167 @@
+"""The Hopper forward (flashtile/kernels/gluon/_fa3_fwd.py) on flashtile.flex's features, on an H100/H200: score_mod
+and mask_mod compiled in, attn_bias and bool masks, block masks (full blocks without element work, partial blocks
+masked, empty ones never visited) - each asserting that the Gluon forward ran, checked against float64 (output, LSE
+and, through the Triton backward, the gradients) and compared with the Triton forward on the same inputs. Skipped
+without a CUDA device of compute capability 9.x.
+"""
+import pytest
+import torch
+
+if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+    pytest.skip("Hopper-only tests", allow_module_level=True)
+
+import flashtile  # noqa: E402
+from flashtile.blocksparse import blocksparse_attn_func, create_block_mask  # noqa: E402
+from flashtile.flex import (MaskMod, ScoreMod, alibi_score, document_mask, flex_attention,  # noqa: E402
+                            prefix_lm_mask, relative_position_bias, sliding_window_mask, softcap_score)
+from flashtile.kernels.gluon import fa3  # noqa: E402
+from flashtile.reference.dense import attention_ref  # noqa: E402
+from flex_utils import (inputs, keep_period_mask, random_tile_mask, run_and_check, sig_key_bias,  # noqa: E402
+                        sig_key_bias_dcaptured, sig_key_bias_grad, t_alibi, t_document, t_keep_period, t_prefix_lm,
+                        t_relpos, t_sig_key_bias, t_sliding, t_softcap)
+
+fp16, bf16 = torch.float16, torch.bfloat16
+DEV = "cuda"
+
+
+@pytest.fixture(autouse=True)
+def _free_gpu_memory():
+    yield
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+@pytest.fixture
+def gluon_fwd_calls(monkeypatch):
+    calls = []
+    real = fa3.fwd
+
+    def counted(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+    monkeypatch.setattr(fa3, "fwd", counted)
+    return calls
+
+
+def _same_as_triton(fn, out, lse, dtype, ctx):
+    """The Gluon forward's out / lse against the Triton forward's on the same inputs (float64 is checked apart)."""
+    with fa3.disabled(), torch.no_grad():
+        out_t, lse_t = fn()
+    tol = 2e-2 if dtype == bf16 else 4e-3
+    torch.testing.assert_close(out.float(), out_t.float(), rtol=0, atol=tol * out_t.abs().max().item() + 1e-6,
+                               msg=lambda m: f"{ctx} out vs Triton: {m}")
+    finite = torch.isfinite(lse_t)
+    assert torch.equal(finite, torch.isfinite(lse)), f"{ctx}: rows without keys differ from Triton's"
+    torch.testing.assert_close(lse[finite], lse_t[finite], rtol=0, atol=2e-3, msg=lambda m: f"{ctx} lse: {m}")
+
+
+def _doc_ids(b, s, n_docs, gen_seed):
+    g = torch.Generator().manual_seed(gen_seed)
+    cuts = torch.sort(torch.randperm(s - 1, generator=g)[:n_docs - 1] + 1).values
+    ids = torch.zeros(b, s, dtype=torch.int32)
+    for c in cuts:
+        ids[:, c:] += 1
+    return ids.to(DEV)
+
+
+FLEX_CASES = {
+    # name: (b, sq, sk, h, hk, d, dtype, flex kwargs builder -> (kwargs, score_fn, mask_fn, captured))
+    "document-mask_mod-unaligned-d128": (2, 2000, 2000, 4, 2, 128, bf16, lambda b, s: (
+        dict(mask_mod=document_mask(_doc_ids(b, s, 6, 1))), None, t_document(_doc_ids(b, s, 6, 1)), ())),
+    "document-block_mask-d128": (2, 4096, 4096, 4, 4, 128, bf16, lambda b, s: (
+        dict(block_mask=create_block_mask(document_mask(_doc_ids(b, s, 8, 2)), b, None, s, s, device=DEV)),
+        None, t_document(_doc_ids(b, s, 8, 2)), ())),
+    "sliding-sinks-block_mask-256-d64-gqa": (1, 4096, 4096, 8, 2, 64, fp16, lambda b, s: (
+        dict(block_mask=create_block_mask(sliding_window_mask(700, 4), None, None, s, s, BLOCK_SIZE=256,
+                                          device=DEV)), None, t_sliding(700, 4), ())),
+    "prefix-lm-mask_mod-d64": (2, 1024, 1024, 8, 2, 64, fp16, lambda b, s: (
+        dict(mask_mod=prefix_lm_mask(torch.tensor([300, 1000], dtype=torch.int32, device=DEV))), None,
+        t_prefix_lm(torch.tensor([300, 1000], device=DEV)), ())),
+    "softcap-score_mod+document-block_mask-callable-d128": (1, 2048, 2048, 8, 4, 128, bf16, lambda b, s: (
+        dict(score_mod=softcap_score(20.0),
+             block_mask=create_block_mask(t_document(_doc_ids(1, s, 5, 3)[0]), None, None, s, s, BLOCK_SIZE=256,
+                                          device=DEV)),
+        t_softcap(20.0), t_document(_doc_ids(1, s, 5, 3)[0]), ())),
+    "relpos-score_mod-causal-sq-ne-sk-d256": (1, 1000, 1500, 4, 4, 256, bf16, lambda b, s: (
+        dict(score_mod=relative_position_bias(torch.randn(4, 257, device=DEV), 128), causal=True),
+        t_relpos(128), None, ())),
+}
+
+
+@pytest.mark.parametrize("name", list(FLEX_CASES))
+def test_gluon_flex_forward_gpu(name, seed, gluon_fwd_calls):
+    b, sq, sk, h, hk, d, dtype, build = FLEX_CASES[name]
+    kw, score_fn, mask_fn, captured = build(b, sq)
+    if name.startswith("relpos"):   # (the table the score_fn reads: the one the ScoreMod captured)
+        captured = (kw["score_mod"].captured[0].requires_grad_(),)
+        score_fn = t_relpos(128)
+    q, k, v, dout = inputs(b, sq, sk, h, hk, d, dtype, DEV)
+    if "softcap" in name:
+        with torch.no_grad():
+            q.mul_(4.0)
+    out, lse, _ = run_and_check(q, k, v, dout, dtype, f"[{name}]", score_fn=score_fn, mask_fn=mask_fn,
+                                captured=captured, **kw)
+    assert gluon_fwd_calls, f"[{name}] the Gluon forward did not run"
+    _same_as_triton(lambda: flex_attention(q, k, v, return_lse=True, **kw), out.detach(), lse.detach(), dtype,
+                    f"[{name}]")
+
+
+def test_gluon_flex_custom_mods_gpu(seed, gluon_fwd_calls):
+    b, sq, sk, h, hk, d = 2, 1024, 1536, 8, 4, 128
+    keep = (torch.rand(b, sk, device=DEV) > 0.2).to(torch.int32)
+    mask = MaskMod(keep_period_mask, captured=(keep, sk, 7))
+    kb = torch.randn(h, sk, device=DEV, requires_grad=True)
+    score = ScoreMod(sig_key_bias, grad_fn=sig_key_bias_grad, captured_grad_fn=sig_key_bias_dcaptured,
+                     captured=(kb, sk, 0.8))
+    q, k, v, dout = inputs(b, sq, sk, h, hk, d, fp16, DEV)
+    out, lse, _ = run_and_check(q, k, v, dout, fp16, "[custom mods]", score_mod=score, mask_mod=mask,
+                                score_fn=t_sig_key_bias(0.8), mask_fn=t_keep_period(keep, 7), captured=(kb,))
+    assert gluon_fwd_calls
+    _same_as_triton(lambda: flex_attention(q, k, v, score_mod=score, mask_mod=mask, return_lse=True),
+                    out.detach(), lse.detach(), fp16, "[custom mods]")
+
+
+def test_gluon_alibi_score_mod_with_window_flag_gpu(seed, gluon_fwd_calls):
+    b, s, h, d = 2, 1500, 8, 128
+    slopes = (2.0 ** (-8.0 * torch.arange(1, h + 1, device=DEV) / h)).requires_grad_()
+    q, k, v, dout = inputs(b, s, s, h, h, d, bf16, DEV)
+    out, lse, _ = run_and_check(q, k, v, dout, bf16, "[alibi + window (300, 0)]", score_mod=alibi_score(slopes),
+                                window_size=(300, 0), score_fn=t_alibi, captured=(slopes,))
+    assert gluon_fwd_calls
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_gluon_blocksparse_random_tiles_empty_rows_gpu(causal, seed, gluon_fwd_calls):
+    """Random tiles per (batch, head), query blocks with nothing listed (rows output 0, LSE -inf), a ragged last
+    block (seqlen 1900), Triton's forward as the reference of the tile walk."""
+    b, s, h, hk, d, bs = 2, 1900, 4, 2, 128, 128
+    tiles = random_tile_mask(b, h, s, s, bs, DEV)
+    bm = create_block_mask(tiles, b, h, s, s, BLOCK_SIZE=bs, device=DEV)
+    bm.kv_num_blocks[:, :, 3] = 0            # query block 3: nothing listed
+    bm.full_kv_num_blocks[:, :, 3] = 0
+    q, k, v, _ = inputs(b, s, s, h, hk, d, bf16, DEV)
+    with torch.no_grad():
+        out, lse, _ = blocksparse_attn_func(q, k, v, bm, causal=causal, return_attn_probs=True)
+    assert gluon_fwd_calls
+    rows = slice(3 * bs, 4 * bs)
+    assert (out[:, rows] == 0).all() and torch.isneginf(lse[:, :, rows]).all()
+    _same_as_triton(lambda: blocksparse_attn_func(q, k, v, bm, causal=causal, return_attn_probs=True)[:2], out, lse,
+                    bf16, f"[random tiles causal={causal}]")
+
+
+def test_gluon_bias_and_bool_mask_broadcast_gpu(seed, gluon_fwd_calls):
+    b, sq, sk, h, d = 2, 1100, 900, 4, 128
+    q, k, v, dout = inputs(b, sq, sk, h, h, d, bf16, DEV)
+    bias = torch.randn(1, h, sq, sk, device=DEV, dtype=bf16)
+    mask = torch.rand(b, 1, sq, sk, device=DEV) > 0.3
+    mask[0, 0, 50:70] = False                # rows without keys
+    with torch.no_grad():
+        out, lse, _ = flashtile.flash_attn_func(q, k, v, attn_bias=bias, attn_mask=mask, return_attn_probs=True)
+    assert gluon_fwd_calls
+    ref_out = attention_ref(q, k, v, attn_bias=bias, attn_mask=mask)[0]
+    seen = mask.any(-1).transpose(1, 2)[..., None]          # (b, sq, 1, 1): rows with a key
+    torch.testing.assert_close(torch.where(seen, out.double(), 0), torch.where(seen, ref_out.double(), 0), rtol=0,
+                               atol=2e-2)
+    assert (out[0, 50:70] == 0).all() and torch.isneginf(lse[0, :, 50:70]).all()
+    _same_as_triton(lambda: flashtile.flash_attn_func(q, k, v, attn_bias=bias, attn_mask=mask,
+                                                      return_attn_probs=True)[:2], out, lse, bf16, "[bias + mask]")
