@@ -69,8 +69,9 @@ def _fwd_runtime(q, k, v, o, lse, block_n, head_dim, h, s, fp8=False):
 FLEX = ("scoremod", "maskmod", "bias", "mask", "sparse")
 
 
-def _flex_runtime(lse, features, b, h, s):
-    """fa3_fwd_kernel's flex arguments and constexprs (fa3.flex_args) for the FLEX features named."""
+def _flex_runtime(lse, features, b, h, s, backward=False):
+    """fa3_fwd_kernel's (backward: fa3_bwd_any_kernel's) flex arguments and constexprs (fa3.flex_args) for the FLEX
+    features named; the score_mod (ALiBi's) with its captured slopes' gradient in the backward."""
     from flashtile import flex
     from flashtile.blocksparse import create_block_mask
     from flashtile.kernels.params import SparseLists, UserMods
@@ -78,8 +79,9 @@ def _flex_runtime(lse, features, b, h, s):
     mask_mod = flex.document_mask(torch.zeros(s, dtype=torch.int32)) if "maskmod" in features else None
     mods = None
     if score is not None or mask_mod is not None:
-        mods = UserMods(score and score.fn, None, None, score and score.captured, mask_mod and mask_mod.fn,
-                        mask_mod and mask_mod.captured)
+        mods = UserMods(score and score.fn, score and score.grad_fn, score and score.captured_grad_fn,
+                        score and score.captured, mask_mod and mask_mod.fn, mask_mod and mask_mod.captured,
+                        score and backward and (torch.zeros(h), ))
     sparse = None
     if "sparse" in features:
         bm = create_block_mask(lambda b_, h_, q, kv: kv <= q, None, None, 256, 256, BLOCK_SIZE=128, device="cpu")
@@ -87,8 +89,9 @@ def _flex_runtime(lse, features, b, h, s):
                              bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices)
     bias = torch.zeros(1, h, s, s, dtype=torch.bfloat16) if "bias" in features else None
     mask = torch.ones(s, s, dtype=torch.bool)[None, None] if "mask" in features else None
-    (bias_t, mask_t, lists, score_aux, mask_aux), consts = fa3.flex_args(lse, b, h, s, s, bias, mask, sparse, mods)
-    return dict(bias_t=bias_t, mask_t=mask_t, sparse=lists, score_aux=score_aux, mask_aux=mask_aux), consts, sparse
+    runtime, consts = fa3.flex_args(lse, b, h, s, s, bias, mask, sparse, mods, backward)
+    names = ("bias_t", "mask_t", "sparse", "score_aux", "mask_aux", "score_aux_grad")
+    return dict(zip(names, runtime)), consts, sparse
 
 
 def compile_fwd(head_dim: int, causal: bool, dtype: torch.dtype, seqlen: int = 1 << 20, features=()):
@@ -103,7 +106,7 @@ def compile_fwd(head_dim: int, causal: bool, dtype: torch.dtype, seqlen: int = 1
     runtime.update(flex_rt)
     num_wg, block_n, stages, pingpong = fa3.flex_config((num_wg, block_n, stages, pingpong), sparse)
     launch = fa3._regs(head_dim, False, num_wg)
-    flags = {_FLAGS[f]: f in features for f in FEATURES}
+    flags = {_FLAGS[f]: f in features for f in FEATURES if f in _FLAGS}
     flags["HAS_RIGHT"] = flags["HAS_RIGHT"] or causal
     if any(f in FLEX for f in features):   # (fa3.fwd_flags)
         flags.update(GUARD=True, TAIL=flags["TAIL"] or sparse is not None)
@@ -168,8 +171,12 @@ def compile_bwd(head_dim: int, causal: bool, dtype: torch.dtype, features=()):
     flags["HAS_RIGHT"] = flags["HAS_RIGHT"] or causal
     params = AttnParams(softmax_scale=0.1, window_left=64 if flags["HAS_LEFT"] else -1,
                         window_right=0 if flags["HAS_RIGHT"] else -1)
-    ours = fa3.bwd_flags(params, flags["VARLEN"], None, s, s, block_m, block_n)
-    flags.update(SKIP=ours["SKIP"] or flags["TAIL"], EMPTY=ours["EMPTY"] or flags["TAIL"])
+    flex_rt, flex_consts, sparse = _flex_runtime(lse, features, b, h, s, backward=True)
+    runtime.update(flex_rt, order_ptr=torch.zeros(16, dtype=torch.int32))
+    flex = any(f in FLEX for f in features)
+    flags["TAIL"] = flags["TAIL"] or sparse is not None
+    ours = fa3.bwd_flags(params, flags["VARLEN"], None, s, s, block_m, block_n, flex, sparse is not None)
+    flags.update(SKIP=ours["SKIP"] or flags["TAIL"], EMPTY=ours["EMPTY"] or flags["TAIL"], **flex_consts)
     return _compile(_fa3_bwd_any.fa3_bwd_any_kernel, runtime, dict(consts, **flags))
 
 

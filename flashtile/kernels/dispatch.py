@@ -50,17 +50,19 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params, alibi=None, cu_seqlen
               dbias=None, mods=None, dlse: Optional[torch.Tensor] = None, memo: Optional[dict] = None) -> None:
     """launch.flash_bwd's call: dq, dk, dv (and dbias, the mods' captured gradients); by FlashAttention-3's
     warp-specialized backward (Gluon) from the Triton preprocess kernel's D where fa3.supports(backward=True) says
-    it takes the problem, except for deterministic gradients (it adds dQ atomically); else by the Triton kernels."""
+    it takes the problem (not dbias), except for deterministic gradients (it adds dQ atomically); else by the Triton
+    kernels."""
     if launch.relaunch_bwd(memo, dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, alibi, dlse):
         return
     max_sq = max_seqlen_q if cu_seqlens_q is not None else q.shape[1]
     max_sk = max_seqlen_k if cu_seqlens_k is not None else k.shape[1]
     attends = not (q.numel() == 0 or k.numel() == 0 or max_sq == 0 or max_sk == 0)   # (else the launcher zeroes)
     if (attends and not deterministic
-            and fa3.supports(q, k, v, params, alibi, cu_seqlens_q, bias, mask, sparse, mods, backward=True)):
+            and fa3.supports(q, k, v, params, alibi, cu_seqlens_q, bias, mask, sparse, mods, backward=True,
+                             dbias=dbias)):
         delta = launch.bwd_delta(out, dout, lse, dlse, cu_seqlens_q, max_seqlen_q)
         fa3.bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, None, alibi, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                max_seqlen_k)
+                max_seqlen_k, bias, mask, sparse, mods)
         return
     launch.flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params, alibi, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                      max_seqlen_k, deterministic=deterministic, bias=bias, mask=mask, sparse=sparse, dbias=dbias,

@@ -1,8 +1,9 @@
-"""The Hopper forward (flashtile/kernels/gluon/_fa3_fwd.py) on flashtile.flex's features, on an H100/H200: score_mod
-and mask_mod compiled in, attn_bias and bool masks, block masks (full blocks without element work, partial blocks
-masked, empty ones never visited) - each asserting that the Gluon forward ran, checked against float64 (output, LSE
-and, through the Triton backward, the gradients) and compared with the Triton forward on the same inputs. Skipped
-without a CUDA device of compute capability 9.x.
+"""The Hopper kernels (flashtile/kernels/gluon/_fa3_fwd.py, _fa3_bwd_any.py) on flashtile.flex's features, on an
+H100/H200: score_mod and mask_mod compiled in (the backward: score_mod's derivative and its captured tensors'
+gradients), attn_bias and bool masks, block masks (full blocks without element work, partial blocks masked, empty
+ones never visited) - each asserting which Gluon kernels ran (the backward at head dims 64 and 128), checked against
+float64 (output, LSE, gradients) and compared with the Triton kernels on the same inputs. Skipped without a CUDA
+device of compute capability 9.x.
 """
 import pytest
 import torch
@@ -32,15 +33,27 @@ def _free_gpu_memory():
 
 
 @pytest.fixture
-def gluon_fwd_calls(monkeypatch):
-    calls = []
-    real = fa3.fwd
+def gluon_calls(monkeypatch):
+    """{"fwd": calls of fa3.fwd, "bwd": of fa3.bwd} while the test runs."""
+    calls = {"fwd": 0, "bwd": 0}
+    for name in calls:
+        real = getattr(fa3, name)
 
-    def counted(*a, **kw):
-        calls.append(1)
-        return real(*a, **kw)
-    monkeypatch.setattr(fa3, "fwd", counted)
+        def counted(*a, _n=name, _f=real, **kw):
+            calls[_n] += 1
+            return _f(*a, **kw)
+        monkeypatch.setattr(fa3, name, counted)
     return calls
+
+
+def _grads_as_triton(fn, inputs, dout, grads, dtype, ctx):
+    """Gradients of the Gluon backward against the Triton backward's on the same inputs."""
+    with fa3.disabled():
+        theirs = torch.autograd.grad(fn(), inputs, dout)
+    tol = 2e-2 if dtype == bf16 else 4e-3
+    for name, a, b_ in zip(("dq", "dk", "dv"), grads, theirs):
+        torch.testing.assert_close(a.float(), b_.float(), rtol=0, atol=tol * b_.abs().max().item() + 1e-6,
+                                   msg=lambda m: f"{ctx} {name} vs Triton: {m}")
 
 
 def _same_as_triton(fn, out, lse, dtype, ctx):
@@ -64,6 +77,12 @@ def _doc_ids(b, s, n_docs, gen_seed):
     return ids.to(DEV)
 
 
+def _tiles_case(b, h, s):
+    """A block mask of random empty / full / element-masked tiles per (batch, head) over a ragged last block."""
+    tiles = random_tile_mask(b, h, s, s, 128, DEV)
+    return dict(block_mask=create_block_mask(tiles, b, h, s, s, BLOCK_SIZE=128, device=DEV)), None, tiles, ()
+
+
 FLEX_CASES = {
     # name: (b, sq, sk, h, hk, d, dtype, flex kwargs builder -> (kwargs, score_fn, mask_fn, captured))
     "document-mask_mod-unaligned-d128": (2, 2000, 2000, 4, 2, 128, bf16, lambda b, s: (
@@ -82,6 +101,7 @@ FLEX_CASES = {
              block_mask=create_block_mask(t_document(_doc_ids(1, s, 5, 3)[0]), None, None, s, s, BLOCK_SIZE=256,
                                           device=DEV)),
         t_softcap(20.0), t_document(_doc_ids(1, s, 5, 3)[0]), ())),
+    "random-tiles-per-head-block_mask-ragged-d64": (2, 1900, 1900, 4, 4, 64, fp16, lambda b, s: _tiles_case(b, 4, s)),
     "relpos-score_mod-causal-sq-ne-sk-d256": (1, 1000, 1500, 4, 4, 256, bf16, lambda b, s: (
         dict(score_mod=relative_position_bias(torch.randn(4, 257, device=DEV), 128), causal=True),
         t_relpos(128), None, ())),
@@ -89,7 +109,7 @@ FLEX_CASES = {
 
 
 @pytest.mark.parametrize("name", list(FLEX_CASES))
-def test_gluon_flex_forward_gpu(name, seed, gluon_fwd_calls):
+def test_gluon_flex_forward_gpu(name, seed, gluon_calls):
     b, sq, sk, h, hk, d, dtype, build = FLEX_CASES[name]
     kw, score_fn, mask_fn, captured = build(b, sq)
     if name.startswith("relpos"):   # (the table the score_fn reads: the one the ScoreMod captured)
@@ -101,12 +121,12 @@ def test_gluon_flex_forward_gpu(name, seed, gluon_fwd_calls):
             q.mul_(4.0)
     out, lse, _ = run_and_check(q, k, v, dout, dtype, f"[{name}]", score_fn=score_fn, mask_fn=mask_fn,
                                 captured=captured, **kw)
-    assert gluon_fwd_calls, f"[{name}] the Gluon forward did not run"
+    assert gluon_calls == {"fwd": 1, "bwd": int(d in fa3.BWD_CONFIGS)}, f"[{name}] Gluon kernels ran {gluon_calls}"
     _same_as_triton(lambda: flex_attention(q, k, v, return_lse=True, **kw), out.detach(), lse.detach(), dtype,
                     f"[{name}]")
 
 
-def test_gluon_flex_custom_mods_gpu(seed, gluon_fwd_calls):
+def test_gluon_flex_custom_mods_gpu(seed, gluon_calls):
     b, sq, sk, h, hk, d = 2, 1024, 1536, 8, 4, 128
     keep = (torch.rand(b, sk, device=DEV) > 0.2).to(torch.int32)
     mask = MaskMod(keep_period_mask, captured=(keep, sk, 7))
@@ -116,22 +136,22 @@ def test_gluon_flex_custom_mods_gpu(seed, gluon_fwd_calls):
     q, k, v, dout = inputs(b, sq, sk, h, hk, d, fp16, DEV)
     out, lse, _ = run_and_check(q, k, v, dout, fp16, "[custom mods]", score_mod=score, mask_mod=mask,
                                 score_fn=t_sig_key_bias(0.8), mask_fn=t_keep_period(keep, 7), captured=(kb,))
-    assert gluon_fwd_calls
+    assert gluon_calls == {"fwd": 1, "bwd": 1}
     _same_as_triton(lambda: flex_attention(q, k, v, score_mod=score, mask_mod=mask, return_lse=True),
                     out.detach(), lse.detach(), fp16, "[custom mods]")
 
 
-def test_gluon_alibi_score_mod_with_window_flag_gpu(seed, gluon_fwd_calls):
+def test_gluon_alibi_score_mod_with_window_flag_gpu(seed, gluon_calls):
     b, s, h, d = 2, 1500, 8, 128
     slopes = (2.0 ** (-8.0 * torch.arange(1, h + 1, device=DEV) / h)).requires_grad_()
     q, k, v, dout = inputs(b, s, s, h, h, d, bf16, DEV)
     out, lse, _ = run_and_check(q, k, v, dout, bf16, "[alibi + window (300, 0)]", score_mod=alibi_score(slopes),
                                 window_size=(300, 0), score_fn=t_alibi, captured=(slopes,))
-    assert gluon_fwd_calls
+    assert gluon_calls == {"fwd": 1, "bwd": 1}
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_gluon_blocksparse_random_tiles_empty_rows_gpu(causal, seed, gluon_fwd_calls):
+def test_gluon_blocksparse_random_tiles_empty_rows_gpu(causal, seed, gluon_calls):
     """Random tiles per (batch, head), query blocks with nothing listed (rows output 0, LSE -inf), a ragged last
     block (seqlen 1900), Triton's forward as the reference of the tile walk."""
     b, s, h, hk, d, bs = 2, 1900, 4, 2, 128, 128
@@ -142,22 +162,26 @@ def test_gluon_blocksparse_random_tiles_empty_rows_gpu(causal, seed, gluon_fwd_c
     q, k, v, _ = inputs(b, s, s, h, hk, d, bf16, DEV)
     with torch.no_grad():
         out, lse, _ = blocksparse_attn_func(q, k, v, bm, causal=causal, return_attn_probs=True)
-    assert gluon_fwd_calls
+    assert gluon_calls["fwd"] == 1
     rows = slice(3 * bs, 4 * bs)
     assert (out[:, rows] == 0).all() and torch.isneginf(lse[:, :, rows]).all()
     _same_as_triton(lambda: blocksparse_attn_func(q, k, v, bm, causal=causal, return_attn_probs=True)[:2], out, lse,
                     bf16, f"[random tiles causal={causal}]")
 
 
-def test_gluon_bias_and_bool_mask_broadcast_gpu(seed, gluon_fwd_calls):
+def test_gluon_bias_and_bool_mask_broadcast_gpu(seed, gluon_calls):
     b, sq, sk, h, d = 2, 1100, 900, 4, 128
     q, k, v, dout = inputs(b, sq, sk, h, h, d, bf16, DEV)
-    bias = torch.randn(1, h, sq, sk, device=DEV, dtype=bf16)
+    bias = torch.randn(1, h, sq, sk, device=DEV, dtype=bf16)   # (no gradient asked: the Gluon backward takes it)
     mask = torch.rand(b, 1, sq, sk, device=DEV) > 0.3
     mask[0, 0, 50:70] = False                # rows without keys
-    with torch.no_grad():
-        out, lse, _ = flashtile.flash_attn_func(q, k, v, attn_bias=bias, attn_mask=mask, return_attn_probs=True)
-    assert gluon_fwd_calls
+    out, lse, _ = flashtile.flash_attn_func(q, k, v, attn_bias=bias, attn_mask=mask, return_attn_probs=True)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert gluon_calls == {"fwd": 1, "bwd": 1}
+    assert all(torch.isfinite(g).all() for g in grads)
+    _grads_as_triton(lambda: flashtile.flash_attn_func(q, k, v, attn_bias=bias, attn_mask=mask), (q, k, v), dout,
+                     grads, bf16, "[bias + mask]")
+    out, lse = out.detach(), lse.detach()
     ref_out = attention_ref(q, k, v, attn_bias=bias, attn_mask=mask)[0]
     seen = mask.any(-1).transpose(1, 2)[..., None]          # (b, sq, 1, 1): rows with a key
     torch.testing.assert_close(torch.where(seen, out.double(), 0), torch.where(seen, ref_out.double(), 0), rtol=0,

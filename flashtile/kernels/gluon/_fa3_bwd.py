@@ -33,7 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from ..params import LOG2E as _LOG2E
-from ._fa3_fwd import _pass_turn, _turn, tma_load, tma_store
+from ._fa3_fwd import _pass_turn, _sparse_block, _turn, tma_load, tma_store
 
 LOG2E = gl.constexpr(_LOG2E)
 
@@ -50,24 +50,33 @@ tma_reduce_add = getattr(tma, "async_atomic_add", None) or _tma_reduce_add
 
 
 @gluon.jit
-def _query_block(t, n_i, i_start, hk, group):
+def _query_block(t, n_i, i_start, hk, group, blocks=0, SPARSE_BLOCK: gl.constexpr = 0, BLOCK_M: gl.constexpr = 64):
     """Iteration t of a program -> (query head, query block index): the group's heads one after another, each
-    from block i_start (the first one the key block is visible to) to the last."""
-    return hk * group + t // n_i, i_start + t % n_i
+    from block i_start (the first one the key block is visible to) to the last; with a block mask (SPARSE_BLOCK >
+    0; blocks: the key block's row of its transposed lists (_sparse_row), the lists, len_q) the blocks its lists
+    name, partial ones first (_sparse_block)."""
+    h = hk * group + t // n_i
+    if SPARSE_BLOCK > 0:
+        srow, sparse, len_q = blocks
+        i = _sparse_block(t % n_i, srow, sparse, len_q, SPARSE_BLOCK, BLOCK_M)
+    else:
+        i = i_start + t % n_i
+    return h, i
 
 
 @gluon.jit
 def _load_partition(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, qdo_ready, qdo_empty,
                     kv_row, kv_col, q_row0, n_iters, n_i, i_start, hk, group,
-                    BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
-    """Producer: K_j and V_j once, then (Q_i, dO_i) of iteration t into buffer t % STAGES once both consumer
-    warpgroups released it."""
+                    BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, blocks=0,
+                    SPARSE_BLOCK: gl.constexpr = 0):
+    """Producer: K_j and V_j once, then (Q_i, dO_i) of iteration t (_query_block: blocks, SPARSE_BLOCK) into buffer
+    t % STAGES once both consumer warpgroups released it."""
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma_load(k_desc, [kv_row, kv_col], kv_bar, k_smem)
     tma_load(v_desc, [kv_row, kv_col], kv_bar, v_smem)
     for t in range(n_iters):
         s = t % STAGES
-        h, i = _query_block(t, n_i, i_start, hk, group)
+        h, i = _query_block(t, n_i, i_start, hk, group, blocks, SPARSE_BLOCK, BLOCK_M)
         row = q_row0 + i * BLOCK_M
         # mbarriers start with phase 1 complete: the first STAGES waits pass at once
         mbarrier.wait(qdo_empty.index(s), ((t // STAGES) & 1) ^ 1)

@@ -1,9 +1,12 @@
 """FlashAttention-3's backward (_fa3_bwd.py) for every problem the dense kernel there does not take: any lengths
 (a sequence may end inside a key block or a query block), causal and windows aligned bottom-right, softcap, ALiBi,
-GQA and varlen (cu_seqlens). The same program structure, producer and dQ path (imported from _fa3_bwd), with the
-mask rule per step (_tile_mask: a query block that sees none of a warpgroup's keys skips its products, one where
-some pair is hidden masks P), the forward's scores (_scores_log2) and dS times softcap's derivative, and dK / dV
-rows past a sequence stored by masked pointer stores instead of TMA.
+GQA and varlen (cu_seqlens), and flashtile.flex's features of a dense problem (score_mod with its derivative and
+captured tensors' gradients, mask_mod, attn_bias without its gradient, bool masks, block masks: a key block visits
+the query blocks its transposed lists name). The same program structure, producer and dQ path (imported from
+_fa3_bwd), with the mask rule per step (_tile_mask: a query block that sees none of a warpgroup's keys skips its
+products, one where some pair is hidden masks P), the forward's scores (_scores_log2, _user_scores) and dS through
+score_mod's and softcap's derivatives, and dK / dV rows past a sequence stored by masked pointer stores instead of
+TMA.
 
 The dense kernel keeps the problems it takes (fa3.bwd decides): this kernel, compiled for them, measured slower on
 an H100 (the same products, a different register allocation by ptxas).
@@ -17,7 +20,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ._fa3_bwd import (LOG2E, _add_dq, _dq_product, _dq_reduce_add, _load_partition, _query_block, _store_ds,
                        allocate, invalidate, stage_dkv, tma_store_dkv, warpgroup_state)
-from ._fa3_fwd import _pass_turn, _scores_log2, _seq_info, _turn, _visible, store_rows
+from ..elementwise import score_mod_grad
+from ._fa3_fwd import (_head_tile, _pass_turn, _scores_log2, _seq_info, _sparse_row, _turn, _user_scores, _visible,
+                       store_rows)
 
 
 @gluon.jit
@@ -60,16 +65,17 @@ def _tile_mask(r0, R: gl.constexpr, c0, C: gl.constexpr, len_q, len_k, window, H
 @gluon.jit
 def _step(t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs, p_smem, ds_bufs, dq_smem, qdo_ready,
           qdo_empty, ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr, lse_row, kv_start, q_row0, sm_scale, qk_scale,
-          seq, score, wg: gl.constexpr, s_layout: gl.constexpr, dq_init, turns, BLOCK_M: gl.constexpr,
+          seq, score, flex, wg: gl.constexpr, s_layout: gl.constexpr, dq_init, turns, BLOCK_M: gl.constexpr,
           BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
           HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-          TAIL: gl.constexpr, SKIP: gl.constexpr, EMPTY: gl.constexpr):
+          TAIL: gl.constexpr, SKIP: gl.constexpr, EMPTY: gl.constexpr, USER: gl.constexpr):
     """Iteration t of consumer warpgroup wg: query block i of head h against the warpgroup's 64 keys (Algorithm 2
     lines 8-20); lse_row: the head's LSE / Delta row (lse_ptr, delta_ptr + lse_row); seq: (len_q, len_k,
     window); score: _scores_log2's (slope of head h). Returns dK_w, dV_w and where this step's dQ tile goes: it is
     computed at the next step (or after the loop). SKIP (a step may see none of the warpgroup's keys): a block
     whose rows see none of them (the mask rule: _tile_mask) computes no product but dQ_{t-1}, with dS_w = 0 for
-    dQ_i; one where some pair is hidden masks P."""
+    dQ_i; one where some pair is hidden masks P. flex: (user, partial, the captured tensors' gradient buffers) of
+    flashtile.flex's features (_products)."""
     MASKED: gl.constexpr = HAS_LEFT or HAS_RIGHT or TAIL
     WG_N: gl.constexpr = k_w.shape[0]
     # this warpgroup's dQ tile: rows [wg * 64, +64) when Br = 128, else columns [wg * d/2, +d/2)
@@ -103,18 +109,18 @@ def _step(t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs, p_
             else:
                 dk, dv = _products(t, q_start, c0, some, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs.index(s),
                                    do_bufs.index(s), p_smem, ds_bufs, dq_smem, ds_ready, ds_free, dq_desc, rows,
-                                   sm_scale, qk_scale, seq, score, wg, s_layout, dq_init, turns, BLOCK_M, PINGPONG,
-                                   HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL)
+                                   sm_scale, qk_scale, seq, score, flex, wg, s_layout, dq_init, turns, BLOCK_M,
+                                   PINGPONG, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, USER)
         else:
             dk, dv = _products(t, q_start, c0, some, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs.index(s),
                                do_bufs.index(s), p_smem, ds_bufs, dq_smem, ds_ready, ds_free, dq_desc, rows,
-                               sm_scale, qk_scale, seq, score, wg, s_layout, dq_init, turns, BLOCK_M, PINGPONG,
-                               HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL)
+                               sm_scale, qk_scale, seq, score, flex, wg, s_layout, dq_init, turns, BLOCK_M,
+                               PINGPONG, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, USER)
     else:
         dk, dv = _products(t, q_start, c0, False, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs.index(s),
                            do_bufs.index(s), p_smem, ds_bufs, dq_smem, ds_ready, ds_free, dq_desc, rows,
-                           sm_scale, qk_scale, seq, score, wg, s_layout, dq_init, turns, BLOCK_M, PINGPONG,
-                           HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL)
+                           sm_scale, qk_scale, seq, score, flex, wg, s_layout, dq_init, turns, BLOCK_M, PINGPONG,
+                           HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, USER)
     mbarrier.arrive(qdo_empty.index(s), count=1)   # Q_i, dO_i read by every product: the buffer may refill
     return dk, dv, q_row0 + q_start + DQ_ROW, h * HEAD_D + DQ_COL
 
@@ -141,14 +147,20 @@ def _skip(t, ds_bufs, ds_ready, ds_free, k_smem, dq_init, dq_desc, dq_smem, dq_r
 
 @gluon.jit
 def _products(t, q_start, c0, hidden, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_s, do_s, p_smem, ds_bufs, dq_smem,
-              ds_ready, ds_free, dq_desc, rows, sm_scale, qk_scale, seq, score,
+              ds_ready, ds_free, dq_desc, rows, sm_scale, qk_scale, seq, score, flex,
               wg: gl.constexpr, s_layout: gl.constexpr, dq_init, turns, BLOCK_M: gl.constexpr,
               PINGPONG: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-              ALIBI: gl.constexpr, TAIL: gl.constexpr):
+              ALIBI: gl.constexpr, TAIL: gl.constexpr, USER: gl.constexpr):
     """Algorithm 2 lines 11-19 of a step: S, dP, P (masked where `hidden`: some pair of the tile is), dS, then
     dV_w, dK_w and dQ_{t-1}'s product. rows: the block's query indices, L_i (log2 units) and D_i. Returns dK_w,
-    dV_w."""
+    dV_w. flex: (user, partial, score_aux_grad): the forward's _user_scores on S (element masks where `partial`),
+    dS through score_mod's derivative, its captured tensors' gradients added (this program is the only one that
+    visits the tile). USER: (SCORE_MOD, MASK_MOD, HAS_BIAS, HAS_MASK, SPARSE_BLOCK, SCORE_GRAD,
+    SCORE_CAPTURED_GRAD)."""
     MASKED: gl.constexpr = HAS_LEFT or HAS_RIGHT or TAIL
+    SCORE_MOD, MASK_MOD, HAS_BIAS, HAS_MASK, SPARSE_BLOCK, SCORE_GRAD, SCORE_CAPTURED_GRAD = USER
+    FLEX: gl.constexpr = SCORE_MOD is not None or MASK_MOD is not None or HAS_BIAS or HAS_MASK
+    user, partial, score_aux_grad = flex
     dtype: gl.constexpr = q_s.dtype
     WG_N: gl.constexpr = k_w.shape[0]
     len_q, len_k, window = seq
@@ -164,7 +176,13 @@ def _products(t, q_start, c0, hidden, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, 
     # the key
     # (the key indices are made where they are used: kept live across the step, they cost registers that the
     # step's accumulators need)
-    if SOFTCAP or ALIBI:
+    if FLEX:
+        cols = c0 + gl.arange(0, WG_N, layout=gl.SliceLayout(0, s_layout))
+        s2, tanh = _scores_log2(sc, q_idx, cols, len_q, len_k, score, SOFTCAP, ALIBI)
+        FWD_USER: gl.constexpr = (SCORE_MOD, MASK_MOD, HAS_BIAS, HAS_MASK, SPARSE_BLOCK)
+        s2, s_in = _user_scores(s2, q_idx, cols, len_q, len_k, user, partial, FWD_USER)
+        p = gl.exp2(s2 - gl.expand_dims(lse2, 1))
+    elif SOFTCAP or ALIBI:
         s2, tanh = _scores_log2(sc, q_idx, c0 + gl.arange(0, WG_N, layout=gl.SliceLayout(0, s_layout)), len_q,
                                 len_k, score, SOFTCAP, ALIBI)
         p = gl.exp2(s2 - gl.expand_dims(lse2, 1))
@@ -179,6 +197,12 @@ def _products(t, q_start, c0, hidden, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, 
     dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
     # line 17: dS = P o (dP - D_i); softcap: times d(softcap tanh(x / softcap)) / dx = 1 - tanh^2
     ds = p * (dp - gl.expand_dims(delta, 1))
+    if SCORE_MOD is not None:   # (user: b, h, score_aux, ...)
+        i2 = gl.expand_dims(q_idx, 1)
+        j2 = gl.expand_dims(cols, 0)
+        if SCORE_CAPTURED_GRAD is not None:
+            SCORE_CAPTURED_GRAD(ds, s_in, user[0], user[1], i2, j2, user[2], score_aux_grad)
+        ds = score_mod_grad(ds, s_in, user[0], user[1], i2, j2, user[2], SCORE_GRAD)
     if SOFTCAP:
         ds = ds * (1.0 - tanh * tanh)
     ds_smem = _store_ds(ds.to(dtype), ds_bufs, ds_free, t, wg)
@@ -204,14 +228,18 @@ def _products(t, q_start, c0, hidden, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, 
 def _consumer_partition(wg: gl.constexpr, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar,
                         qdo_ready, qdo_empty, ds_ready, ds_free, turns, dq_desc, lse_ptr, delta_ptr, lse_rows,
                         dkv, kv_row, kv_col, b, kv_start, q_row0, n_iters, n_i, i_start, hk, group, sm_scale,
-                        qk_scale, seq, alibi, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-                        STAGES: gl.constexpr, PINGPONG: gl.constexpr, VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr,
-                        HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, TAIL: gl.constexpr,
-                        SKIP: gl.constexpr, EMPTY: gl.constexpr):
+                        qk_scale, seq, alibi, flex, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        HEAD_D: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, VARLEN: gl.constexpr,
+                        HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
+                        TAIL: gl.constexpr, SKIP: gl.constexpr, EMPTY: gl.constexpr, USER: gl.constexpr):
     """Consumer warpgroup `wg`: key rows [wg * 64, wg * 64 + 64) of the program's block through every query block
     (per query head of the group), then its rows of dK_j, dV_j (Algorithm 2 line 22). lse_rows: (stride_lse_b,
     stride_lse_h, the sequence's first LSE column); dkv: the dK / dV descriptors, pointers and row strides; seq:
-    (len_q, len_k, window); alibi: (slopes, their batch stride, softcap log2 e)."""
+    (len_q, len_k, window); alibi: (slopes, their batch stride, softcap log2 e); flex: (the key block's row of the
+    block mask's transposed lists, the lists, score_aux, mask_aux, score_aux_grad, attn_bias's and the mask's
+    pointers and strides) with a block mask's next query block read a step ahead of its use."""
+    SCORE_MOD, MASK_MOD, HAS_BIAS, HAS_MASK, SPARSE_BLOCK, SCORE_GRAD, SCORE_CAPTURED_GRAD = USER
+    srow, sparse, score_aux, mask_aux, score_aux_grad, bias_t, mask_t = flex
     WG_N: gl.constexpr = BLOCK_N // 2          # key rows of this warpgroup
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, WG_N, 16])
@@ -224,9 +252,20 @@ def _consumer_partition(wg: gl.constexpr, k_smem, v_smem, q_bufs, do_bufs, p_buf
 
     dq_row = q_row0   # where the previous step's dQ tile goes
     dq_col = 0
+    blocks = (srow, sparse, len_q)
+    h_next, i_next = _query_block(0, n_i, i_start, hk, group, blocks, SPARSE_BLOCK, BLOCK_M)
     mbarrier.wait(kv_bar, 0)
     for t in range(n_iters):
-        h, i = _query_block(t, n_i, i_start, hk, group)
+        if SPARSE_BLOCK > 0:
+            h = h_next
+            i = i_next
+            partial = (t % n_i) < srow[0]
+            h_next, i_next = _query_block(gl.minimum(t + 1, n_iters - 1), n_i, i_start, hk, group, blocks,
+                                          SPARSE_BLOCK, BLOCK_M)
+        else:
+            h, i = _query_block(t, n_i, i_start, hk, group)
+            partial = True
+        user = (b, h, score_aux, mask_aux, _head_tile(bias_t, b, h, HAS_BIAS), _head_tile(mask_t, b, h, HAS_MASK))
         slope_log2 = qk_scale * 0.0
         if ALIBI:
             slope_log2 = gl.load(alibi_ptr + b * stride_alibi_b + h) * LOG2E
@@ -234,8 +273,8 @@ def _consumer_partition(wg: gl.constexpr, k_smem, v_smem, q_bufs, do_bufs, p_buf
             t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs, p_smem, ds_bufs, dq_smem,
             qdo_ready, qdo_empty, ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr,
             b * stride_lse_b + h * stride_lse_h + lse_col0, kv_start, q_row0, sm_scale, qk_scale, seq,
-            (qk_scale, softcap_log2, slope_log2), wg, s_layout, dq_init, turns, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
-            PINGPONG, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, SKIP, EMPTY)
+            (qk_scale, softcap_log2, slope_log2), (user, partial, score_aux_grad), wg, s_layout, dq_init, turns,
+            BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, SKIP, EMPTY, USER)
     # the last query block's dQ, issued first: dK_j and dV_j (line 22) are stored while it runs - by TMA, or (TAIL:
     # key rows past the sequence) by masked pointer stores
     dq_tok = _dq_product(ds_bufs, ds_ready, k_smem, dq_init, n_iters - 1, wg, WG_N, BLOCK_M)
@@ -270,11 +309,13 @@ def _store_dkv(dk, dv, dkv, q_bufs, do_bufs, qdo_empty, row, col, n_rows, n_iter
 def fa3_bwd_any_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr, dk_desc, dv_desc, dk_ptr, dv_ptr,
                    cu_seqlens_q, cu_seqlens_k, alibi_ptr,
                    stride_lse_b, stride_lse_h, stride_dk_row, stride_dv_row, stride_alibi_b, seqlen_q, seqlen_k,
-                   nheads_k, group, sm_scale, qk_scale, softcap_log2, window_left, window_right,
-                   HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                   nheads_k, group, sm_scale, qk_scale, softcap_log2, window_left, window_right, bias_t, mask_t,
+                   sparse, score_aux, mask_aux, score_aux_grad, order_ptr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                    P_LAYOUT: gl.constexpr, PINGPONG: gl.constexpr, VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr,
                    HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, TAIL: gl.constexpr,
-                   SKIP: gl.constexpr, EMPTY: gl.constexpr, num_warps: gl.constexpr):
+                   SKIP: gl.constexpr, EMPTY: gl.constexpr, SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr,
+                   SCORE_CAPTURED_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, HAS_BIAS: gl.constexpr,
+                   HAS_MASK: gl.constexpr, SPARSE_BLOCK: gl.constexpr, num_warps: gl.constexpr):
     """Grid (cdiv(seqlen_k, BLOCK_N), batch * nheads_k); BLOCK_N = 2 x 64 key rows (one 64-row half per consumer
     warpgroup, num_warps = 4), BLOCK_M query rows per step. k/v descriptors: 2-D views (rows, nheads_k * HEAD_D),
     blocks (BLOCK_N, HEAD_D); q/dO: (rows, nheads * HEAD_D), blocks (BLOCK_M, HEAD_D); rows = batch * seqlen
@@ -287,11 +328,21 @@ def fa3_bwd_any_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_
     strides. P_LAYOUT: the shared layout of a (BLOCK_M, BLOCK_N / 2) tile of q's dtype (a warpgroup's P or dS).
     Features as fa3_fwd_kernel's (HAS_LEFT / HAS_RIGHT windows, SOFTCAP, ALIBI, TAIL: a sequence may end inside
     a block; qk_scale and softcap_log2 as there); SKIP: a query block may see none of a warpgroup's keys (else
-    every step computes); EMPTY: a query row may have no key or lie past its sequence; sm_scale: softmax_scale."""
-    # one head's key blocks after another: they share the head's Q_i, dO_i in L2 (every head's first block, then
-    # every head's second... measured slower)
+    every step computes); EMPTY: a query row may have no key or lie past its sequence; sm_scale: softmax_scale.
+    flashtile.flex's features as fa3_fwd_kernel's (bias_t, mask_t, score_aux, mask_aux; sparse: the block mask's
+    transposed lists, per key block its query blocks, one list for the program's group of query heads), plus
+    score_mod's derivative SCORE_GRAD (None: additive) and SCORE_CAPTURED_GRAD adding its captured tensors'
+    gradients into score_aux_grad's buffers (fa3.flex_args); with a block mask, order_ptr: the programs' (head, key
+    block) pairs as bh * n_key_blocks + key block, those with the most listed query blocks first (a key block every
+    query sees, such as attention sinks', is the longest program: started last, it would end the launch alone).
+    Without one: one head's key blocks after another: they share the head's Q_i, dO_i in L2 (every head's first
+    block, then every head's second... measured slower)."""
     pid_n = gl.program_id(0)
     bh = gl.program_id(1)
+    if SPARSE_BLOCK > 0:
+        pair = gl.load(order_ptr + bh * gl.num_programs(0) + pid_n)
+        pid_n = pair % gl.num_programs(0)
+        bh = pair // gl.num_programs(0)
     b = bh // nheads_k
     hk = bh % nheads_k
     q_row0, k_row0, len_q, len_k = _seq_info(b, (cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k), VARLEN)
@@ -301,8 +352,15 @@ def fa3_bwd_any_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_
             return
     kv_row = k_row0 + kv_start
     window = (window_left, window_right)
-    i_start, i_end = _query_blocks(kv_start, kv_start + BLOCK_N, len_q, len_k, window, BLOCK_M, HAS_LEFT, HAS_RIGHT)
-    n_i = i_end - i_start
+    if SPARSE_BLOCK > 0:   # the query blocks the block mask lists for this key block (at least one: _sparse_steps)
+        srow = _sparse_row(sparse, b, hk * group, kv_start, SPARSE_BLOCK, BLOCK_M)
+        i_start = 0
+        n_i = gl.maximum(srow[1], 1)
+    else:
+        srow = (0, 0, 0)
+        i_start, i_end = _query_blocks(kv_start, kv_start + BLOCK_N, len_q, len_k, window, BLOCK_M, HAS_LEFT,
+                                       HAS_RIGHT)
+        n_i = i_end - i_start
     n_iters = n_i * group
     lse_col0 = 0
     if VARLEN:
@@ -316,20 +374,22 @@ def fa3_bwd_any_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_
     lse_rows = (stride_lse_b, stride_lse_h, lse_col0)
     dkv = (dk_desc, dv_desc, dk_ptr, dv_ptr, stride_dk_row, stride_dv_row)
     alibi = (alibi_ptr, stride_alibi_b, softcap_log2)
+    flex = (srow, sparse, score_aux, mask_aux, score_aux_grad, bias_t, mask_t)
+    USER: gl.constexpr = (SCORE_MOD, MASK_MOD, HAS_BIAS, HAS_MASK, SPARSE_BLOCK, SCORE_GRAD, SCORE_CAPTURED_GRAD)
     gl.warp_specialize([
         (_consumer_partition, (0, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, qdo_ready,
                                qdo_empty, ds_ready, ds_free, turns, dq_desc, lse_ptr, delta_ptr, lse_rows, dkv, kv_row,
                                hk * HEAD_D, b, kv_start, q_row0, n_iters, n_i, i_start, hk, group, sm_scale, qk_scale,
-                               seq, alibi, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, VARLEN, HAS_LEFT, HAS_RIGHT,
-                               SOFTCAP, ALIBI, TAIL, SKIP, EMPTY)),
+                               seq, alibi, flex, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, VARLEN, HAS_LEFT,
+                               HAS_RIGHT, SOFTCAP, ALIBI, TAIL, SKIP, EMPTY, USER)),
         (_consumer_partition, (1, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, qdo_ready,
                                qdo_empty, ds_ready, ds_free, turns, dq_desc, lse_ptr, delta_ptr, lse_rows, dkv, kv_row,
                                hk * HEAD_D, b, kv_start, q_row0, n_iters, n_i, i_start, hk, group, sm_scale, qk_scale,
-                               seq, alibi, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, VARLEN, HAS_LEFT, HAS_RIGHT,
-                               SOFTCAP, ALIBI, TAIL, SKIP, EMPTY)),
+                               seq, alibi, flex, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, VARLEN, HAS_LEFT,
+                               HAS_RIGHT, SOFTCAP, ALIBI, TAIL, SKIP, EMPTY, USER)),
         (_load_partition, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, qdo_ready,
                            qdo_empty, kv_row, hk * HEAD_D, q_row0, n_iters, n_i, i_start, hk, group, BLOCK_M,
-                           HEAD_D, STAGES)),
+                           HEAD_D, STAGES, (srow, sparse, len_q), SPARSE_BLOCK)),
     ], [4, 1], [240, 24])
 
     invalidate(barriers, STAGES)

@@ -2,9 +2,9 @@
 of the portable Triton kernels: a CUDA device of compute capability 9.x with Gluon importable, fp16/bf16, dense
 (batch, seqlen, nheads, headdim) or varlen (tokens, nheads, headdim) tensors TMA can tile (16-byte aligned base and
 row stride), headdim 64, 128 or 256 (the backward: 64 or 128), a positive softmax scale, any lengths, causal and
-windows aligned bottom-right, softcap, ALiBi, GQA, and (the forward, dense problems) flashtile.flex's features:
-attn_bias, bool masks, block masks, score_mod / mask_mod (eligible); not dropout, nor (the backward) flex's features
-or deterministic gradients: it adds dQ with TMA reduce-add. FLASHTILE_GLUON=0 turns both off."""
+windows aligned bottom-right, softcap, ALiBi, GQA, and (dense problems) flashtile.flex's features: attn_bias (the
+backward: without its gradient), bool masks, block masks, score_mod / mask_mod (eligible); not dropout, nor (the
+backward) deterministic gradients: it adds dQ with TMA reduce-add. FLASHTILE_GLUON=0 turns both off."""
 from __future__ import annotations
 
 import contextlib
@@ -100,19 +100,22 @@ def _kernels(device_index: int):
 
 
 def eligible(q, k, v, params, alibi=None, cu_seqlens_q=None, bias=None, mask=None, sparse=None,
-             mods=None, backward=False) -> bool:
+             mods=None, backward=False, dbias=None) -> bool:
     """Whether the FA3 kernel (forward, or backward) computes this problem (dtype, layout, shapes, features),
     whatever the device: dense or varlen, any lengths, windows and causal (bottom-right), softcap, ALiBi (float32
     slopes), GQA; q / k / v as (rows, heads x d) views TMA can tile (tma_viewable); head dims of CONFIGS (the
-    forward) or BWD_CONFIGS (the backward). The forward of a dense problem also takes flashtile.flex's features:
-    attn_bias, a bool mask, score_mod / mask_mod, a block mask whose block size is a multiple of 128 (its tiles
-    lie inside one mask block: flex_config). Not: dropout, the backward of flex's features (the Triton kernels)."""
+    forward) or BWD_CONFIGS (the backward). A dense problem may also have flashtile.flex's features: attn_bias
+    (the backward: not its gradient dbias), a bool mask, score_mod / mask_mod, a block mask whose block size is a
+    multiple of 128 (its tiles lie inside one mask block: flex_config; the backward: one list per group of query
+    heads sharing a KV head). Not: dropout (the Triton kernels)."""
     if q.dtype not in (torch.float16, torch.bfloat16):
         return False
     if params.dropout_p > 0:
         return False
     if bias is not None or mask is not None or sparse is not None or mods is not None:
-        if backward or q.dim() != 4 or (sparse is not None and sparse.block_size % 128):
+        if q.dim() != 4 or dbias is not None or (sparse is not None and sparse.block_size % 128):
+            return False
+        if backward and sparse is not None and q.shape[2] != k.shape[2] and sparse.q_num.shape[1] != 1:
             return False
     if not params.softmax_scale > 0:   # the kernel takes max(S) * scale for max(S * scale), and masks with -inf
         return False
@@ -213,20 +216,44 @@ def flex_config(cfg, sparse):
 # fa3_fwd_kernel's flashtile.flex arguments where a problem has none of them: placeholders it does not read
 _NO_PAIR = (0, 0, 0, 0, 0)
 _NO_FLEX_CONSTS = dict(SCORE_MOD=None, MASK_MOD=None, HAS_BIAS=False, HAS_MASK=False, SPARSE_BLOCK=0)
+_NO_FLEX_BWD_CONSTS = dict(_NO_FLEX_CONSTS, SCORE_GRAD=None, SCORE_CAPTURED_GRAD=None)
+_NO_FLEX_BWD = (_NO_PAIR, _NO_PAIR, (0, 0, 0, 0, 0, 0, 0, 0), (0, ), (0, ), (0, ), 0)
 
 
-def flex_args(lse, batch: int, nheads: int, sq: int, sk: int, bias=None, mask=None, sparse=None, mods=None):
+def flex_args(lse, batch: int, nheads: int, sq: int, sk: int, bias=None, mask=None, sparse=None, mods=None,
+              backward: bool = False):
     """(fa3_fwd_kernel's runtime arguments bias_t, mask_t, sparse, score_aux, mask_aux; its constexpr ones) of
-    flashtile.flex's features (fwd's), placeholders for the absent ones."""
+    flashtile.flex's features (fwd's), placeholders for the absent ones; backward: fa3_bwd_any_kernel's (the
+    block mask's transposed lists, score_aux_grad added; SCORE_GRAD, SCORE_CAPTURED_GRAD)."""
     def pair(t):
         return _NO_PAIR if t is None else pair_args(t, batch, nheads, sq, sk)
-    lists = (lse, lse, lse, lse, 0, 0, 0, 0) if sparse is None else sparse_args(sparse, batch, nheads, False)
+    lists = (lse, lse, lse, lse, 0, 0, 0, 0) if sparse is None else sparse_args(sparse, batch, nheads, backward)
     score_aux = mods.score_aux if mods is not None and mods.score_aux is not None else (0, )
     mask_aux = mods.mask_aux if mods is not None and mods.mask_aux is not None else (0, )
     consts = dict(SCORE_MOD=None if mods is None else mods.score_mod, MASK_MOD=None if mods is None else mods.mask_mod,
                   HAS_BIAS=bias is not None, HAS_MASK=mask is not None,
                   SPARSE_BLOCK=0 if sparse is None else sparse.block_size)
-    return (pair(bias), pair(mask), lists, score_aux, mask_aux), consts
+    runtime = (pair(bias), pair(mask), lists, score_aux, mask_aux)
+    if backward:
+        aux_grad = mods.score_aux_grad if mods is not None and mods.score_aux_grad is not None else score_aux
+        runtime += (aux_grad, )
+        consts.update(SCORE_GRAD=None if mods is None else mods.score_grad,
+                      SCORE_CAPTURED_GRAD=None if mods is None or mods.score_aux_grad is None
+                      else mods.score_captured_grad)
+    return runtime, consts
+
+
+def longest_first(sparse, batch: int, nheads: int, nheads_k: int, sk: int, block_n: int) -> torch.Tensor:
+    """fa3_bwd_any_kernel's order_ptr over a block mask: its programs' (batch x KV head, key block) pairs as
+    bh * n_key_blocks + key block (int32), those listing at least twice the mean count of query blocks first (a
+    key block every query sees, such as attention sinks': started late, it ends the launch alone), the rest in
+    the grid's order (a head's key blocks one after another share its Q_i, dO_i in L2). A program reads the list
+    of its group's first query head (eligible: one list per group)."""
+    n_kv = -(-sk // block_n)
+    steps = (sparse.q_num + sparse.full_q_num).expand(batch, nheads, -1)[:, ::nheads // nheads_k]
+    steps = steps.repeat_interleave(sparse.block_size // block_n, dim=2)[:, :, :n_kv].reshape(-1)
+    long = steps >= 2 * steps.float().mean()
+    return torch.argsort(long.to(torch.int8), descending=True, stable=True).to(torch.int32)
 
 
 def fwd_flags(params, varlen: bool, alibi, sq: int, sk: int, block_n: int, flex: bool = False,
@@ -443,24 +470,27 @@ def _bwd_key(q, k, v, lse, dk, dv, params, alibi, sq, sk):
             None if alibi is None else alibi.stride(), sq, sk, bwd_dq_tile(BWD_CONFIGS[head_dim][0], head_dim))
 
 
-def dense_bwd(q, k, params, alibi, varlen: bool) -> bool:
-    """Whether the dense backward kernel (_fa3_bwd.fa3_bwd_kernel) takes the problem: dense, no softcap, ALiBi or
-    window but causal's, lengths its tiles divide, causal with equal lengths; else fa3_bwd_any_kernel does."""
-    if varlen or alibi is not None or params.softcap > 0 or params.is_local:
+def dense_bwd(q, k, params, alibi, varlen: bool, flex: bool = False) -> bool:
+    """Whether the dense backward kernel (_fa3_bwd.fa3_bwd_kernel) takes the problem: dense, no softcap, ALiBi,
+    flashtile.flex feature (flex) or window but causal's, lengths its tiles divide, causal with equal lengths; else
+    fa3_bwd_any_kernel does."""
+    if varlen or alibi is not None or params.softcap > 0 or params.is_local or flex:
         return False
     block_m, block_n, _ = BWD_CONFIGS[q.shape[-1]]
     sq, sk = q.shape[1], k.shape[1]
     return not (sq % block_m or sk % block_n or (params.is_causal and sq != sk))
 
 
-def bwd_flags(params, varlen: bool, alibi, sq: int, sk: int, block_m: int, block_n: int) -> dict:
+def bwd_flags(params, varlen: bool, alibi, sq: int, sk: int, block_m: int, block_n: int, flex: bool = False,
+              sparse: bool = False) -> dict:
     """fa3_bwd_any_kernel's feature flags for a problem (its docstring and fa3_fwd_kernel's say what each compiles
     in).
     SKIP: a query block may see none of a consumer warpgroup's 64 keys - a left window, a sequence's end, or a right
-    window other than causal over equal lengths with Br <= 64 (with Br 128, aligned causal blocks always see some)."""
+    window other than causal over equal lengths with Br <= 64 (with Br 128, aligned causal blocks always see some).
+    flex: flashtile.flex's features (rows may see no key), sparse: a block mask (steps past the rows: TAIL)."""
     has_left, has_right = params.has_left, params.has_right
-    tail = varlen or sq % block_m != 0 or sk % block_n != 0
-    guard = varlen or has_left or (has_right and sk - sq + params.window_right < 0)
+    tail = varlen or sq % block_m != 0 or sk % block_n != 0 or sparse
+    guard = varlen or has_left or (has_right and sk - sq + params.window_right < 0) or flex
     aligned_causal = params.window_right == 0 and sq == sk and block_m > block_n // 2
     return dict(VARLEN=varlen, HAS_LEFT=has_left, HAS_RIGHT=has_right, SOFTCAP=params.softcap > 0,
                 ALIBI=alibi is not None, TAIL=tail, SKIP=has_left or tail or (has_right and not aligned_causal),
@@ -468,11 +498,14 @@ def bwd_flags(params, varlen: bool, alibi, sq: int, sk: int, block_m: int, block
 
 
 def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, cu_seqlens_q=None,
-        cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None) -> None:
+        cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, bias=None, mask=None, sparse=None,
+        mods=None) -> None:
     """dq, dk, dv of attention(q, k, v) by the Gluon FA3 backward, from the forward's lse (natural log) and
     delta = rowsum(dout o out) (- dlse), both (batch, nheads, seqlen_q) or (varlen) (nheads, total_q) float32 with
     equal strides. Call only where supports(..., backward=True) said yes; dout is made contiguous here, dk / dv
-    may be strided. dq_acc: a zeroed float32 accumulator of q's shape, contiguous (None: made here)."""
+    may be strided. dq_acc: a zeroed float32 accumulator of q's shape, contiguous (None: made here). bias, mask,
+    sparse, mods: flashtile.flex's features as fwd takes them (mods.score_aux_grad: the captured tensors' gradient
+    buffers)."""
     _, kern, TensorDescriptor = _kernels(_device_index(q))
     varlen = cu_seqlens_q is not None
     batch = cu_seqlens_q.shape[0] - 1 if varlen else q.shape[0]
@@ -487,17 +520,25 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, 
         dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     dq_tile = bwd_dq_tile(block_m, head_dim)
     grid = (-(-sk // block_n), batch * nheads_k, 1)
-    dense = dense_bwd(q, k, params, alibi, varlen)
+    flex = None
+    if bias is not None or mask is not None or sparse is not None or mods is not None:
+        runtime, consts = flex_args(lse, batch, nheads, sq, sk, bias, mask, sparse, mods, backward=True)
+        order = lse if sparse is None else longest_first(sparse, batch, nheads, nheads_k, sk, block_n)
+        flex = ((*runtime, order), consts)
+    dense = dense_bwd(q, k, params, alibi, varlen, flex is not None)
     kwargs = dict(HEAD_D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
                   P_LAYOUT=_smem_layout(block_m, block_n // 2, q.dtype),
                   PINGPONG=BWD_PINGPONG.get((head_dim, params.has_right), False), num_warps=4, maxnreg=MAXNREG)
     if dense:
         kwargs["CAUSAL"] = params.is_causal
     else:
-        kwargs.update(bwd_flags(params, varlen, alibi, sq, sk, block_m, block_n))
+        kwargs.update(bwd_flags(params, varlen, alibi, sq, sk, block_m, block_n, flex is not None,
+                                sparse is not None))
+        kwargs.update(flex[1] if flex is not None else _NO_FLEX_BWD_CONSTS)
     extras = (cu_seqlens_q, cu_seqlens_k, alibi)
-    key = _bwd_key(q, k, v, lse, dk, dv, params, alibi, sq, sk)
-    tpl = _BWD_TEMPLATES.get(key)
+    # (flex's tensors are not live arguments of a template: a problem with them launches the full way)
+    key = None if flex is not None else _bwd_key(q, k, v, lse, dk, dv, params, alibi, sq, sk)
+    tpl = _BWD_TEMPLATES.get(key) if key is not None else None
     if tpl is not None and tpl.kwargs == kwargs and tpl.launch(grid, (k, v, q, dout, dq_acc, dk, dv), lse, delta,
                                                                extras):
         dq.copy_(dq_acc)
@@ -531,9 +572,10 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, 
                 *lse_strides, tma_row_view(dk_out).stride(0), tma_row_view(dv_out).stride(0),
                 0 if alibi is None or alibi.dim() == 1 else alibi.stride(0), max(sq, 2) if varlen else sq, sk,
                 nheads_k, nheads // nheads_k, params.softmax_scale, score_scale, softcap_log2,
-                max(params.window_left, 0), max(params.window_right, 0))
+                max(params.window_left, 0), max(params.window_right, 0),
+                *(flex[0] if flex is not None else _NO_FLEX_BWD))
     relaunch.launch(kernel, grid[:2], args, kwargs)
-    if dk_out is dk and dv_out is dv:   # (not through copies: their descriptors are over per-call buffers)
+    if key is not None and dk_out is dk and dv_out is dv:   # (not through copies: descriptors over per-call buffers)
         bound = relaunch.bind(kernel, args, kwargs, n_live)
         if bound is not None:
             relaunch.remember(_BWD_TEMPLATES, key, _BwdTemplate(bound, kwargs, TensorDescriptor, [
