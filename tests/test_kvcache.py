@@ -1,10 +1,12 @@
-"""flash_attn_with_kvcache: in-place append, rotary (interleaved / GPT-NeoX, partial rotary_dim), paged caches
-(page sizes 16/64/256), cache_batch_idx, cache_leftpad, seqlen_q > 1, GQA packing, split-KV (flash-decoding)
-with its combine, and argument validation.
+"""flash_attn_with_kvcache end to end: in-place append, rotary (interleaved / GPT-NeoX, partial rotary_dim), paged
+caches (page sizes 16/64/256), cache_batch_idx, cache_leftpad, seqlen_q > 1, GQA packing, fixed and automatic
+split counts, against the float64 oracle; int and default cache_seqlens, an empty cache; argument validation.
 
-The oracle (KCase, run_case: rotated appends, the cache's layouts, the float64 reference and the flash-attn
-tolerance rule) lives in tests/kvcache_utils.py, shared with the decode, rotary and dtype tests.
-fp16, bf16 and fp32 all run on the CPU (tests/test_dtypes_cpu.py adds every entry point in each).
+The modules below the entry point have files of their own: tests/test_decode.py (the split-KV decode kernel, its
+config, num_splits heuristic and plan) and tests/test_combine.py (the merge of the splits). The oracle (KCase,
+run_case: rotated appends, the cache's layouts, the float64 reference and the flash-attn tolerance rule) lives in
+tests/kvcache_utils.py. fp16, bf16 and fp32 all run on the CPU (tests/test_dtypes_cpu.py adds every entry point in
+each).
 """
 import re
 
@@ -14,10 +16,8 @@ import torch
 import flashtile  # noqa: F401  (sets TRITON_INTERPRET on CPU-only machines)
 from attn_utils import DEVICE, assert_within_rule
 from kvcache_utils import KCase, reference, run_case
-from flashtile.kernels import dispatch, runtime
-from flashtile.kernels.triton import decode as _decode
+from flashtile.kernels import dispatch
 from flashtile.kvcache import flash_attn_with_kvcache
-from flashtile.reference.dense import attention_ref
 
 fp16, fp32, bf16 = torch.float16, torch.float32, torch.bfloat16
 ERRORS = (ValueError, TypeError)
@@ -54,95 +54,6 @@ KV_CASES = [
 @pytest.mark.parametrize("c", KV_CASES, ids=lambda c: c.id)
 def test_kvcache_matches_reference(c: KCase, seed):
     run_case(c, seed)
-
-
-@pytest.mark.parametrize("num_splits", [3, 7])
-def test_fused_combine_matches_combine_kernel_and_resets_its_tickets(num_splits, seed, monkeypatch):
-    """The splits merged inside the decode launch (the last split of each tile, by ticket) equal combine.py's
-    separate kernel; every ticket counter is back at 0 afterwards, so a second launch is right too. Several
-    row tiles (seqlen_q 5 x group 4 = 20 rows > the interpreter's BLOCK_M 16), two batch elements of different
-    lengths, causal (some splits of the short one see no key)."""
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(2, 5, 8, 32, generator=gen).to(DEVICE)
-    kc = torch.randn(2, 150, 2, 32, generator=gen).to(DEVICE)
-    vc = torch.randn(2, 150, 2, 32, generator=gen).to(DEVICE)
-    seqlens = torch.tensor([150, int(torch.randint(20, 60, (1,), generator=gen))], dtype=torch.int32, device=DEVICE)
-
-    def run():
-        return flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, causal=True, num_splits=num_splits,
-                                       return_softmax_lse=True)
-    monkeypatch.setattr(_decode, "CONFIG_OVERRIDE", {"fused_combine": False})
-    sep = run()
-    monkeypatch.setattr(_decode, "CONFIG_OVERRIDE", {"fused_combine": True})
-    monkeypatch.setattr(runtime, "_TICKETS", {})
-    for _ in range(2):
-        fused = run()
-        torch.testing.assert_close(fused[0], sep[0], rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(fused[1], sep[1], rtol=1e-6, atol=1e-6)
-        (tickets,) = runtime._TICKETS.values()
-        assert int(tickets.abs().sum()) == 0
-    ref, ref_lse, _ = attention_ref(q[:1].double(), kc[:1].double(), vc[:1].double(), causal=True)
-    torch.testing.assert_close(fused[0][:1].double(), ref, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(fused[1][:1].double(), ref_lse.double(), rtol=1e-4, atol=1e-4)
-
-
-def test_ticket_counters_are_unused_slices_of_one_zeroed_pool(monkeypatch):
-    """New ticket counters (a stream seen for the first time, or more tiles than before) are unused slices of the
-    device's zero-filled pool: no fill runs for them, so none is captured into a CUDA graph whose capture stream
-    asks for counters. torch.zeros runs only to make a pool."""
-    monkeypatch.setattr(runtime, "_TICKETS", {})
-    monkeypatch.setattr(runtime, "_TICKET_POOL", {})
-    fills = []
-    real_zeros = torch.zeros
-    monkeypatch.setattr(runtime.torch, "zeros", lambda *a, **k: fills.append(a) or real_zeros(*a, **k))
-    dev = torch.device(DEVICE)
-    first = runtime.tickets(dev, 10)
-    assert len(fills) == 1 and first.numel() == 1024 and int(first.abs().sum()) == 0
-    assert runtime.tickets(dev, 1000) is first                      # enough counters: the same ones
-    first[:3] = 7                                                    # (as if a launch were still using them)
-    grown = runtime.tickets(dev, 3000)
-    assert len(fills) == 1 and grown.numel() == 3000 and int(grown.abs().sum()) == 0
-    assert grown.data_ptr() >= first.data_ptr() + 4 * first.numel()  # past every counter handed out
-    big = runtime.tickets(dev, runtime.TICKET_POOL_SIZE)             # more than the pool has left: a new pool
-    assert len(fills) == 2 and big.numel() == runtime.TICKET_POOL_SIZE and int(big.abs().sum()) == 0
-    # inside a CUDA graph capture no pool is made (the graph would re-zero it under other streams' counters): the
-    # counters get a fill of their own, and the pool stays as it was
-    pool_before = runtime._TICKET_POOL[(dev.type, dev.index)]
-    monkeypatch.setattr(runtime, "_capturing", lambda device: True)
-    monkeypatch.setattr(runtime, "_TICKETS", {})
-    own = runtime.tickets(dev, runtime.TICKET_POOL_SIZE)
-    assert len(fills) == 3 and own.numel() == runtime.TICKET_POOL_SIZE and int(own.abs().sum()) == 0
-    assert runtime._TICKET_POOL[(dev.type, dev.index)] is pool_before and own.data_ptr() != pool_before[0].data_ptr()
-
-
-def test_fused_combine_up_to_fused_max_splits(seed, monkeypatch):
-    """The split count decides where the splits are merged: in the decode launch up to FUSED_MAX_SPLITS, by
-    combine.py's kernel beyond, unless the call is eager (no CUDA graph capture) and reads at most
-    EAGER_FUSED_BYTES of K/V (host-bound: one launch fewer). Both ways agree."""
-    calls = []
-    real = _decode._combine.combine_splits
-    monkeypatch.setattr(_decode._combine, "combine_splits", lambda *a, **k: calls.append(1) or real(*a, **k))
-    q = torch.randn(1, 1, 4, 32, dtype=fp32, device=DEVICE)
-    kc = torch.randn(1, 16 * (_decode.FUSED_MAX_SPLITS + 1), 1, 32, dtype=fp32, device=DEVICE)
-    kv_bytes = 2 * kc.numel() * kc.element_size()
-    outs = {}
-    for limit, capturing in ((kv_bytes - 1, False), (kv_bytes, True), (kv_bytes, False)):
-        monkeypatch.setattr(_decode, "EAGER_FUSED_BYTES", limit)
-        monkeypatch.setattr(_decode, "_capturing", lambda device, c=capturing: c)
-        eager_small = limit >= kv_bytes and not capturing
-        for n, separate in ((2, 0), (_decode.FUSED_MAX_SPLITS, 0), (_decode.FUSED_MAX_SPLITS + 1, 1)):
-            calls.clear()
-            outs[(limit, capturing, n)] = out = flash_attn_with_kvcache(q, kc, kc, num_splits=n)
-            assert out.isfinite().all()
-            assert len(calls) == (0 if eager_small else separate), (limit, capturing, n)
-    n = _decode.FUSED_MAX_SPLITS + 1
-    torch.testing.assert_close(outs[(kv_bytes, False, n)], outs[(kv_bytes, True, n)], rtol=1e-6, atol=1e-6)
-    assert _decode.fuse_combine(n, kv_bytes, torch.device(DEVICE)) is True
-    monkeypatch.setattr(_decode, "_capturing", lambda device: True)
-    assert _decode.fuse_combine(n, kv_bytes, torch.device(DEVICE)) is False
-    assert _decode.fuse_combine(_decode.FUSED_MAX_SPLITS, kv_bytes, torch.device(DEVICE)) is True
-    monkeypatch.setattr(_decode, "CONFIG_OVERRIDE", {"fused_combine": False})
-    assert _decode.fuse_combine(2, 0, torch.device(DEVICE)) is False
 
 
 def test_int_cache_seqlens_equals_tensor(seed):
@@ -300,18 +211,3 @@ def test_rotary_table_too_short_raises():
     with pytest.raises(ValueError, match=re.escape("rotary_cos.shape[1]")):
         big = torch.ones(40, 9, dtype=fp16, device=DEVICE)
         flash_attn_with_kvcache(**args, k=k, v=k.clone(), rotary_cos=big, rotary_sin=big, cache_seqlens=3)
-
-
-def test_gluon_fuse_combine_rule(monkeypatch):
-    """dispatch.gluon_fuse_combine: the Gluon paged decode merges its splits in its launch only in eager calls
-    reading at most decode.EAGER_FUSED_BYTES of K/V (host-bound: one launch instead of two), by combine.py's kernel
-    otherwise; decode.CONFIG_OVERRIDE["fused_combine"] decides where set."""
-    cpu = torch.device("cpu")
-    assert dispatch.gluon_fuse_combine(_decode.EAGER_FUSED_BYTES, cpu)
-    assert not dispatch.gluon_fuse_combine(_decode.EAGER_FUSED_BYTES + 1, cpu)
-    monkeypatch.setattr(dispatch, "_capturing", lambda device: True)
-    assert not dispatch.gluon_fuse_combine(1 << 20, cpu)
-    monkeypatch.setattr(_decode, "CONFIG_OVERRIDE", {"fused_combine": True})
-    assert dispatch.gluon_fuse_combine(1 << 40, cpu)
-    monkeypatch.setattr(_decode, "CONFIG_OVERRIDE", {"fused_combine": False})
-    assert not dispatch.gluon_fuse_combine(1, cpu)
