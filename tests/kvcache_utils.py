@@ -174,21 +174,13 @@ def reference(c: KCase, q, k_after, v_after, seqlens, leftpad, cos, sin, alibi, 
     return torch.cat(outs), torch.cat(lses)
 
 
-def run_case(c: KCase, seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    q, k_log, v_log, seqlens, leftpad, k_new, v_new, cos, sin, alibi = make_problem(c, gen)
-    k_cache, table, idx = physical_cache(c, k_log, torch.Generator().manual_seed(seed + 1))
-    v_cache, _, _ = physical_cache(c, v_log, torch.Generator().manual_seed(seed + 1))
-    k_before, v_before = k_cache.clone(), v_cache.clone()
-    out, lse = flash_attn_with_kvcache(
-        q, k_cache, v_cache, k=k_new, v=v_new, rotary_cos=cos, rotary_sin=sin,
-        cache_seqlens=seqlens.to(torch.int32).to(DEVICE), cache_batch_idx=idx,
-        cache_leftpad=None if leftpad is None else leftpad.to(torch.int32).to(DEVICE), block_table=table,
-        causal=c.causal, window_size=c.window, softcap=c.softcap, rotary_interleaved=c.interleaved,
-        alibi_slopes=alibi, num_splits=c.num_splits, return_softmax_lse=True)
-    assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (c.b, c.h, c.sq)
-
-    # the cache: appended rows hold the (rotated) new k / v, every other position is untouched
+def check_append(c: KCase, k_cache, v_cache, k_before, v_before, table, idx, k_log, v_log, k_new, v_new, seqlens,
+                 leftpad, cos, sin):
+    """The caches after an append of k_new / v_new (None: no append) into k_cache / v_cache (laid out by
+    physical_cache, k_before / v_before their copies from before): the appended rows hold the new v and the new k
+    rotated (within a rounding of the float64 rotation), every other logical position is untouched, and nothing
+    outside the logical cache was written (spare pages, other cache rows). Returns the float64 logical caches
+    expected after the append (k_exp, v_exp)."""
     k_exp = expected_cache(c, k_log, k_new, seqlens, leftpad, cos, sin, rotate=True)
     v_exp = expected_cache(c, v_log, v_new, seqlens, leftpad, cos, sin, rotate=False)
     k_got = logical_from_physical(c, k_cache, table, idx)
@@ -204,14 +196,34 @@ def run_case(c: KCase, seed: int):
         tol = {fp16: 2e-3, bf16: 1.6e-2, fp32: 1e-6}[c.dtype]
         torch.testing.assert_close(k_got[written].double(), k_exp[written], rtol=tol, atol=tol)
     # physical buffers: no write outside the logical cache (spare pages / other cache rows intact)
-    touched_k = (k_cache != k_before).any(dim=(-1, -2))
+    touched = ((k_cache != k_before) | (v_cache != v_before)).any(dim=(-1, -2))
     if table is not None:
         used_pages = set(int(x) for x in table.flatten().tolist() if x >= 0)
-        pages_touched = set(touched_k.any(dim=1).nonzero().flatten().tolist())
+        pages_touched = set(touched.any(dim=1).nonzero().flatten().tolist())
         assert pages_touched <= used_pages, f"pages outside the block table were written [{c.id}]"
     elif idx is not None:
-        rows_touched = set(touched_k.any(dim=1).nonzero().flatten().tolist())
+        rows_touched = set(touched.any(dim=1).nonzero().flatten().tolist())
         assert rows_touched <= set(idx.tolist()), f"cache rows outside cache_batch_idx were written [{c.id}]"
+    return k_exp, v_exp
+
+
+def run_case(c: KCase, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    q, k_log, v_log, seqlens, leftpad, k_new, v_new, cos, sin, alibi = make_problem(c, gen)
+    k_cache, table, idx = physical_cache(c, k_log, torch.Generator().manual_seed(seed + 1))
+    v_cache, _, _ = physical_cache(c, v_log, torch.Generator().manual_seed(seed + 1))
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    out, lse = flash_attn_with_kvcache(
+        q, k_cache, v_cache, k=k_new, v=v_new, rotary_cos=cos, rotary_sin=sin,
+        cache_seqlens=seqlens.to(torch.int32).to(DEVICE), cache_batch_idx=idx,
+        cache_leftpad=None if leftpad is None else leftpad.to(torch.int32).to(DEVICE), block_table=table,
+        causal=c.causal, window_size=c.window, softcap=c.softcap, rotary_interleaved=c.interleaved,
+        alibi_slopes=alibi, num_splits=c.num_splits, return_softmax_lse=True)
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (c.b, c.h, c.sq)
+
+    # the cache: appended rows hold the (rotated) new k / v, every other position is untouched
+    k_exp, v_exp = check_append(c, k_cache, v_cache, k_before, v_before, table, idx, k_log, v_log, k_new, v_new,
+                                seqlens, leftpad, cos, sin)
 
     # attention over the cache
     ref = reference(c, q, k_exp, v_exp.double(), seqlens, leftpad, cos, sin, alibi, upcast=True)
