@@ -3,10 +3,11 @@ caches (page sizes 16/64/256), cache_batch_idx, cache_leftpad, seqlen_q > 1, GQA
 split counts, against the float64 oracle; int and default cache_seqlens, an empty cache; argument validation.
 
 The modules below the entry point have files of their own: tests/test_decode.py (the split-KV decode kernel, its
-config, num_splits heuristic and plan) and tests/test_combine.py (the merge of the splits). The oracle (KCase,
-run_case: rotated appends, the cache's layouts, the float64 reference and the flash-attn tolerance rule) lives in
-tests/kvcache_utils.py. fp16, bf16 and fp32 all run on the CPU (tests/test_dtypes_cpu.py adds every entry point in
-each).
+config, num_splits heuristic and plan), tests/test_combine.py (the merge of the splits), tests/test_rotary.py
+(rotary_q, append_kv) and tests/test_mods.py (the masks, block ranges and softmax step every kernel shares). The
+oracle (KCase, run_case: rotated appends, the cache's layouts, the float64 reference and the flash-attn tolerance
+rule) lives in tests/kvcache_utils.py. fp16, bf16 and fp32 all run on the CPU (tests/test_dtypes_cpu.py adds every
+entry point in each).
 """
 import re
 
