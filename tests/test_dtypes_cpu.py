@@ -6,7 +6,7 @@ fp32 -> bf16 conversions drop the low bits instead of rounding to nearest. The k
 mods.mma and every conversion between fp32 and a 16-bit float through mods.to_dtype, which work around both under
 the interpreter only; this file pins that each entry point then gets bf16 right, with fp32 and fp16 checked the
 same way beside it. One small problem per entry point and dtype (the interpreter is slow); the feature matrices
-live in the per-feature files, whose harnesses are reused here (test_kvcache.run_case, test_varlen.check_varlen,
+live in the per-feature files, whose harnesses are reused here (kvcache_utils.run_case, test_varlen.check_varlen,
 flex_utils.run_and_check). bf16 elsewhere on the CPU: ring attention (tests/test_ring.py), the benchmark runner's
 check (tests/bench/test_bench.py), a bf16 training run against eager (tests/test_examples.py).
 """
@@ -26,7 +26,7 @@ from flashtile.varlen import (flash_attn_varlen_func, flash_attn_varlen_kvpacked
                               flash_attn_varlen_qkvpacked_func)
 from flex_utils import (keep_period_mask, run_and_check, sig_key_bias, sig_key_bias_dcaptured, sig_key_bias_grad,
                         t_alibi, t_causal, t_keep_period, t_sig_key_bias)
-from test_kvcache import KCase, run_case
+from kvcache_utils import KCase, run_case
 from test_varlen import VCase, check_varlen, cu, packed_inputs, paged_from_packed, varlen_reference
 
 fp16, fp32, bf16 = torch.float16, torch.float32, torch.bfloat16

@@ -1,10 +1,10 @@
 """Varlen, KV-cache decoding and split-KV on a CUDA GPU at realistic sizes (skipped without CUDA).
 
-The same oracles as the CPU tests (tests/test_varlen.py, tests/test_kvcache.py), scaled up: caches of 32k
-positions, paged caches (pages of 16 / 64 / 256), GQA 8:1 (nheads 32 / nheads_k 4, 16 / 2), head dims 64 / 128 /
-256, bf16 (which the CPU interpreter cannot test) next to fp16, automatic and fixed split counts. Run with
-``pytest tests/gpu/test_varlen_kvcache_gpu.py`` on an H100/H200; a few minutes, most of it Triton compilation
-and the float64 oracle.
+The same oracles as the CPU tests (tests/test_varlen.py; tests/test_kvcache.py and tests/test_decode.py, whose
+oracle is tests/kvcache_utils.py), scaled up: caches of 32k positions, paged caches (pages of 16 / 64 / 256),
+GQA 8:1 (nheads 32 / nheads_k 4, 16 / 2), head dims 64 / 128 / 256, bf16 (which the CPU interpreter cannot test)
+next to fp16, automatic and fixed split counts. Run with ``pytest tests/gpu/test_varlen_kvcache_gpu.py`` on an
+H100/H200; a few minutes, most of it Triton compilation and the float64 oracle.
 """
 import pytest
 import torch
@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
     pytest.skip("CUDA-only tests", allow_module_level=True)
 
 import flashtile  # noqa: E402,F401
-from test_kvcache import KCase, make_problem, physical_cache, reference, run_case  # noqa: E402
+from kvcache_utils import KCase, make_problem, physical_cache, reference, run_case  # noqa: E402
 from test_varlen import (VCase, check_varlen, cu, packed_inputs, paged_from_packed,  # noqa: E402
                          varlen_reference)
 from attn_utils import assert_within_rule  # noqa: E402
