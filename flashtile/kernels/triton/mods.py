@@ -185,7 +185,7 @@ def online_softmax_step(m_i, l_i, s, MASKED: tl.constexpr, scale=1.0):
     Returns (m_new, p, alpha, l_new): m_new = max(m_i, rowmax(s) * scale), P~ = exp2(s * scale - m_new),
     alpha = exp2(m_i - m_new) (the factor by which the caller rescales its accumulator before adding P~ V,
     Alg. 1 line 10), l_new = alpha * l_i + rowsum(P~). MASKED: a row that has seen no visible key yet keeps
-    m = -inf and is exponentiated against 0, so P~ = 0 and alpha = 1 instead of NaN.
+    m = -inf and is exponentiated against 0, so P~ = 0 and alpha = 0 instead of NaN (its l and accumulator are 0).
     scale (> 0): raw q.k products may come in with the softmax scale still to apply; the max commutes with
     it, so the scale costs one multiply per row for m and rides in exp2's argument as one FMA per element
     ("exp2 with the scale folded in"), instead of a multiply of the whole tile. Already-scaled scores pass 1.0,
