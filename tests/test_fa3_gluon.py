@@ -75,6 +75,50 @@ def test_backward_ineligible_problems(kw, params):
     assert not fa3.eligible(*_qkv(**kw), params, backward=True)
 
 
+def _block_mask(s, block_size, heads=None):
+    """A sliding window with sinks (heads: a window per head)."""
+    from flashtile.blocksparse import create_block_mask
+    bm = create_block_mask(lambda b, h, q, kv: (kv <= q) & ((q - kv < 300 + (h * 200 if heads else 0)) | (kv < 4)),
+                           None, heads, s, s, BLOCK_SIZE=block_size, device="cpu")
+    return bm.kernel_args(*_qkv(sq=s, sk=s, h=heads or 4, hk=heads or 4)[:2])[1]
+
+
+def test_flex_features_eligible():
+    """The forward and backward take flashtile.flex's features of dense problems; not dBias, block masks of
+    blocks smaller than 128 (a tile would span two), varlen, nor (the backward) per-head lists for a group of query
+    heads sharing a KV head."""
+    from flashtile.kernels.params import UserMods
+    q, k, v = _qkv()
+    mods = UserMods(mask_mod=object(), mask_aux=(0, ))
+    bias, mask = torch.zeros(1, 4, 1024, 1024), torch.ones(1, 1, 1024, 1024, dtype=torch.bool)
+    for backward in (False, True):
+        assert fa3.eligible(q, k, v, FULL, mods=mods, backward=backward)
+        assert fa3.eligible(q, k, v, CAUSAL, bias=bias, mask=mask, backward=backward)
+        assert fa3.eligible(q, k, v, FULL, sparse=_block_mask(1024, 256), backward=backward)
+        assert not fa3.eligible(q, k, v, FULL, sparse=_block_mask(1024, 64), backward=backward)
+        assert not fa3.eligible(q, k, v, FULL, bias=bias, dbias=torch.zeros(1), backward=backward)
+        assert not fa3.eligible(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), FULL, mods=mods,
+                                cu_seqlens_q=torch.tensor([0, 1024, 2048], dtype=torch.int32), backward=backward)
+    qg, kg, vg = _qkv(h=4, hk=2)
+    per_head = _block_mask(1024, 128, heads=4)
+    assert fa3.eligible(qg, kg, vg, FULL, sparse=per_head)
+    assert not fa3.eligible(qg, kg, vg, FULL, sparse=per_head, backward=True)
+    assert fa3.eligible(qg, kg, vg, FULL, sparse=_block_mask(1024, 128), backward=True)
+
+
+def test_backward_programs_longest_first():
+    """A key block every query sees (attention sinks) starts first in every head; the rest keep the grid's order
+    (one head's key blocks after another)."""
+    s, batch, nheads, nheads_k = 1024, 2, 4, 2
+    order = fa3.longest_first(_block_mask(s, 128), batch, nheads, nheads_k, s, 128).tolist()
+    n_kv = s // 128
+    n_bh = batch * nheads_k
+    assert sorted(order) == list(range(n_bh * n_kv))
+    assert order[:n_bh] == [bh * n_kv for bh in range(n_bh)]      # every head's key block 0 (the sinks) first
+    rest = order[n_bh:]
+    assert rest == sorted(rest)
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_flash_bwd_dispatch(deterministic, monkeypatch):
     """Where fa3 supports a backward, dispatch.flash_bwd hands it (with Delta from the preprocess kernel) to fa3.bwd,
@@ -178,13 +222,16 @@ def test_kernels_compile_for_sm90():
     specs += [f"bwd,{d},{c},bf16" for d in sorted(fa3.BWD_CONFIGS) for c in (0, 1)] + ["bwd,64,1,fp16"]
     specs += [f"bwdx,{d},{f},bf16" for d in sorted(fa3.BWD_CONFIGS) for f in
               ("causal+tail", "left+right+tail", "softcap+alibi", "causal+varlen+tail+softcap+alibi")]
+    # flashtile.flex's features (tests/fa3_compile_check.py FLEX): mods, masks, a bias, block masks
+    specs += ["fwdx,128,scoremod+maskmod+causal,bf16", "fwdx,64,sparse+mask+bias,bf16",
+              "bwdx,128,sparse+scoremod+maskmod,bf16", "bwdx,64,mask+bias+causal,fp16"]
     specs += [f"fp8,{d},{c},bf16" for d in sorted(fa3.FP8_CONFIGS) for c in (0, 1)] + ["fp8,128,0,fp16"]
     # the paged decode (gluon/_decode.py), every page size of its table, both epilogues, both head dims
     specs += [f"paged,{d},{c},{dt},{page}" for page in sorted(paged.PAGE_CONFIGS) for d, c, dt in
               ((128, 0, "bf16"), (64, 1, "fp16"))]
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT))
     res = subprocess.run([sys.executable, str(ROOT / "tests" / "fa3_compile_check.py"), *specs], env=env,
-                         capture_output=True, text=True, timeout=900)
+                         capture_output=True, text=True, timeout=1500)
     assert res.returncode == 0, res.stderr[-3000:]
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("ok ")]
     assert len(lines) == len(specs), res.stdout

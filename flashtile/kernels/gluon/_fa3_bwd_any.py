@@ -68,7 +68,9 @@ def _step(t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs, p_
           seq, score, flex, wg: gl.constexpr, s_layout: gl.constexpr, dq_init, turns, BLOCK_M: gl.constexpr,
           BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
           HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-          TAIL: gl.constexpr, SKIP: gl.constexpr, EMPTY: gl.constexpr, USER: gl.constexpr):
+          TAIL: gl.constexpr, SKIP: gl.constexpr, EMPTY: gl.constexpr, SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr,
+          HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr, SPARSE_BLOCK: gl.constexpr, SCORE_GRAD: gl.constexpr,
+          SCORE_CAPTURED_GRAD: gl.constexpr):
     """Iteration t of consumer warpgroup wg: query block i of head h against the warpgroup's 64 keys (Algorithm 2
     lines 8-20); lse_row: the head's LSE / Delta row (lse_ptr, delta_ptr + lse_row); seq: (len_q, len_k,
     window); score: _scores_log2's (slope of head h). Returns dK_w, dV_w and where this step's dQ tile goes: it is
@@ -110,17 +112,20 @@ def _step(t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs, p_
                 dk, dv = _products(t, q_start, c0, some, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs.index(s),
                                    do_bufs.index(s), p_smem, ds_bufs, dq_smem, ds_ready, ds_free, dq_desc, rows,
                                    sm_scale, qk_scale, seq, score, flex, wg, s_layout, dq_init, turns, BLOCK_M,
-                                   PINGPONG, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, USER)
+                                   PINGPONG, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, SCORE_MOD, MASK_MOD, HAS_BIAS,
+                                   HAS_MASK, SPARSE_BLOCK, SCORE_GRAD, SCORE_CAPTURED_GRAD)
         else:
             dk, dv = _products(t, q_start, c0, some, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs.index(s),
                                do_bufs.index(s), p_smem, ds_bufs, dq_smem, ds_ready, ds_free, dq_desc, rows,
                                sm_scale, qk_scale, seq, score, flex, wg, s_layout, dq_init, turns, BLOCK_M,
-                               PINGPONG, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, USER)
+                               PINGPONG, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, SCORE_MOD, MASK_MOD, HAS_BIAS,
+                               HAS_MASK, SPARSE_BLOCK, SCORE_GRAD, SCORE_CAPTURED_GRAD)
     else:
         dk, dv = _products(t, q_start, c0, False, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs.index(s),
                            do_bufs.index(s), p_smem, ds_bufs, dq_smem, ds_ready, ds_free, dq_desc, rows,
                            sm_scale, qk_scale, seq, score, flex, wg, s_layout, dq_init, turns, BLOCK_M, PINGPONG,
-                           HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, USER)
+                           HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, SCORE_MOD, MASK_MOD, HAS_BIAS, HAS_MASK,
+                           SPARSE_BLOCK, SCORE_GRAD, SCORE_CAPTURED_GRAD)
     mbarrier.arrive(qdo_empty.index(s), count=1)   # Q_i, dO_i read by every product: the buffer may refill
     return dk, dv, q_row0 + q_start + DQ_ROW, h * HEAD_D + DQ_COL
 
@@ -150,15 +155,15 @@ def _products(t, q_start, c0, hidden, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, 
               ds_ready, ds_free, dq_desc, rows, sm_scale, qk_scale, seq, score, flex,
               wg: gl.constexpr, s_layout: gl.constexpr, dq_init, turns, BLOCK_M: gl.constexpr,
               PINGPONG: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-              ALIBI: gl.constexpr, TAIL: gl.constexpr, USER: gl.constexpr):
+              ALIBI: gl.constexpr, TAIL: gl.constexpr, SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr,
+              HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr, SPARSE_BLOCK: gl.constexpr, SCORE_GRAD: gl.constexpr,
+              SCORE_CAPTURED_GRAD: gl.constexpr):
     """Algorithm 2 lines 11-19 of a step: S, dP, P (masked where `hidden`: some pair of the tile is), dS, then
     dV_w, dK_w and dQ_{t-1}'s product. rows: the block's query indices, L_i (log2 units) and D_i. Returns dK_w,
     dV_w. flex: (user, partial, score_aux_grad): the forward's _user_scores on S (element masks where `partial`),
     dS through score_mod's derivative, its captured tensors' gradients added (this program is the only one that
-    visits the tile). USER: (SCORE_MOD, MASK_MOD, HAS_BIAS, HAS_MASK, SPARSE_BLOCK, SCORE_GRAD,
-    SCORE_CAPTURED_GRAD)."""
+    visits the tile)."""
     MASKED: gl.constexpr = HAS_LEFT or HAS_RIGHT or TAIL
-    SCORE_MOD, MASK_MOD, HAS_BIAS, HAS_MASK, SPARSE_BLOCK, SCORE_GRAD, SCORE_CAPTURED_GRAD = USER
     FLEX: gl.constexpr = SCORE_MOD is not None or MASK_MOD is not None or HAS_BIAS or HAS_MASK
     user, partial, score_aux_grad = flex
     dtype: gl.constexpr = q_s.dtype
@@ -179,8 +184,8 @@ def _products(t, q_start, c0, hidden, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, 
     if FLEX:
         cols = c0 + gl.arange(0, WG_N, layout=gl.SliceLayout(0, s_layout))
         s2, tanh = _scores_log2(sc, q_idx, cols, len_q, len_k, score, SOFTCAP, ALIBI)
-        FWD_USER: gl.constexpr = (SCORE_MOD, MASK_MOD, HAS_BIAS, HAS_MASK, SPARSE_BLOCK)
-        s2, s_in = _user_scores(s2, q_idx, cols, len_q, len_k, user, partial, FWD_USER)
+        s2, s_in = _user_scores(s2, q_idx, cols, len_q, len_k, user, partial, SCORE_MOD, MASK_MOD, HAS_BIAS,
+                                HAS_MASK, SPARSE_BLOCK)
         p = gl.exp2(s2 - gl.expand_dims(lse2, 1))
     elif SOFTCAP or ALIBI:
         s2, tanh = _scores_log2(sc, q_idx, c0 + gl.arange(0, WG_N, layout=gl.SliceLayout(0, s_layout)), len_q,
@@ -231,14 +236,15 @@ def _consumer_partition(wg: gl.constexpr, k_smem, v_smem, q_bufs, do_bufs, p_buf
                         qk_scale, seq, alibi, flex, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                         HEAD_D: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, VARLEN: gl.constexpr,
                         HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-                        TAIL: gl.constexpr, SKIP: gl.constexpr, EMPTY: gl.constexpr, USER: gl.constexpr):
+                        TAIL: gl.constexpr, SKIP: gl.constexpr, EMPTY: gl.constexpr, SCORE_MOD: gl.constexpr,
+                        SCORE_GRAD: gl.constexpr, SCORE_CAPTURED_GRAD: gl.constexpr, MASK_MOD: gl.constexpr,
+                        HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr, SPARSE_BLOCK: gl.constexpr):
     """Consumer warpgroup `wg`: key rows [wg * 64, wg * 64 + 64) of the program's block through every query block
     (per query head of the group), then its rows of dK_j, dV_j (Algorithm 2 line 22). lse_rows: (stride_lse_b,
     stride_lse_h, the sequence's first LSE column); dkv: the dK / dV descriptors, pointers and row strides; seq:
     (len_q, len_k, window); alibi: (slopes, their batch stride, softcap log2 e); flex: (the key block's row of the
     block mask's transposed lists, the lists, score_aux, mask_aux, score_aux_grad, attn_bias's and the mask's
     pointers and strides) with a block mask's next query block read a step ahead of its use."""
-    SCORE_MOD, MASK_MOD, HAS_BIAS, HAS_MASK, SPARSE_BLOCK, SCORE_GRAD, SCORE_CAPTURED_GRAD = USER
     srow, sparse, score_aux, mask_aux, score_aux_grad, bias_t, mask_t = flex
     WG_N: gl.constexpr = BLOCK_N // 2          # key rows of this warpgroup
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -274,7 +280,8 @@ def _consumer_partition(wg: gl.constexpr, k_smem, v_smem, q_bufs, do_bufs, p_buf
             qdo_ready, qdo_empty, ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr,
             b * stride_lse_b + h * stride_lse_h + lse_col0, kv_start, q_row0, sm_scale, qk_scale, seq,
             (qk_scale, softcap_log2, slope_log2), (user, partial, score_aux_grad), wg, s_layout, dq_init, turns,
-            BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, SKIP, EMPTY, USER)
+            BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, SKIP, EMPTY,
+            SCORE_MOD, MASK_MOD, HAS_BIAS, HAS_MASK, SPARSE_BLOCK, SCORE_GRAD, SCORE_CAPTURED_GRAD)
     # the last query block's dQ, issued first: dK_j and dV_j (line 22) are stored while it runs - by TMA, or (TAIL:
     # key rows past the sequence) by masked pointer stores
     dq_tok = _dq_product(ds_bufs, ds_ready, k_smem, dq_init, n_iters - 1, wg, WG_N, BLOCK_M)
@@ -310,12 +317,13 @@ def fa3_bwd_any_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_
                    cu_seqlens_q, cu_seqlens_k, alibi_ptr,
                    stride_lse_b, stride_lse_h, stride_dk_row, stride_dv_row, stride_alibi_b, seqlen_q, seqlen_k,
                    nheads_k, group, sm_scale, qk_scale, softcap_log2, window_left, window_right, bias_t, mask_t,
-                   sparse, score_aux, mask_aux, score_aux_grad, order_ptr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                   sparse, score_aux, mask_aux, score_aux_grad, order_ptr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                    P_LAYOUT: gl.constexpr, PINGPONG: gl.constexpr, VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr,
                    HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, TAIL: gl.constexpr,
                    SKIP: gl.constexpr, EMPTY: gl.constexpr, SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr,
-                   SCORE_CAPTURED_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, HAS_BIAS: gl.constexpr,
-                   HAS_MASK: gl.constexpr, SPARSE_BLOCK: gl.constexpr, num_warps: gl.constexpr):
+                   SCORE_CAPTURED_GRAD: gl.constexpr, MASK_MOD: gl.constexpr,
+                   HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr, SPARSE_BLOCK: gl.constexpr, num_warps: gl.constexpr):
     """Grid (cdiv(seqlen_k, BLOCK_N), batch * nheads_k); BLOCK_N = 2 x 64 key rows (one 64-row half per consumer
     warpgroup, num_warps = 4), BLOCK_M query rows per step. k/v descriptors: 2-D views (rows, nheads_k * HEAD_D),
     blocks (BLOCK_N, HEAD_D); q/dO: (rows, nheads * HEAD_D), blocks (BLOCK_M, HEAD_D); rows = batch * seqlen
@@ -375,18 +383,19 @@ def fa3_bwd_any_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_
     dkv = (dk_desc, dv_desc, dk_ptr, dv_ptr, stride_dk_row, stride_dv_row)
     alibi = (alibi_ptr, stride_alibi_b, softcap_log2)
     flex = (srow, sparse, score_aux, mask_aux, score_aux_grad, bias_t, mask_t)
-    USER: gl.constexpr = (SCORE_MOD, MASK_MOD, HAS_BIAS, HAS_MASK, SPARSE_BLOCK, SCORE_GRAD, SCORE_CAPTURED_GRAD)
     gl.warp_specialize([
         (_consumer_partition, (0, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, qdo_ready,
                                qdo_empty, ds_ready, ds_free, turns, dq_desc, lse_ptr, delta_ptr, lse_rows, dkv, kv_row,
                                hk * HEAD_D, b, kv_start, q_row0, n_iters, n_i, i_start, hk, group, sm_scale, qk_scale,
                                seq, alibi, flex, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, VARLEN, HAS_LEFT,
-                               HAS_RIGHT, SOFTCAP, ALIBI, TAIL, SKIP, EMPTY, USER)),
+                               HAS_RIGHT, SOFTCAP, ALIBI, TAIL, SKIP, EMPTY, SCORE_MOD, SCORE_GRAD,
+                               SCORE_CAPTURED_GRAD, MASK_MOD, HAS_BIAS, HAS_MASK, SPARSE_BLOCK)),
         (_consumer_partition, (1, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, qdo_ready,
                                qdo_empty, ds_ready, ds_free, turns, dq_desc, lse_ptr, delta_ptr, lse_rows, dkv, kv_row,
                                hk * HEAD_D, b, kv_start, q_row0, n_iters, n_i, i_start, hk, group, sm_scale, qk_scale,
                                seq, alibi, flex, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, VARLEN, HAS_LEFT,
-                               HAS_RIGHT, SOFTCAP, ALIBI, TAIL, SKIP, EMPTY, USER)),
+                               HAS_RIGHT, SOFTCAP, ALIBI, TAIL, SKIP, EMPTY, SCORE_MOD, SCORE_GRAD,
+                               SCORE_CAPTURED_GRAD, MASK_MOD, HAS_BIAS, HAS_MASK, SPARSE_BLOCK)),
         (_load_partition, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, qdo_ready,
                            qdo_empty, kv_row, hk * HEAD_D, q_row0, n_iters, n_i, i_start, hk, group, BLOCK_M,
                            HEAD_D, STAGES, (srow, sparse, len_q), SPARSE_BLOCK)),

@@ -148,10 +148,10 @@ def _step_block(j, srow, sparse, len_k, SPARSE_BLOCK: gl.constexpr, BLOCK_N: gl.
 
 
 @gluon.jit
-def _element_masks(s, i, j, len_q, len_k, user, USER: gl.constexpr):
+def _element_masks(s, i, j, len_q, len_k, user, SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr,
+                   HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr, SPARSE_BLOCK: gl.constexpr):
     """-inf where attn_mask (or a block mask's element mask) or mask_mod hides query i from key j (elementwise's
     rules, as the Triton kernels apply them)."""
-    SCORE_MOD, MASK_MOD, HAS_BIAS, HAS_MASK, SPARSE_BLOCK = USER
     b, h, score_aux, mask_aux, bias_t, mask_t = user
     if HAS_MASK:
         mask_bh, stride_mask_m, stride_mask_n = mask_t
@@ -162,14 +162,14 @@ def _element_masks(s, i, j, len_q, len_k, user, USER: gl.constexpr):
 
 
 @gluon.jit
-def _user_scores(s, rows, cols, len_q, len_k, user, partial, USER: gl.constexpr):
+def _user_scores(s, rows, cols, len_q, len_k, user, partial, SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr,
+                 HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr, SPARSE_BLOCK: gl.constexpr):
     """flashtile.flex's features on a score tile (log2 units where it has a bias or score_mod): attn_bias and
     score_mod on every block, then the element masks (_element_masks) on `partial` ones (every block without a
     block mask, its partial blocks with one): a mask applies after score_mod, which may map -inf to a finite
     score (softcap). user: (b, h, score_aux, mask_aux, (bias of the head, its row and column strides), (the
-    mask's)); USER: (SCORE_MOD, MASK_MOD, HAS_BIAS, HAS_MASK, SPARSE_BLOCK) as fa3_fwd_kernel's. Also returns
+    mask's)); the flags as fa3_fwd_kernel's. Also returns
     score_mod's input in natural-log units (its gradient's)."""
-    SCORE_MOD, MASK_MOD, HAS_BIAS, HAS_MASK, SPARSE_BLOCK = USER
     b, h, score_aux, mask_aux, bias_t, mask_t = user
     i = gl.expand_dims(rows, 1)
     j = gl.expand_dims(cols, 0)
@@ -179,9 +179,9 @@ def _user_scores(s, rows, cols, len_q, len_k, user, partial, USER: gl.constexpr)
     s, s_in = user_mods_log2(s, b, h, i, j, score_aux, mask_aux, SCORE_MOD, None)
     if SPARSE_BLOCK > 0:
         if partial:
-            s = _element_masks(s, i, j, len_q, len_k, user, USER)
+            s = _element_masks(s, i, j, len_q, len_k, user, SCORE_MOD, MASK_MOD, HAS_BIAS, HAS_MASK, SPARSE_BLOCK)
     else:
-        s = _element_masks(s, i, j, len_q, len_k, user, USER)
+        s = _element_masks(s, i, j, len_q, len_k, user, SCORE_MOD, MASK_MOD, HAS_BIAS, HAS_MASK, SPARSE_BLOCK)
     return s, s_in
 
 
@@ -325,7 +325,8 @@ def _load_partition(loads, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N:
 @gluon.jit
 def _online_softmax(s, m_i, l_i, qk_scale, masked, rows, cols, mask, user, partial, FP8: gl.constexpr,
                     SCORED: gl.constexpr, GUARD: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                    TAIL: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, USER: gl.constexpr):
+                    TAIL: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SCORE_MOD: gl.constexpr,
+                    MASK_MOD: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr, SPARSE_BLOCK: gl.constexpr):
     MASKED: gl.constexpr = HAS_LEFT or HAS_RIGHT or TAIL
     """Algorithm 1 lines 9-10 for one S block, in base 2: m_new = max(m_i, rowmax(S2)); P~ = exp2(S2 - m_new);
     l_new = exp2(m_i - m_new) l_i + rowsum(P~), with S2 = S * qk_scale (qk_scale = softmax_scale * log2 e > 0,
@@ -335,15 +336,15 @@ def _online_softmax(s, m_i, l_i, qk_scale, masked, rows, cols, mask, user, parti
     instead of NaN, so it adds nothing. Without GUARD the warpgroup's first block has a visible key in every row.
     mask = (len_q, len_k, (left, right), score), rows / cols the block's query and key indices in the sequence.
     FP8: P~ = exp2(S * scale - m_new + log2 448) fills e4m3's range [0, 448] for the P V product; l carries the
-    same factor, so it cancels in O = acc / l (the LSE subtracts it). USER (flashtile.flex's features, `user` and
+    same factor, so it cancels in O = acc / l (the LSE subtracts it). flashtile.flex's features (`user` and
     `partial`: _user_scores) apply after softcap / ALiBi; SCORED then includes a bias or score_mod.
     (SCORED: the scores are in log2 units before the max; else they are scaled inside the exponential.)"""
-    SCORE_MOD, MASK_MOD, HAS_BIAS, HAS_MASK, SPARSE_BLOCK = USER
     len_q, len_k, window, score = mask
     if SCORED:
         s, _ = _scores_log2(s, rows, cols, len_q, len_k, score, SOFTCAP, ALIBI)
     if SCORE_MOD is not None or MASK_MOD is not None or HAS_BIAS or HAS_MASK:
-        s, _ = _user_scores(s, rows, cols, len_q, len_k, user, partial, USER)
+        s, _ = _user_scores(s, rows, cols, len_q, len_k, user, partial, SCORE_MOD, MASK_MOD, HAS_BIAS, HAS_MASK,
+                            SPARSE_BLOCK)
     if MASKED:   # (a problem without a mask compiles none of it)
         if masked:
             s = _visible(s, rows, cols, len_q, len_k, window, HAS_LEFT, HAS_RIGHT, TAIL)
@@ -391,7 +392,8 @@ def _consumer_partition(wg: gl.constexpr, shared, HEAD_D: gl.constexpr, BLOCK_M:
                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr,
                         PINGPONG: gl.constexpr, FP8: gl.constexpr, VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr,
                         HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, TAIL: gl.constexpr,
-                        GUARD: gl.constexpr, USER: gl.constexpr):
+                        GUARD: gl.constexpr, SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr,
+                        HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr, SPARSE_BLOCK: gl.constexpr):
     """Consumer warpgroup `wg`, tile after tile as the producer hands them over (the tile number in the slot of
     the Q buffer, >= n_tiles: none left): c counts the program's K / V blocks (ring position), t its turns, `it`
     its tiles (Q buffer). `shared`: the buffers, barriers and scalars it uses (as the kernel names them);
@@ -400,7 +402,6 @@ def _consumer_partition(wg: gl.constexpr, shared, HEAD_D: gl.constexpr, BLOCK_M:
      lse_ptr, stride_lse_b, stride_lse_h, q_scale_ptr, k_scale_ptr, v_scale_ptr, n_m, n_tiles, nheads, group,
      qk_scale, seq, window, epilogue, alibi, flex) = shared
     alibi_ptr, stride_alibi_b, softcap_log2 = alibi
-    SCORE_MOD, MASK_MOD, HAS_BIAS, HAS_MASK, SPARSE_BLOCK = USER
     score_aux, mask_aux, bias_t, mask_t, sparse = flex
     slot_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     c = 0
@@ -444,7 +445,8 @@ def _consumer_partition(wg: gl.constexpr, shared, HEAD_D: gl.constexpr, BLOCK_M:
         _consumer_tile(wg, q_bufs.index(qb), q_empty.index(qb), k_bufs, v_bufs, o_bufs, k_ready, v_ready, k_empty,
                        v_empty, turns, o_desc, lse_row, k_scales, v_scales, rows, mask, epilogue, lo, hi,
                        tile_scale, c, t, (user, srow, sparse), BLOCK_M, BLOCK_N, HEAD_D, STAGES, NUM_WG, PINGPONG,
-                       FP8, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, GUARD, USER)
+                       FP8, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, GUARD, SCORE_MOD, MASK_MOD, HAS_BIAS, HAS_MASK,
+                       SPARSE_BLOCK)
         c += hi - lo
         t += hi - lo + 1
         it += 1
@@ -486,7 +488,8 @@ def _consumer_tile(wg: gl.constexpr, q_smem, q_empty, k_bufs, v_bufs, o_bufs, k_
                    lo, hi, qk_scale, c, t, flex, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    HEAD_D: gl.constexpr, STAGES: gl.constexpr, NUM_WG: gl.constexpr, PINGPONG: gl.constexpr,
                    FP8: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-                   ALIBI: gl.constexpr, TAIL: gl.constexpr, GUARD: gl.constexpr, USER: gl.constexpr):
+                   ALIBI: gl.constexpr, TAIL: gl.constexpr, GUARD: gl.constexpr, SCORE_MOD: gl.constexpr,
+                   MASK_MOD: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr, SPARSE_BLOCK: gl.constexpr):
     """Consumer warpgroup `wg` on one tile: rows [wg * BLOCK_M, (wg + 1) * BLOCK_M) of its Q tile (in q_smem),
     through the whole key loop (Algorithm 1 lines 6-11), then its part of the epilogue (lines 12-15). The tile's
     key blocks are [lo, hi) (_tile_blocks); block j is the program's block c + j - lo (ring buffer
@@ -495,10 +498,9 @@ def _consumer_tile(wg: gl.constexpr, q_smem, q_empty, k_bufs, v_bufs, o_bufs, k_
     FP8 (FA3 §3.3): Q, K, V^T are e4m3 with one descale per block; qk_scale already holds Q_i's, K_j's joins it
     per block (k_scale_ptr[j]), and V_j's (v_scale_ptr[j]) rides on the row rescale: acc is kept in units of
     the last V block's descale, so block quantization costs a scalar per block.
-    flex: (user, the tile's block-mask row (_sparse_row), the block mask's lists): with a block mask (USER's
-    SPARSE_BLOCK) step j reads key block _sparse_block(j), every warpgroup runs every step, and the element masks
+    flex: (user, the tile's block-mask row (_sparse_row), the block mask's lists): with a block mask
+    (SPARSE_BLOCK) step j reads key block _sparse_block(j), every warpgroup runs every step, and the element masks
     apply on the partial blocks' steps."""
-    SCORE_MOD, MASK_MOD, HAS_BIAS, HAS_MASK, SPARSE_BLOCK = USER
     SCORED: gl.constexpr = SOFTCAP or ALIBI or SCORE_MOD is not None or HAS_BIAS
     user, srow, sparse = flex
     dtype: gl.constexpr = q_smem.dtype
@@ -558,7 +560,8 @@ def _consumer_tile(wg: gl.constexpr, q_smem, q_empty, k_bufs, v_bufs, o_bufs, k_
     mbarrier.arrive(k_empty.index(first), count=1)
     masked = (kb < full_lo) | (kb >= full_hi)
     p, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, scale_j, masked, q_rows, kb * BLOCK_N + key_cols, mask, user,
-                                         partial, FP8, SCORED, GUARD, HAS_LEFT, HAS_RIGHT, TAIL, SOFTCAP, ALIBI, USER)
+                                         partial, FP8, SCORED, GUARD, HAS_LEFT, HAS_RIGHT, TAIL, SOFTCAP, ALIBI,
+                                         SCORE_MOD, MASK_MOD, HAS_BIAS, HAS_MASK, SPARSE_BLOCK)
     p = _p_operand(p, dtype, p_layout, BLOCK_M, BLOCK_N, FP8)
     for j in range(mine_lo + 1, mine_hi):
         cur = (c + j) % STAGES
@@ -588,7 +591,7 @@ def _consumer_tile(wg: gl.constexpr, q_smem, q_empty, k_bufs, v_bufs, o_bufs, k_
         masked = (kb < full_lo) | (kb >= full_hi)
         p_next, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, scale_j, masked, q_rows, kb * BLOCK_N + key_cols,
                                                   mask, user, partial, FP8, SCORED, GUARD, HAS_LEFT, HAS_RIGHT, TAIL,
-                                                  SOFTCAP, ALIBI, USER)
+                                                  SOFTCAP, ALIBI, SCORE_MOD, MASK_MOD, HAS_BIAS, HAS_MASK, SPARSE_BLOCK)
         if FP8:   # (the wait cannot carry 8-bit registers; the e4m3 P~ is a temporary of this turn)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, ))
         else:
@@ -794,24 +797,28 @@ def fa3_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_scale_ptr, k_scale
               (score_aux, mask_aux, bias_t, mask_t, sparse))
     loads = (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
              slots, counter_ptr, n_m, n_tiles, nheads, group, seq, window, sparse)
-    USER: gl.constexpr = (SCORE_MOD, MASK_MOD, HAS_BIAS, HAS_MASK, SPARSE_BLOCK)
     if NUM_WG == 2:
         gl.warp_specialize([
             (_consumer_partition, (0, shared, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8, VARLEN,
-                                   HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, GUARD, USER)),
+                                   HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, GUARD, SCORE_MOD, MASK_MOD,
+                                   HAS_BIAS, HAS_MASK, SPARSE_BLOCK)),
             (_consumer_partition, (1, shared, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8, VARLEN,
-                                   HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, GUARD, USER)),
+                                   HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, GUARD, SCORE_MOD, MASK_MOD,
+                                   HAS_BIAS, HAS_MASK, SPARSE_BLOCK)),
             (_load_partition, (loads, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, FP8, VARLEN, HAS_LEFT,
                                HAS_RIGHT, SPARSE_BLOCK)),
         ], [4, 1], [CONSUMER_REGS, 24])
     else:
         gl.warp_specialize([
             (_consumer_partition, (0, shared, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8, VARLEN,
-                                   HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, GUARD, USER)),
+                                   HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, GUARD, SCORE_MOD, MASK_MOD,
+                                   HAS_BIAS, HAS_MASK, SPARSE_BLOCK)),
             (_consumer_partition, (1, shared, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8, VARLEN,
-                                   HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, GUARD, USER)),
+                                   HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, GUARD, SCORE_MOD, MASK_MOD,
+                                   HAS_BIAS, HAS_MASK, SPARSE_BLOCK)),
             (_consumer_partition, (2, shared, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8, VARLEN,
-                                   HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, GUARD, USER)),
+                                   HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, GUARD, SCORE_MOD, MASK_MOD,
+                                   HAS_BIAS, HAS_MASK, SPARSE_BLOCK)),
             (_load_partition, (loads, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, FP8, VARLEN, HAS_LEFT,
                                HAS_RIGHT, SPARSE_BLOCK)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
