@@ -104,7 +104,6 @@ def compile_fwd(head_dim: int, causal: bool, dtype: torch.dtype, seqlen: int = 1
     runtime = _fwd_runtime(t, t, t, t, lse, block_n, head_dim, h, s)
     flex_rt, flex_consts, sparse = _flex_runtime(lse, features, b, h, s)
     runtime.update(flex_rt)
-    num_wg, block_n, stages, pingpong = fa3.flex_config((num_wg, block_n, stages, pingpong), sparse)
     launch = fa3._regs(head_dim, False, num_wg)
     flags = {_FLAGS[f]: f in features for f in FEATURES if f in _FLAGS}
     flags["HAS_RIGHT"] = flags["HAS_RIGHT"] or causal

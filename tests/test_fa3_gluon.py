@@ -84,12 +84,13 @@ def _block_mask(s, block_size, heads=None):
 
 
 def test_flex_features_eligible():
-    """The forward and backward take flashtile.flex's features of dense problems; not dBias, block masks of
+    """The forward and backward take flashtile.flex's features of dense problems at d128; not dBias, block masks of
     blocks smaller than 128 (a tile would span two), varlen, nor (the backward) per-head lists for a group of query
     heads sharing a KV head."""
     from flashtile.kernels.params import UserMods
     q, k, v = _qkv()
     mods = UserMods(mask_mod=object(), mask_aux=(0, ))
+    assert not fa3.eligible(*_qkv(d=64), FULL, mods=mods)     # (FLEX_HEAD_DIMS: the Triton kernels are faster)
     bias, mask = torch.zeros(1, 4, 1024, 1024), torch.ones(1, 1, 1024, 1024, dtype=torch.bool)
     for backward in (False, True):
         assert fa3.eligible(q, k, v, FULL, mods=mods, backward=backward)
@@ -223,8 +224,10 @@ def test_kernels_compile_for_sm90():
     specs += [f"bwdx,{d},{f},bf16" for d in sorted(fa3.BWD_CONFIGS) for f in
               ("causal+tail", "left+right+tail", "softcap+alibi", "causal+varlen+tail+softcap+alibi")]
     # flashtile.flex's features (tests/fa3_compile_check.py FLEX): mods, masks, a bias, block masks
-    specs += ["fwdx,128,scoremod+maskmod+causal,bf16", "fwdx,64,sparse+mask+bias,bf16",
-              "bwdx,128,sparse+scoremod+maskmod,bf16", "bwdx,64,mask+bias+causal,fp16"]
+    specs += [f"fwdx,{d},{f}" for d in fa3.FLEX_HEAD_DIMS for f in ("scoremod+maskmod+causal,bf16",
+                                                                   "sparse+mask+bias,fp16")]
+    specs += [f"bwdx,{d},{f}" for d in fa3.FLEX_HEAD_DIMS for f in ("sparse+scoremod+maskmod,bf16",
+                                                                   "mask+bias+causal,fp16")]
     specs += [f"fp8,{d},{c},bf16" for d in sorted(fa3.FP8_CONFIGS) for c in (0, 1)] + ["fp8,128,0,fp16"]
     # the paged decode (gluon/_decode.py), every page size of its table, both epilogues, both head dims
     specs += [f"paged,{d},{c},{dt},{page}" for page in sorted(paged.PAGE_CONFIGS) for d, c, dt in

@@ -55,6 +55,11 @@ FP8_CONFIGS = {64: (3, 128, 2), 128: (2, 128, 2), 256: (2, 128, 2)}
 # head_dim -> ping-pong (full, causal) of the FP8 forward (benchmarks/sweep_fp8_gluon.py)
 FP8_PINGPONG = {64: (False, False), 128: (False, False), 256: (True, False)}
 
+# head dims at which the forward and backward take flashtile.flex's features (mods, masks, attn_bias, block masks):
+# where they run them faster than the Triton kernels (benchmarks/bench_flex.py --headdim: flashtile.flex against
+# flashtile.flex (Triton))
+FLEX_HEAD_DIMS = (128, )
+
 # head_dim -> (Br, Bc, stages) of the backward: a program owns Bc = 2 x 64 keys (one half per consumer
 # warpgroup, dK / dV in registers) and streams Br query rows per step through `stages` (Q_i, dO_i) buffers
 BWD_CONFIGS = {64: (128, 128, 2), 128: (64, 128, 2)}
@@ -104,16 +109,17 @@ def eligible(q, k, v, params, alibi=None, cu_seqlens_q=None, bias=None, mask=Non
     """Whether the FA3 kernel (forward, or backward) computes this problem (dtype, layout, shapes, features),
     whatever the device: dense or varlen, any lengths, windows and causal (bottom-right), softcap, ALiBi (float32
     slopes), GQA; q / k / v as (rows, heads x d) views TMA can tile (tma_viewable); head dims of CONFIGS (the
-    forward) or BWD_CONFIGS (the backward). A dense problem may also have flashtile.flex's features: attn_bias
-    (the backward: not its gradient dbias), a bool mask, score_mod / mask_mod, a block mask whose block size is a
-    multiple of 128 (its tiles lie inside one mask block: flex_config; the backward: one list per group of query
-    heads sharing a KV head). Not: dropout (the Triton kernels)."""
+    forward) or BWD_CONFIGS (the backward). A dense problem at a head dim of FLEX_HEAD_DIMS may also have
+    flashtile.flex's features: attn_bias (the backward: not its gradient dbias), a bool mask, score_mod /
+    mask_mod, a block mask whose block size is a multiple of 128 (each tile inside one mask block; the backward:
+    one list per group of query heads sharing a KV head). Not: dropout (the Triton kernels)."""
     if q.dtype not in (torch.float16, torch.bfloat16):
         return False
     if params.dropout_p > 0:
         return False
     if bias is not None or mask is not None or sparse is not None or mods is not None:
-        if q.dim() != 4 or dbias is not None or (sparse is not None and sparse.block_size % 128):
+        if (q.dim() != 4 or q.shape[-1] not in FLEX_HEAD_DIMS or dbias is not None
+                or (sparse is not None and sparse.block_size % 128)):
             return False
         if backward and sparse is not None and q.shape[2] != k.shape[2] and sparse.q_num.shape[1] != 1:
             return False
@@ -196,21 +202,10 @@ def fwd(q, k, v, out, lse, params, alibi=None, cu_seqlens_q=None, cu_seqlens_k=N
     sq = max_seqlen_q if varlen else q.shape[1]
     sk = max_seqlen_k if varlen else k.shape[1]
     flex = None
-    cfg = fwd_config(q.shape[-1], sq, params.has_right)
     if bias is not None or mask is not None or sparse is not None or mods is not None:
         flex = flex_args(lse, q.shape[0], q.shape[2], sq, sk, bias, mask, sparse, mods)
-        cfg = flex_config(cfg, sparse)
-    _launch_fwd(q, k, v, out, lse, (lse, lse, lse), params, cfg, False, alibi, cu_seqlens_q, cu_seqlens_k, sq, sk,
-                flex)
-
-
-def flex_config(cfg, sparse):
-    """A forward config (fwd_config's) whose tiles lie inside one block of a block mask: Br = 128 (two consumer
-    warpgroups) and Bc dividing the block size, the tables' ping-pong and stages kept."""
-    if sparse is None:
-        return cfg
-    num_wg, block_n, stages, pingpong = cfg
-    return (2, block_n, stages, pingpong) if num_wg == 3 else cfg
+    _launch_fwd(q, k, v, out, lse, (lse, lse, lse), params, fwd_config(q.shape[-1], sq, params.has_right), False,
+                alibi, cu_seqlens_q, cu_seqlens_k, sq, sk, flex)
 
 
 # fa3_fwd_kernel's flashtile.flex arguments where a problem has none of them: placeholders it does not read
@@ -329,6 +324,8 @@ def _launch_fwd(q, k, v, out, lse, scales, params, cfg, fp8, alibi=None, cu_seql
     nheads, head_dim, nheads_k = q.shape[-2], q.shape[-1], k.shape[-2]
     n_tiles = -(-sq // (num_wg * WG_ROWS)) * batch * nheads   # (not triton.cdiv: ~2 us of host time per call)
     programs = min(n_tiles, _sm_count(_device_index(q))) if PERSISTENT else n_tiles
+    # (a block mask's blocks hold whole tiles: FLEX_HEAD_DIMS' configs)
+    assert not flex or flex[1]["SPARSE_BLOCK"] % (num_wg * WG_ROWS) == 0 == flex[1]["SPARSE_BLOCK"] % block_n
     flex_runtime, flex_consts = flex if flex is not None else ((_NO_PAIR, _NO_PAIR, (lse, lse, lse, lse, 0, 0, 0, 0),
                                                                 (0, ), (0, )), _NO_FLEX_CONSTS)
     kwargs = dict(HEAD_D=head_dim, BLOCK_M=WG_ROWS, BLOCK_N=block_n, STAGES=stages, NUM_WG=num_wg,
