@@ -13,13 +13,13 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
 
 import flashtile  # noqa: E402
 from flashtile.blocksparse import blocksparse_attn_func, create_block_mask  # noqa: E402
-from flashtile.flex import (MaskMod, ScoreMod, alibi_score, document_mask, flex_attention,  # noqa: E402
-                            prefix_lm_mask, relative_position_bias, sliding_window_mask, softcap_score)
+from flashtile.flex import (alibi_score, document_mask, flex_attention, prefix_lm_mask,  # noqa: E402
+                            relative_position_bias, sliding_window_mask, softcap_score)
 from flashtile.kernels.gluon import fa3  # noqa: E402
 from flashtile.reference.dense import attention_ref  # noqa: E402
-from flex_utils import (inputs, keep_period_mask, random_tile_mask, run_and_check, sig_key_bias,  # noqa: E402
-                        sig_key_bias_dcaptured, sig_key_bias_grad, t_alibi, t_document, t_keep_period, t_prefix_lm,
-                        t_relpos, t_sig_key_bias, t_sliding, t_softcap)
+from test_fa3_features_gpu import _count_gluon_calls  # noqa: E402
+from flex_utils import (inputs, random_tile_mask, run_and_check, t_alibi, t_document, t_prefix_lm,  # noqa: E402
+                        t_relpos, t_sliding, t_softcap)
 
 fp16, bf16 = torch.float16, torch.bfloat16
 DEV = "cuda"
@@ -35,15 +35,7 @@ def _free_gpu_memory():
 @pytest.fixture
 def gluon_calls(monkeypatch):
     """{"fwd": calls of fa3.fwd, "bwd": of fa3.bwd} while the test runs."""
-    calls = {"fwd": 0, "bwd": 0}
-    for name in calls:
-        real = getattr(fa3, name)
-
-        def counted(*a, _n=name, _f=real, **kw):
-            calls[_n] += 1
-            return _f(*a, **kw)
-        monkeypatch.setattr(fa3, name, counted)
-    return calls
+    return _count_gluon_calls(monkeypatch)
 
 
 def _grads_as_triton(fn, inputs, dout, grads, dtype, ctx):
@@ -126,21 +118,6 @@ def test_gluon_flex_forward_gpu(name, seed, gluon_calls):
     assert gluon_calls == {"fwd": ran, "bwd": ran * int(d in fa3.BWD_CONFIGS)}, f"[{name}] Gluon ran {gluon_calls}"
     _same_as_triton(lambda: flex_attention(q, k, v, return_lse=True, **kw), out.detach(), lse.detach(), dtype,
                     f"[{name}]")
-
-
-def test_gluon_flex_custom_mods_gpu(seed, gluon_calls):
-    b, sq, sk, h, hk, d = 2, 1024, 1536, 8, 4, 128
-    keep = (torch.rand(b, sk, device=DEV) > 0.2).to(torch.int32)
-    mask = MaskMod(keep_period_mask, captured=(keep, sk, 7))
-    kb = torch.randn(h, sk, device=DEV, requires_grad=True)
-    score = ScoreMod(sig_key_bias, grad_fn=sig_key_bias_grad, captured_grad_fn=sig_key_bias_dcaptured,
-                     captured=(kb, sk, 0.8))
-    q, k, v, dout = inputs(b, sq, sk, h, hk, d, fp16, DEV)
-    out, lse, _ = run_and_check(q, k, v, dout, fp16, "[custom mods]", score_mod=score, mask_mod=mask,
-                                score_fn=t_sig_key_bias(0.8), mask_fn=t_keep_period(keep, 7), captured=(kb,))
-    assert gluon_calls == {"fwd": 1, "bwd": 1}
-    _same_as_triton(lambda: flex_attention(q, k, v, score_mod=score, mask_mod=mask, return_lse=True),
-                    out.detach(), lse.detach(), fp16, "[custom mods]")
 
 
 def test_gluon_alibi_score_mod_with_window_flag_gpu(seed, gluon_calls):
