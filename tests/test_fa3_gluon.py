@@ -118,6 +118,11 @@ def test_backward_programs_longest_first():
     assert order[:n_bh] == [bh * n_kv for bh in range(n_bh)]      # every head's key block 0 (the sinks) first
     rest = order[n_bh:]
     assert rest == sorted(rest)
+    lists = _block_mask(s, 128)
+    first = fa3._order(lists, batch, nheads, nheads_k, s, 128)
+    assert fa3._order(lists, batch, nheads, nheads_k, s, 128) is first            # a training loop's repeat
+    lists.q_num.zero_()                                                           # lists changed in place: anew
+    assert fa3._order(lists, batch, nheads, nheads_k, s, 128) is not first
 
 
 @pytest.mark.parametrize("deterministic", [False, True])

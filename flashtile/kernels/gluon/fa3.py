@@ -251,6 +251,23 @@ def longest_first(sparse, batch: int, nheads: int, nheads_k: int, sk: int, block
     return torch.argsort(long.to(torch.int8), descending=True, stable=True).to(torch.int32)
 
 
+# (the transposed lists' pointers and versions, the problem's sizes) -> longest_first's order: a training loop's
+# backward over one block mask computes it once
+_ORDERS: dict = {}
+
+
+def _order(sparse, batch: int, nheads: int, nheads_k: int, sk: int, block_n: int) -> torch.Tensor:
+    """longest_first(...), kept per block mask lists (an in-place change of them bumps their version: a new key).
+    Any order of the programs is correct (a stale one, of lists freed and reallocated at the same address, only
+    schedules worse): the key fixes how many there are."""
+    key = (sparse.q_num.data_ptr(), sparse.q_num._version, sparse.full_q_num.data_ptr(), sparse.full_q_num._version,
+           sparse.q_num.shape, sparse.block_size, batch, nheads, nheads_k, sk, block_n)
+    order = _ORDERS.get(key)
+    if order is None:
+        order = relaunch.remember(_ORDERS, key, longest_first(sparse, batch, nheads, nheads_k, sk, block_n))
+    return order
+
+
 def fwd_flags(params, varlen: bool, alibi, sq: int, sk: int, block_n: int, flex: bool = False,
               sparse: bool = False) -> dict:
     """fa3_fwd_kernel's feature flags for a problem (its docstring says what each compiles in); flex: the problem has
@@ -520,7 +537,7 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, 
     flex = None
     if bias is not None or mask is not None or sparse is not None or mods is not None:
         runtime, consts = flex_args(lse, batch, nheads, sq, sk, bias, mask, sparse, mods, backward=True)
-        order = lse if sparse is None else longest_first(sparse, batch, nheads, nheads_k, sk, block_n)
+        order = lse if sparse is None else _order(sparse, batch, nheads, nheads_k, sk, block_n)
         flex = ((*runtime, order), consts)
     dense = dense_bwd(q, k, params, alibi, varlen, flex is not None)
     kwargs = dict(HEAD_D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
