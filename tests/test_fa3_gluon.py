@@ -187,14 +187,15 @@ def test_disabled_forward_gets_triton_backward(monkeypatch):
 
 def test_features_and_layouts():
     """The kernels take ALiBi (float32 slopes), varlen (packed q with cu_seqlens) and slices of packed tensors;
-    not bool masks, bias, (b, h, s, d) tensors seen transposed, or a packed q without cu_seqlens."""
+    not bool masks or bias outside FLEX_HEAD_DIMS (test_flex_features_eligible), (b, h, s, d) tensors seen
+    transposed, or a packed q without cu_seqlens."""
     q, k, v = _qkv()
     assert fa3.eligible(q, k, v, FULL, alibi=torch.ones(4))
     assert fa3.eligible(q, k, v, CAUSAL, alibi=torch.ones(2, 4))
     assert not fa3.eligible(q, k, v, FULL, alibi=torch.ones(4, dtype=torch.float64))
     assert fa3.eligible(q, k, v, FULL, alibi=torch.ones(4), backward=True)
-    assert not fa3.eligible(q, k, v, FULL, mask=torch.ones(1, 1, 1024, 1024, dtype=torch.bool))
-    assert not fa3.eligible(q, k, v, FULL, bias=torch.ones(1, 1, 1024, 1024))
+    assert not fa3.eligible(*_qkv(d=64), FULL, mask=torch.ones(1, 1, 1024, 1024, dtype=torch.bool))
+    assert not fa3.eligible(*_qkv(d=256), FULL, bias=torch.ones(1, 1, 1024, 1024))
     assert not fa3.eligible(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, FULL)   # strided q
     assert not fa3.eligible(q[0], k[0], v[0], FULL)                                        # packed, no cu_seqlens
     cu = torch.tensor([0, 100, 1024], dtype=torch.int32)
