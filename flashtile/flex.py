@@ -28,6 +28,11 @@ adds d(loss)/d(tensor) into aux_grad[i] (a float32 zero buffer with the tensor's
 tl.atomic_add; dscore there is the gradient of score_mod's output. Every ready-made below comes with both.
 Evaluation order inside the kernels: q.k * scale -> softcap -> score_mod -> mask_mod, block mask, causal,
 window (-inf) -> softmax. A row that sees no key outputs 0 and lse = -inf.
+
+On Hopper (head dim 128) the same functions are compiled into FlashAttention-3's Gluon kernels, whose tiles carry
+an explicit register layout: mods written element-wise on their arguments (loads, tl.where, arithmetic, atomics)
+run there; a mod that builds a tile of its own (tl.zeros, tl.arange) does not compile for them, and the Triton
+kernels run it instead.
 """
 from __future__ import annotations
 

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import flashtile
 from flashtile.kernels import dispatch
@@ -145,6 +147,39 @@ def test_flash_bwd_dispatch(deterministic, monkeypatch):
         assert len(calls) == 1
         delta = calls[0][5]
         torch.testing.assert_close(delta, (dout.float() * out.float()).sum(-1).transpose(1, 2))
+
+
+@triton.jit
+def _plus_zeros(score, b, h, q_idx, kv_idx, aux):
+    return score + tl.zeros([1], tl.float32)
+
+
+def test_mods_gluon_cannot_compile_run_on_triton(monkeypatch, seed):
+    """A user mod the Gluon kernels fail to compile (one building a tile of its own: tl.zeros has no layout there)
+    runs on the Triton kernels, forward and backward, and is not offered to Gluon again."""
+    from triton.compiler.errors import CompilationError
+    from flashtile.flex import ScoreMod, flex_attention
+
+    tried = []
+
+    def fails(*a, **kw):
+        tried.append(1)
+        raise CompilationError(None, None, "a tile without a layout")
+
+    q, k, v = (torch.randn(1, 48, 2, 32, requires_grad=True) for _ in range(3))
+    ref = flashtile.flash_attn_func(q.detach(), k.detach(), v.detach())
+    monkeypatch.setattr(fa3, "supports", lambda *a, **kw: True)
+    monkeypatch.setattr(fa3, "fwd", fails)
+    monkeypatch.setattr(fa3, "bwd", fails)
+    monkeypatch.setattr(dispatch, "_TRITON_MODS", set())
+    mod = ScoreMod(_plus_zeros)
+    out = flex_attention(q, k, v, score_mod=mod)
+    out.backward(torch.ones_like(out))
+    assert tried == [1]                      # the forward tried Gluon once; the backward knew better
+    torch.testing.assert_close(out.detach(), ref, atol=1e-5, rtol=1e-5)
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+    flex_attention(q, k, v, score_mod=mod)
+    assert tried == [1]
 
 
 @pytest.mark.parametrize("dims", [dict(sk=0), dict(b=0), dict(h=0)], ids=["seqlen_k0", "batch0", "nheads0"])

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from triton.compiler.errors import CompilationError
 
 from . import relaunch
 from .gluon import fa3, paged
@@ -29,6 +30,32 @@ from .triton import combine, decode, launch
 # --------------------------------------------------------------------------------------------------
 # Forward and backward of one call (launch.flash_fwd's and launch.flash_bwd's contracts)
 # --------------------------------------------------------------------------------------------------
+# user mods (flashtile.flex's functions) the Gluon kernels failed to compile, e.g. one that builds a tile of its
+# own (tl.zeros, tl.arange: a Gluon tile needs a layout): the Triton kernels run them
+_TRITON_MODS: set = set()
+
+
+def _mods_key(mods):
+    return (mods.score_mod, mods.score_grad, mods.score_captured_grad, mods.mask_mod)
+
+
+def _gluon_flex(run, mods) -> bool:
+    """run() (a Gluon launch) -> True; False without launching where the mods are known not to compile for Gluon,
+    or fail to now (the Triton kernels then run the call: nothing was written)."""
+    if mods is None:
+        run()
+        return True
+    key = _mods_key(mods)
+    if key in _TRITON_MODS:
+        return False
+    try:
+        run()
+    except CompilationError:
+        _TRITON_MODS.add(key)
+        return False
+    return True
+
+
 def flash_fwd(q, k, v, out, lse, params, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
               max_seqlen_k=None, bias=None, mask=None, sparse=None, mods=None, memo: Optional[dict] = None) -> None:
     """launch.flash_fwd's call: out[...] = attention(q, k, v), lse[...] its natural-log LSE; by FlashAttention-3's
@@ -37,9 +64,12 @@ def flash_fwd(q, k, v, out, lse, params, alibi=None, cu_seqlens_q=None, cu_seqle
         return   # (a problem the Triton kernel took before)
     max_sk = max_seqlen_k if cu_seqlens_k is not None else k.shape[1]
     attends = not (q.numel() == 0 or k.shape[-3] == 0 or max_sk == 0)   # (else the launcher writes 0 and -inf)
-    if attends and fa3.supports(q, k, v, params, alibi, cu_seqlens_q, bias, mask, sparse, mods):
+    def gluon():
         fa3.fwd(q, k, v, out, lse, params, alibi, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bias, mask,
                 sparse, mods)
+
+    if attends and fa3.supports(q, k, v, params, alibi, cu_seqlens_q, bias, mask, sparse, mods) and _gluon_flex(
+            gluon, mods):
         return
     launch.flash_fwd(q, k, v, out, lse, params, alibi, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                      bias=bias, mask=mask, sparse=sparse, mods=mods, memo=memo)
@@ -57,12 +87,15 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params, alibi=None, cu_seqlen
     max_sq = max_seqlen_q if cu_seqlens_q is not None else q.shape[1]
     max_sk = max_seqlen_k if cu_seqlens_k is not None else k.shape[1]
     attends = not (q.numel() == 0 or k.numel() == 0 or max_sq == 0 or max_sk == 0)   # (else the launcher zeroes)
-    if (attends and not deterministic
-            and fa3.supports(q, k, v, params, alibi, cu_seqlens_q, bias, mask, sparse, mods, backward=True,
-                             dbias=dbias)):
+    def gluon():
         delta = launch.bwd_delta(out, dout, lse, dlse, cu_seqlens_q, max_seqlen_q)
         fa3.bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, None, alibi, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                 max_seqlen_k, bias, mask, sparse, mods)
+
+    if (attends and not deterministic
+            and fa3.supports(q, k, v, params, alibi, cu_seqlens_q, bias, mask, sparse, mods, backward=True,
+                             dbias=dbias)
+            and _gluon_flex(gluon, mods)):
         return
     launch.flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params, alibi, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                      max_seqlen_k, deterministic=deterministic, bias=bias, mask=mask, sparse=sparse, dbias=dbias,
