@@ -161,25 +161,14 @@ def _step(t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs, p_
     q_s = q_bufs.index(s)
     do_s = do_bufs.index(s)
     mbarrier.wait(qdo_ready.index(s), (t // STAGES) & 1)
-    buf = t % 2
     masked = False
     if CAUSAL and BLOCK_M <= WG_N:
         # every key of this warpgroup after every query of the block (Br = 64: the second warpgroup at the block that
         # starts on the diagonal): P = dS = 0, dK_w and dV_w unchanged, no product but dQ_{t-1}; dS_w = 0 for dQ_i
         masked = q_start + BLOCK_M <= kv_start + wg * WG_N
     if masked:
-        _turn(turns, wg, 2 * t, 2, PINGPONG)
-        _pass_turn(turns, wg, 2, PINGPONG)
-        _store_ds(gl.zeros([BLOCK_M, WG_N], dtype, s_layout), ds_bufs, ds_free, t, wg)
-        mbarrier.arrive(ds_ready.index(buf), count=1)
-        _turn(turns, wg, 2 * t + 1, 2, PINGPONG)
-        if t > 0:
-            dq_tok = _dq_product(ds_bufs, ds_ready, k_smem, dq_init, t - 1, wg, WG_N, BLOCK_M)
-            _pass_turn(turns, wg, 2, PINGPONG)
-            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, ))
-            _add_dq(dq, ds_free, t, dq_desc, dq_smem, sm_scale, dq_row, dq_col)
-        else:
-            _pass_turn(turns, wg, 2, PINGPONG)
+        skip_step(t, ds_bufs, ds_ready, ds_free, k_smem, dq_init, dq_desc, dq_smem, dq_row, dq_col, sm_scale, turns, wg,
+                  s_layout, BLOCK_M, WG_N, PINGPONG)
     else:
         # lines 11 and 16 for this warpgroup's keys: S = Q_i K_w^T and dP = dO_i V_w^T
         s_init = gl.zeros([BLOCK_M, WG_N], gl.float32, s_layout)
@@ -202,23 +191,53 @@ def _step(t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs, p_
         # line 17: dS = P o (dP - D_i)
         ds = (p * (dp - gl.expand_dims(delta, 1))).to(dtype)
         ds_smem = _store_ds(ds, ds_bufs, ds_free, t, wg)
-        # line 14: dV_j += P^T dO_i; line 19: dK_j += dS^T Q_i
-        _turn(turns, wg, 2 * t + 1, 2, PINGPONG)
-        dv_tok = warpgroup_mma(p_smem.permute((1, 0)), do_s, dv, is_async=True)
-        dk_tok = warpgroup_mma(ds_smem.permute((1, 0)), q_s, dk, is_async=True)
-        mbarrier.arrive(ds_ready.index(buf), count=1)
-        if t > 0:
-            # line 18 one step late, so the warpgroups need not meet at every step (measured faster than meeting):
-            # dQ_{t-1} needs the other warpgroup's dS_{t-1}, which it stored half a step ago at the latest
-            dq_tok = _dq_product(ds_bufs, ds_ready, k_smem, dq_init, t - 1, wg, WG_N, BLOCK_M)
-            _pass_turn(turns, wg, 2, PINGPONG)
-            dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, dq_tok))
-            _add_dq(dq, ds_free, t, dq_desc, dq_smem, sm_scale, dq_row, dq_col)
-        else:
-            _pass_turn(turns, wg, 2, PINGPONG)
-            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok))
+        dk, dv = dkv_dq_products(t, p_smem, ds_smem, q_s, do_s, dk, dv, k_smem, ds_bufs, ds_ready, ds_free, dq_init,
+                                 dq_desc, dq_smem, sm_scale, dq_row, dq_col, turns, wg, WG_N, BLOCK_M, PINGPONG)
     mbarrier.arrive(qdo_empty.index(s), count=1)   # Q_i, dO_i read by every product: the buffer may refill
     return dk, dv, q_row0 + q_start + DQ_ROW, h * HEAD_D + DQ_COL
+
+
+@gluon.jit
+def skip_step(t, ds_bufs, ds_ready, ds_free, k_smem, dq_init, dq_desc, dq_smem, dq_row, dq_col, sm_scale, turns,
+              wg: gl.constexpr, s_layout: gl.constexpr, BLOCK_M: gl.constexpr, WG_N: gl.constexpr,
+              PINGPONG: gl.constexpr):
+    """A step whose query rows see none of the warpgroup's keys (both backward kernels): P = dS = 0, dK_w and dV_w
+    unchanged, no product but dQ_{t-1}; dS_w = 0 for dQ_i. Its turns pass as a computing step's do."""
+    _turn(turns, wg, 2 * t, 2, PINGPONG)
+    _pass_turn(turns, wg, 2, PINGPONG)
+    _store_ds(gl.zeros([BLOCK_M, WG_N], ds_bufs.dtype, s_layout), ds_bufs, ds_free, t, wg)
+    mbarrier.arrive(ds_ready.index(t % 2), count=1)
+    _turn(turns, wg, 2 * t + 1, 2, PINGPONG)
+    if t > 0:
+        dq_tok = _dq_product(ds_bufs, ds_ready, k_smem, dq_init, t - 1, wg, WG_N, BLOCK_M)
+        _pass_turn(turns, wg, 2, PINGPONG)
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, ))
+        _add_dq(dq, ds_free, t, dq_desc, dq_smem, sm_scale, dq_row, dq_col)
+    else:
+        _pass_turn(turns, wg, 2, PINGPONG)
+
+
+@gluon.jit
+def dkv_dq_products(t, p_smem, ds_smem, q_s, do_s, dk, dv, k_smem, ds_bufs, ds_ready, ds_free, dq_init, dq_desc,
+                    dq_smem, sm_scale, dq_row, dq_col, turns, wg: gl.constexpr, WG_N: gl.constexpr,
+                    BLOCK_M: gl.constexpr, PINGPONG: gl.constexpr):
+    """The second half of step t (both backward kernels), once P and dS_t are in shared memory: Algorithm 2 line
+    14 (dV_w += P^T dO_i) and line 19 (dK_w += dS^T Q_i), and dQ_{t-1}'s product (line 18). Returns dK_w, dV_w."""
+    _turn(turns, wg, 2 * t + 1, 2, PINGPONG)
+    dv_tok = warpgroup_mma(p_smem.permute((1, 0)), do_s, dv, is_async=True)
+    dk_tok = warpgroup_mma(ds_smem.permute((1, 0)), q_s, dk, is_async=True)
+    mbarrier.arrive(ds_ready.index(t % 2), count=1)
+    if t > 0:
+        # line 18 one step late, so the warpgroups need not meet at every step (measured faster than meeting):
+        # dQ_{t-1} needs the other warpgroup's dS_{t-1}, which it stored half a step ago at the latest
+        dq_tok = _dq_product(ds_bufs, ds_ready, k_smem, dq_init, t - 1, wg, WG_N, BLOCK_M)
+        _pass_turn(turns, wg, 2, PINGPONG)
+        dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, dq_tok))
+        _add_dq(dq, ds_free, t, dq_desc, dq_smem, sm_scale, dq_row, dq_col)
+    else:
+        _pass_turn(turns, wg, 2, PINGPONG)
+        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok))
+    return dk, dv
 
 
 @gluon.jit

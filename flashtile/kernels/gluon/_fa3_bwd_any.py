@@ -18,8 +18,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-from ._fa3_bwd import (LOG2E, _add_dq, _dq_product, _dq_reduce_add, _load_partition, _query_block, _store_ds,
-                       allocate, invalidate, stage_dkv, tma_store_dkv, warpgroup_state)
+from ._fa3_bwd import (LOG2E, _dq_product, _dq_reduce_add, _load_partition, _query_block, _store_ds,
+                       allocate, dkv_dq_products, invalidate, skip_step, stage_dkv, tma_store_dkv,
+                       warpgroup_state)
 from ..elementwise import score_mod_grad
 from ._fa3_fwd import (_head_tile, _pass_turn, _scores_log2, _seq_info, _sparse_row, _turn, _user_scores, _visible,
                        store_rows)
@@ -102,52 +103,23 @@ def _step(t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs, p_
         lse2 = gl.where(lse == float("-inf"), float("inf"), lse2)
     rows = (q_idx, lse2, delta)
     mbarrier.wait(qdo_ready.index(s), (t // STAGES) & 1)
+    skip = False     # (constexpr False unless SKIP: a step then always computes)
+    hidden = False   # (constexpr False without a mask rule: P is never masked by it)
     if MASKED:
-        none, some = _tile_mask(q_start, BLOCK_M, c0, WG_N, len_q, len_k, window, HAS_LEFT, HAS_RIGHT, TAIL)
+        none, hidden = _tile_mask(q_start, BLOCK_M, c0, WG_N, len_q, len_k, window, HAS_LEFT, HAS_RIGHT, TAIL)
         if SKIP:
-            if none:
-                _skip(t, ds_bufs, ds_ready, ds_free, k_smem, dq_init, dq_desc, dq_smem, dq_row, dq_col, sm_scale,
-                      turns, wg, s_layout, BLOCK_M, WG_N, PINGPONG)
-            else:
-                dk, dv = _products(t, q_start, c0, some, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs.index(s),
-                                   do_bufs.index(s), p_smem, ds_bufs, dq_smem, ds_ready, ds_free, dq_desc, rows,
-                                   sm_scale, qk_scale, seq, score, flex, wg, s_layout, dq_init, turns, BLOCK_M,
-                                   PINGPONG, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, SCORE_MOD, MASK_MOD, HAS_BIAS,
-                                   HAS_MASK, SPARSE_BLOCK, SCORE_GRAD, SCORE_CAPTURED_GRAD)
-        else:
-            dk, dv = _products(t, q_start, c0, some, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs.index(s),
-                               do_bufs.index(s), p_smem, ds_bufs, dq_smem, ds_ready, ds_free, dq_desc, rows,
-                               sm_scale, qk_scale, seq, score, flex, wg, s_layout, dq_init, turns, BLOCK_M,
-                               PINGPONG, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, SCORE_MOD, MASK_MOD, HAS_BIAS,
-                               HAS_MASK, SPARSE_BLOCK, SCORE_GRAD, SCORE_CAPTURED_GRAD)
+            skip = none
+    if skip:
+        skip_step(t, ds_bufs, ds_ready, ds_free, k_smem, dq_init, dq_desc, dq_smem, dq_row, dq_col, sm_scale, turns, wg,
+                  s_layout, BLOCK_M, WG_N, PINGPONG)
     else:
-        dk, dv = _products(t, q_start, c0, False, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs.index(s),
-                           do_bufs.index(s), p_smem, ds_bufs, dq_smem, ds_ready, ds_free, dq_desc, rows,
-                           sm_scale, qk_scale, seq, score, flex, wg, s_layout, dq_init, turns, BLOCK_M, PINGPONG,
-                           HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, SCORE_MOD, MASK_MOD, HAS_BIAS, HAS_MASK,
-                           SPARSE_BLOCK, SCORE_GRAD, SCORE_CAPTURED_GRAD)
+        dk, dv = _products(t, q_start, c0, hidden, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs.index(s),
+                           do_bufs.index(s), p_smem, ds_bufs, dq_smem, ds_ready, ds_free, dq_desc, rows, sm_scale,
+                           qk_scale, seq, score, flex, wg, s_layout, dq_init, turns, BLOCK_M, PINGPONG, HAS_LEFT,
+                           HAS_RIGHT, SOFTCAP, ALIBI, TAIL, SCORE_MOD, MASK_MOD, HAS_BIAS, HAS_MASK, SPARSE_BLOCK,
+                           SCORE_GRAD, SCORE_CAPTURED_GRAD)
     mbarrier.arrive(qdo_empty.index(s), count=1)   # Q_i, dO_i read by every product: the buffer may refill
     return dk, dv, q_row0 + q_start + DQ_ROW, h * HEAD_D + DQ_COL
-
-
-@gluon.jit
-def _skip(t, ds_bufs, ds_ready, ds_free, k_smem, dq_init, dq_desc, dq_smem, dq_row, dq_col, sm_scale, turns,
-          wg: gl.constexpr, s_layout: gl.constexpr, BLOCK_M: gl.constexpr, WG_N: gl.constexpr,
-          PINGPONG: gl.constexpr):
-    """A step whose query rows see none of the warpgroup's keys: P = dS = 0, dK_w and dV_w unchanged, no product
-    but dQ_{t-1}; dS_w = 0 for dQ_i. Its turns pass as a computing step's do."""
-    _turn(turns, wg, 2 * t, 2, PINGPONG)
-    _pass_turn(turns, wg, 2, PINGPONG)
-    _store_ds(gl.zeros([BLOCK_M, WG_N], ds_bufs.dtype, s_layout), ds_bufs, ds_free, t, wg)
-    mbarrier.arrive(ds_ready.index(t % 2), count=1)
-    _turn(turns, wg, 2 * t + 1, 2, PINGPONG)
-    if t > 0:
-        dq_tok = _dq_product(ds_bufs, ds_ready, k_smem, dq_init, t - 1, wg, WG_N, BLOCK_M)
-        _pass_turn(turns, wg, 2, PINGPONG)
-        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, ))
-        _add_dq(dq, ds_free, t, dq_desc, dq_smem, sm_scale, dq_row, dq_col)
-    else:
-        _pass_turn(turns, wg, 2, PINGPONG)
 
 
 @gluon.jit
@@ -211,22 +183,9 @@ def _products(t, q_start, c0, hidden, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, 
     if SOFTCAP:
         ds = ds * (1.0 - tanh * tanh)
     ds_smem = _store_ds(ds.to(dtype), ds_bufs, ds_free, t, wg)
-    # line 14: dV_j += P^T dO_i; line 19: dK_j += dS^T Q_i
-    _turn(turns, wg, 2 * t + 1, 2, PINGPONG)
-    dv_tok = warpgroup_mma(p_smem.permute((1, 0)), do_s, dv, is_async=True)
-    dk_tok = warpgroup_mma(ds_smem.permute((1, 0)), q_s, dk, is_async=True)
-    mbarrier.arrive(ds_ready.index(t % 2), count=1)
-    if t > 0:
-        # line 18 one step late, so the warpgroups need not meet at every step (measured faster than meeting):
-        # dQ_{t-1} needs the other warpgroup's dS_{t-1}, which it stored half a step ago at the latest
-        dq_tok = _dq_product(ds_bufs, ds_ready, k_smem, dq_init, t - 1, wg, WG_N, BLOCK_M)
-        _pass_turn(turns, wg, 2, PINGPONG)
-        dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, dq_tok))
-        _add_dq(dq, ds_free, t, dq_desc, dq_smem, sm_scale, dq_row, dq_col)
-    else:
-        _pass_turn(turns, wg, 2, PINGPONG)
-        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok))
-    return dk, dv
+    # lines 14, 19 and dQ_{t-1}'s product (line 18)
+    return dkv_dq_products(t, p_smem, ds_smem, q_s, do_s, dk, dv, k_smem, ds_bufs, ds_ready, ds_free, dq_init, dq_desc,
+                           dq_smem, sm_scale, dq_row, dq_col, turns, wg, WG_N, BLOCK_M, PINGPONG)
 
 
 @gluon.jit
