@@ -170,13 +170,7 @@ def _step(t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs, p_
         skip_step(t, ds_bufs, ds_ready, ds_free, k_smem, dq_init, dq_desc, dq_smem, dq_row, dq_col, sm_scale, turns, wg,
                   s_layout, BLOCK_M, WG_N, PINGPONG)
     else:
-        # lines 11 and 16 for this warpgroup's keys: S = Q_i K_w^T and dP = dO_i V_w^T
-        s_init = gl.zeros([BLOCK_M, WG_N], gl.float32, s_layout)
-        _turn(turns, wg, 2 * t, 2, PINGPONG)   # with PINGPONG the warpgroups take turns issuing their GEMMs
-        s_tok = warpgroup_mma(q_s, k_w.permute((1, 0)), s_init, use_acc=False, is_async=True)
-        dp_tok = warpgroup_mma(do_s, v_w.permute((1, 0)), s_init, use_acc=False, is_async=True)
-        _pass_turn(turns, wg, 2, PINGPONG)
-        sc = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
+        sc, dp_tok = s_dp_products(t, q_s, do_s, k_w, v_w, turns, wg, s_layout, BLOCK_M, PINGPONG)
         # line 13: P = exp(S * scale - L_i) (base 2); under the causal mask, key > query -> 0
         p = gl.exp2(sc * qk_scale - gl.expand_dims(lse2, 1))
         if CAUSAL:
@@ -215,6 +209,21 @@ def skip_step(t, ds_bufs, ds_ready, ds_free, k_smem, dq_init, dq_desc, dq_smem, 
         _add_dq(dq, ds_free, t, dq_desc, dq_smem, sm_scale, dq_row, dq_col)
     else:
         _pass_turn(turns, wg, 2, PINGPONG)
+
+
+@gluon.jit
+def s_dp_products(t, q_s, do_s, k_w, v_w, turns, wg: gl.constexpr, s_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+                  PINGPONG: gl.constexpr):
+    """The first half of step t (both backward kernels): Algorithm 2 lines 11 and 16 for this warpgroup's keys,
+    S = Q_i K_w^T and dP = dO_i V_w^T, issued together (with PINGPONG on this warpgroup's turn). Returns S (waited
+    for) and dP's wgmma token (waited for after P is stored)."""
+    WG_N: gl.constexpr = k_w.shape[0]
+    s_init = gl.zeros([BLOCK_M, WG_N], gl.float32, s_layout)
+    _turn(turns, wg, 2 * t, 2, PINGPONG)
+    s_tok = warpgroup_mma(q_s, k_w.permute((1, 0)), s_init, use_acc=False, is_async=True)
+    dp_tok = warpgroup_mma(do_s, v_w.permute((1, 0)), s_init, use_acc=False, is_async=True)
+    _pass_turn(turns, wg, 2, PINGPONG)
+    return warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, )), dp_tok
 
 
 @gluon.jit

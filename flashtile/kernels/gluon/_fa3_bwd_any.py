@@ -15,15 +15,13 @@ Imported only on a CUDA device of compute capability 9.x (flashtile.kernels.gluo
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (
-    mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma_wait
 
 from ._fa3_bwd import (LOG2E, _dq_product, _dq_reduce_add, _load_partition, _query_block, _store_ds,
-                       allocate, dkv_dq_products, invalidate, skip_step, stage_dkv, tma_store_dkv,
+                       allocate, dkv_dq_products, invalidate, s_dp_products, skip_step, stage_dkv, tma_store_dkv,
                        warpgroup_state)
 from ..elementwise import score_mod_grad
-from ._fa3_fwd import (_head_tile, _pass_turn, _scores_log2, _seq_info, _sparse_row, _turn, _user_scores, _visible,
-                       store_rows)
+from ._fa3_fwd import _head_tile, _scores_log2, _seq_info, _sparse_row, _user_scores, _visible, store_rows
 
 
 @gluon.jit
@@ -142,13 +140,7 @@ def _products(t, q_start, c0, hidden, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, 
     WG_N: gl.constexpr = k_w.shape[0]
     len_q, len_k, window = seq
     q_idx, lse2, delta = rows
-    # lines 11 and 16 for this warpgroup's keys: S = Q_i K_w^T and dP = dO_i V_w^T
-    s_init = gl.zeros([BLOCK_M, WG_N], gl.float32, s_layout)
-    _turn(turns, wg, 2 * t, 2, PINGPONG)   # with PINGPONG the warpgroups take turns issuing their GEMMs
-    s_tok = warpgroup_mma(q_s, k_w.permute((1, 0)), s_init, use_acc=False, is_async=True)
-    dp_tok = warpgroup_mma(do_s, v_w.permute((1, 0)), s_init, use_acc=False, is_async=True)
-    _pass_turn(turns, wg, 2, PINGPONG)
-    sc = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
+    sc, dp_tok = s_dp_products(t, q_s, do_s, k_w, v_w, turns, wg, s_layout, BLOCK_M, PINGPONG)
     # line 13: P = exp(S * scale - L_i) (base 2; softcap / ALiBi: the forward's scores), 0 where the mask hides
     # the key
     # (the key indices are made where they are used: kept live across the step, they cost registers that the
@@ -189,21 +181,22 @@ def _products(t, q_start, c0, hidden, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, 
 
 
 @gluon.jit
-def _consumer_partition(wg: gl.constexpr, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar,
-                        qdo_ready, qdo_empty, ds_ready, ds_free, turns, dq_desc, lse_ptr, delta_ptr, lse_rows,
-                        dkv, kv_row, kv_col, b, kv_start, q_row0, n_iters, n_i, i_start, hk, group, sm_scale,
-                        qk_scale, seq, alibi, flex, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+def _consumer_partition(wg: gl.constexpr, shared, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                         HEAD_D: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, VARLEN: gl.constexpr,
                         HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
                         TAIL: gl.constexpr, SKIP: gl.constexpr, EMPTY: gl.constexpr, SCORE_MOD: gl.constexpr,
                         SCORE_GRAD: gl.constexpr, SCORE_CAPTURED_GRAD: gl.constexpr, MASK_MOD: gl.constexpr,
                         HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr, SPARSE_BLOCK: gl.constexpr):
     """Consumer warpgroup `wg`: key rows [wg * 64, wg * 64 + 64) of the program's block through every query block
-    (per query head of the group), then its rows of dK_j, dV_j (Algorithm 2 line 22). lse_rows: (stride_lse_b,
+    (per query head of the group), then its rows of dK_j, dV_j (Algorithm 2 line 22). `shared`: the buffers,
+    barriers, descriptors and scalars it uses (as the kernel names them), among them lse_rows: (stride_lse_b,
     stride_lse_h, the sequence's first LSE column); dkv: the dK / dV descriptors, pointers and row strides; seq:
     (len_q, len_k, window); alibi: (slopes, their batch stride, softcap log2 e); flex: (the key block's row of the
     block mask's transposed lists, the lists, score_aux, mask_aux, score_aux_grad, attn_bias's and the mask's
     pointers and strides) with a block mask's next query block read a step ahead of its use."""
+    (k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, qdo_ready, qdo_empty, ds_ready, ds_free, turns,
+     dq_desc, lse_ptr, delta_ptr, lse_rows, dkv, kv_row, kv_col, b, kv_start, q_row0, n_iters, n_i, i_start, hk, group,
+     sm_scale, qk_scale, seq, alibi, flex) = shared
     srow, sparse, score_aux, mask_aux, score_aux_grad, bias_t, mask_t = flex
     WG_N: gl.constexpr = BLOCK_N // 2          # key rows of this warpgroup
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -342,19 +335,16 @@ def fa3_bwd_any_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_
     dkv = (dk_desc, dv_desc, dk_ptr, dv_ptr, stride_dk_row, stride_dv_row)
     alibi = (alibi_ptr, stride_alibi_b, softcap_log2)
     flex = (srow, sparse, score_aux, mask_aux, score_aux_grad, bias_t, mask_t)
+    shared = (k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, qdo_ready, qdo_empty, ds_ready, ds_free,
+              turns, dq_desc, lse_ptr, delta_ptr, lse_rows, dkv, kv_row, hk * HEAD_D, b, kv_start, q_row0, n_iters, n_i,
+              i_start, hk, group, sm_scale, qk_scale, seq, alibi, flex)
     gl.warp_specialize([
-        (_consumer_partition, (0, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, qdo_ready,
-                               qdo_empty, ds_ready, ds_free, turns, dq_desc, lse_ptr, delta_ptr, lse_rows, dkv, kv_row,
-                               hk * HEAD_D, b, kv_start, q_row0, n_iters, n_i, i_start, hk, group, sm_scale, qk_scale,
-                               seq, alibi, flex, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, VARLEN, HAS_LEFT,
-                               HAS_RIGHT, SOFTCAP, ALIBI, TAIL, SKIP, EMPTY, SCORE_MOD, SCORE_GRAD,
-                               SCORE_CAPTURED_GRAD, MASK_MOD, HAS_BIAS, HAS_MASK, SPARSE_BLOCK)),
-        (_consumer_partition, (1, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, qdo_ready,
-                               qdo_empty, ds_ready, ds_free, turns, dq_desc, lse_ptr, delta_ptr, lse_rows, dkv, kv_row,
-                               hk * HEAD_D, b, kv_start, q_row0, n_iters, n_i, i_start, hk, group, sm_scale, qk_scale,
-                               seq, alibi, flex, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, VARLEN, HAS_LEFT,
-                               HAS_RIGHT, SOFTCAP, ALIBI, TAIL, SKIP, EMPTY, SCORE_MOD, SCORE_GRAD,
-                               SCORE_CAPTURED_GRAD, MASK_MOD, HAS_BIAS, HAS_MASK, SPARSE_BLOCK)),
+        (_consumer_partition, (0, shared, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, VARLEN, HAS_LEFT, HAS_RIGHT,
+                               SOFTCAP, ALIBI, TAIL, SKIP, EMPTY, SCORE_MOD, SCORE_GRAD, SCORE_CAPTURED_GRAD, MASK_MOD,
+                               HAS_BIAS, HAS_MASK, SPARSE_BLOCK)),
+        (_consumer_partition, (1, shared, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, VARLEN, HAS_LEFT, HAS_RIGHT,
+                               SOFTCAP, ALIBI, TAIL, SKIP, EMPTY, SCORE_MOD, SCORE_GRAD, SCORE_CAPTURED_GRAD, MASK_MOD,
+                               HAS_BIAS, HAS_MASK, SPARSE_BLOCK)),
         (_load_partition, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, qdo_ready,
                            qdo_empty, kv_row, hk * HEAD_D, q_row0, n_iters, n_i, i_start, hk, group, BLOCK_M,
                            HEAD_D, STAGES, (srow, sparse, len_q), SPARSE_BLOCK)),
