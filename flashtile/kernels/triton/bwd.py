@@ -15,9 +15,9 @@ BLOCK_SPARSE (constexpr) swaps the range loops for FA1 Alg. 5's: only the tiles 
 import triton
 import triton.language as tl
 
-from .mods import (bias_mask_log2, dropout_keep, key_range, load_lse2, load_tile, mma, present, query_range,
-                   score_mod_grad, scores_log2, seq_bounds, sparse_tile_start, tile_order, to_dtype, user_mods_log2,
-                   visible)
+from .mods import (bias_mask_log2, dropout_keep, head_scalars, head_tile, key_range, load_lse2, load_tile, mma, present,
+                   query_head, query_range, score_mod_grad, scores_log2, seq_bounds, sequences, sparse_tile_start,
+                   tile_order, to_dtype, user_mods_log2, visible)
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -201,10 +201,9 @@ def attn_bwd_dkdv_kernel(
 ):
     # causal: the first key blocks are seen by the most queries: the grid's order already runs them first
     pid_n, bhk = tile_order(head_group, GROUPED, False)
-    b = bhk // nheads_k
-    hk = bhk % nheads_k
-    q_start, seqlen_q = seq_bounds(b, CU_SEQLENS_Q, seqlen_q_static, IS_VARLEN)
-    k_start, seqlen_k = seq_bounds(b, CU_SEQLENS_K, seqlen_k_static, IS_VARLEN)
+    b, hk, _ = query_head(bhk, nheads_k, 1)
+    q_start, seqlen_q, k_start, seqlen_k = sequences(b, CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q_static, seqlen_k_static,
+                                                     IS_VARLEN)
     start_n = pid_n * BLOCK_N
     if start_n >= seqlen_k:
         return
@@ -231,24 +230,16 @@ def attn_bwd_dkdv_kernel(
     # GQA: dK_j, dV_j of K/V head hk sum the contributions of all group_size query heads that read it.
     for g in range(0, group_size):
         h = hk * group_size + g
-        alibi_slope_log2 = 0.0
-        if ALIBI:
-            alibi_slope_log2 = tl.load(ALIBI_SLOPES + b * stride_alibi_b + h).to(tl.float32) * LOG2E
-        rng_base = b64 * rng_stride_b + tl.cast(h, tl.int64) * rng_stride_h
+        alibi_slope_log2, rng_base = head_scalars(b, h, ALIBI_SLOPES, stride_alibi_b, rng_stride_b, rng_stride_h,
+                                                  ALIBI)
         q_head = Q + b64 * stride_qb + tl.cast(h, tl.int64) * stride_qh + tl.cast(q_start, tl.int64) * stride_qm
         do_head = DO + b64 * stride_dob + tl.cast(h, tl.int64) * stride_doh + tl.cast(q_start, tl.int64) * stride_dom
         dq_head = DQ_ACC + b64 * stride_dqb + tl.cast(h, tl.int64) * stride_dqh + tl.cast(q_start, tl.int64) * stride_dqm
         lse_head = LSE + b64 * stride_lse_b + tl.cast(h, tl.int64) * stride_lse_h + q_start
         delta_head = Delta + b64 * stride_lse_b + tl.cast(h, tl.int64) * stride_lse_h + q_start
-        bias_bh = BIAS
-        mask_bh = MASK
-        dbias_bh = DBIAS
-        if HAS_BIAS:
-            bias_bh = BIAS + b64 * stride_bias_b + tl.cast(h, tl.int64) * stride_bias_h
-        if HAS_MASK:
-            mask_bh = MASK + b64 * stride_mask_b + tl.cast(h, tl.int64) * stride_mask_h
-        if HAS_DBIAS:
-            dbias_bh = DBIAS + b64 * stride_dbias_b + tl.cast(h, tl.int64) * stride_dbias_h
+        bias_bh = head_tile(BIAS, b64, h, stride_bias_b, stride_bias_h, HAS_BIAS)
+        mask_bh = head_tile(MASK, b64, h, stride_mask_b, stride_mask_h, HAS_MASK)
+        dbias_bh = head_tile(DBIAS, b64, h, stride_dbias_b, stride_dbias_h, HAS_DBIAS)
         # what every tile step reads for query head h (one tuple: each call site names only the tile and its masks)
         row = (k, v, present(desc_q), present(desc_do), present(desc_dq), q_head, do_head, dq_head, lse_head, delta_head, q_row0, b,
                h, offs_m_rel, offs_n, offs_d, seqlen_q, seqlen_k, stride_qm, stride_dom, stride_dqm, head_dim,
@@ -372,11 +363,9 @@ def attn_bwd_dq_kernel(
     GROUPED: tl.constexpr = False, head_group=1,
 ):
     pid_m, bh = tile_order(head_group, GROUPED, REVERSE)
-    b = bh // nheads
-    h = bh % nheads
-    hk = h // group_size
-    q_start, seqlen_q = seq_bounds(b, CU_SEQLENS_Q, seqlen_q_static, IS_VARLEN)
-    k_start, seqlen_k = seq_bounds(b, CU_SEQLENS_K, seqlen_k_static, IS_VARLEN)
+    b, h, hk = query_head(bh, nheads, group_size)
+    q_start, seqlen_q, k_start, seqlen_k = sequences(b, CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q_static, seqlen_k_static,
+                                                     IS_VARLEN)
     start_m = pid_m * BLOCK_M
     if start_m >= seqlen_q:
         return
@@ -393,10 +382,7 @@ def attn_bwd_dq_kernel(
     lse2 = load_lse2(LSE + b64 * stride_lse_b + tl.cast(h, tl.int64) * stride_lse_h + q_start, offs_m, seqlen_q)
     delta = tl.load(Delta + b64 * stride_lse_b + tl.cast(h, tl.int64) * stride_lse_h + q_start + offs_m,
                     mask=offs_m < seqlen_q, other=0.0)
-    alibi_slope_log2 = 0.0
-    if ALIBI:
-        alibi_slope_log2 = tl.load(ALIBI_SLOPES + b * stride_alibi_b + h).to(tl.float32) * LOG2E
-    rng_base = b64 * rng_stride_b + tl.cast(h, tl.int64) * rng_stride_h
+    alibi_slope_log2, rng_base = head_scalars(b, h, ALIBI_SLOPES, stride_alibi_b, rng_stride_b, rng_stride_h, ALIBI)
     k_base = K + b64 * stride_kb + tl.cast(hk, tl.int64) * stride_kh + tl.cast(k_start, tl.int64) * stride_kn
     v_base = V + b64 * stride_vb + tl.cast(hk, tl.int64) * stride_vh + tl.cast(k_start, tl.int64) * stride_vn
     if IS_VARLEN:
@@ -404,12 +390,8 @@ def attn_bwd_dq_kernel(
     else:
         kv_row0 = b * seqlen_k_static
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    bias_bh = BIAS
-    mask_bh = MASK
-    if HAS_BIAS:
-        bias_bh = BIAS + b64 * stride_bias_b + tl.cast(h, tl.int64) * stride_bias_h
-    if HAS_MASK:
-        mask_bh = MASK + b64 * stride_mask_b + tl.cast(h, tl.int64) * stride_mask_h
+    bias_bh = head_tile(BIAS, b64, h, stride_bias_b, stride_bias_h, HAS_BIAS)
+    mask_bh = head_tile(MASK, b64, h, stride_mask_b, stride_mask_h, HAS_MASK)
     # what every tile step reads (one tuple: each call site names only the tile and its masks)
     row = (q, do, lse2, delta, present(desc_k), present(desc_v), k_base, v_base, kv_row0, b, h, hk, offs_m,
            offs_n_rel, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn, head_dim, score_scale, softcap_log2,

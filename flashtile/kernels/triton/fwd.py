@@ -11,8 +11,9 @@ block mask lists instead of the key range of causal/window masking.
 import triton
 import triton.language as tl
 
-from .mods import (bias_mask_log2, dropout_keep, key_range, load_lse2, load_tile, mma, online_softmax_step, present,
-                   scores_log2, seq_bounds, sparse_tile_start, tile_order, to_dtype, user_mods_log2, visible)
+from .mods import (bias_mask_log2, dropout_keep, head_scalars, head_tile, key_range, load_lse2, load_tile, mma,
+                   online_softmax_step, present, query_head, scores_log2, sequences, sparse_tile_start, tile_order,
+                   to_dtype, user_mods_log2, visible)
 
 
 @triton.jit
@@ -102,11 +103,9 @@ def attn_fwd_kernel(
     # causal/banded: the last query blocks see the most keys; launch them first so the short ones
     # fill the tail of the schedule instead of the long ones
     pid_m, bh = tile_order(head_group, GROUPED, HAS_RIGHT)
-    b = bh // nheads
-    h = bh % nheads
-    hk = h // group_size  # GQA: query head h reads K/V head h // (nheads / nheads_k)
-    q_start, seqlen_q = seq_bounds(b, CU_SEQLENS_Q, seqlen_q_static, IS_VARLEN)
-    k_start, seqlen_k = seq_bounds(b, CU_SEQLENS_K, seqlen_k_static, IS_VARLEN)
+    b, h, hk = query_head(bh, nheads, group_size)
+    q_start, seqlen_q, k_start, seqlen_k = sequences(b, CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q_static, seqlen_k_static,
+                                                     IS_VARLEN)
     start_m = pid_m * BLOCK_M
     if start_m >= seqlen_q:
         return
@@ -125,16 +124,9 @@ def attn_fwd_kernel(
     offs_r = tl.arange(0, BLOCK_M)   # row offsets relative to the block (pointer arithmetic stays int32)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    alibi_slope_log2 = 0.0
-    if ALIBI:
-        alibi_slope_log2 = tl.load(ALIBI_SLOPES + b * stride_alibi_b + h).to(tl.float32) * 1.4426950408889634
-    rng_base = b64 * rng_stride_b + tl.cast(h, tl.int64) * rng_stride_h
-    bias_bh = BIAS
-    mask_bh = MASK
-    if HAS_BIAS:
-        bias_bh = BIAS + b64 * stride_bias_b + tl.cast(h, tl.int64) * stride_bias_h
-    if HAS_MASK:
-        mask_bh = MASK + b64 * stride_mask_b + tl.cast(h, tl.int64) * stride_mask_h
+    alibi_slope_log2, rng_base = head_scalars(b, h, ALIBI_SLOPES, stride_alibi_b, rng_stride_b, rng_stride_h, ALIBI)
+    bias_bh = head_tile(BIAS, b64, h, stride_bias_b, stride_bias_h, HAS_BIAS)
+    mask_bh = head_tile(MASK, b64, h, stride_mask_b, stride_mask_h, HAS_MASK)
 
     # Alg. 1 line 4: load Q_i (rows past the end are 0; their outputs are never stored)
     q_mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim)
@@ -216,12 +208,9 @@ def attn_probs_kernel(
     """Debug/test output of return_attn_probs: P = exp(S - L) from the forward's L, negated where dropout
     dropped the entry (flash-attn's S_dmask convention). O(N^2) memory: never used by the fast path."""
     pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // nheads
-    h = bh % nheads
-    hk = h // group_size
-    q_start, seqlen_q = seq_bounds(b, CU_SEQLENS_Q, seqlen_q_static, IS_VARLEN)
-    k_start, seqlen_k = seq_bounds(b, CU_SEQLENS_K, seqlen_k_static, IS_VARLEN)
+    b, h, hk = query_head(tl.program_id(1), nheads, group_size)
+    q_start, seqlen_q, k_start, seqlen_k = sequences(b, CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q_static, seqlen_k_static,
+                                                     IS_VARLEN)
     start_m = pid_m * BLOCK_M
     if start_m >= seqlen_q:
         return
@@ -233,18 +222,11 @@ def attn_probs_kernel(
     q = tl.load(Q + b64 * stride_qb + tl.cast(h, tl.int64) * stride_qh + rows[:, None] * stride_qm + offs_d[None, :],
                 mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim), other=0.0)
     lse2 = load_lse2(LSE + b64 * stride_lse_b + tl.cast(h, tl.int64) * stride_lse_h + q_start, offs_m, seqlen_q)
-    alibi_slope_log2 = 0.0
-    if ALIBI:
-        alibi_slope_log2 = tl.load(ALIBI_SLOPES + b * stride_alibi_b + h).to(tl.float32) * 1.4426950408889634
-    rng_base = b64 * rng_stride_b + tl.cast(h, tl.int64) * rng_stride_h
+    alibi_slope_log2, rng_base = head_scalars(b, h, ALIBI_SLOPES, stride_alibi_b, rng_stride_b, rng_stride_h, ALIBI)
     k_base = K + b64 * stride_kb + tl.cast(hk, tl.int64) * stride_kh + tl.cast(k_start, tl.int64) * stride_kn
     p_base = P + b64 * stride_pb + tl.cast(h, tl.int64) * stride_ph
-    bias_bh = BIAS
-    mask_bh = MASK
-    if HAS_BIAS:
-        bias_bh = BIAS + b64 * stride_bias_b + tl.cast(h, tl.int64) * stride_bias_h
-    if HAS_MASK:
-        mask_bh = MASK + b64 * stride_mask_b + tl.cast(h, tl.int64) * stride_mask_h
+    bias_bh = head_tile(BIAS, b64, h, stride_bias_b, stride_bias_h, HAS_BIAS)
+    mask_bh = head_tile(MASK, b64, h, stride_mask_b, stride_mask_h, HAS_MASK)
     for start_n in range(0, seqlen_k, BLOCK_N):
         cols = start_n + offs_n
         kt = tl.load(k_base + cols[None, :].to(tl.int64) * stride_kn + offs_d[:, None],

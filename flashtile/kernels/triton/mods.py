@@ -38,6 +38,46 @@ def seq_bounds(b, cu_seqlens_ptr, seqlen_static, IS_VARLEN: tl.constexpr):
         return 0, seqlen_static
 
 
+# --------------------------------------------------------------------------------------------------
+# A program's prologue, one helper per concern: which heads, which sequence, the head's scalars and side tensors
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def query_head(bh, nheads, group_size):
+    """(batch element, query head, KV head) of program index bh = batch * nheads + head; GQA: query head h reads
+    K/V head h // group_size (group_size = nheads / nheads_k)."""
+    b = bh // nheads
+    h = bh % nheads
+    return b, h, h // group_size
+
+
+@triton.jit
+def sequences(b, CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q_static, seqlen_k_static, IS_VARLEN: tl.constexpr):
+    """(first query row, seqlen_q, first key row, seqlen_k) of batch element b (seq_bounds of both sides)."""
+    q_start, seqlen_q = seq_bounds(b, CU_SEQLENS_Q, seqlen_q_static, IS_VARLEN)
+    k_start, seqlen_k = seq_bounds(b, CU_SEQLENS_K, seqlen_k_static, IS_VARLEN)
+    return q_start, seqlen_q, k_start, seqlen_k
+
+
+@triton.jit
+def head_scalars(b, h, ALIBI_SLOPES, stride_alibi_b, rng_stride_b, rng_stride_h, ALIBI: tl.constexpr):
+    """(query head h's ALiBi slope in log2 units, 0.0 without ALiBi; the base of its dropout counters)."""
+    alibi_slope_log2 = 0.0
+    if ALIBI:
+        alibi_slope_log2 = tl.load(ALIBI_SLOPES + b * stride_alibi_b + h).to(tl.float32) * 1.4426950408889634
+    rng_base = tl.cast(b, tl.int64) * rng_stride_b + tl.cast(h, tl.int64) * rng_stride_h
+    return alibi_slope_log2, rng_base
+
+
+@triton.jit
+def head_tile(T, b64, h, stride_b, stride_h, PRESENT: tl.constexpr):
+    """An attn_bias / attn_mask / dBias pointer moved to (batch b, head h) (broadcast dimensions have stride 0);
+    0 where absent (present()'s placeholder: read only under the flag that says it exists)."""
+    if PRESENT:
+        return T + b64 * stride_b + tl.cast(h, tl.int64) * stride_h
+    else:
+        return 0
+
+
 @triton.jit
 def visible(i, j, seqlen_q, seqlen_k, window_left, window_right, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
     """Bool tile: query i may see key j (i, j: broadcastable 2-D index tensors, e.g. rows[:, None] and
