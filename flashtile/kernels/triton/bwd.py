@@ -31,9 +31,7 @@ def attn_bwd_preprocess_kernel(O, DO, Delta, DQ_ACC, CU_SEQLENS_Q,
     """FA2 Alg. 2 line 4: D_i = rowsum(dO_i o O_i) for BLOCK_M rows of one (batch, head). ZERO_DQ: the same rows of
     the float32 dQ accumulator (a backward that adds dQ_i into it) are zeroed here, so no separate fill runs."""
     pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // nheads
-    h = bh % nheads
+    b, h, _ = query_head(tl.program_id(1), nheads, 1)
     q_start, seqlen_q = seq_bounds(b, CU_SEQLENS_Q, seqlen_q_static, IS_VARLEN)
     start_m = pid_m * BLOCK_M
     if start_m >= seqlen_q:

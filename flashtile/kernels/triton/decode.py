@@ -56,7 +56,8 @@ from . import combine as _combine
 from . import configs
 from .launch import (AttnParams, _dot_precision, _rows, cdiv, descriptor_fields, descriptor_from,
                      interpreting, next_pow2, row_descriptor)
-from .mods import key_range, load_rows, mma, online_softmax_step, present, scores_log2, seq_bounds, to_dtype, visible
+from .mods import (key_range, load_rows, mma, online_softmax_step, present, query_head, scores_log2, seq_bounds,
+                   to_dtype, visible)
 
 try:  # host-side TMA descriptors (triton >= 3.4; the interpreter emulates them)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -206,8 +207,7 @@ def decode_kernel(
     pid_m = tl.program_id(0)
     bhk = tl.program_id(1)
     split = tl.program_id(2)
-    b = bhk // nheads_k
-    hk = bhk % nheads_k
+    b, hk, _ = query_head(bhk, nheads_k, 1)
     q_start, seqlen_q = seq_bounds(b, CU_SEQLENS_Q, seqlen_q_static, IS_VARLEN_Q)
     start_r = pid_m * BLOCK_M
     if start_r >= seqlen_q * group_size:
