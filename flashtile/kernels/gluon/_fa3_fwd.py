@@ -168,8 +168,7 @@ def _user_scores(s, rows, cols, len_q, len_k, user, partial, SCORE_MOD: gl.const
     score_mod on every block, then the element masks (_element_masks) on `partial` ones (every block without a
     block mask, its partial blocks with one): a mask applies after score_mod, which may map -inf to a finite
     score (softcap). user: (b, h, score_aux, mask_aux, (bias of the head, its row and column strides), (the
-    mask's)); the flags as fa3_fwd_kernel's. Also returns
-    score_mod's input in natural-log units (its gradient's)."""
+    mask's)); the flags as fa3_fwd_kernel's. Also returns score_mod's input in natural-log units (its gradient's)."""
     b, h, score_aux, mask_aux, bias_t, mask_t = user
     i = gl.expand_dims(rows, 1)
     j = gl.expand_dims(cols, 0)
