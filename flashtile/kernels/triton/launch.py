@@ -94,13 +94,17 @@ def _rng_strides(nheads, seqlen_q, seqlen_k):
     return nheads * seqlen_q * seqlen_k, seqlen_q * seqlen_k, seqlen_k
 
 
-def _common(q, k, params, alibi, cu_q, max_sq, max_sk):
+def _common(q, k, params, alibi, cu_q, cu_k, max_seqlen_q, max_seqlen_k):
+    """What every launcher derives from a call: the longest lengths (varlen: the given ones), batch, heads, the
+    kernels' score scalars, the dropout counter strides and ALiBi's batch stride."""
+    max_sq = max_seqlen_q if cu_q is not None else q.shape[1]
+    max_sk = max_seqlen_k if cu_k is not None else k.shape[1]
     nheads, nheads_k = q.shape[-2], k.shape[-2]
     batch = q.shape[0] if cu_q is None else cu_q.numel() - 1
     score_scale, softcap_log2 = params.score_args()
     rng = _rng_strides(nheads, max_sq, max_sk)
     alibi_stride_b = 0 if alibi is None or alibi.dim() == 1 else alibi.stride(0)
-    return batch, nheads, nheads_k, score_scale, softcap_log2, rng, alibi_stride_b
+    return max_sq, max_sk, batch, nheads, nheads_k, score_scale, softcap_log2, rng, alibi_stride_b
 
 
 def _order_args(params: AttnParams, head_dim: int, kernel: str, n_blocks: int, n_bh: int) -> dict:
@@ -213,10 +217,8 @@ def flash_fwd(q, k, v, out, lse, params: AttnParams, alibi: Optional[torch.Tenso
     if relaunch_fwd(memo, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi):
         return
     head_dim = q.shape[-1]
-    max_sq = max_seqlen_q if cu_seqlens_q is not None else q.shape[1]
-    max_sk = max_seqlen_k if cu_seqlens_k is not None else k.shape[1]
-    batch, nheads, nheads_k, score_scale, softcap_log2, rng, alibi_sb = _common(
-        q, k, params, alibi, cu_seqlens_q, max_sq, max_sk)
+    max_sq, max_sk, batch, nheads, nheads_k, score_scale, softcap_log2, rng, alibi_sb = _common(
+        q, k, params, alibi, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if q.numel() == 0 or k.shape[-3] == 0 or max_sk == 0:
         # nothing to attend to (or nobody asking): rows that see no key are 0 with lse = -inf
         out.zero_()
@@ -262,10 +264,8 @@ def attn_probs(q, k, lse, params: AttnParams, alibi=None, cu_seqlens_q=None, cu_
                max_seqlen_q=None, max_seqlen_k=None, bias=None, mask=None):
     """(batch, nheads, max_seqlen_q, max_seqlen_k) float32 P, negated where dropout dropped it."""
     head_dim = q.shape[-1]
-    max_sq = max_seqlen_q if cu_seqlens_q is not None else q.shape[1]
-    max_sk = max_seqlen_k if cu_seqlens_k is not None else k.shape[1]
-    batch, nheads, nheads_k, score_scale, softcap_log2, rng, alibi_sb = _common(
-        q, k, params, alibi, cu_seqlens_q, max_sq, max_sk)
+    max_sq, max_sk, batch, nheads, nheads_k, score_scale, softcap_log2, rng, alibi_sb = _common(
+        q, k, params, alibi, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     p = torch.zeros(batch, nheads, max_sq, max_sk, device=q.device, dtype=torch.float32)
     if p.numel() == 0:
         return p
@@ -369,10 +369,8 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
     if relaunch_bwd(memo, dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, alibi, dlse):
         return
     head_dim = q.shape[-1]
-    max_sq = max_seqlen_q if cu_seqlens_q is not None else q.shape[1]
-    max_sk = max_seqlen_k if cu_seqlens_k is not None else k.shape[1]
-    batch, nheads, nheads_k, score_scale, softcap_log2, rng, alibi_sb = _common(
-        q, k, params, alibi, cu_seqlens_q, max_sq, max_sk)
+    max_sq, max_sk, batch, nheads, nheads_k, score_scale, softcap_log2, rng, alibi_sb = _common(
+        q, k, params, alibi, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     flags = _flags(params, alibi, cu_seqlens_q, head_dim, q.dtype)
     even_d = configs.block_d(head_dim) == head_dim
     if q.numel() == 0 or k.numel() == 0 or max_sq == 0 or max_sk == 0:
