@@ -208,11 +208,15 @@ def fwd(q, k, v, out, lse, params, alibi=None, cu_seqlens_q=None, cu_seqlens_k=N
                 alibi, cu_seqlens_q, cu_seqlens_k, sq, sk, flex)
 
 
-# fa3_fwd_kernel's flashtile.flex arguments where a problem has none of them: placeholders it does not read
+# placeholders the kernels do not read for an absent bias / mask (pointer and strides), block mask (lists and
+# strides) or mod's captured values; _NO_FLEX / _NO_FLEX_BWD: flex_args' (runtime, constexprs) of a problem with
+# none of flashtile.flex's features (the backward's also with score_aux_grad and the program order)
 _NO_PAIR = (0, 0, 0, 0, 0)
-_NO_FLEX_CONSTS = dict(SCORE_MOD=None, MASK_MOD=None, HAS_BIAS=False, HAS_MASK=False, SPARSE_BLOCK=0)
-_NO_FLEX_BWD_CONSTS = dict(_NO_FLEX_CONSTS, SCORE_GRAD=None, SCORE_CAPTURED_GRAD=None)
-_NO_FLEX_BWD = (_NO_PAIR, _NO_PAIR, (0, 0, 0, 0, 0, 0, 0, 0), (0, ), (0, ), (0, ), 0)
+_NO_LISTS = (0, 0, 0, 0, 0, 0, 0, 0)
+_NO_AUX = (0, )
+_NO_FLEX = ((_NO_PAIR, _NO_PAIR, _NO_LISTS, _NO_AUX, _NO_AUX),
+            dict(SCORE_MOD=None, MASK_MOD=None, HAS_BIAS=False, HAS_MASK=False, SPARSE_BLOCK=0))
+_NO_FLEX_BWD = ((*_NO_FLEX[0], _NO_AUX, 0), dict(_NO_FLEX[1], SCORE_GRAD=None, SCORE_CAPTURED_GRAD=None))
 
 
 def flex_args(lse, batch: int, nheads: int, sq: int, sk: int, bias=None, mask=None, sparse=None, mods=None,
@@ -222,9 +226,9 @@ def flex_args(lse, batch: int, nheads: int, sq: int, sk: int, bias=None, mask=No
     block mask's transposed lists, score_aux_grad added; SCORE_GRAD, SCORE_CAPTURED_GRAD)."""
     def pair(t):
         return _NO_PAIR if t is None else pair_args(t, batch, nheads, sq, sk)
-    lists = (lse, lse, lse, lse, 0, 0, 0, 0) if sparse is None else sparse_args(sparse, batch, nheads, backward)
-    score_aux = mods.score_aux if mods is not None and mods.score_aux is not None else (0, )
-    mask_aux = mods.mask_aux if mods is not None and mods.mask_aux is not None else (0, )
+    lists = _NO_LISTS if sparse is None else sparse_args(sparse, batch, nheads, backward)
+    score_aux = mods.score_aux if mods is not None and mods.score_aux is not None else _NO_AUX
+    mask_aux = mods.mask_aux if mods is not None and mods.mask_aux is not None else _NO_AUX
     consts = dict(SCORE_MOD=None if mods is None else mods.score_mod, MASK_MOD=None if mods is None else mods.mask_mod,
                   HAS_BIAS=bias is not None, HAS_MASK=mask is not None,
                   SPARSE_BLOCK=0 if sparse is None else sparse.block_size)
@@ -343,8 +347,7 @@ def _launch_fwd(q, k, v, out, lse, scales, params, cfg, fp8, alibi=None, cu_seql
     programs = min(n_tiles, _sm_count(_device_index(q))) if PERSISTENT else n_tiles
     # (a block mask's blocks hold whole tiles: FLEX_HEAD_DIMS' configs)
     assert not flex or flex[1]["SPARSE_BLOCK"] % (num_wg * WG_ROWS) == 0 == flex[1]["SPARSE_BLOCK"] % block_n
-    flex_runtime, flex_consts = flex if flex is not None else ((_NO_PAIR, _NO_PAIR, (lse, lse, lse, lse, 0, 0, 0, 0),
-                                                                (0, ), (0, )), _NO_FLEX_CONSTS)
+    flex_runtime, flex_consts = flex if flex is not None else _NO_FLEX
     kwargs = dict(HEAD_D=head_dim, BLOCK_M=WG_ROWS, BLOCK_N=block_n, STAGES=stages, NUM_WG=num_wg,
                   Q_BUFS=q_buffers(head_dim, num_wg, block_n, stages, q.element_size(), fp8), PINGPONG=pingpong,
                   FP8=fp8, **fwd_flags(params, varlen, alibi, sq, sk, block_n, flex is not None,
@@ -537,7 +540,7 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, 
     flex = None
     if bias is not None or mask is not None or sparse is not None or mods is not None:
         runtime, consts = flex_args(lse, batch, nheads, sq, sk, bias, mask, sparse, mods, backward=True)
-        order = lse if sparse is None else _order(sparse, batch, nheads, nheads_k, sk, block_n)
+        order = 0 if sparse is None else _order(sparse, batch, nheads, nheads_k, sk, block_n)
         flex = ((*runtime, order), consts)
     dense = dense_bwd(q, k, params, alibi, varlen, flex is not None)
     kwargs = dict(HEAD_D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
@@ -548,7 +551,7 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, 
     else:
         kwargs.update(bwd_flags(params, varlen, alibi, sq, sk, block_m, block_n, flex is not None,
                                 sparse is not None))
-        kwargs.update(flex[1] if flex is not None else _NO_FLEX_BWD_CONSTS)
+        kwargs.update((flex or _NO_FLEX_BWD)[1])
     extras = (cu_seqlens_q, cu_seqlens_k, alibi)
     # (flex's tensors are not live arguments of a template: a problem with them launches the full way)
     key = None if flex is not None else _bwd_key(q, k, v, lse, dk, dv, params, alibi, sq, sk)
@@ -587,7 +590,7 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, 
                 0 if alibi is None or alibi.dim() == 1 else alibi.stride(0), max(sq, 2) if varlen else sq, sk,
                 nheads_k, nheads // nheads_k, params.softmax_scale, score_scale, softcap_log2,
                 max(params.window_left, 0), max(params.window_right, 0),
-                *(flex[0] if flex is not None else _NO_FLEX_BWD))
+                *(flex or _NO_FLEX_BWD)[0])
     relaunch.launch(kernel, grid[:2], args, kwargs)
     if key is not None and dk_out is dk and dv_out is dv:   # (not through copies: descriptors over per-call buffers)
         bound = relaunch.bind(kernel, args, kwargs, n_live)
