@@ -97,7 +97,7 @@ def _flex_runtime(lse, features, b, h, s, backward=False):
 def compile_fwd(head_dim: int, causal: bool, dtype: torch.dtype, seqlen: int = 1 << 20, features=()):
     """The bf16 / fp16 forward as fa3.fwd launches it at this sequence length (fa3.fwd_config), with the feature
     flags named in `features` (FEATURES) on; causal: HAS_RIGHT, the causal config."""
-    num_wg, block_n, stages, pingpong = fa3.fwd_config(head_dim, seqlen, causal)
+    num_wg, block_n, stages, pingpong = fa3.fwd_config(head_dim, seqlen, causal, "alibi" in features)
     b, s, h = 2, 1024, 4
     t = torch.randn(b * s, h * head_dim, dtype=dtype)
     lse = torch.empty(b, h, s)

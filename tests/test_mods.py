@@ -8,6 +8,7 @@ small @triton.jit kernel (under TRITON_INTERPRET=1 on the CPU; the same kernels 
 - visible, key_range, query_range: the mask rule and the key / query block ranges a block program visits, against
   a brute-force mask for random (seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N): no visible
   entry skipped, the unmasked middle range fully visible and in bounds, no block visited that holds nothing to see;
+- small_float: integers below 2^23 as float32 from their bits, exact against torch's conversion;
 - online_softmax_step: one step against its float64 formulas (masked rows included), and a sequence of steps
   against one softmax in float64 (scores far beyond fp32's exp2 range).
 
@@ -24,6 +25,7 @@ import triton.language as tl
 
 import flashtile  # noqa: F401  (sets TRITON_INTERPRET on CPU-only machines)
 from attn_utils import DEVICE
+from flashtile.kernels.elementwise import small_float
 from flashtile.kernels.triton.mods import key_range, mma, online_softmax_step, query_range, to_dtype, visible
 from flashtile.reference.dense import visible_mask
 
@@ -355,3 +357,24 @@ def test_online_softmax_steps_compose_to_one_softmax(seed):
     # (fp32 scores of magnitude 300 carry 2e-5 of rounding in log2 units: 1e-5 of relative error per weight)
     torch.testing.assert_close(lse2[1:], want_lse2[1:], rtol=0, atol=1e-4)
     torch.testing.assert_close(o, want_o, rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# small_float
+
+@triton.jit
+def _small_float_kernel(X, Y, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(Y + offs, small_float(tl.load(X + offs)))
+
+
+def test_small_float_is_exact():
+    """Every integer of [0, 2^23) that ALiBi's distances take converts exactly: the ends, powers of two and their
+    neighbours, and random ones."""
+    ends = [0, 1, 2, 3, 127, 128, 4095, 4096, 2 ** 23 - 2, 2 ** 23 - 1]
+    powers = [p + d for e in range(1, 23) for p in (2 ** e,) for d in (-1, 0, 1)]
+    rand = torch.randint(0, 2 ** 23, (1024 - len(ends) - len(powers),)).tolist()
+    x = torch.tensor(ends + powers + rand, dtype=torch.int32, device=DEVICE)
+    y = torch.empty(x.shape, dtype=fp32, device=DEVICE)
+    _small_float_kernel[(1,)](x, y, N=x.numel())
+    assert torch.equal(y, x.to(fp32))

@@ -27,6 +27,14 @@ def _per_tile(fn):
     return fn if INTERPRETED else triton.jit(fn)
 
 
+@triton.jit
+def small_float(x):
+    """Integers 0 <= x < 2^23 as float32 from their bits (x is the mantissa of 2^23 + x): two full-rate
+    instructions, where an int -> float conversion per element runs at the rate of the softmax's exp2, on the same
+    units (ALiBi's distances)."""
+    return (x.to(tl.int32) + 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
 @_per_tile
 def to_dtype(x, DTYPE: tl.constexpr):
     """x.to(DTYPE) with the GPU's conversions (round to nearest even): every conversion of the kernels between

@@ -35,6 +35,10 @@ DENSE_CASES = [
     Case(1, 4096, 4096, 16, 2, 128, bf16, window=(1024, 1024)),
     Case(2, 1024, 1024, 8, 8, 64, fp16, causal=True, softcap=30.0),
     Case(1, 1088, 1000, 4, 1, 64, bf16, window=(0, 0)),
+    # ALiBi's row term folded out of the scores (causal tiles left of the diagonal), and the general tiles
+    Case(1, 4096, 4096, 8, 8, 128, bf16, alibi="h", causal=True),
+    Case(2, 1000, 3000, 4, 2, 128, fp16, alibi="bh", causal=True),   # bottom-right: distances start past 2000
+    Case(1, 2100, 1500, 4, 4, 64, bf16, alibi="h"),                  # s_q > s_k without a mask: tiles either side
 ]
 
 

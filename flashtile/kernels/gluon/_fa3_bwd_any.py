@@ -21,7 +21,8 @@ from ._fa3_bwd import (LOG2E, _dq_product, _dq_reduce_add, _load_partition, _que
                        allocate, dkv_dq_products, invalidate, s_dp_products, skip_step, stage_dkv, tma_store_dkv,
                        warpgroup_state)
 from ..elementwise import score_mod_grad
-from ._fa3_fwd import _head_tile, _scores_log2, _seq_info, _sparse_row, _user_scores, _visible, store_rows
+from ._fa3_fwd import (_alibi_distance_log2, _head_tile, _scores_log2, _seq_info, _sparse_row, _user_scores,
+                       _visible, store_rows)
 
 
 @gluon.jit
@@ -147,13 +148,17 @@ def _products(t, q_start, c0, hidden, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, 
     # step's accumulators need)
     if FLEX:
         cols = c0 + gl.arange(0, WG_N, layout=gl.SliceLayout(0, s_layout))
-        s2, tanh = _scores_log2(sc, q_idx, cols, len_q, len_k, score, SOFTCAP, ALIBI)
+        s2, tanh = _scores_log2(sc, score, 0, SOFTCAP, False)
+        if ALIBI:
+            s2 = _alibi_distance_log2(s2, q_idx, cols, len_q, len_k, score[2])
         s2, s_in = _user_scores(s2, q_idx, cols, len_q, len_k, user, partial, SCORE_MOD, MASK_MOD, HAS_BIAS,
                                 HAS_MASK, SPARSE_BLOCK)
         p = gl.exp2(s2 - gl.expand_dims(lse2, 1))
     elif SOFTCAP or ALIBI:
-        s2, tanh = _scores_log2(sc, q_idx, c0 + gl.arange(0, WG_N, layout=gl.SliceLayout(0, s_layout)), len_q,
-                                len_k, score, SOFTCAP, ALIBI)
+        s2, tanh = _scores_log2(sc, score, 0, SOFTCAP, False)
+        if ALIBI:
+            s2 = _alibi_distance_log2(s2, q_idx, c0 + gl.arange(0, WG_N, layout=gl.SliceLayout(0, s_layout)), len_q,
+                                      len_k, score[2])
         p = gl.exp2(s2 - gl.expand_dims(lse2, 1))
     else:   # (one FMA per element)
         p = gl.exp2(sc * qk_scale - gl.expand_dims(lse2, 1))

@@ -28,7 +28,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from .. import params
-from ..elementwise import bias_mask_log2, user_mods_log2
+from ..elementwise import bias_mask_log2, small_float, user_mods_log2
 
 LN2 = gl.constexpr(params.LN2)
 LOG2E = gl.constexpr(params.LOG2E)
@@ -209,11 +209,12 @@ def _softcap_tanh(s, score_scale):
 
 
 @gluon.jit
-def _scores_log2(s, rows, cols, len_q, len_k, score, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr):
+def _scores_log2(s, score, alibi, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr):
     """Raw Q K^T -> scores in log2 units with softcap and / or ALiBi (the Triton kernels' mods.scores_log2):
-    softcap: softcap log2(e) tanh(S softmax_scale / softcap); else S softmax_scale log2(e); ALiBi adds
-    -slope log2(e) |i + len_k - len_q - j|. score = (score_scale (softcap: softmax_scale / softcap), softcap
-    log2(e), slope log2(e)). Also returns tanh(.) (softcap; else S), which the backward's dS needs."""
+    softcap: softcap log2(e) tanh(S softmax_scale / softcap); else S softmax_scale log2(e); ALiBi then subtracts
+    slope log2(e) |i + len_k - len_q - j|, plus the row term r_i of the tile's _alibi_terms (alibi; _alibi_log2).
+    score = (score_scale (softcap: softmax_scale / softcap), softcap log2(e), slope log2(e)). Also returns
+    tanh(.) (softcap; else S), which the backward's dS needs."""
     score_scale, softcap_log2, slope_log2 = score
     if SOFTCAP:
         t = _softcap_tanh(s, score_scale)
@@ -222,10 +223,44 @@ def _scores_log2(s, rows, cols, len_q, len_k, score, SOFTCAP: gl.constexpr, ALIB
         t = s
         s = s * score_scale
     if ALIBI:
-        dist = gl.expand_dims(rows + (len_k - len_q), 1) - gl.expand_dims(cols, 0)
-        dist = gl.where(dist < 0, -dist, dist)
-        s = s - slope_log2 * dist.to(gl.float32)
+        s = _alibi_log2(s, alibi)
     return s, t
+
+
+@gluon.jit
+def _alibi_distance_log2(s, rows, cols, len_q, len_k, slope_log2):
+    """s - slope log2(e) |i + len_k - len_q - j| from the query and key indices: the backward's ALiBi (there the
+    fold of _alibi_log2, its terms beside the backward's tiles, measured no faster over 2k-16k, full and causal)."""
+    dist = gl.expand_dims(rows + (len_k - len_q), 1) - gl.expand_dims(cols, 0)
+    dist = gl.where(dist < 0, -dist, dist)
+    return s - slope_log2 * dist.to(gl.float32)
+
+
+@gluon.jit
+def _alibi_terms(slope_log2, rows_from0, col0, cols_from0, diag0):
+    """ALiBi's terms for a tile of rows row0 + a (rows_from0: a) and keys col0 + b (cols_from0: b), diag0 = row0 +
+    len_k - len_q the first row's diagonal key: slope |i + len_k - len_q - j| = |r_a - c_b| with r_a = slope a and
+    c_b = slope (col0 + b - diag0). Returns (r, c, whether every key of the tile lies at or left of every row's
+    diagonal key: r - c >= 0 for every pair)."""
+    N: gl.constexpr = cols_from0.shape[0]
+    r = slope_log2 * rows_from0.to(gl.float32)
+    # (small_float: an int -> float conversion per key would run at the rate of the softmax's exp2)
+    c = slope_log2 * small_float(cols_from0) + slope_log2 * (col0 - diag0).to(gl.float32)
+    return r, c, col0 + N - 1 <= diag0
+
+
+@gluon.jit
+def _alibi_log2(s, alibi):
+    """s - slope |i + len_k - len_q - j| + r_i from _alibi_terms' (r, c, left): s - |r - c| + r, which on a `left`
+    tile is s + c, one add per element (the causal mask makes every tile but the diagonal's left). The softmax does
+    not see a row's constant r_i; the LSE subtracts it."""
+    r, c, left = alibi
+    if left:
+        s = s + gl.expand_dims(c, 0)
+    else:
+        r2 = gl.expand_dims(r, 1)
+        s = s - gl.abs(r2 - gl.expand_dims(c, 0)) + r2
+    return s
 
 
 @gluon.jit
@@ -322,11 +357,10 @@ def _load_partition(loads, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N:
 
 
 @gluon.jit
-def _online_softmax(s, m_i, l_i, qk_scale, masked, rows, cols, mask, user, partial, FP8: gl.constexpr,
+def _online_softmax(s, m_i, l_i, qk_scale, masked, rows, cols, mask, user, partial, alibi, FP8: gl.constexpr,
                     SCORED: gl.constexpr, GUARD: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                     TAIL: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SCORE_MOD: gl.constexpr,
                     MASK_MOD: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr, SPARSE_BLOCK: gl.constexpr):
-    MASKED: gl.constexpr = HAS_LEFT or HAS_RIGHT or TAIL
     """Algorithm 1 lines 9-10 for one S block, in base 2: m_new = max(m_i, rowmax(S2)); P~ = exp2(S2 - m_new);
     l_new = exp2(m_i - m_new) l_i + rowsum(P~), with S2 = S * qk_scale (qk_scale = softmax_scale * log2 e > 0,
     which lets the row max be taken before scaling) or, SCORED (softcap / ALiBi), _scores_log2(S). A `masked`
@@ -337,10 +371,15 @@ def _online_softmax(s, m_i, l_i, qk_scale, masked, rows, cols, mask, user, parti
     FP8: P~ = exp2(S * scale - m_new + log2 448) fills e4m3's range [0, 448] for the P V product; l carries the
     same factor, so it cancels in O = acc / l (the LSE subtracts it). flashtile.flex's features (`user` and
     `partial`: _user_scores) apply after softcap / ALiBi; SCORED then includes a bias or score_mod.
+    alibi: the block's _alibi_terms (ALIBI); without a score_mod the scores, m_i with them, carry its row term
+    r (_alibi_log2; the caller's LSE subtracts it).
     (SCORED: the scores are in log2 units before the max; else they are scaled inside the exponential.)"""
+    MASKED: gl.constexpr = HAS_LEFT or HAS_RIGHT or TAIL
     len_q, len_k, window, score = mask
     if SCORED:
-        s, _ = _scores_log2(s, rows, cols, len_q, len_k, score, SOFTCAP, ALIBI)
+        s, _ = _scores_log2(s, score, alibi, SOFTCAP, ALIBI)
+        if ALIBI and SCORE_MOD is not None:   # (it reads the true score)
+            s = s - gl.expand_dims(alibi[0], 1)
     if SCORE_MOD is not None or MASK_MOD is not None or HAS_BIAS or HAS_MASK:
         s, _ = _user_scores(s, rows, cols, len_q, len_k, user, partial, SCORE_MOD, MASK_MOD, HAS_BIAS, HAS_MASK,
                             SPARSE_BLOCK)
@@ -515,8 +554,10 @@ def _consumer_tile(wg: gl.constexpr, q_smem, q_empty, k_bufs, v_bufs, o_bufs, k_
     q_row0, q_start, len_q, len_k, q_col = rows
     len_q, len_k, window, score = mask
     row_lo = q_start + wg * BLOCK_M
-    q_rows = row_lo + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    rows_from0 = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    q_rows = row_lo + rows_from0
     key_cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    diag0 = row_lo + (len_k - len_q)   # the first row's diagonal key (ALiBi's distances count from it)
     # this warpgroup's key blocks: it computes blocks [mine_lo, mine_hi) of the tile's and masks those outside
     # [full_lo, full_hi); the tile's other blocks (before or past its rows' window, or every block after the first
     # for rows past the sequence) it only releases (_release)
@@ -558,8 +599,11 @@ def _consumer_tile(wg: gl.constexpr, q_smem, q_empty, k_bufs, v_bufs, o_bufs, k_
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
     mbarrier.arrive(k_empty.index(first), count=1)
     masked = (kb < full_lo) | (kb >= full_hi)
+    alibi = 0
+    if ALIBI:
+        alibi = _alibi_terms(score[2], rows_from0, kb * BLOCK_N, key_cols, diag0)
     p, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, scale_j, masked, q_rows, kb * BLOCK_N + key_cols, mask, user,
-                                         partial, FP8, SCORED, GUARD, HAS_LEFT, HAS_RIGHT, TAIL, SOFTCAP, ALIBI,
+                                         partial, alibi, FP8, SCORED, GUARD, HAS_LEFT, HAS_RIGHT, TAIL, SOFTCAP, ALIBI,
                                          SCORE_MOD, MASK_MOD, HAS_BIAS, HAS_MASK, SPARSE_BLOCK)
     p = _p_operand(p, dtype, p_layout, BLOCK_M, BLOCK_N, FP8)
     for j in range(mine_lo + 1, mine_hi):
@@ -588,9 +632,13 @@ def _consumer_tile(wg: gl.constexpr, q_smem, q_empty, k_bufs, v_bufs, o_bufs, k_
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
         mbarrier.arrive(k_empty.index(cur), count=1)   # K_j read: the producer may refill its buffer
         masked = (kb < full_lo) | (kb >= full_hi)
+        alibi_j = 0   # (not `alibi`: a name assigned before the loop would be carried across it)
+        if ALIBI:
+            alibi_j = _alibi_terms(score[2], rows_from0, kb * BLOCK_N, key_cols, diag0)
         p_next, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, scale_j, masked, q_rows, kb * BLOCK_N + key_cols,
-                                                  mask, user, partial, FP8, SCORED, GUARD, HAS_LEFT, HAS_RIGHT, TAIL,
-                                                  SOFTCAP, ALIBI, SCORE_MOD, MASK_MOD, HAS_BIAS, HAS_MASK, SPARSE_BLOCK)
+                                                  mask, user, partial, alibi_j, FP8, SCORED, GUARD, HAS_LEFT, HAS_RIGHT,
+                                                  TAIL, SOFTCAP, ALIBI, SCORE_MOD, MASK_MOD, HAS_BIAS, HAS_MASK,
+                                                  SPARSE_BLOCK)
         if FP8:   # (the wait cannot carry 8-bit registers; the e4m3 P~ is a temporary of this turn)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, ))
         else:
@@ -625,6 +673,8 @@ def _consumer_tile(wg: gl.constexpr, q_smem, q_empty, k_bufs, v_bufs, o_bufs, k_
         o_smem = q_smem
     if FP8:   # l_i carries P~'s factor 448
         lse = (m_i + gl.log2(l_safe) - LOG2_E4M3_MAX) * LN2
+    elif ALIBI and SCORE_MOD is None:   # m_i carries ALiBi's row term (_alibi_log2)
+        lse = (m_i - score[2] * rows_from0.to(gl.float32) + gl.log2(l_safe)) * LN2
     else:
         lse = (m_i + gl.log2(l_safe)) * LN2
     if GUARD:

@@ -36,6 +36,10 @@ PINGPONG = {64: (True, False), 128: (True, False), 256: (False, False)}
 SHORT_CONFIGS = {(64, True): ((512, (2, 64, 3, False)), (1024, (2, 128, 2, False))),
                  (64, False): ((512, (2, 128, 2, False)), ),
                  (128, True): ((512, (2, 64, 3, False)), )}
+# head_dim -> the forward's config with ALiBi where it is not the one above: at d64 the three consumer warpgroups'
+# registers do not hold ALiBi's terms beside their tiles (ptxas spills), two warpgroups' do (same-run A/B: the note
+# of the ALiBi fold, issue #36)
+ALIBI_CONFIGS = {64: (2, 128, 2, False)}
 # the kernel's register limit per thread: 12 warps (4 + 4 + 1 rounded up to warpgroups) x 32 x 168 = the 64K
 # registers of an SM; inside the partitions setmaxnreg moves them to 240 per consumer thread and 24 for the producer
 MAXNREG = 168
@@ -204,8 +208,9 @@ def fwd(q, k, v, out, lse, params, alibi=None, cu_seqlens_q=None, cu_seqlens_k=N
     flex = None
     if bias is not None or mask is not None or sparse is not None or mods is not None:
         flex = flex_args(lse, q.shape[0], q.shape[2], sq, sk, bias, mask, sparse, mods)
-    _launch_fwd(q, k, v, out, lse, (lse, lse, lse), params, fwd_config(q.shape[-1], sq, params.has_right), False,
-                alibi, cu_seqlens_q, cu_seqlens_k, sq, sk, flex)
+    cfg = fwd_config(q.shape[-1], sq, params.has_right, alibi is not None)
+    _launch_fwd(q, k, v, out, lse, (lse, lse, lse), params, cfg, False, alibi, cu_seqlens_q, cu_seqlens_k, sq, sk,
+                flex)
 
 
 # placeholders the kernels do not read for an absent bias / mask (pointer and strides), block mask (lists and
@@ -283,9 +288,11 @@ def fwd_flags(params, varlen: bool, alibi, sq: int, sk: int, block_n: int, flex:
                 ALIBI=alibi is not None, TAIL=tail, GUARD=guard)
 
 
-def fwd_config(head_dim: int, seqlen_q: int, causal: bool):
-    """(consumer warpgroups, Bc, stages, ping-pong) of the bf16 / fp16 forward: SHORT_CONFIGS up to their length,
-    else CONFIGS and PINGPONG."""
+def fwd_config(head_dim: int, seqlen_q: int, causal: bool, alibi: bool = False):
+    """(consumer warpgroups, Bc, stages, ping-pong) of the bf16 / fp16 forward: ALIBI_CONFIGS with ALiBi, else
+    SHORT_CONFIGS up to their length, else CONFIGS and PINGPONG."""
+    if alibi and head_dim in ALIBI_CONFIGS:
+        return ALIBI_CONFIGS[head_dim]
     for longest, cfg in SHORT_CONFIGS.get((head_dim, causal), ()):
         if seqlen_q <= longest:
             return cfg
@@ -617,7 +624,7 @@ class ForwardPlan:
         sk = max_seqlen_k if varlen else k.shape[1]
         batch = cu_seqlens_q.shape[0] - 1 if varlen else q.shape[0]
         self.sizes = (sq, sk)
-        self.cfg = fwd_config(head_dim, sq, params.has_right)
+        self.cfg = fwd_config(head_dim, sq, params.has_right, alibi is not None)
         n_tiles = -(-sq // (self.cfg[0] * WG_ROWS)) * batch * q.shape[-2]
         self.grid = (min(n_tiles, _sm_count(_device_index(q))) if PERSISTENT else n_tiles, 1, 1)
         self.key = _fwd_key(q, k, v, lse, params, alibi, sq, sk)
@@ -630,7 +637,7 @@ class ForwardPlan:
             return False
         tpl = self.tpl
         if (tpl is not None and tma_aligned(q, k, v, out)
-                and self.cfg == fwd_config(q.shape[-1], self.sizes[0], params.has_right)
+                and self.cfg == fwd_config(q.shape[-1], self.sizes[0], params.has_right, alibi is not None)
                 and tpl.launch(self.grid, q, k, v, out, lse, (lse, lse, lse), tickets(q.device, 1),
                                (cu_seqlens_q, cu_seqlens_k, alibi))):
             return True
