@@ -401,7 +401,8 @@ def plot(rows, fits, path, device_name):
         ax.set_xlim(0, 1.05)
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.lines:
+            ax.legend(fontsize=8)
     fig.suptitle(f"runtime against block density ({device_name})", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
