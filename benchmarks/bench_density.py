@@ -291,9 +291,9 @@ def main(argv=None):
                 for pas, ms in zip(PASSES, times):
                     rows.append(dict(provider=pname, seqlen=s, target_density=x, density=dens, pass_=pas, ms=ms,
                                      tflops=FLOP_FACTOR[pas] * fl / ms / 1e9))
-                print(f"seqlen {s} density {dens:.3f} (target {x:.1f}) {pname:15s} check {err:.1e}: fwd {times[0]:9.3f} "
-                      f"ms {fl / times[0] / 1e9:7.4g} TF/s, fwd+bwd {times[1]:9.3f} ms "
-                      f"{3.5 * fl / times[1] / 1e9:7.4g} TF/s", flush=True)
+                print(f"seqlen {s} density {dens:.3f} (target {x:.1f}) {pname:15s} check {err:.1e}: "
+                      f"fwd {times[0]:9.3f} ms {fl / times[0] / 1e9:7.4g} TF/s, "
+                      f"fwd+bwd {times[1]:9.3f} ms {3.5 * fl / times[1] / 1e9:7.4g} TF/s", flush=True)
             del bm_ft, bm_torch, providers
         del q, k, v, do, qt, kt, vt, dot
         if HAS_CUDA:

@@ -4,18 +4,15 @@ Triton interpreter, torch FlexAttention as an eager forward check), the oracle c
 
 CPU times are single calls through the interpreter and say nothing about the kernels; these tests check the script.
 """
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
+from bench_utils import script_module
 from flashtile.flex import causal_mask
 from flex_utils import tile_classes
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "bench_density.py"
 # one batch row, one head of 16, 32 tokens in 16-token tiles: 3 causal tiles, the 2 diagonal ones always kept
 TINY = ["--seqlens", "32", "--block", "16", "--batch", "1", "--heads", "1", "--headdim", "16", "--densities",
         "0.6,1.0"]
@@ -23,15 +20,7 @@ TINY = ["--seqlens", "32", "--block", "16", "--batch", "1", "--heads", "1", "--h
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_density", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)               # on 2 cores torch's thread pool spins against the interpreter's work
-    try:
-        yield module
-    finally:
-        torch.set_num_threads(threads)
+    yield from script_module("bench_density")
 
 
 def test_tile_tables_are_causal_nested_and_of_the_asked_density(bench):

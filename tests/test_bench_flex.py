@@ -5,34 +5,23 @@ torch FlexAttention as an eager forward check), the time budget included.
 
 CPU times are single calls through the interpreter and say nothing about the kernels; these tests check the script.
 """
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from bench_utils import script_module
 from flashtile.bench import measure
 from flashtile.reference.dense import attention_ref
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "bench_flex.py"
 TINY = ["--small", "--seqlens", "64", "--heads", "1", "--headdim", "16", "--no-construction"]
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_flex", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)               # on 2 cores torch's thread pool spins against the interpreter's work
-    try:
-        yield module
-    finally:
-        torch.set_num_threads(threads)
-        sys.modules.pop("fa4_masks", None)
+    yield from script_module("bench_flex")
+    sys.modules.pop("fa4_masks", None)
 
 
 def _qkv(b, s, h, d, seed=0):
