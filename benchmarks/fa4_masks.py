@@ -12,8 +12,8 @@ tiles and masks only partial ones, as torch.flex and flashtile do; the ALiBi row
 
 What FA4 4.0.0b36 runs on SM90, from its source (flash_attn/cute/):
   forward   mask_mod, score_mod and block sparsity: interface.py _flash_attn_fwd builds FlashAttentionForwardSm90 with
-            mask_mod, score_mod and the block-sparse tensors (normalize_block_sparse_config: the key block must equal
-            the kernel's 128-wide tile_n on SM90, the query block a multiple of its tile_m)
+            mask_mod, score_mod and the block-sparse tensors (normalize_block_sparse_config: on SM90 the key block
+            must equal the kernel's tile_n, 128 at head dim 128, and the query block be a multiple of its tile_m)
   backward  the same three: _flash_attn_bwd builds FlashAttentionBackwardSm90 with score_mod, score_mod_bwd (required
             with a score_mod), mask_mod and q_subtile_factor (a 128-row sparse query block over 64-row tiles), and
             flash_bwd_sm90.py iterates the key block's query blocks (consume_block_sparse_mma_bwd_sm90)
