@@ -1,5 +1,4 @@
-"""flashtile.flex_attention (mask_mod / score_mod kernels) vs PyTorch FlexAttention and FlashAttention-4 on structured
-masks.
+"""flashtile.flex_attention beside PyTorch FlexAttention and FlashAttention-4 on structured masks and a score_mod.
 
 GPU run (repo root, one H100/H200, about 5-10 minutes, most of it torch.compile and FA4's compiles; FA4 importable,
 e.g. installed into /tmp/fa4 as benchmarks/fa4_peer.sh says, else the fa4 provider is skipped with the reason):
