@@ -1,5 +1,7 @@
-"""Block-sparse attention runtime against block density (FlashAttention paper, Figure 2 right): is it a * density + b
-with b small? (Issue #37's target: over densities 0.1-1.0, b <= 5% of the dense time, at 4k as well as 16k.)
+"""Causal block-sparse attention time against tile density, fitted as t = a * density + b (flashtile and torch.flex).
+
+FlashAttention paper, Figure 2 right; issue #37's target: over densities 0.1-1.0, b <= 5% of the dense time, at 4k as
+well as 16k.
 
 GPU run (repo root, one H100/H200, about 3 minutes, a third of it torch.compile):
 
