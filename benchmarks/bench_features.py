@@ -19,7 +19,7 @@ several values sweep). Rows, by the names --rows takes:
   varlen-L, varlen-L-causal       documents of L tokens (--doc-lens, default 2048 and 1024) packed seqlen // L per
                                   batch row (and a last, shorter one where L does not divide seqlen); the batch's
                                   documents go through flash_attn_varlen_func as one packed (tokens, heads, d) tensor
-  alibi, alibi-causal             ALiBi with the geometric slopes of the heads (alibi_slopes below), float32
+  alibi, alibi-causal             ALiBi with the geometric slopes of the heads (flashtile.bench.measure.alibi_slopes), float32
 Masks follow flash-attn: key j is visible from query i iff i + sk - sq - left <= j <= i + sk - sq + right, -1 =
 unbounded; causal sets right = 0.
 Providers (--providers):
@@ -66,6 +66,7 @@ if not torch.cuda.is_available():   # CPU run: kernels through the Triton interp
 
 import flashtile  # noqa: E402
 from flashtile.bench import measure, report  # noqa: E402
+from flashtile.bench.measure import alibi_slopes, max_rel_error  # noqa: E402
 from flashtile.bench.providers import PROVIDERS, available_providers, first_output  # noqa: E402
 from flashtile.bench.runner import DTYPE_NAMES, DTYPES, first_call, positive_int, positive_ints  # noqa: E402
 from flashtile.reference.dense import attention_ref, visible_mask  # noqa: E402
@@ -156,21 +157,6 @@ class Point:
         return f"dense {self.length}{causal}" + (" (unaligned)" if r.unaligned else "")
 
 
-def alibi_slopes(nheads: int) -> torch.Tensor:
-    """The geometric ALiBi slopes (Press et al., "Train Short, Test Long", section 3), float32 (nheads,).
-
-    For n heads, n a power of two: 2^(-8/n), 2^(-16/n), ..., 2^(-8). Otherwise the slopes of the largest power of two
-    p below n, then every other slope of 2p, as the ALiBi authors' code does.
-    """
-    def geometric(n):
-        start = 2.0 ** (-8.0 / n)
-        return [start ** (i + 1) for i in range(n)]
-
-    p = 2 ** int(math.floor(math.log2(nheads)))
-    slopes = geometric(p) + geometric(2 * p)[0::2][: nheads - p]
-    return torch.tensor(slopes, dtype=torch.float32)
-
-
 @dataclasses.dataclass
 class Inputs:
     """q, k, v, do: (batch, length, heads, d), or (batch * length, heads, d) packed for varlen rows; cu_seqlens:
@@ -244,14 +230,6 @@ CALLS = {"flashtile": (flashtile_call, "bshd"), "fa4": (fa4_call, "bshd"), "cudn
 # ----------------------------------------------------------------------------------------------------------
 # Checks
 # ----------------------------------------------------------------------------------------------------------
-def max_rel_error(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """max|x - ref| / max|ref| in float64 (nan where x has a non-finite entry or another shape than ref)."""
-    if x.shape != ref.shape:
-        return math.nan
-    x, ref = x.detach().double(), ref.detach().double()
-    return float((x - ref).abs().max() / ref.abs().max().clamp_min(torch.finfo(torch.float64).tiny))
-
-
 def dense_oracle_error(out, q, k, v, row: Row, slopes) -> float:
     """out against float64 attention_ref on batch {0, b-1} x heads {0, h-1} x up to CHECK_ROWS query rows spread
     over the sequence, all (b, s, h, d) with seqlen_q == seqlen_k. The rows keep their place in the full mask

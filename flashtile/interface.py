@@ -146,16 +146,19 @@ def backward(p: Problem, dout, q, k, v, out, lse, rng_state, x: Extras = NO_EXTR
         return [dq, dk, dv]
     # dBias accumulates in float32 (atomics where attn_bias broadcasts); tiles never visited stay 0
     dbias = torch.zeros(bias.shape, device=q.device, dtype=torch.float32) if p.bias_grad else None
-    # score_mod's captured tensors that want a gradient get a float32 zero buffer (same strides) to add into
+    # When one of score_mod's captured tensors wants a gradient, every captured tensor gets a float32 zero buffer
+    # (same strides) for its captured_grad_fn to add into, and the wanted ones are returned; when none wants one,
+    # the captured_grad_fn is not run (it would otherwise add into the captured tensors themselves).
     score_tensors = list(mod_tensors)[:usermods.n_score_tensors(p.mod_key)]
-    mod_buffers = [torch.zeros_like(t, dtype=torch.float32) if p.mod_grad_bits >> i & 1 else None
-                   for i, t in enumerate(score_tensors)]
+    wanted = [bool(p.mod_grad_bits >> i & 1) for i in range(len(score_tensors))]
+    mod_buffers = [torch.zeros_like(t, dtype=torch.float32) for t in score_tensors] if any(wanted) else None
     mods = usermods.user_mods(p.mod_key, list(mod_tensors), mod_buffers) if p.mod_key else None
     dispatch.backward(p, params, dout, q, k, v, out, lse, dq, dk, dv, x, bias, dbias, mods, dlse)
     grads = [dq, dk, dv]
     if p.bias_grad:
         grads.append(dbias.to(bias.dtype))
-    grads.extend(g.to(t.dtype) for t, g in zip(score_tensors, mod_buffers) if g is not None)
+    if mod_buffers is not None:
+        grads.extend(g.to(t.dtype) for t, g, w in zip(score_tensors, mod_buffers, wanted) if w)
     return grads
 
 

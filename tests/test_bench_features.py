@@ -5,19 +5,15 @@ FA4 and cuDNN recorded as skipped with the reason), including the correctness ga
 CPU times are time.perf_counter medians through the interpreter and say nothing about the kernels; these tests check
 the script, not the speed.
 """
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from bench_utils import script_module
 from flashtile.bench import measure
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "bench_features.py"
 # One batch row of 128 tokens, 2 heads of 32, float32, one warm-up call and one timed call per point.
 TINY = ["--device", "cpu", "--seqlen", "128", "--headdim", "32", "--batch", "1", "--nheads", "2", "--dtype", "fp32",
         "--unaligned-offset", "24", "--windows", "32:0,16:16", "--doc-lens", "64,48", "--warmup-ms", "0.001",
@@ -28,17 +24,7 @@ ROWS = ["dense", "dense-causal", "unaligned", "unaligned-causal", "softcap", "so
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_features", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module        # dataclasses look their module up while the file runs
-    spec.loader.exec_module(module)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)               # on 2 cores torch's thread pool spins against the interpreter's work
-    try:
-        yield module
-    finally:
-        torch.set_num_threads(threads)
-        del sys.modules[spec.name]
+    yield from script_module("bench_features")
 
 
 def brute_force_pairs(sq, sk, left, right, causal):

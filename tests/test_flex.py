@@ -89,6 +89,25 @@ def test_alibi_score_slope_grads_gqa_sq_ne_sk_with_causal_mask(seed):
     assert slopes.grad.shape == slopes.shape and slopes.grad.dtype == torch.float32
 
 
+@pytest.mark.parametrize("mod", ["alibi", "relpos"])
+def test_captured_tensors_without_grad_stay_unchanged_through_the_backward(mod, seed):
+    """A captured tensor that does not require grad gets no gradient, and the backward leaves it as it was (the
+    captured_grad_fn must not add into it), with q, k, v's gradients right."""
+    b, s, h, md = 1, 48, 2, 6
+    q, k, v, dout = _inputs(b, s, s, h, h, 32, fp32)
+    if mod == "alibi":
+        t = torch.rand(h, device=DEVICE) * 0.5 + 2.0 ** -8
+        score_mod, score_fn = alibi_score(t), (lambda sc, b_, h_, q_, kv: t_alibi(sc, b_, h_, q_, kv, t))
+    else:
+        t = torch.randn(h, 2 * md + 1, device=DEVICE)
+        score_mod, score_fn = relative_position_bias(t, md), (lambda sc, b_, h_, q_, kv: t_relpos(md)(sc, b_, h_, q_,
+                                                                                                    kv, t))
+    before = t.clone()
+    run_and_check(q, k, v, dout, fp32, f"[{mod}, captured tensor without grad]", score_mod=score_mod, causal=True,
+                  score_fn=score_fn)
+    assert torch.equal(t, before) and t.grad is None
+
+
 def test_relative_position_bias_table_grads_with_causal_flag(seed):
     b, s, h, md = 2, 64, 2, 8
     q, k, v, dout = _inputs(b, s, s, h, 1, 32, fp16)

@@ -47,7 +47,8 @@ def aux(mod, tensors: List[torch.Tensor], start: int) -> Tuple[Optional[tuple], 
 def user_mods(key: int, tensors: List[torch.Tensor], grad_buffers: Optional[List[Optional[torch.Tensor]]] = None
               ) -> Optional[UserMods]:
     """The kernels' view of the mods registered under key (None for key 0). grad_buffers (backward): per captured
-    tensor of the score_mod, a float32 buffer receiving its gradient, or None."""
+    tensor of the score_mod, a float32 buffer receiving its gradient; None when no captured tensor wants one, and
+    then the kernels do not run the score_mod's captured_grad_fn."""
     if not key:
         return None
     score_mod, mask_mod = _REGISTRY[key]
@@ -58,13 +59,12 @@ def user_mods(key: int, tensors: List[torch.Tensor], grad_buffers: Optional[List
         buffers = iter(grad_buffers)
         aux_grad = []
         for c, a in zip(score_mod.captured, score_aux):
-            g = next(buffers) if isinstance(c, torch.Tensor) else None
-            aux_grad.append(a if g is None else g)
+            aux_grad.append(next(buffers) if isinstance(c, torch.Tensor) else a)
         aux_grad = tuple(aux_grad)
     if score_mod is None:
         return UserMods(mask_mod=mask_mod.fn if mask_mod else None, mask_aux=mask_aux)
-    return UserMods(score_mod.fn, score_mod.grad_fn, score_mod.captured_grad_fn, score_aux,
-                    mask_mod.fn if mask_mod else None, mask_aux, aux_grad)
+    return UserMods(score_mod.fn, score_mod.grad_fn, score_mod.captured_grad_fn if aux_grad is not None else None,
+                    score_aux, mask_mod.fn if mask_mod else None, mask_aux, aux_grad)
 
 
 def n_score_tensors(key: int) -> int:

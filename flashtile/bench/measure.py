@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import statistics
 import time
 from typing import Callable, Dict, Optional, Sequence
@@ -95,6 +96,21 @@ def random_inputs(batch, nheads, seqlen, headdim, dtype, device, seed: int):
                  for _ in range(4))
 
 
+def alibi_slopes(nheads: int) -> torch.Tensor:
+    """The geometric ALiBi slopes (Press et al., "Train Short, Test Long", section 3), float32 (nheads,).
+
+    For n heads, n a power of two: 2^(-8/n), 2^(-16/n), ..., 2^(-8). Otherwise the slopes of the largest power of two
+    p below n, then every other slope of 2p, as the ALiBi authors' code does.
+    """
+    def geometric(n):
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    p = 2 ** int(math.floor(math.log2(nheads)))
+    slopes = geometric(p) + geometric(2 * p)[0::2][: nheads - p]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
 def to_layout(x: torch.Tensor, layout: str) -> torch.Tensor:
     """(b, s, h, d) -> a new contiguous tensor in the provider's layout (never x itself: each provider gets
     its own leaf tensors, so gradients cannot leak from one provider to the next)."""
@@ -164,6 +180,14 @@ def relative_error(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float((x - ref).norm() / denom)
 
 
+def max_rel_error(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """max|x - ref| / max|ref| in float64 (nan where x has a non-finite entry or another shape than ref)."""
+    if x.shape != ref.shape:
+        return math.nan
+    x, ref = x.detach().double(), ref.detach().double()
+    return float((x - ref).abs().max() / ref.abs().max().clamp_min(torch.finfo(torch.float64).tiny))
+
+
 def compare(ref: Reference, tensors: Dict[str, torch.Tensor], tol: float) -> Dict:
     """Relative errors of full (b, s, h, d) tensors {"out"|"dq"|"dk"|"dv": x} on ref's slice.
 
@@ -221,6 +245,21 @@ def time_cpu_ms(fn: Callable, warmup: float, rep: float, grad_to_none: Optional[
 
 def timer_for(device: torch.device):
     return time_cuda_ms if torch.device(device).type == "cuda" else time_cpu_ms
+
+
+class Budget:
+    """A run's wall-clock budget (a script's --budget-s): once it is spent, cases not yet started are skipped.
+    seconds None: no budget."""
+
+    def __init__(self, seconds: Optional[float]):
+        self.seconds = seconds
+        self.start = time.monotonic()
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def spent(self) -> bool:
+        return self.seconds is not None and self.elapsed() > self.seconds
 
 
 TIMER_DESCRIPTION = {

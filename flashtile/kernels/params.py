@@ -82,8 +82,9 @@ class SparseLists:
 class UserMods:
     """flashtile.flex's modifiers, compiled into the kernels: @triton.jit functions (None: absent) and the
     tuples of values they capture (tensors arrive in the kernels as pointers, ints / floats as scalars).
-    score_aux_grad: parallel to score_aux, a float32 zero buffer where the captured tensor wants a gradient
-    (score_captured_grad adds into it), the captured item itself elsewhere; backward only."""
+    score_aux_grad: parallel to score_aux, a float32 zero buffer in place of each captured tensor (score_captured_grad
+    adds into it), the captured int / float itself elsewhere; backward only, and only when a captured tensor wants
+    a gradient (else None, and score_captured_grad None)."""
     score_mod: object = None
     score_grad: object = None
     score_captured_grad: object = None
