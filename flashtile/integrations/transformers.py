@@ -10,9 +10,14 @@ k/v (batch, nheads_k, seqlen_k, headdim) from the model and calls flashtile with
 (batch, seqlen, nheads, headdim):
 
 * GQA/MQA: k/v keep their nheads_k heads (no ``repeat_kv``); the kernels map query head h to h // group.
-* Padding: the model's mask arrives as the 2-D (batch, seqlen_k) padding mask (``register`` installs
-  transformers' own flash-attention mask builder for this name). A batch with padding is unpadded, run through
-  the varlen kernel and padded back (zeros at padding positions), as transformers' flash-attention path does.
+* Padding: the model's mask arrives as the 2-D (batch, seqlen_k) padding mask (``register`` installs the mask
+  builder ``padding_mask`` for this name: transformers' flash-attention mask, None when nothing is padded).
+  Eager calls with more than one query per row (training, prefill) unpad the batch, run the varlen kernel and
+  pad back (zeros at padding positions), as transformers' flash-attention path does. Decode steps (one query
+  per row) and calls traced by torch.compile run the dense kernel instead, with the mask as a key mask
+  (``attn_mask``): no value is read, no shape depends on data, so a compiled model has no graph break here. A
+  static cache's slots past the mask (no token yet) are masked too; the rows of padding queries are zeros on
+  both paths.
 * Packed batches without padding (``DataCollatorWithFlattening``): batch 1 whose position_ids restart, or the
   ``cu_seq_lens_q/k`` + ``max_length_q/k`` kwargs, run as varlen so that sequences do not see each other.
 * Sliding window w (the ``sliding_window`` argument the model passes): window_size = (w - 1, 0) when causal,
@@ -33,6 +38,7 @@ from typing import Optional
 
 import torch
 
+from ..api.problem import values_readable
 from ..interface import flash_attn_func
 from ..padding import pad_input, unpad_input
 from ..varlen import flash_attn_varlen_func
@@ -89,13 +95,65 @@ def _per_tensor(name: str, t: torch.Tensor, compute):
     return result
 
 
+def _packable(position_ids, batch: int, q_len: int, kv_len: int) -> bool:
+    """Whether the shapes allow a packed row: batch 1, no cache (q_len == kv_len), at least 2 tokens, one position
+    per token. Reads no value."""
+    return (position_ids is not None and batch == 1 and q_len == kv_len and q_len >= 2
+            and position_ids.numel() == q_len)
+
+
 def _is_packed(position_ids, batch: int, q_len: int, kv_len: int) -> bool:
-    """Batch 1, no cache (q_len == kv_len), and positions that are not one increasing run."""
-    if position_ids is None or batch != 1 or q_len != kv_len or q_len < 2:
-        return False
-    if position_ids.numel() != q_len:
+    """A packable row (_packable) whose positions are not one increasing run (reads them)."""
+    if not _packable(position_ids, batch, q_len, kv_len):
         return False
     return _per_tensor("packed", position_ids, lambda t: bool((t.reshape(-1)[1:] != t.reshape(-1)[:-1] + 1).any()))
+
+
+def _varlen_rows(q, k, v, cu_q, cu_k, max_q: int, max_k: int, opts: dict) -> torch.Tensor:
+    """q (b, sq, h, d), k / v (b, sk, hk, d) whose rows, flattened, are the packed sequences cu_q / cu_k."""
+    out = flash_attn_varlen_func(q.reshape(-1, *q.shape[2:]), k.reshape(-1, *k.shape[2:]),
+                                 v.reshape(-1, *v.shape[2:]), cu_q, cu_k, max_q, max_k, **opts)
+    return out.view(*q.shape[:2], *out.shape[1:])
+
+
+def _unpadded(q, k, v, mask, opts: dict) -> torch.Tensor:
+    """Attention of a padded batch through the varlen kernel: the tokens of mask (b, m) unpadded, the output padded
+    back (zeros at padding positions). The queries are the last sq positions of the mask (a cache holds the earlier
+    ones; transformers assumes the same: left padding during generation). Reads the mask (host synchronisation)
+    and makes tensors whose shapes depend on it."""
+    batch, q_len = q.shape[:2]
+    if k.shape[1] > mask.shape[1]:  # static cache: keys past the mask are unused slots
+        k, v = k[:, :mask.shape[1]], v[:, :mask.shape[1]]
+    k_un, _, cu_k, max_k, _ = unpad_input(k, mask)
+    v_un, _, _, _, _ = unpad_input(v, mask)
+    q_un, idx_q, cu_q, max_q, _ = unpad_input(q, mask[:, -q_len:])
+    out = flash_attn_varlen_func(q_un, k_un, v_un, cu_q, cu_k, max_q, max_k, **opts)
+    return pad_input(out, idx_q, batch, q_len)
+
+
+def _key_masked(q, k, v, mask, opts: dict) -> torch.Tensor:
+    """Attention of a padded batch through the dense kernel with the padding as a key mask: static shapes, no value
+    read. mask (b, m), m <= sk: the queries are the mask's last sq positions; keys past the mask (a static cache's
+    slots without a token yet) are masked. The kernels align causal and window masks to the last key (sk); where
+    the mask ends earlier (m < sk) the queries' own alignment is folded into the mask instead. Rows of padding
+    queries are zeros, as _unpadded leaves them."""
+    q_len, kv_len, m = q.shape[1], k.shape[1], mask.shape[1]
+    q_real = mask[:, m - q_len:]
+    if kv_len == m:
+        out = flash_attn_func(q, k, v, attn_mask=mask[:, None, None, :], **opts)
+    else:
+        left, right = opts["window_size"]
+        if opts["causal"]:
+            right = 0
+        q_pos = torch.arange(m - q_len, m, device=q.device)[:, None]
+        k_pos = torch.arange(kv_len, device=q.device)[None, :]
+        visible = torch.nn.functional.pad(mask, (0, kv_len - m))[:, None, None, :]
+        if left >= 0:
+            visible = visible & (k_pos >= q_pos - left)
+        if right >= 0:
+            visible = visible & (k_pos <= q_pos + right)
+        out = flash_attn_func(q, k, v, attn_mask=visible, **dict(opts, causal=False, window_size=(-1, -1)))
+    return out.masked_fill(~q_real[:, :, None, None], 0.0)
 
 
 def flashtile_attention_forward(
@@ -142,39 +200,46 @@ def flashtile_attention_forward(
             _fail("value head dim", v_head_dim, f"<= the query head dim {head_dim}")
         v = torch.nn.functional.pad(v, (0, head_dim - v_head_dim))
 
+    # eager calls may read the mask and the positions; traced ones (torch.compile) take paths with static shapes
+    readable = values_readable(q)
+    position_ids = kwargs.get("position_ids")
     if attention_mask is not None:
         if attention_mask.dim() != 2:
             _fail("attention_mask.dim()", attention_mask.dim(),
                   "2: the (batch, seqlen_k) padding mask that transformers builds for attn_implementation="
                   f"{NAME!r} (custom 4-D masks are not supported)")
+        if attention_mask.shape[1] < q_len:
+            _fail("attention_mask.shape[1]", attention_mask.shape[1], f">= seqlen_q = {q_len} (the queries are the "
+                  "mask's last positions)")
         mask = attention_mask.bool()
-        if k.shape[1] > mask.shape[1]:  # static cache: keys past the mask are unused slots
-            k, v = k[:, :mask.shape[1]], v[:, :mask.shape[1]]
-        elif k.shape[1] < mask.shape[1]:
+        if k.shape[1] < mask.shape[1]:
             mask = mask[:, -k.shape[1]:]
-        k_un, _, cu_k, max_k, _ = unpad_input(k, mask)
-        v_un, _, _, _, _ = unpad_input(v, mask)
-        # The queries are the last q_len positions (a cache holds the earlier ones); transformers assumes the
-        # same (left padding during generation).
-        q_un, idx_q, cu_q, max_q, _ = unpad_input(q, mask[:, -q_len:])
-        out = flash_attn_varlen_func(q_un, k_un, v_un, cu_q, cu_k, max_q, max_k, **opts)
-        out = pad_input(out, idx_q, batch, q_len)
+        if readable and q_len > 1:
+            out = _unpadded(q, k, v, mask, opts)
+        else:
+            out = _key_masked(q, k, v, mask, opts)
     elif all(kwargs.get(n) is not None for n in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")):
-        out = flash_attn_varlen_func(
-            q.reshape(-1, *q.shape[2:]), k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:]),
-            kwargs["cu_seq_lens_q"].to(torch.int32), kwargs["cu_seq_lens_k"].to(torch.int32),
-            int(kwargs["max_length_q"]), int(kwargs["max_length_k"]), **opts)
-        out = out.view(batch, q_len, *out.shape[1:])
-    elif _is_packed(kwargs.get("position_ids"), batch, q_len, kv_len):
-        cu, max_len = _per_tensor("cu_seqlens", kwargs["position_ids"], _packed_cu_seqlens)
-        out = flash_attn_varlen_func(q.reshape(-1, *q.shape[2:]), k.reshape(-1, *k.shape[2:]),
-                                     v.reshape(-1, *v.shape[2:]), cu, cu, max_len, max_len, **opts)
-        out = out.view(batch, q_len, *out.shape[1:])
+        out = _varlen_rows(q, k, v, kwargs["cu_seq_lens_q"].to(torch.int32), kwargs["cu_seq_lens_k"].to(torch.int32),
+                           int(kwargs["max_length_q"]), int(kwargs["max_length_k"]), opts)
+    elif _is_packed(position_ids, batch, q_len, kv_len):
+        cu, max_len = _per_tensor("cu_seqlens", position_ids, _packed_cu_seqlens)
+        out = _varlen_rows(q, k, v, cu, cu, max_len, max_len, opts)
     else:
         out = flash_attn_func(q, k, v, **opts)
     if v_head_dim != head_dim:
         out = out[..., :v_head_dim]
     return out, None
+
+
+def padding_mask(*, kv_length: int, attention_mask=None, **kwargs):
+    """The mask builder registered with the attention function: transformers' flash-attention mask (the 2-D
+    (batch, kv_length) padding mask, None when nothing is padded). Deciding "nothing is padded" reads the mask; while
+    values cannot be read (torch.compile tracing) the mask is passed on as it is instead, and the attention function
+    treats an all-ones mask like any other."""
+    if attention_mask is not None and not values_readable(attention_mask):
+        return attention_mask[:, -kv_length:]
+    from transformers.masking_utils import flash_attention_mask
+    return flash_attention_mask(kv_length=kv_length, attention_mask=attention_mask, **kwargs)
 
 
 def _accept_flash_named(name: str) -> None:
@@ -207,18 +272,18 @@ def _accept_flash_named(name: str) -> None:
 def register(name: str = NAME) -> str:
     """Register flashtile with transformers under ``name`` (default "flashtile"); idempotent.
 
-    Installs the attention function (``AttentionInterface``) and, for the same name, transformers' flash
-    mask builder (``AttentionMaskInterface``: the 2-D padding mask, or None when nothing is padded); without
-    a mask builder transformers would pass no mask at all. Returns the name to pass as attn_implementation.
+    Installs the attention function (``AttentionInterface``) and, for the same name, the mask builder
+    ``padding_mask`` (``AttentionMaskInterface``: the 2-D padding mask); without a mask builder transformers
+    would pass no mask at all. Returns the name to pass as attn_implementation.
     """
     try:
         from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+        from transformers.masking_utils import AttentionMaskInterface
     except ImportError as e:  # pragma: no cover - exercised only without transformers
         raise ImportError("flashtile.integrations.transformers needs transformers >= 5.17 "
                           "(pip install 'transformers>=5.17')") from e
     AttentionInterface.register(name, flashtile_attention_forward)
-    AttentionMaskInterface.register(name, flash_attention_mask)
+    AttentionMaskInterface.register(name, padding_mask)
     _REGISTERED.add(name)
     _accept_flash_named(name)
     return name
