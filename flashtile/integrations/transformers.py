@@ -20,6 +20,8 @@ k/v (batch, nheads_k, seqlen_k, headdim) from the model and calls flashtile with
   both paths.
 * Packed batches without padding (``DataCollatorWithFlattening``): batch 1 whose position_ids restart, or the
   ``cu_seq_lens_q/k`` + ``max_length_q/k`` kwargs, run as varlen so that sequences do not see each other.
+  Under torch.compile the positions are not read while tracing: the custom ops ``flashtile::row_fwd`` /
+  ``row_bwd`` read them when the graph runs and take the varlen or the dense kernels accordingly.
 * Sliding window w (the ``sliding_window`` argument the model passes): window_size = (w - 1, 0) when causal,
   (w - 1, w - 1) otherwise, i.e. query i sees keys i - w + 1 .. i, transformers' ``kv_idx > q_idx - w``.
 * softcap (Gemma 2), scaling, dropout (the model passes its attention_dropout only in training),
@@ -34,12 +36,14 @@ from __future__ import annotations
 
 import os
 import weakref
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
 
+from ..api import problem as P
+from ..api.checks import check_device
 from ..api.problem import values_readable
-from ..interface import flash_attn_func
+from ..interface import NO_EXTRAS, Extras, backward, flash_attn_func, forward
 from ..padding import pad_input, unpad_input
 from ..varlen import flash_attn_varlen_func
 
@@ -156,6 +160,88 @@ def _key_masked(q, k, v, mask, opts: dict) -> torch.Tensor:
     return out.masked_fill(~q_real[:, :, None, None], 0.0)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# A batch-1 row under torch.compile: whether it packs several sequences is decided when the graph runs
+# ----------------------------------------------------------------------------------------------------------------
+def _row_problem(q, k, v, position_ids, ints, floats):
+    """(Problem, q, k, v, Extras) of a batch-1 row as it runs: the dense Problem traced for it (ints, floats:
+    Problem.pack), or, where position_ids restart (read here, once per tensor), the varlen Problem of the row's
+    sequences, with q / k / v flattened to (total, heads, d)."""
+    p = P.Problem.unpack(q, k, ints, floats, 1)
+    if not _is_packed(position_ids, 1, q.shape[1], k.shape[1]):
+        return p, q, k, v, NO_EXTRAS
+    cu, max_len = _per_tensor("cu_seqlens", position_ids, _packed_cu_seqlens)
+    q, k, v = (t.reshape(-1, *t.shape[2:]) for t in (q, k, v))
+    w = p.params   # (the window already holds causal: window_right = 0)
+    p = P.varlen(q, k, v, cu, cu, max_len, max_len, w.dropout_p, w.softmax_scale, False,
+                 (w.window_left, w.window_right), w.softcap, None, p.deterministic, False)
+    return p, q, k, v, Extras(cu_seqlens_q=cu, cu_seqlens_k=cu)
+
+
+@torch.library.custom_op("flashtile::row_fwd", mutates_args=(), device_types=None)
+def _row_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor, ints: List[int],
+             floats: List[float]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """out (1, s, h, d), lse (1, h, s), the dropout's rng state (2,) of a batch-1 row (_row_problem)."""
+    p, qr, kr, vr, x = _row_problem(q, k, v, position_ids, ints, floats)
+    out, lse, rng_state, _ = forward(p, qr, kr, vr, x)
+    if rng_state is None:
+        rng_state = torch.zeros(2, dtype=torch.int64)
+    return out.view(q.shape), lse.view(1, *lse.shape[-2:]), rng_state
+
+
+@_row_fwd.register_fake
+def _(q, k, v, position_ids, ints, floats):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            q.new_empty((1, q.shape[2], q.shape[1]), dtype=torch.float32), torch.empty(2, dtype=torch.int64))
+
+
+@torch.library.custom_op("flashtile::row_bwd", mutates_args=(), device_types=None)
+def _row_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+             lse: torch.Tensor, rng_state: torch.Tensor, position_ids: torch.Tensor, ints: List[int],
+             floats: List[float]) -> List[torch.Tensor]:
+    """dq, dk, dv of _row_fwd."""
+    p, qr, kr, vr, x = _row_problem(q, k, v, position_ids, ints, floats)
+    if p.varlen:
+        dout, out, lse = dout.reshape(qr.shape), out.reshape(qr.shape), lse[0]
+    grads = backward(p, dout, qr, kr, vr, out, lse, rng_state if p.params.dropout_p > 0 else None, x)
+    return [g.view(t.shape) for g, t in zip(grads, (q, k, v))]
+
+
+@_row_bwd.register_fake
+def _(dout, q, k, v, out, lse, rng_state, position_ids, ints, floats):
+    return [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v)]
+
+
+def _row_setup(ctx, inputs, output):
+    q, k, v, position_ids, ints, floats = inputs
+    out, lse, rng_state = output
+    ctx.save_for_backward(q, k, v, out, lse, rng_state, position_ids)
+    ctx.ints, ctx.floats = ints, floats
+
+
+def _row_backward(ctx, dout, _dlse, _drng):
+    q, k, v, out, lse, rng_state, position_ids = ctx.saved_tensors
+    dq, dk, dv = torch.ops.flashtile.row_bwd(dout, q, k, v, out, lse, rng_state, position_ids, ctx.ints, ctx.floats)
+    return dq, dk, dv, None, None, None
+
+
+_row_fwd.register_autograd(_row_backward, setup_context=_row_setup)
+
+
+def _traced_row(q, k, v, position_ids, opts: dict) -> torch.Tensor:
+    """Attention of a batch-1 row that may pack several sequences, without reading position_ids while tracing: the
+    ops flashtile::row_fwd / row_bwd read them when the graph runs and take the varlen kernels for a packed row,
+    the dense ones otherwise. The dense problem is checked here, as flash_attn_func checks it."""
+    window_size, causal, deterministic = P.scalars(opts["window_size"], ("causal", opts["causal"]),
+                                                   ("deterministic", opts["deterministic"]))
+    q, k, v = P.contiguous_last(q, k, v)
+    p = P.dense(q, k, v, opts["dropout_p"], opts["softmax_scale"], causal, window_size, opts["softcap"], None,
+                deterministic, False)
+    check_device(q)
+    ints, floats = p.pack()
+    return torch.ops.flashtile.row_fwd(q, k, v, position_ids, ints, floats)[0]
+
+
 def flashtile_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -221,6 +307,8 @@ def flashtile_attention_forward(
     elif all(kwargs.get(n) is not None for n in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")):
         out = _varlen_rows(q, k, v, kwargs["cu_seq_lens_q"].to(torch.int32), kwargs["cu_seq_lens_k"].to(torch.int32),
                            int(kwargs["max_length_q"]), int(kwargs["max_length_k"]), opts)
+    elif not readable and _packable(position_ids, batch, q_len, kv_len):
+        out = _traced_row(q, k, v, position_ids, opts)
     elif _is_packed(position_ids, batch, q_len, kv_len):
         cu, max_len = _per_tensor("cu_seqlens", position_ids, _packed_cu_seqlens)
         out = _varlen_rows(q, k, v, cu, cu, max_len, max_len, opts)
