@@ -27,7 +27,8 @@ checkpointing off unless --gradient-checkpointing, use_cache=False. The batch is
   dense:  no attention_mask (causal pretraining batches; an all-ones mask would make transformers build a 4-D mask
           for SDPA under torch.compile).
   padded: each row's length uniform in [L/2, L], right padding, 2-D attention_mask, labels -100 on padding.
-          flashtile unpads every layer and runs varlen; SDPA gets a 4-D mask; flex_attention a BlockMask.
+          flashtile unpads every layer and runs varlen when eager, and runs the dense kernel with the mask as a key
+          mask when compiled; SDPA gets a 4-D mask; flex_attention a BlockMask.
 tokens/s counts real (non-padding) tokens: padded rows are worth only their real tokens.
 --compile: "eager" and/or "compile". --compile-scope layers (default) compiles each decoder layer
 (``layer.compile()``: the identical layers share one compiled graph, so compiling costs one layer's time);
@@ -46,7 +47,9 @@ exactly that many) after a random --prompt-len prompt, batch --gen-batches, all-
   dynamic: eager, transformers' default DynamicCache;
   static:  cache_implementation="static"; transformers then compiles the decoding forward itself (torch.compile of
            the model's __call__, prefill eager) with CompileConfig(mode=--gen-compile-mode, "reduce-overhead" =
-           CUDA graphs), the documented static-cache + torch.compile route.
+           CUDA graphs), the documented static-cache + torch.compile route. flashtile's decode steps run the dense
+           kernel over the whole cache with the padding and the empty slots as a key mask; the 2-D mask grows by one
+           column per step, so the compiled step takes a dynamic length after its first recompile.
 One warm-up generate, then one timed (wall clock, synchronized): new tokens/s = batch * new_tokens / generate time;
 TTFT (prefill + first token) = when the first new token reaches the host (a streamer notes it); decode tokens/s =
 batch * (new_tokens - 1) / (generate time - TTFT). Tokens are compared with SDPA's (greedy argmax on random

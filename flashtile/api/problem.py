@@ -273,15 +273,20 @@ def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, drop
 CHECK_VALUES = os.environ.get("FLASHTILE_CHECK_VALUES", "1") not in ("0", "")
 
 
-def values_checkable(t: torch.Tensor) -> bool:
-    """Whether reading index values now is allowed (and wanted)."""
-    if not CHECK_VALUES:
-        return False
+def values_readable(t: torch.Tensor) -> bool:
+    """Whether t's values can be read on the host now: not while torch.compile traces (a traced tensor has no values)
+    nor while a CUDA graph is captured (a read synchronises). Code that reads values to choose a path (a check, an
+    unpadding) takes a path with static shapes instead where this is False."""
     if torch.compiler.is_compiling():
         return False
     if t.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return False
     return True
+
+
+def values_checkable(t: torch.Tensor) -> bool:
+    """Whether reading index values now is allowed (and wanted)."""
+    return CHECK_VALUES and values_readable(t)
 
 
 # id(cu_seqlens) -> (weak reference, version counter, total, max_seqlen, the check's result): a model's layers pass

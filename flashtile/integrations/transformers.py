@@ -10,11 +10,18 @@ k/v (batch, nheads_k, seqlen_k, headdim) from the model and calls flashtile with
 (batch, seqlen, nheads, headdim):
 
 * GQA/MQA: k/v keep their nheads_k heads (no ``repeat_kv``); the kernels map query head h to h // group.
-* Padding: the model's mask arrives as the 2-D (batch, seqlen_k) padding mask (``register`` installs
-  transformers' own flash-attention mask builder for this name). A batch with padding is unpadded, run through
-  the varlen kernel and padded back (zeros at padding positions), as transformers' flash-attention path does.
+* Padding: the model's mask arrives as the 2-D (batch, seqlen_k) padding mask (``register`` installs the mask
+  builder ``padding_mask`` for this name: transformers' flash-attention mask, None when nothing is padded).
+  Eager calls with more than one query per row (training, prefill) unpad the batch, run the varlen kernel and
+  pad back (zeros at padding positions), as transformers' flash-attention path does. Decode steps (one query
+  per row) and calls traced by torch.compile run the dense kernel instead, with the mask as a key mask
+  (``attn_mask``): no value is read, no shape depends on data, so a compiled model has no graph break here. A
+  static cache's slots past the mask (no token yet) are masked too; the rows of padding queries are zeros on
+  both paths.
 * Packed batches without padding (``DataCollatorWithFlattening``): batch 1 whose position_ids restart, or the
   ``cu_seq_lens_q/k`` + ``max_length_q/k`` kwargs, run as varlen so that sequences do not see each other.
+  Under torch.compile the positions are not read while tracing: the custom ops ``flashtile::row_fwd`` /
+  ``row_bwd`` read them when the graph runs and take the varlen or the dense kernels accordingly.
 * Sliding window w (the ``sliding_window`` argument the model passes): window_size = (w - 1, 0) when causal,
   (w - 1, w - 1) otherwise, i.e. query i sees keys i - w + 1 .. i, transformers' ``kv_idx > q_idx - w``.
 * softcap (Gemma 2), scaling, dropout (the model passes its attention_dropout only in training),
@@ -29,11 +36,14 @@ from __future__ import annotations
 
 import os
 import weakref
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
 
-from ..interface import flash_attn_func
+from ..api import problem as P
+from ..api.checks import check_device
+from ..api.problem import values_readable
+from ..interface import NO_EXTRAS, Extras, backward, flash_attn_func, forward
 from ..padding import pad_input, unpad_input
 from ..varlen import flash_attn_varlen_func
 
@@ -89,13 +99,147 @@ def _per_tensor(name: str, t: torch.Tensor, compute):
     return result
 
 
+def _packable(position_ids, batch: int, q_len: int, kv_len: int) -> bool:
+    """Whether the shapes allow a packed row: batch 1, no cache (q_len == kv_len), at least 2 tokens, one position
+    per token. Reads no value."""
+    return (position_ids is not None and batch == 1 and q_len == kv_len and q_len >= 2
+            and position_ids.numel() == q_len)
+
+
 def _is_packed(position_ids, batch: int, q_len: int, kv_len: int) -> bool:
-    """Batch 1, no cache (q_len == kv_len), and positions that are not one increasing run."""
-    if position_ids is None or batch != 1 or q_len != kv_len or q_len < 2:
-        return False
-    if position_ids.numel() != q_len:
+    """A packable row (_packable) whose positions are not one increasing run (reads them)."""
+    if not _packable(position_ids, batch, q_len, kv_len):
         return False
     return _per_tensor("packed", position_ids, lambda t: bool((t.reshape(-1)[1:] != t.reshape(-1)[:-1] + 1).any()))
+
+
+def _varlen_rows(q, k, v, cu_q, cu_k, max_q: int, max_k: int, opts: dict) -> torch.Tensor:
+    """q (b, sq, h, d), k / v (b, sk, hk, d) whose rows, flattened, are the packed sequences cu_q / cu_k."""
+    out = flash_attn_varlen_func(q.reshape(-1, *q.shape[2:]), k.reshape(-1, *k.shape[2:]),
+                                 v.reshape(-1, *v.shape[2:]), cu_q, cu_k, max_q, max_k, **opts)
+    return out.view(*q.shape[:2], *out.shape[1:])
+
+
+def _unpadded(q, k, v, mask, opts: dict) -> torch.Tensor:
+    """Attention of a padded batch through the varlen kernel: the tokens of mask (b, m) unpadded, the output padded
+    back (zeros at padding positions). The queries are the last sq positions of the mask (a cache holds the earlier
+    ones; transformers assumes the same: left padding during generation). Reads the mask (host synchronisation)
+    and makes tensors whose shapes depend on it."""
+    batch, q_len = q.shape[:2]
+    if k.shape[1] > mask.shape[1]:  # static cache: keys past the mask are unused slots
+        k, v = k[:, :mask.shape[1]], v[:, :mask.shape[1]]
+    k_un, _, cu_k, max_k, _ = unpad_input(k, mask)
+    v_un, _, _, _, _ = unpad_input(v, mask)
+    q_un, idx_q, cu_q, max_q, _ = unpad_input(q, mask[:, -q_len:])
+    out = flash_attn_varlen_func(q_un, k_un, v_un, cu_q, cu_k, max_q, max_k, **opts)
+    return pad_input(out, idx_q, batch, q_len)
+
+
+def _key_masked(q, k, v, mask, opts: dict) -> torch.Tensor:
+    """Attention of a padded batch through the dense kernel with the padding as a key mask: static shapes, no value
+    read. mask (b, m), m <= sk: the queries are the mask's last sq positions; keys past the mask (a static cache's
+    slots without a token yet) are masked. The kernels align causal and window masks to the last key (sk); where
+    the mask ends earlier (m < sk) the queries' own alignment is folded into the mask instead. Rows of padding
+    queries are zeros, as _unpadded leaves them."""
+    q_len, kv_len, m = q.shape[1], k.shape[1], mask.shape[1]
+    q_real = mask[:, m - q_len:]
+    if kv_len == m:
+        out = flash_attn_func(q, k, v, attn_mask=mask[:, None, None, :], **opts)
+    else:
+        left, right = opts["window_size"]
+        if opts["causal"]:
+            right = 0
+        q_pos = torch.arange(m - q_len, m, device=q.device)[:, None]
+        k_pos = torch.arange(kv_len, device=q.device)[None, :]
+        visible = torch.nn.functional.pad(mask, (0, kv_len - m))[:, None, None, :]
+        if left >= 0:
+            visible = visible & (k_pos >= q_pos - left)
+        if right >= 0:
+            visible = visible & (k_pos <= q_pos + right)
+        out = flash_attn_func(q, k, v, attn_mask=visible, **dict(opts, causal=False, window_size=(-1, -1)))
+    return out.masked_fill(~q_real[:, :, None, None], 0.0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A batch-1 row under torch.compile: whether it packs several sequences is decided when the graph runs
+# ----------------------------------------------------------------------------------------------------------------
+def _row_problem(q, k, v, position_ids, ints, floats):
+    """(Problem, q, k, v, Extras) of a batch-1 row as it runs: the dense Problem traced for it (ints, floats:
+    Problem.pack), or, where position_ids restart (read here, once per tensor), the varlen Problem of the row's
+    sequences, with q / k / v flattened to (total, heads, d)."""
+    p = P.Problem.unpack(q, k, ints, floats, 1)
+    if not _is_packed(position_ids, 1, q.shape[1], k.shape[1]):
+        return p, q, k, v, NO_EXTRAS
+    cu, max_len = _per_tensor("cu_seqlens", position_ids, _packed_cu_seqlens)
+    q, k, v = (t.reshape(-1, *t.shape[2:]) for t in (q, k, v))
+    w = p.params   # (the window already holds causal: window_right = 0)
+    p = P.varlen(q, k, v, cu, cu, max_len, max_len, w.dropout_p, w.softmax_scale, False,
+                 (w.window_left, w.window_right), w.softcap, None, p.deterministic, False)
+    return p, q, k, v, Extras(cu_seqlens_q=cu, cu_seqlens_k=cu)
+
+
+@torch.library.custom_op("flashtile::row_fwd", mutates_args=(), device_types=None)
+def _row_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor, ints: List[int],
+             floats: List[float]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """out (1, s, h, d), lse (1, h, s), the dropout's rng state (2,) of a batch-1 row (_row_problem)."""
+    p, qr, kr, vr, x = _row_problem(q, k, v, position_ids, ints, floats)
+    out, lse, rng_state, _ = forward(p, qr, kr, vr, x)
+    if rng_state is None:
+        rng_state = torch.zeros(2, dtype=torch.int64)
+    return out.view(q.shape), lse.view(1, *lse.shape[-2:]), rng_state
+
+
+@_row_fwd.register_fake
+def _(q, k, v, position_ids, ints, floats):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            q.new_empty((1, q.shape[2], q.shape[1]), dtype=torch.float32), torch.empty(2, dtype=torch.int64))
+
+
+@torch.library.custom_op("flashtile::row_bwd", mutates_args=(), device_types=None)
+def _row_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+             lse: torch.Tensor, rng_state: torch.Tensor, position_ids: torch.Tensor, ints: List[int],
+             floats: List[float]) -> List[torch.Tensor]:
+    """dq, dk, dv of _row_fwd."""
+    p, qr, kr, vr, x = _row_problem(q, k, v, position_ids, ints, floats)
+    if p.varlen:
+        dout, out, lse = dout.reshape(qr.shape), out.reshape(qr.shape), lse[0]
+    grads = backward(p, dout, qr, kr, vr, out, lse, rng_state if p.params.dropout_p > 0 else None, x)
+    return [g.view(t.shape) for g, t in zip(grads, (q, k, v))]
+
+
+@_row_bwd.register_fake
+def _(dout, q, k, v, out, lse, rng_state, position_ids, ints, floats):
+    return [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v)]
+
+
+def _row_setup(ctx, inputs, output):
+    q, k, v, position_ids, ints, floats = inputs
+    out, lse, rng_state = output
+    ctx.save_for_backward(q, k, v, out, lse, rng_state, position_ids)
+    ctx.ints, ctx.floats = ints, floats
+
+
+def _row_backward(ctx, dout, _dlse, _drng):
+    q, k, v, out, lse, rng_state, position_ids = ctx.saved_tensors
+    dq, dk, dv = torch.ops.flashtile.row_bwd(dout, q, k, v, out, lse, rng_state, position_ids, ctx.ints, ctx.floats)
+    return dq, dk, dv, None, None, None
+
+
+_row_fwd.register_autograd(_row_backward, setup_context=_row_setup)
+
+
+def _traced_row(q, k, v, position_ids, opts: dict) -> torch.Tensor:
+    """Attention of a batch-1 row that may pack several sequences, without reading position_ids while tracing: the
+    ops flashtile::row_fwd / row_bwd read them when the graph runs and take the varlen kernels for a packed row,
+    the dense ones otherwise. The dense problem is checked here, as flash_attn_func checks it."""
+    window_size, causal, deterministic = P.scalars(opts["window_size"], ("causal", opts["causal"]),
+                                                   ("deterministic", opts["deterministic"]))
+    q, k, v = P.contiguous_last(q, k, v)
+    p = P.dense(q, k, v, opts["dropout_p"], opts["softmax_scale"], causal, window_size, opts["softcap"], None,
+                deterministic, False)
+    check_device(q)
+    ints, floats = p.pack()
+    return torch.ops.flashtile.row_fwd(q, k, v, position_ids, ints, floats)[0]
 
 
 def flashtile_attention_forward(
@@ -142,39 +286,48 @@ def flashtile_attention_forward(
             _fail("value head dim", v_head_dim, f"<= the query head dim {head_dim}")
         v = torch.nn.functional.pad(v, (0, head_dim - v_head_dim))
 
+    # eager calls may read the mask and the positions; traced ones (torch.compile) take paths with static shapes
+    readable = values_readable(q)
+    position_ids = kwargs.get("position_ids")
     if attention_mask is not None:
         if attention_mask.dim() != 2:
             _fail("attention_mask.dim()", attention_mask.dim(),
                   "2: the (batch, seqlen_k) padding mask that transformers builds for attn_implementation="
                   f"{NAME!r} (custom 4-D masks are not supported)")
+        if attention_mask.shape[1] < q_len:
+            _fail("attention_mask.shape[1]", attention_mask.shape[1], f">= seqlen_q = {q_len} (the queries are the "
+                  "mask's last positions)")
         mask = attention_mask.bool()
-        if k.shape[1] > mask.shape[1]:  # static cache: keys past the mask are unused slots
-            k, v = k[:, :mask.shape[1]], v[:, :mask.shape[1]]
-        elif k.shape[1] < mask.shape[1]:
+        if k.shape[1] < mask.shape[1]:
             mask = mask[:, -k.shape[1]:]
-        k_un, _, cu_k, max_k, _ = unpad_input(k, mask)
-        v_un, _, _, _, _ = unpad_input(v, mask)
-        # The queries are the last q_len positions (a cache holds the earlier ones); transformers assumes the
-        # same (left padding during generation).
-        q_un, idx_q, cu_q, max_q, _ = unpad_input(q, mask[:, -q_len:])
-        out = flash_attn_varlen_func(q_un, k_un, v_un, cu_q, cu_k, max_q, max_k, **opts)
-        out = pad_input(out, idx_q, batch, q_len)
+        if readable and q_len > 1:
+            out = _unpadded(q, k, v, mask, opts)
+        else:
+            out = _key_masked(q, k, v, mask, opts)
     elif all(kwargs.get(n) is not None for n in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")):
-        out = flash_attn_varlen_func(
-            q.reshape(-1, *q.shape[2:]), k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:]),
-            kwargs["cu_seq_lens_q"].to(torch.int32), kwargs["cu_seq_lens_k"].to(torch.int32),
-            int(kwargs["max_length_q"]), int(kwargs["max_length_k"]), **opts)
-        out = out.view(batch, q_len, *out.shape[1:])
-    elif _is_packed(kwargs.get("position_ids"), batch, q_len, kv_len):
-        cu, max_len = _per_tensor("cu_seqlens", kwargs["position_ids"], _packed_cu_seqlens)
-        out = flash_attn_varlen_func(q.reshape(-1, *q.shape[2:]), k.reshape(-1, *k.shape[2:]),
-                                     v.reshape(-1, *v.shape[2:]), cu, cu, max_len, max_len, **opts)
-        out = out.view(batch, q_len, *out.shape[1:])
+        out = _varlen_rows(q, k, v, kwargs["cu_seq_lens_q"].to(torch.int32), kwargs["cu_seq_lens_k"].to(torch.int32),
+                           int(kwargs["max_length_q"]), int(kwargs["max_length_k"]), opts)
+    elif not readable and _packable(position_ids, batch, q_len, kv_len):
+        out = _traced_row(q, k, v, position_ids, opts)
+    elif _is_packed(position_ids, batch, q_len, kv_len):
+        cu, max_len = _per_tensor("cu_seqlens", position_ids, _packed_cu_seqlens)
+        out = _varlen_rows(q, k, v, cu, cu, max_len, max_len, opts)
     else:
         out = flash_attn_func(q, k, v, **opts)
     if v_head_dim != head_dim:
         out = out[..., :v_head_dim]
     return out, None
+
+
+def padding_mask(*, kv_length: int, attention_mask=None, **kwargs):
+    """The mask builder registered with the attention function: transformers' flash-attention mask (the 2-D
+    (batch, kv_length) padding mask, None when nothing is padded). Deciding "nothing is padded" reads the mask; while
+    values cannot be read (torch.compile tracing) the mask is passed on as it is instead, and the attention function
+    treats an all-ones mask like any other."""
+    if attention_mask is not None and not values_readable(attention_mask):
+        return attention_mask[:, -kv_length:]
+    from transformers.masking_utils import flash_attention_mask
+    return flash_attention_mask(kv_length=kv_length, attention_mask=attention_mask, **kwargs)
 
 
 def _accept_flash_named(name: str) -> None:
@@ -207,18 +360,18 @@ def _accept_flash_named(name: str) -> None:
 def register(name: str = NAME) -> str:
     """Register flashtile with transformers under ``name`` (default "flashtile"); idempotent.
 
-    Installs the attention function (``AttentionInterface``) and, for the same name, transformers' flash
-    mask builder (``AttentionMaskInterface``: the 2-D padding mask, or None when nothing is padded); without
-    a mask builder transformers would pass no mask at all. Returns the name to pass as attn_implementation.
+    Installs the attention function (``AttentionInterface``) and, for the same name, the mask builder
+    ``padding_mask`` (``AttentionMaskInterface``: the 2-D padding mask); without a mask builder transformers
+    would pass no mask at all. Returns the name to pass as attn_implementation.
     """
     try:
         from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+        from transformers.masking_utils import AttentionMaskInterface
     except ImportError as e:  # pragma: no cover - exercised only without transformers
         raise ImportError("flashtile.integrations.transformers needs transformers >= 5.17 "
                           "(pip install 'transformers>=5.17')") from e
     AttentionInterface.register(name, flashtile_attention_forward)
-    AttentionMaskInterface.register(name, flash_attention_mask)
+    AttentionMaskInterface.register(name, padding_mask)
     _REGISTERED.add(name)
     _accept_flash_named(name)
     return name
