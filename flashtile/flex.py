@@ -29,10 +29,11 @@ tl.atomic_add; dscore there is the gradient of score_mod's output. Every ready-m
 Evaluation order inside the kernels: q.k * scale -> softcap -> score_mod -> mask_mod, block mask, causal,
 window (-inf) -> softmax. A row that sees no key outputs 0 and lse = -inf.
 
-On Hopper (head dim 128) the same functions are compiled into FlashAttention-3's Gluon kernels, whose tiles carry
-an explicit register layout: mods written element-wise on their arguments (loads, tl.where, arithmetic, atomics)
-run there; a mod that builds a tile of its own (tl.zeros, tl.arange) does not compile for them, and the Triton
-kernels run it instead.
+softcap_score, and alibi_score with slopes that want no gradient over equal lengths, run as the kernels' own softcap
+and ALiBi (the same scores, without a score_mod call per element). On Hopper (head dim 128) the mods are compiled
+into FlashAttention-3's Gluon kernels, whose tiles carry an explicit register layout: mods written element-wise on
+their arguments (loads, tl.where, arithmetic, atomics) run there; a mod that builds a tile of its own (tl.zeros,
+tl.arange) does not compile for them, and the Triton kernels run it instead.
 """
 from __future__ import annotations
 
@@ -88,9 +89,25 @@ def flex_attention(q, k, v, score_mod: Optional[ScoreMod] = None, block_mask=Non
         if mask_mod is not None and mask_mod is not block_mask.mask_mod:
             fail("mask_mod", mask_mod, "None (or the block mask's own mask_mod) with a block mask built from a MaskMod")
         mask_mod = block_mask.mask_mod
+    builtin = _builtin_scores(score_mod, q, k)
     out, lse, _ = dense_attention(q, k, v, 0.0, softmax_scale, causal, window_size, block_mask=block_mask,
-                                  score_mod=score_mod, mask_mod=mask_mod)
+                                  score_mod=None if builtin else score_mod, mask_mod=mask_mod, **builtin)
     return (out, lse) if checks.flag("return_lse", return_lse) else out
+
+
+def _builtin_scores(score_mod: Optional[ScoreMod], q, k) -> dict:
+    """The kernels' own softcap / ALiBi arguments where a ready-made score_mod computes the same scores (they cost no
+    score_mod call, input or gradient per element): softcap_score, and alibi_score when seqlen_q == seqlen_k (its
+    |q_idx - kv_idx| is then the kernels' bottom-right distance) and its slopes want no gradient (the kernels'
+    ALiBi has none). Empty where the score_mod runs as it is."""
+    if score_mod is None:
+        return {}
+    if score_mod.fn is _softcap:
+        return dict(softcap=score_mod.captured[0])
+    slopes = score_mod.captured[0] if score_mod.fn is _alibi else None
+    if slopes is not None and q.shape[1] == k.shape[1] and not (slopes.requires_grad and torch.is_grad_enabled()):
+        return dict(alibi_slopes=slopes)
+    return {}
 
 
 # --------------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import torch
 
 import flashtile
 from attn_utils import DEVICE
+from flashtile.api import usermods
 from flashtile.blocksparse import BlockMask, create_block_mask
 from flashtile.flex import (MaskMod, ScoreMod, alibi_score, causal_mask, document_mask, flex_attention,
                             prefix_lm_mask, relative_position_bias, sliding_window_mask, softcap_score)
@@ -373,3 +374,26 @@ def test_ready_made_constructor_checks():
         sliding_window_mask(0)
     with pytest.raises(ERRORS, match="cap"):
         softcap_score(0.0)
+
+
+@pytest.mark.parametrize("mod", ["softcap", "alibi"])
+def test_ready_made_scores_run_as_the_kernels_own(mod, seed, monkeypatch):
+    """softcap_score, and alibi_score whose slopes want no gradient over equal lengths, reach the kernels as their own
+    softcap / ALiBi (no score_mod compiled in), with a block mask's partial tiles masked after them; results against
+    float64. alibi_score over unequal lengths keeps its score_mod (its distance is top-left aligned)."""
+    b, s, h = 1, 64, 2
+    q, k, v, dout = _inputs(b, s, s, h, h, 32, fp32)
+    slopes = torch.rand(h, device=DEVICE) * 0.5 + 2.0 ** -8
+    score_mod, score_fn = ((softcap_score(4.0), t_softcap(4.0)) if mod == "softcap" else
+                           (alibi_score(slopes), (lambda sc, b_, h_, q_, kv: t_alibi(sc, b_, h_, q_, kv, slopes))))
+    registered = []
+    real = usermods.register
+    monkeypatch.setattr(usermods, "register", lambda sm, mm: registered.append(sm) or real(sm, mm))
+    run_and_check(q, k, v, dout, fp32, f"[{mod} as the kernels' own]", score_mod=score_mod, mask_mod=causal_mask(),
+                  score_fn=score_fn, mask_fn=t_causal())
+    assert registered and all(sm is None for sm in registered)
+    registered.clear()
+    q2 = q[:, :40].detach().requires_grad_()
+    if mod == "alibi":
+        flex_attention(q2, k, v, score_mod=score_mod)
+        assert registered and registered[0] is score_mod
