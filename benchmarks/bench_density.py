@@ -29,7 +29,8 @@ flashtile.reference.dense.attention_ref with the point's element mask on batch {
 query rows spread over the sequence; above flashtile.bench.measure.TOLERANCE the point is recorded wrong and not
 timed.
 Timing: triton.testing.do_bench medians (warmup 25 ms, rep 100 ms) of the forward (no_grad) and of forward + backward
-(grad_to_none on q, k, v). TFLOP/s count the visible (q, k) pairs: forward 4 * d * pairs * heads * batch,
+(grad_to_none on q, k, v); --cuda-graph: the forward replayed from a CUDA graph (do_bench_cudagraph), where a
+call's host time would otherwise set the time of a short forward. TFLOP/s count the visible (q, k) pairs: forward 4 * d * pairs * heads * batch,
 forward + backward 3.5x.
 Fit: least squares t = a * density + b per (provider, seqlen, pass) over the densities timed, with b / t(1.0) (the
 target is at most TARGET_B_FRACTION), R^2, and each point's residual t - (a * density + b), also relative to t.
@@ -205,7 +206,11 @@ def parse_args(argv=None):
     ap.add_argument("--budget-s", type=float, default=None, help="points not started after this many seconds are "
                                                                  "skipped")
     ap.add_argument("--small", action="store_true", help="tiny sizes (CPU smoke run)")
+    ap.add_argument("--cuda-graph", action="store_true", help="time the forward replayed from a CUDA graph (the "
+                                                               "kernels without the host time of a call)")
     args = ap.parse_args(argv)
+    if args.cuda_graph and not HAS_CUDA:
+        ap.error("--cuda-graph needs a CUDA device")
     small = args.small or not HAS_CUDA
     args.small = small
     args.batch = args.batch or (1 if small else 2)
@@ -252,7 +257,8 @@ def main(argv=None):
         qt, kt, vt = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
         dot = do.transpose(1, 2).contiguous()
         dense = dict(seqlen=s)
-        for pas, ms in zip(PASSES, time_passes(lambda: flash_attn_func(q, k, v, causal=True), [q, k, v], do)):
+        for pas, ms in zip(PASSES, time_passes(lambda: flash_attn_func(q, k, v, causal=True), [q, k, v], do,
+                                                   args.cuda_graph)):
             dense[f"{pas}_ms"] = ms
         dense_rows.append(dense)
         print(f"seqlen {s}: flash_attn_func causal fwd {dense['fwd_ms']:.3f} ms, fwd+bwd {dense['fwd+bwd_ms']:.3f} ms",
@@ -289,7 +295,7 @@ def main(argv=None):
                     continue
                 if pname in not_run:
                     continue
-                times = time_passes(pv["fn"], pv["grads"], pv["g_out"])
+                times = time_passes(pv["fn"], pv["grads"], pv["g_out"], args.cuda_graph)
                 for pas, ms in zip(PASSES, times):
                     rows.append(dict(provider=pname, seqlen=s, target_density=x, density=dens, pass_=pas, ms=ms,
                                      tflops=FLOP_FACTOR[pas] * fl / ms / 1e9))
@@ -307,7 +313,7 @@ def main(argv=None):
     print(md)
     if args.out:
         meta = dict(device=device_name, batch=batch, heads=heads, headdim=d, dtype=str(dtype), block_size=bs,
-                    small=args.small, seed=args.seed, tolerance=tol, target_b_fraction=TARGET_B_FRACTION,
+                    small=args.small, cuda_graph=args.cuda_graph, seed=args.seed, tolerance=tol, target_b_fraction=TARGET_B_FRACTION,
                     budget_s=args.budget_s)
         write_script_results(args.out, "bench_density", md, meta, rows=rows, fits=fits, checks=checks,
                              dense=dense_rows, not_run=not_run, skipped=skipped)
@@ -316,8 +322,9 @@ def main(argv=None):
     return 0
 
 
-def time_passes(fn, grads, g_out):
-    """(forward ms under no_grad, forward + backward ms)."""
+def time_passes(fn, grads, g_out, cuda_graph=False):
+    """(forward ms under no_grad, forward + backward ms); cuda_graph: the forward replayed from a CUDA graph
+    (triton.testing.do_bench_cudagraph: the kernels' time without the host's)."""
     def fwd():
         with torch.no_grad():
             fn()
@@ -325,6 +332,10 @@ def time_passes(fn, grads, g_out):
     def fwd_bwd():
         fn().backward(g_out)
 
+    if cuda_graph:
+        from triton.testing import do_bench_cudagraph
+        fwd()   # (compiled and warm before the capture)
+        return do_bench_cudagraph(fwd, rep=100, return_mode="median"), bench_ms(fwd_bwd, grads)
     return bench_ms(fwd), bench_ms(fwd_bwd, grads)
 
 
@@ -334,7 +345,8 @@ def time_passes(fn, grads, g_out):
 def markdown(rows, fits, checks, dense_rows, not_run, skipped, device_name, args, dtype, tol):
     lines = [f"{device_name}; batch {args.batch}, heads {args.heads}, headdim {args.headdim}, {str(dtype)[6:]}, "
              f"BLOCK_SIZE {args.block}, causal block-sparse masks (diagonal tiles kept, the others in a seeded random "
-             f"order)" + (" (CPU interpreter smoke run: times are not performance)" if args.small else ""), ""]
+             f"order)" + (" (CPU interpreter smoke run: times are not performance)" if args.small else "")
+             + ("; forward times replayed from a CUDA graph" if args.cuda_graph else ""), ""]
     if not_run or skipped:
         lines += ["Not run:", ""]
         lines += [f"- {pname}: {reason}" for pname, reason in not_run.items()]
