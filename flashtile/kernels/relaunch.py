@@ -73,11 +73,13 @@ def _int_key(x: int):
 
 
 def _args_key(args) -> tuple:
-    """tuple(map(_arg_key, args)) with ints (from _INT_KEYS) and tensors inline: a decode launch passes 48 arguments,
-    and a call per argument showed in its host time."""
+    """tuple(map(_arg_key, args)) with ints (from _INT_KEYS) and tensors inline, and so the elements of a tuple
+    (a kernel's argument group): a decode launch passes 48 arguments, and a call per argument showed in its host
+    time."""
     T = torch.Tensor
     return tuple([(_INT_KEYS.get(a) or _int_key(a)) if type(a) is int else
-                  (a.dtype, a.data_ptr() % 16 == 0) if type(a) is T else _arg_key(a) for a in args])
+                  (a.dtype, a.data_ptr() % 16 == 0) if type(a) is T else
+                  _args_key(a) if type(a) is tuple else _arg_key(a) for a in args])
 
 
 def _compiles(kernel) -> bool:
