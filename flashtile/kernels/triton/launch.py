@@ -335,8 +335,8 @@ def _delta(out, dout, lse, dlse, cu_seqlens_q, batch: int, nheads: int, max_sq: 
     delta = torch.empty_like(lse)
     pre_m = 64 if not interpreting() else 32
     grid = (cdiv(max_sq, pre_m), batch * nheads)
-    args = (out, dout, delta, None, cu_seqlens_q, *_rows(out), *_rows(dout), *_lse_strides(lse), 0, 0, 0, nheads,
-            max_sq, head_dim)
+    args = (out, dout, delta, None, cu_seqlens_q, _rows(out), _rows(dout), _lse_strides(lse), (0, 0, 0),
+            (nheads, max_sq, head_dim))
     kwargs = dict(BLOCK_M=pre_m, BLOCK_D=configs.block_d(head_dim), IS_VARLEN=cu_seqlens_q is not None, ZERO_DQ=False)
     relaunch.launch(_bwd.attn_bwd_preprocess_kernel, grid, args, kwargs)
     if dlse is not None:
@@ -390,7 +390,7 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
     delta, (pre_grid, pre_args, pre_kwargs) = _delta(out, dout, lse, dlse, cu_seqlens_q, batch, nheads, max_sq,
                                                      head_dim)
     cfg = _sparse_config(bwd_config(head_dim, q.dtype, causal, seqlen=seqlen), sparse)
-    common = (*_lse_strides(lse), alibi_sb)
+    common = (_lse_strides(lse), alibi_sb)
     bias_args = pair_args(bias, batch, nheads, max_sq, max_sk)
     mask_args = pair_args(mask, batch, nheads, max_sq, max_sk)
     mod_flags = _mod_flags(bias, mask, sparse, params, max_sq, max_sk)
@@ -428,11 +428,10 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
         dkdv_grid = (cdiv(max_sk, block_n), batch * nheads_k)
         dkdv_args = (
             q, k, v, dout, lse, delta, dk, dv, dq_acc, cu_seqlens_q, cu_seqlens_k, alibi, desc_q, desc_do, desc_dq,
-            *_rows(q), *_rows(k), *_rows(v), *_rows(dout), *_rows(dk), *_rows(dv), *_rows(dq_acc), *common,
-            nheads_k, nheads // nheads_k, max_sq, max_sk, head_dim,
-            params.softmax_scale, *scale, *window, *dropout,
-            *bias_args, *mask_args, *pair_args(dbias, batch, nheads, max_sq, max_sk),
-            *sparse_args(sparse, batch, nheads, True))
+            _rows(q), _rows(k), _rows(v), _rows(dout), _rows(dk), _rows(dv), _rows(dq_acc), *common,
+            (nheads_k, nheads // nheads_k, max_sq, max_sk, head_dim), params.softmax_scale, scale, window, dropout,
+            bias_args, mask_args, pair_args(dbias, batch, nheads, max_sq, max_sk),
+            sparse_args(sparse, batch, nheads, True))
         kw = _launch(
             _bwd.attn_bwd_dkdv_kernel, dkdv_grid, *dkdv_args,
             BLOCK_M=cfg.BLOCK_M, BLOCK_N=block_n, EVEN_D=even_d, ATOMIC_DQ=atomic and with_ds, USE_TMA=use_tma,
@@ -451,10 +450,9 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
     dq_grid = (cdiv(max_sq, dq_rows), batch * nheads)
     dq_args = (
         q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, alibi, desc_k, desc_v,
-        *_rows(q), *_rows(k), *_rows(v), *_rows(dout), *_rows(dq), *common,
-        nheads, nheads // nheads_k, max_sq, max_sk, head_dim,
-        params.softmax_scale, *scale, *window, *dropout,
-        *bias_args, *mask_args, *sparse_args(sparse, batch, nheads, False))
+        _rows(q), _rows(k), _rows(v), _rows(dout), _rows(dq), *common,
+        (nheads, nheads // nheads_k, max_sq, max_sk, head_dim), params.softmax_scale, scale, window, dropout,
+        bias_args, mask_args, sparse_args(sparse, batch, nheads, False))
     kw = _launch(
         _bwd.attn_bwd_dq_kernel, dq_grid, *dq_args,
         BLOCK_M=dq_rows, BLOCK_N=dq_keys, EVEN_D=even_d, USE_TMA=use_tma,
