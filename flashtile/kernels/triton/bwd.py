@@ -218,9 +218,6 @@ def attn_bwd_dkdv_kernel(
     score_scale, softcap_log2 = scale
     window_left, window_right = window
     dropout_p, seed, rng_offset, rng_stride_b, rng_stride_h, rng_stride_m = dropout
-    BIAS, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n = bias
-    MASK, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n = mask
-    DBIAS, stride_dbias_b, stride_dbias_h, stride_dbias_m, stride_dbias_n = dbias
     Q_NUM, Q_IDX, FULL_Q_NUM, FULL_Q_IDX, stride_sp_b, stride_sp_h, stride_sp_n, sparse_blocks = sparse
     # causal: the first key blocks are seen by the most queries: the grid's order already runs them first
     pid_n, bhk = tile_order(head_group, GROUPED, False)
@@ -260,9 +257,9 @@ def attn_bwd_dkdv_kernel(
         dq_head = DQ_ACC + b64 * stride_dqb + tl.cast(h, tl.int64) * stride_dqh + tl.cast(q_start, tl.int64) * stride_dqm
         lse_head = LSE + b64 * stride_lse_b + tl.cast(h, tl.int64) * stride_lse_h + q_start
         delta_head = Delta + b64 * stride_lse_b + tl.cast(h, tl.int64) * stride_lse_h + q_start
-        bias_bh = head_tile(BIAS, b64, h, stride_bias_b, stride_bias_h, HAS_BIAS)
-        mask_bh = head_tile(MASK, b64, h, stride_mask_b, stride_mask_h, HAS_MASK)
-        dbias_bh = head_tile(DBIAS, b64, h, stride_dbias_b, stride_dbias_h, HAS_DBIAS)
+        bias_bh, stride_bias_m, stride_bias_n = head_tile(bias, b64, h, HAS_BIAS)
+        mask_bh, stride_mask_m, stride_mask_n = head_tile(mask, b64, h, HAS_MASK)
+        dbias_bh, stride_dbias_m, stride_dbias_n = head_tile(dbias, b64, h, HAS_DBIAS)
         # what every tile step reads for query head h (one tuple: each call site names only the tile and its masks)
         row = (k, v, present(desc_q), present(desc_do), present(desc_dq), q_head, do_head, dq_head, lse_head, delta_head, q_row0, b,
                h, offs_m_rel, offs_n, offs_d, seqlen_q, seqlen_k, stride_qm, stride_dom, stride_dqm, head_dim,
@@ -392,8 +389,6 @@ def attn_bwd_dq_kernel(
     score_scale, softcap_log2 = scale
     window_left, window_right = window
     dropout_p, seed, rng_offset, rng_stride_b, rng_stride_h, rng_stride_m = dropout
-    BIAS, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n = bias
-    MASK, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n = mask
     KV_NUM, KV_IDX, FULL_KV_NUM, FULL_KV_IDX, stride_sp_b, stride_sp_h, stride_sp_m, sparse_blocks = sparse
     pid_m, bh = tile_order(head_group, GROUPED, REVERSE)
     b, h, hk = query_head(bh, nheads, group_size)
@@ -423,8 +418,8 @@ def attn_bwd_dq_kernel(
     else:
         kv_row0 = b * seqlen_k_static
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    bias_bh = head_tile(BIAS, b64, h, stride_bias_b, stride_bias_h, HAS_BIAS)
-    mask_bh = head_tile(MASK, b64, h, stride_mask_b, stride_mask_h, HAS_MASK)
+    bias_bh, stride_bias_m, stride_bias_n = head_tile(bias, b64, h, HAS_BIAS)
+    mask_bh, stride_mask_m, stride_mask_n = head_tile(mask, b64, h, HAS_MASK)
     # what every tile step reads (one tuple: each call site names only the tile and its masks)
     row = (q, do, lse2, delta, present(desc_k), present(desc_v), k_base, v_base, kv_row0, b, h, hk, offs_m,
            offs_n_rel, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn, head_dim, score_scale, softcap_log2,

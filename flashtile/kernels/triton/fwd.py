@@ -118,8 +118,6 @@ def attn_fwd_kernel(
     score_scale, softcap_log2 = scale
     window_left, window_right = window
     dropout_p, seed, rng_offset, rng_stride_b, rng_stride_h, rng_stride_m = dropout
-    BIAS, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n = bias
-    MASK, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n = mask
     KV_NUM, KV_IDX, FULL_KV_NUM, FULL_KV_IDX, stride_sp_b, stride_sp_h, stride_sp_m, sparse_blocks = sparse
     # causal/banded: the last query blocks see the most keys; launch them first so the short ones
     # fill the tail of the schedule instead of the long ones
@@ -146,8 +144,8 @@ def attn_fwd_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     alibi_slope_log2, rng_base = head_scalars(b, h, ALIBI_SLOPES, stride_alibi_b, rng_stride_b, rng_stride_h, ALIBI)
-    bias_bh = head_tile(BIAS, b64, h, stride_bias_b, stride_bias_h, HAS_BIAS)
-    mask_bh = head_tile(MASK, b64, h, stride_mask_b, stride_mask_h, HAS_MASK)
+    bias_bh, stride_bias_m, stride_bias_n = head_tile(bias, b64, h, HAS_BIAS)
+    mask_bh, stride_mask_m, stride_mask_n = head_tile(mask, b64, h, HAS_MASK)
 
     # Alg. 1 line 4: load Q_i (rows past the end are 0; their outputs are never stored)
     q_mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim)
@@ -233,8 +231,6 @@ def attn_probs_kernel(
     score_scale, softcap_log2 = scale
     window_left, window_right = window
     dropout_p, seed, rng_offset, rng_stride_b, rng_stride_h, rng_stride_m = dropout
-    BIAS, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n = bias
-    MASK, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n = mask
     pid_m = tl.program_id(0)
     b, h, hk = query_head(tl.program_id(1), nheads, group_size)
     q_start, seqlen_q, k_start, seqlen_k = sequences(b, CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q_static, seqlen_k_static,
@@ -253,8 +249,8 @@ def attn_probs_kernel(
     alibi_slope_log2, rng_base = head_scalars(b, h, ALIBI_SLOPES, stride_alibi_b, rng_stride_b, rng_stride_h, ALIBI)
     k_base = K + b64 * stride_kb + tl.cast(hk, tl.int64) * stride_kh + tl.cast(k_start, tl.int64) * stride_kn
     p_base = P + b64 * stride_pb + tl.cast(h, tl.int64) * stride_ph
-    bias_bh = head_tile(BIAS, b64, h, stride_bias_b, stride_bias_h, HAS_BIAS)
-    mask_bh = head_tile(MASK, b64, h, stride_mask_b, stride_mask_h, HAS_MASK)
+    bias_bh, stride_bias_m, stride_bias_n = head_tile(bias, b64, h, HAS_BIAS)
+    mask_bh, stride_mask_m, stride_mask_n = head_tile(mask, b64, h, HAS_MASK)
     for start_n in range(0, seqlen_k, BLOCK_N):
         cols = start_n + offs_n
         kt = tl.load(k_base + cols[None, :].to(tl.int64) * stride_kn + offs_d[:, None],
