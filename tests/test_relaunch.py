@@ -124,6 +124,25 @@ def test_args_key_equals_per_argument_keys(monkeypatch):
     assert keys == tuple(map(relaunch._arg_key, range(100))) and len(relaunch._INT_KEYS) == 8
 
 
+def test_args_key_of_argument_groups(monkeypatch):
+    """A tuple of scalars (an argument group) is keyed from _TUPLE_KEYS after its first time, with its elements'
+    types in the entry's key (True, 1 and 1.0 are equal dict keys, but specialize differently); a tuple holding a
+    tensor or another tuple is keyed element by element each time, never kept (a kept tensor would stay alive), a
+    scalar tuple inside it is; the cache stays bounded."""
+    monkeypatch.setattr(relaunch, "_TUPLE_KEYS", {})
+    base = torch.empty(64, dtype=torch.float16)
+    groups = [(1, 0), (True, 0), (1.0, 0), (16, 2 ** 31, None), (0.5, -1), (), (base[1:], 16), ((16, 1), 3)]
+    for _ in range(2):   # the second time the scalar groups come from the cache
+        assert relaunch._args_key(groups) == tuple(map(relaunch._arg_key, groups))
+    assert len({relaunch._args_key([g]) for g in groups[:3]}) == 3
+    kept = {g for g, _ in relaunch._TUPLE_KEYS}   # (the scalar groups, and the one nested in the last group)
+    assert len(relaunch._TUPLE_KEYS) == 7 and kept == {*groups[:6], (16, 1)}
+    monkeypatch.setattr(relaunch, "_TUPLE_KEYS", {})
+    monkeypatch.setattr(relaunch, "_MAX_ENTRIES", 8)
+    relaunch._args_key([(i, 16) for i in range(100)])
+    assert len(relaunch._TUPLE_KEYS) == 8
+
+
 def test_bound_launches_with_the_bound_arguments(kern, monkeypatch):
     """bind: None before the key was compiled (or without a fast path); then a Bound that calls the compiled kernel
     with the live arguments, the bound ones and the parameters after them in order - as launch() would - and

@@ -158,8 +158,8 @@ class _GluonBackward:
         dq_acc = torch.empty(q.shape, device=q.device, dtype=torch.float32)
         live = (out, dout, delta, dq_acc)
         if self.pre is None or not self.pre(self.pre_grid, live):
-            args = (*live, None, *out.stride()[:3], *dout.stride()[:3], lse.stride(0), lse.stride(1),
-                    *dq_acc.stride()[:3], q.shape[2], q.shape[1], q.shape[3])
+            args = (*live, None, out.stride()[:3], dout.stride()[:3], lse.stride()[:2], dq_acc.stride()[:3],
+                    (q.shape[2], q.shape[1], q.shape[3]))
             kwargs = dict(BLOCK_M=self.PRE_ROWS, BLOCK_D=q.shape[3], IS_VARLEN=False, ZERO_DQ=True)
             relaunch.launch(_bwd.attn_bwd_preprocess_kernel, self.pre_grid[:2], args, kwargs)
             # (out and dq_acc are made contiguous by the callers, dout by tma_ready: the strides bound are the call's)

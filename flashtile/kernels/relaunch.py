@@ -72,12 +72,33 @@ def _int_key(x: int):
     return k
 
 
+# (tuple of ints, floats, bools and Nones, its elements' types) -> its _arg_key: a kernel's argument groups of
+# strides, sizes and scalars repeat call after call (the types in the key: True == 1 == 1.0 as dict keys); at most
+# _MAX_ENTRIES of them
+_TUPLE_KEYS: dict = {}
+_SCALARS = frozenset((int, float, bool, type(None)))
+
+
+def _tuple_key(a: tuple, types: tuple):
+    k = _args_key(a)
+    if len(_TUPLE_KEYS) < _MAX_ENTRIES and _SCALARS.issuperset(types):
+        _TUPLE_KEYS[(a, types)] = k
+    return k
+
+
+_NONE_KEY = _arg_key(None)
+
+
 def _args_key(args) -> tuple:
-    """tuple(map(_arg_key, args)) with ints (from _INT_KEYS) and tensors inline: a decode launch passes 48 arguments,
-    and a call per argument showed in its host time."""
+    """tuple(map(_arg_key, args)) with tuples (argument groups: from _TUPLE_KEYS where they hold scalars only, else
+    element by element), ints (from _INT_KEYS), tensors and None inline: a launch passes tens of arguments, and a
+    call per argument showed in its host time."""
     T = torch.Tensor
-    return tuple([(_INT_KEYS.get(a) or _int_key(a)) if type(a) is int else
-                  (a.dtype, a.data_ptr() % 16 == 0) if type(a) is T else _arg_key(a) for a in args])
+    return tuple([(_TUPLE_KEYS.get((a, types := tuple(map(type, a)))) or _tuple_key(a, types))
+                  if type(a) is tuple else
+                  (_INT_KEYS.get(a) or _int_key(a)) if type(a) is int else
+                  (a.dtype, a.data_ptr() % 16 == 0) if type(a) is T else
+                  _NONE_KEY if a is None else _arg_key(a) for a in args])
 
 
 def _compiles(kernel) -> bool:

@@ -23,13 +23,19 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def attn_bwd_preprocess_kernel(O, DO, Delta, DQ_ACC, CU_SEQLENS_Q,
-                               stride_ob, stride_om, stride_oh, stride_dob, stride_dom, stride_doh,
-                               stride_lse_b, stride_lse_h, stride_dqb, stride_dqm, stride_dqh, nheads, seqlen_q_static,
-                               head_dim, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, IS_VARLEN: tl.constexpr,
+def attn_bwd_preprocess_kernel(O, DO, Delta, DQ_ACC, CU_SEQLENS_Q, o_strides, do_strides, lse_strides, dq_strides,
+                               problem, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, IS_VARLEN: tl.constexpr,
                                ZERO_DQ: tl.constexpr):
     """FA2 Alg. 2 line 4: D_i = rowsum(dO_i o O_i) for BLOCK_M rows of one (batch, head). ZERO_DQ: the same rows of
-    the float32 dQ accumulator (a backward that adds dQ_i into it) are zeroed here, so no separate fill runs."""
+    the float32 dQ accumulator (a backward that adds dQ_i into it) are zeroed here, so no separate fill runs.
+    O, DO, DQ_ACC as Q (dense or varlen; CU_SEQLENS_Q where IS_VARLEN), Delta as the LSE; o_strides, do_strides,
+    dq_strides: their (batch, row, head) strides, lse_strides: Delta's (batch, head); problem: (nheads, seqlen_q
+    (the longest where varlen), head dim)."""
+    stride_ob, stride_om, stride_oh = o_strides
+    stride_dob, stride_dom, stride_doh = do_strides
+    stride_lse_b, stride_lse_h = lse_strides
+    stride_dqb, stride_dqm, stride_dqh = dq_strides
+    nheads, seqlen_q_static, head_dim = problem
     pid_m = tl.program_id(0)
     b, h, _ = query_head(tl.program_id(1), nheads, 1)
     q_start, seqlen_q = seq_bounds(b, CU_SEQLENS_Q, seqlen_q_static, IS_VARLEN)
@@ -177,16 +183,8 @@ def _dk_step(dk, pt, dpt, qt, k, delta, st_in, t, keep, b, h, i, j, offs_m, offs
 @triton.jit(do_not_specialize=["head_group"])
 def attn_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, Delta, DK, DV, DQ_ACC, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI_SLOPES, desc_q, desc_do, desc_dq,
-    stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-    stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-    stride_dqb, stride_dqm, stride_dqh, stride_lse_b, stride_lse_h, stride_alibi_b,
-    nheads_k, group_size, seqlen_q_static, seqlen_k_static, head_dim,
-    sm_scale, score_scale, softcap_log2, window_left, window_right,
-    dropout_p, seed, rng_offset, rng_stride_b, rng_stride_h, rng_stride_m,
-    BIAS, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
-    MASK, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
-    DBIAS, stride_dbias_b, stride_dbias_h, stride_dbias_m, stride_dbias_n,
-    Q_NUM, Q_IDX, FULL_Q_NUM, FULL_Q_IDX, stride_sp_b, stride_sp_h, stride_sp_n, sparse_blocks,
+    q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides, dq_strides, lse_strides, stride_alibi_b,
+    problem, sm_scale, scale, window, dropout, bias, mask, dbias, sparse,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr, ATOMIC_DQ: tl.constexpr,
@@ -197,6 +195,30 @@ def attn_bwd_dkdv_kernel(
     MASK_MOD: tl.constexpr = None, COMPUTE_DK: tl.constexpr = True, COMPUTE_DV: tl.constexpr = True,
     GROUPED: tl.constexpr = False, head_group=1,
 ):
+    """One program per key block of BLOCK_N rows and (batch, K/V head); grid (key blocks, batch * nheads_k).
+    The tensors (each call's own; a launch template binds the rest): Q, K, V, LSE, CU_SEQLENS_*, ALIBI_SLOPES as
+    attn_fwd_kernel's; DO as Q, Delta (D) as LSE; DK, DV as K, V; DQ_ACC: the fp32 dQ accumulator (ATOMIC_DQ) as Q;
+    desc_q, desc_do: TMA descriptors over Q, dO (USE_TMA), desc_dq over DQ_ACC (DQ_TMA). The groups:
+    - q_strides ... dq_strides: (batch, row, head) strides of Q, K, V, dO, dK, dV and DQ_ACC; lse_strides: (batch,
+      head) of LSE and Delta;
+    - problem: (nheads_k, query heads per K/V head, seqlen_q, seqlen_k (the longest where varlen), head dim);
+    - sm_scale: the softmax scale tau (dK = tau dS^T Q); scale, window, dropout, bias, mask as attn_fwd_kernel's;
+    - dbias: dBias's (pointer, batch, head, row and column strides) (HAS_DBIAS; runtime.pair_args);
+    - sparse: the block mask's transposed lists (q_num, q_idx, full_q_num, full_q_idx, batch, head and
+      block-column strides, blocks per index row) (BLOCK_SPARSE; runtime.sparse_args)."""
+    stride_qb, stride_qm, stride_qh = q_strides
+    stride_kb, stride_kn, stride_kh = k_strides
+    stride_vb, stride_vn, stride_vh = v_strides
+    stride_dob, stride_dom, stride_doh = do_strides
+    stride_dkb, stride_dkn, stride_dkh = dk_strides
+    stride_dvb, stride_dvn, stride_dvh = dv_strides
+    stride_dqb, stride_dqm, stride_dqh = dq_strides
+    stride_lse_b, stride_lse_h = lse_strides
+    nheads_k, group_size, seqlen_q_static, seqlen_k_static, head_dim = problem
+    score_scale, softcap_log2 = scale
+    window_left, window_right = window
+    dropout_p, seed, rng_offset, rng_stride_b, rng_stride_h, rng_stride_m = dropout
+    Q_NUM, Q_IDX, FULL_Q_NUM, FULL_Q_IDX, stride_sp_b, stride_sp_h, stride_sp_n, sparse_blocks = sparse
     # causal: the first key blocks are seen by the most queries: the grid's order already runs them first
     pid_n, bhk = tile_order(head_group, GROUPED, False)
     b, hk, _ = query_head(bhk, nheads_k, 1)
@@ -235,9 +257,9 @@ def attn_bwd_dkdv_kernel(
         dq_head = DQ_ACC + b64 * stride_dqb + tl.cast(h, tl.int64) * stride_dqh + tl.cast(q_start, tl.int64) * stride_dqm
         lse_head = LSE + b64 * stride_lse_b + tl.cast(h, tl.int64) * stride_lse_h + q_start
         delta_head = Delta + b64 * stride_lse_b + tl.cast(h, tl.int64) * stride_lse_h + q_start
-        bias_bh = head_tile(BIAS, b64, h, stride_bias_b, stride_bias_h, HAS_BIAS)
-        mask_bh = head_tile(MASK, b64, h, stride_mask_b, stride_mask_h, HAS_MASK)
-        dbias_bh = head_tile(DBIAS, b64, h, stride_dbias_b, stride_dbias_h, HAS_DBIAS)
+        bias_bh, stride_bias_m, stride_bias_n = head_tile(bias, b64, h, HAS_BIAS)
+        mask_bh, stride_mask_m, stride_mask_n = head_tile(mask, b64, h, HAS_MASK)
+        dbias_bh, stride_dbias_m, stride_dbias_n = head_tile(dbias, b64, h, HAS_DBIAS)
         # what every tile step reads for query head h (one tuple: each call site names only the tile and its masks)
         row = (k, v, present(desc_q), present(desc_do), present(desc_dq), q_head, do_head, dq_head, lse_head, delta_head, q_row0, b,
                h, offs_m_rel, offs_n, offs_d, seqlen_q, seqlen_k, stride_qm, stride_dom, stride_dqm, head_dim,
@@ -343,15 +365,8 @@ def _dq_tile(dq, start_n, row, MASKED: tl.constexpr, HAS_MASK: tl.constexpr, MAS
 @triton.jit(do_not_specialize=["head_group"])
 def attn_bwd_dq_kernel(
     Q, K, V, DO, LSE, Delta, DQ, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI_SLOPES, desc_k, desc_v,
-    stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-    stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
-    stride_lse_b, stride_lse_h, stride_alibi_b,
-    nheads, group_size, seqlen_q_static, seqlen_k_static, head_dim,
-    sm_scale, score_scale, softcap_log2, window_left, window_right,
-    dropout_p, seed, rng_offset, rng_stride_b, rng_stride_h, rng_stride_m,
-    BIAS, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
-    MASK, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
-    KV_NUM, KV_IDX, FULL_KV_NUM, FULL_KV_IDX, stride_sp_b, stride_sp_h, stride_sp_m, sparse_blocks,
+    q_strides, k_strides, v_strides, do_strides, dq_strides, lse_strides, stride_alibi_b,
+    problem, sm_scale, scale, window, dropout, bias, mask, sparse,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr,
@@ -360,6 +375,21 @@ def attn_bwd_dq_kernel(
     SCORE_GRAD: tl.constexpr = None, MASK_MOD: tl.constexpr = None, REVERSE: tl.constexpr = False,
     GROUPED: tl.constexpr = False, head_group=1,
 ):
+    """One program per query block of BLOCK_M rows and (batch, head); grid (query blocks, batch * nheads).
+    The tensors and groups as attn_bwd_dkdv_kernel's, with DQ (as Q) the output; desc_k, desc_v: TMA descriptors
+    over K, V (USE_TMA); problem: (nheads, query heads per K/V head, seqlen_q, seqlen_k, head dim); sparse: the
+    block mask's lists as attn_fwd_kernel's."""
+    stride_qb, stride_qm, stride_qh = q_strides
+    stride_kb, stride_kn, stride_kh = k_strides
+    stride_vb, stride_vn, stride_vh = v_strides
+    stride_dob, stride_dom, stride_doh = do_strides
+    stride_dqb, stride_dqm, stride_dqh = dq_strides
+    stride_lse_b, stride_lse_h = lse_strides
+    nheads, group_size, seqlen_q_static, seqlen_k_static, head_dim = problem
+    score_scale, softcap_log2 = scale
+    window_left, window_right = window
+    dropout_p, seed, rng_offset, rng_stride_b, rng_stride_h, rng_stride_m = dropout
+    KV_NUM, KV_IDX, FULL_KV_NUM, FULL_KV_IDX, stride_sp_b, stride_sp_h, stride_sp_m, sparse_blocks = sparse
     pid_m, bh = tile_order(head_group, GROUPED, REVERSE)
     b, h, hk = query_head(bh, nheads, group_size)
     q_start, seqlen_q, k_start, seqlen_k = sequences(b, CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q_static, seqlen_k_static,
@@ -388,8 +418,8 @@ def attn_bwd_dq_kernel(
     else:
         kv_row0 = b * seqlen_k_static
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    bias_bh = head_tile(BIAS, b64, h, stride_bias_b, stride_bias_h, HAS_BIAS)
-    mask_bh = head_tile(MASK, b64, h, stride_mask_b, stride_mask_h, HAS_MASK)
+    bias_bh, stride_bias_m, stride_bias_n = head_tile(bias, b64, h, HAS_BIAS)
+    mask_bh, stride_mask_m, stride_mask_n = head_tile(mask, b64, h, HAS_MASK)
     # what every tile step reads (one tuple: each call site names only the tile and its masks)
     row = (q, do, lse2, delta, present(desc_k), present(desc_v), k_base, v_base, kv_row0, b, h, hk, offs_m,
            offs_n_rel, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn, head_dim, score_scale, softcap_log2,

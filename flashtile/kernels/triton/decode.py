@@ -54,7 +54,7 @@ from .. import relaunch
 from ..runtime import _capturing, _device_props, multiprocessors, tickets  # noqa: F401
 from . import combine as _combine
 from . import configs
-from .launch import (AttnParams, _dot_precision, _rows, cdiv, descriptor_fields, descriptor_from,
+from .launch import (AttnParams, _dot_precision, _lse_strides, _rows, cdiv, descriptor_fields, descriptor_from,
                      interpreting, next_pow2, row_descriptor)
 from .mods import (key_range, load_rows, mma, online_softmax_step, present, query_head, scores_log2, seq_bounds,
                    to_dtype, visible)
@@ -191,12 +191,8 @@ def _attend_split(acc, l_i, m_i, page, row, s_lo, f_lo, f_hi, s_hi, BLOCK_N: tl.
 def decode_kernel(
     Q, K, V, O, LSE, O_PART, LSE_PART, SEM, desc_k, desc_v,
     CU_SEQLENS_Q, SEQLENS_K, CACHE_BATCH_IDX, LEFTPAD, BLOCK_TABLE, ALIBI_SLOPES,
-    stride_qb, stride_qm, stride_qh, stride_kp, stride_kn, stride_kh, stride_vp, stride_vn, stride_vh,
-    stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h,
-    stride_ps, stride_pm, stride_ph, stride_lps, stride_lpm,
-    stride_bt_b, stride_alibi_b,
-    nheads_k, group_size, seqlen_q_static, seqlen_k_static, head_dim, page_size,
-    score_scale, softcap_log2, window_left, window_right, num_splits,
+    q_strides, k_strides, v_strides, o_strides, lse_strides, part_strides, lse_part_strides, stride_bt_b,
+    stride_alibi_b, heads, seqlen_q_static, seqlen_k_static, head_dim, page_size, scale, window, num_splits,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     IS_VARLEN_Q: tl.constexpr, PAGED: tl.constexpr, PAGE_TILES: tl.constexpr, USE_TMA: tl.constexpr,
     HAS_SEQLENS: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
@@ -204,6 +200,28 @@ def decode_kernel(
     SPLIT: tl.constexpr, FUSED_COMBINE: tl.constexpr, COMBINE_RG: tl.constexpr, COMBINE_CHUNK: tl.constexpr,
     DOT_PREC: tl.constexpr, PAGE_VEC: tl.constexpr = 0,
 ):
+    """One program per tile of BLOCK_M packed (query, head of the group) rows of one (batch, K/V head), per split of
+    the keys; grid (row tiles, batch * nheads_k, num_splits). The tensors (each step's own; a launch template binds
+    the rest): Q, O, LSE as flash_decode's q, out, lse; K, V the caches; O_PART, LSE_PART the split partials
+    (SPLIT) and SEM the fused combine's ticket counters (FUSED_COMBINE); desc_k, desc_v TMA descriptors over the
+    caches (USE_TMA); CU_SEQLENS_Q, SEQLENS_K, CACHE_BATCH_IDX, LEFTPAD, BLOCK_TABLE, ALIBI_SLOPES under their
+    flags (IS_VARLEN_Q, HAS_SEQLENS, HAS_BATCH_IDX, HAS_LEFTPAD, PAGED, ALIBI). The rest:
+    - q_strides, o_strides: (batch, row, head) strides; k_strides, v_strides: (cache row or page, position, head);
+      lse_strides: (batch, head); part_strides: O_PART's (split, packed row, head), lse_part_strides: LSE_PART's
+      (split, packed row); stride_bt_b: BLOCK_TABLE's row stride; stride_alibi_b;
+    - heads: (nheads_k, query heads per K/V head); seqlen_q_static: the (longest) query length; seqlen_k_static:
+      added to SEQLENS_K, or every sequence's end without it; head_dim; page_size (PAGED);
+    - scale: (score_scale, softcap_log2) (mods.scores_log2); window: (window_left, window_right); num_splits."""
+    stride_qb, stride_qm, stride_qh = q_strides
+    stride_kp, stride_kn, stride_kh = k_strides
+    stride_vp, stride_vn, stride_vh = v_strides
+    stride_ob, stride_om, stride_oh = o_strides
+    stride_lse_b, stride_lse_h = lse_strides
+    stride_ps, stride_pm, stride_ph = part_strides
+    stride_lps, stride_lpm = lse_part_strides
+    nheads_k, group_size = heads
+    score_scale, softcap_log2 = scale
+    window_left, window_right = window
     pid_m = tl.program_id(0)
     bhk = tl.program_id(1)
     split = tl.program_id(2)
@@ -613,7 +631,7 @@ def _cache_descriptor(t: torch.Tensor, block_n: int, block_d: int):
 
 
 # decode_kernel's first _TEMPLATE_LIVE parameters are the tensors (and TMA descriptors) a decode step changes; the
-# rest are ints, floats and constexprs fixed by the problem
+# rest (ints, floats, groups of them, constexprs) are fixed by the problem
 _TEMPLATE_LIVE = 16
 # (caller's signature, plan, fused combine) -> _Template of a launch flash_decode made before
 _TEMPLATES: dict = {}
@@ -736,7 +754,6 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                                       leftpad, block_table, alibi):
         _remember_fast(sig, q.device, key, num_splits)
         return num_splits
-    score_scale, softcap_log2 = params.score_args()
     block_d = configs.block_d(head_dim)
     desc_k = desc_v = None
     if cfg.use_tma and (not paged or plan.page_tiles):
@@ -755,7 +772,6 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         lse_part = torch.empty(num_splits, total_rows, nheads, device=q.device, dtype=torch.float32)
     else:  # never touched: SPLIT=False compiles the partial stores away
         o_part, lse_part = _placeholder(q.device, torch.float32, 4), _placeholder(q.device, torch.float32, 3)
-    lse_sb, lse_sh = (lse.stride(0), lse.stride(1)) if lse.dim() == 3 else (0, lse.stride(0))
     grid = (plan.m_blocks, batch * nheads_k, num_splits)
     args = (
         q, k_cache, v_cache, out, lse, o_part, lse_part, counters, desc_k, desc_v,
@@ -763,14 +779,11 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         cache_batch_idx if cache_batch_idx is not None else dummy_i32,
         leftpad if leftpad is not None else dummy_i32,
         block_table if paged else dummy_i32, alibi,
-        *_rows(q), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        *_rows(out), lse_sb, lse_sh,
-        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
-        block_table.stride(0) if paged else 0,
+        _rows(q), k_cache.stride()[:3], v_cache.stride()[:3], _rows(out), _lse_strides(lse), o_part.stride()[:3],
+        lse_part.stride()[:2], block_table.stride(0) if paged else 0,
         0 if alibi is None or alibi.dim() == 1 else alibi.stride(0),
-        nheads_k, group, sq, int(seqlens_add) if has_seqlens else int(seqlen_k_static), head_dim, k_cache.shape[1],
-        score_scale, softcap_log2, params.window_left, params.window_right, num_splits)
+        (nheads_k, group), sq, int(seqlens_add) if has_seqlens else int(seqlen_k_static), head_dim, k_cache.shape[1],
+        params.score_args(), (params.window_left, params.window_right), num_splits)
     kwargs = dict(
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_D=block_d, EVEN_D=block_d == head_dim,
         IS_VARLEN_Q=varlen, PAGED=paged, PAGE_TILES=paged and plan.page_tiles, USE_TMA=use_tma,

@@ -83,15 +83,8 @@ def _fwd_tile(acc, l_i, m_i, start_n, row, MASKED: tl.constexpr, HAS_MASK: tl.co
 @triton.jit(do_not_specialize=["head_group"])
 def attn_fwd_kernel(
     Q, K, V, O, LSE, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI_SLOPES, desc_k, desc_v,
-    stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
-    stride_vb, stride_vn, stride_vh, stride_ob, stride_om, stride_oh,
-    stride_lse_b, stride_lse_h, stride_alibi_b,
-    nheads, group_size, seqlen_q_static, seqlen_k_static, head_dim,
-    score_scale, softcap_log2, window_left, window_right,
-    dropout_p, seed, rng_offset, rng_stride_b, rng_stride_h, rng_stride_m,
-    BIAS, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
-    MASK, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
-    KV_NUM, KV_IDX, FULL_KV_NUM, FULL_KV_IDX, stride_sp_b, stride_sp_h, stride_sp_m, sparse_blocks,
+    q_strides, k_strides, v_strides, o_strides, lse_strides, stride_alibi_b,
+    problem, scale, window, dropout, bias, mask, sparse,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr,
@@ -100,6 +93,32 @@ def attn_fwd_kernel(
     MASK_MOD: tl.constexpr = None, FOLD_SCALE: tl.constexpr = False, GROUPED: tl.constexpr = False,
     head_group=1,
 ):
+    """One program per query block of BLOCK_M rows and (batch, head); grid (query blocks, batch * nheads).
+    The tensors (each call's own; a launch template binds the rest): Q, O (batch, seqlen_q, nheads, headdim) or
+    varlen (total_q, nheads, headdim), K, V likewise with nheads_k heads; LSE (batch, nheads, seqlen_q) or (nheads,
+    total_q), fp32; CU_SEQLENS_Q / CU_SEQLENS_K (IS_VARLEN); ALIBI_SLOPES (ALIBI: fp32, (nheads) or (batch, nheads),
+    stride_alibi_b); desc_k, desc_v: TMA descriptors over K, V (USE_TMA). The groups:
+    - q_strides, k_strides, v_strides, o_strides: (batch, row, head) strides (batch 0 where varlen); lse_strides:
+      (batch, head);
+    - problem: (nheads, query heads per K/V head, seqlen_q, seqlen_k (the longest where varlen), head dim);
+    - scale: (score_scale, softcap_log2): mods.scores_log2's scalars; window: (window_left, window_right)
+      (HAS_LEFT / HAS_RIGHT; causal is right = 0);
+    - dropout: (p, Philox seed, counter offset, counter strides of batch, head and row) (DROPOUT);
+    - bias, mask: an attn_bias / attn_mask's (pointer, batch, head, row and column strides) (HAS_BIAS /
+      HAS_MASK; runtime.pair_args);
+    - sparse: a block mask's (num, idx, full_num, full_idx, batch, head and block-row strides, blocks per index row)
+      (BLOCK_SPARSE; runtime.sparse_args).
+    Absent features' groups hold None and zeros, read only under the flag that says they exist."""
+    stride_qb, stride_qm, stride_qh = q_strides
+    stride_kb, stride_kn, stride_kh = k_strides
+    stride_vb, stride_vn, stride_vh = v_strides
+    stride_ob, stride_om, stride_oh = o_strides
+    stride_lse_b, stride_lse_h = lse_strides
+    nheads, group_size, seqlen_q_static, seqlen_k_static, head_dim = problem
+    score_scale, softcap_log2 = scale
+    window_left, window_right = window
+    dropout_p, seed, rng_offset, rng_stride_b, rng_stride_h, rng_stride_m = dropout
+    KV_NUM, KV_IDX, FULL_KV_NUM, FULL_KV_IDX, stride_sp_b, stride_sp_h, stride_sp_m, sparse_blocks = sparse
     # causal/banded: the last query blocks see the most keys; launch them first so the short ones
     # fill the tail of the schedule instead of the long ones
     pid_m, bh = tile_order(head_group, GROUPED, HAS_RIGHT)
@@ -125,8 +144,8 @@ def attn_fwd_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     alibi_slope_log2, rng_base = head_scalars(b, h, ALIBI_SLOPES, stride_alibi_b, rng_stride_b, rng_stride_h, ALIBI)
-    bias_bh = head_tile(BIAS, b64, h, stride_bias_b, stride_bias_h, HAS_BIAS)
-    mask_bh = head_tile(MASK, b64, h, stride_mask_b, stride_mask_h, HAS_MASK)
+    bias_bh, stride_bias_m, stride_bias_n = head_tile(bias, b64, h, HAS_BIAS)
+    mask_bh, stride_mask_m, stride_mask_n = head_tile(mask, b64, h, HAS_MASK)
 
     # Alg. 1 line 4: load Q_i (rows past the end are 0; their outputs are never stored)
     q_mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim)
@@ -193,20 +212,25 @@ def attn_fwd_kernel(
 @triton.jit
 def attn_probs_kernel(
     Q, K, LSE, P, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI_SLOPES,
-    stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_pb, stride_ph, stride_pm,
-    stride_lse_b, stride_lse_h, stride_alibi_b,
-    nheads, group_size, seqlen_q_static, seqlen_k_static, head_dim,
-    score_scale, softcap_log2, window_left, window_right,
-    dropout_p, seed, rng_offset, rng_stride_b, rng_stride_h, rng_stride_m,
-    BIAS, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
-    MASK, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+    q_strides, k_strides, p_strides, lse_strides, stride_alibi_b,
+    problem, scale, window, dropout, bias, mask,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
     HAS_BIAS: tl.constexpr = False, HAS_MASK: tl.constexpr = False,
 ):
     """Debug/test output of return_attn_probs: P = exp(S - L) from the forward's L, negated where dropout
-    dropped the entry (flash-attn's S_dmask convention). O(N^2) memory: never used by the fast path."""
+    dropped the entry (flash-attn's S_dmask convention). O(N^2) memory: never used by the fast path.
+    P: (batch, nheads, seqlen_q, seqlen_k) fp32, p_strides its (batch, head, row) strides; the other tensors and
+    groups as attn_fwd_kernel's."""
+    stride_qb, stride_qm, stride_qh = q_strides
+    stride_kb, stride_kn, stride_kh = k_strides
+    stride_pb, stride_ph, stride_pm = p_strides
+    stride_lse_b, stride_lse_h = lse_strides
+    nheads, group_size, seqlen_q_static, seqlen_k_static, head_dim = problem
+    score_scale, softcap_log2 = scale
+    window_left, window_right = window
+    dropout_p, seed, rng_offset, rng_stride_b, rng_stride_h, rng_stride_m = dropout
     pid_m = tl.program_id(0)
     b, h, hk = query_head(tl.program_id(1), nheads, group_size)
     q_start, seqlen_q, k_start, seqlen_k = sequences(b, CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q_static, seqlen_k_static,
@@ -225,8 +249,8 @@ def attn_probs_kernel(
     alibi_slope_log2, rng_base = head_scalars(b, h, ALIBI_SLOPES, stride_alibi_b, rng_stride_b, rng_stride_h, ALIBI)
     k_base = K + b64 * stride_kb + tl.cast(hk, tl.int64) * stride_kh + tl.cast(k_start, tl.int64) * stride_kn
     p_base = P + b64 * stride_pb + tl.cast(h, tl.int64) * stride_ph
-    bias_bh = head_tile(BIAS, b64, h, stride_bias_b, stride_bias_h, HAS_BIAS)
-    mask_bh = head_tile(MASK, b64, h, stride_mask_b, stride_mask_h, HAS_MASK)
+    bias_bh, stride_bias_m, stride_bias_n = head_tile(bias, b64, h, HAS_BIAS)
+    mask_bh, stride_mask_m, stride_mask_n = head_tile(mask, b64, h, HAS_MASK)
     for start_n in range(0, seqlen_k, BLOCK_N):
         cols = start_n + offs_n
         kt = tl.load(k_base + cols[None, :].to(tl.int64) * stride_kn + offs_d[:, None],

@@ -96,15 +96,16 @@ def _rng_strides(nheads, seqlen_q, seqlen_k):
 
 def _common(q, k, params, alibi, cu_q, cu_k, max_seqlen_q, max_seqlen_k):
     """What every launcher derives from a call: the longest lengths (varlen: the given ones), batch, heads, the
-    kernels' score scalars, the dropout counter strides and ALiBi's batch stride."""
+    kernels' scale, window and dropout groups (score scalars; window_left, window_right; probability, seed, counter
+    offset and strides) and ALiBi's batch stride."""
     max_sq = max_seqlen_q if cu_q is not None else q.shape[1]
     max_sk = max_seqlen_k if cu_k is not None else k.shape[1]
     nheads, nheads_k = q.shape[-2], k.shape[-2]
     batch = q.shape[0] if cu_q is None else cu_q.numel() - 1
-    score_scale, softcap_log2 = params.score_args()
-    rng = _rng_strides(nheads, max_sq, max_sk)
+    window = (params.window_left, params.window_right)
+    dropout = (params.dropout_p, params.seed, params.rng_offset, *_rng_strides(nheads, max_sq, max_sk))
     alibi_stride_b = 0 if alibi is None or alibi.dim() == 1 else alibi.stride(0)
-    return max_sq, max_sk, batch, nheads, nheads_k, score_scale, softcap_log2, rng, alibi_stride_b
+    return max_sq, max_sk, batch, nheads, nheads_k, params.score_args(), window, dropout, alibi_stride_b
 
 
 def _order_args(params: AttnParams, head_dim: int, kernel: str, n_blocks: int, n_bh: int) -> dict:
@@ -217,7 +218,7 @@ def flash_fwd(q, k, v, out, lse, params: AttnParams, alibi: Optional[torch.Tenso
     if relaunch_fwd(memo, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi):
         return
     head_dim = q.shape[-1]
-    max_sq, max_sk, batch, nheads, nheads_k, score_scale, softcap_log2, rng, alibi_sb = _common(
+    max_sq, max_sk, batch, nheads, nheads_k, scale, window, dropout, alibi_sb = _common(
         q, k, params, alibi, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if q.numel() == 0 or k.shape[-3] == 0 or max_sk == 0:
         # nothing to attend to (or nobody asking): rows that see no key are 0 with lse = -inf
@@ -242,16 +243,14 @@ def flash_fwd(q, k, v, out, lse, params: AttnParams, alibi: Optional[torch.Tenso
         desc_k = desc_v = None
     args = (
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi, desc_k, desc_v,
-        *_rows(q), *_rows(k), *_rows(v), *_rows(out), *_lse_strides(lse), alibi_sb,
-        nheads, nheads // nheads_k, max_sq, max_sk, head_dim,
-        score_scale, softcap_log2, params.window_left, params.window_right,
-        params.dropout_p, params.seed, params.rng_offset, *rng,
-        *pair_args(bias, batch, nheads, max_sq, max_sk), *pair_args(mask, batch, nheads, max_sq, max_sk),
-        *sparse_args(sparse, batch, nheads, False))
+        _rows(q), _rows(k), _rows(v), _rows(out), _lse_strides(lse), alibi_sb,
+        (nheads, nheads // nheads_k, max_sq, max_sk, head_dim), scale, window, dropout,
+        pair_args(bias, batch, nheads, max_sq, max_sk), pair_args(mask, batch, nheads, max_sq, max_sk),
+        sparse_args(sparse, batch, nheads, False))
     kwargs = _launch(
         _fwd.attn_fwd_kernel, grid, *args,
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, EVEN_D=block_d == head_dim, USE_TMA=use_tma,
-        FOLD_SCALE=score_scale > 0, **_order_args(params, head_dim, "fwd", *grid),
+        FOLD_SCALE=scale[0] > 0, **_order_args(params, head_dim, "fwd", *grid),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_flags(params, alibi, cu_seqlens_q, head_dim, q.dtype),
         **_mod_flags(bias, mask, sparse, params, max_sq, max_sk), **_user_mod_kwargs(mods, "fwd"))
     if memo is not None and _templated(params, bias, mask, sparse, mods):
@@ -264,7 +263,7 @@ def attn_probs(q, k, lse, params: AttnParams, alibi=None, cu_seqlens_q=None, cu_
                max_seqlen_q=None, max_seqlen_k=None, bias=None, mask=None):
     """(batch, nheads, max_seqlen_q, max_seqlen_k) float32 P, negated where dropout dropped it."""
     head_dim = q.shape[-1]
-    max_sq, max_sk, batch, nheads, nheads_k, score_scale, softcap_log2, rng, alibi_sb = _common(
+    max_sq, max_sk, batch, nheads, nheads_k, scale, window, dropout, alibi_sb = _common(
         q, k, params, alibi, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     p = torch.zeros(batch, nheads, max_sq, max_sk, device=q.device, dtype=torch.float32)
     if p.numel() == 0:
@@ -272,11 +271,9 @@ def attn_probs(q, k, lse, params: AttnParams, alibi=None, cu_seqlens_q=None, cu_
     grid = (cdiv(max_sq, 32), batch * nheads)
     _fwd.attn_probs_kernel[grid](
         q, k, lse, p, cu_seqlens_q, cu_seqlens_k, alibi,
-        *_rows(q), *_rows(k), p.stride(0), p.stride(1), p.stride(2), *_lse_strides(lse), alibi_sb,
-        nheads, nheads // nheads_k, max_sq, max_sk, head_dim,
-        score_scale, softcap_log2, params.window_left, params.window_right,
-        params.dropout_p, params.seed, params.rng_offset, *rng,
-        *pair_args(bias, batch, nheads, max_sq, max_sk), *pair_args(mask, batch, nheads, max_sq, max_sk),
+        _rows(q), _rows(k), p.stride()[:3], _lse_strides(lse), alibi_sb,
+        (nheads, nheads // nheads_k, max_sq, max_sk, head_dim), scale, window, dropout,
+        pair_args(bias, batch, nheads, max_sq, max_sk), pair_args(mask, batch, nheads, max_sq, max_sk),
         BLOCK_M=32, BLOCK_N=32, num_warps=4, **_flags(params, alibi, cu_seqlens_q, head_dim, q.dtype),
         **_mod_flags(bias, mask, None))
     return p
@@ -338,8 +335,8 @@ def _delta(out, dout, lse, dlse, cu_seqlens_q, batch: int, nheads: int, max_sq: 
     delta = torch.empty_like(lse)
     pre_m = 64 if not interpreting() else 32
     grid = (cdiv(max_sq, pre_m), batch * nheads)
-    args = (out, dout, delta, None, cu_seqlens_q, *_rows(out), *_rows(dout), *_lse_strides(lse), 0, 0, 0, nheads,
-            max_sq, head_dim)
+    args = (out, dout, delta, None, cu_seqlens_q, _rows(out), _rows(dout), _lse_strides(lse), (0, 0, 0),
+            (nheads, max_sq, head_dim))
     kwargs = dict(BLOCK_M=pre_m, BLOCK_D=configs.block_d(head_dim), IS_VARLEN=cu_seqlens_q is not None, ZERO_DQ=False)
     relaunch.launch(_bwd.attn_bwd_preprocess_kernel, grid, args, kwargs)
     if dlse is not None:
@@ -369,7 +366,7 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
     if relaunch_bwd(memo, dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, alibi, dlse):
         return
     head_dim = q.shape[-1]
-    max_sq, max_sk, batch, nheads, nheads_k, score_scale, softcap_log2, rng, alibi_sb = _common(
+    max_sq, max_sk, batch, nheads, nheads_k, scale, window, dropout, alibi_sb = _common(
         q, k, params, alibi, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     flags = _flags(params, alibi, cu_seqlens_q, head_dim, q.dtype)
     even_d = configs.block_d(head_dim) == head_dim
@@ -393,7 +390,7 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
     delta, (pre_grid, pre_args, pre_kwargs) = _delta(out, dout, lse, dlse, cu_seqlens_q, batch, nheads, max_sq,
                                                      head_dim)
     cfg = _sparse_config(bwd_config(head_dim, q.dtype, causal, seqlen=seqlen), sparse)
-    common = (*_lse_strides(lse), alibi_sb)
+    common = (_lse_strides(lse), alibi_sb)
     bias_args = pair_args(bias, batch, nheads, max_sq, max_sk)
     mask_args = pair_args(mask, batch, nheads, max_sq, max_sk)
     mod_flags = _mod_flags(bias, mask, sparse, params, max_sq, max_sk)
@@ -431,12 +428,10 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
         dkdv_grid = (cdiv(max_sk, block_n), batch * nheads_k)
         dkdv_args = (
             q, k, v, dout, lse, delta, dk, dv, dq_acc, cu_seqlens_q, cu_seqlens_k, alibi, desc_q, desc_do, desc_dq,
-            *_rows(q), *_rows(k), *_rows(v), *_rows(dout), *_rows(dk), *_rows(dv), *_rows(dq_acc), *common,
-            nheads_k, nheads // nheads_k, max_sq, max_sk, head_dim,
-            params.softmax_scale, score_scale, softcap_log2, params.window_left, params.window_right,
-            params.dropout_p, params.seed, params.rng_offset, *rng,
-            *bias_args, *mask_args, *pair_args(dbias, batch, nheads, max_sq, max_sk),
-            *sparse_args(sparse, batch, nheads, True))
+            _rows(q), _rows(k), _rows(v), _rows(dout), _rows(dk), _rows(dv), _rows(dq_acc), *common,
+            (nheads_k, nheads // nheads_k, max_sq, max_sk, head_dim), params.softmax_scale, scale, window, dropout,
+            bias_args, mask_args, pair_args(dbias, batch, nheads, max_sq, max_sk),
+            sparse_args(sparse, batch, nheads, True))
         kw = _launch(
             _bwd.attn_bwd_dkdv_kernel, dkdv_grid, *dkdv_args,
             BLOCK_M=cfg.BLOCK_M, BLOCK_N=block_n, EVEN_D=even_d, ATOMIC_DQ=atomic and with_ds, USE_TMA=use_tma,
@@ -455,11 +450,9 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
     dq_grid = (cdiv(max_sq, dq_rows), batch * nheads)
     dq_args = (
         q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, alibi, desc_k, desc_v,
-        *_rows(q), *_rows(k), *_rows(v), *_rows(dout), *_rows(dq), *common,
-        nheads, nheads // nheads_k, max_sq, max_sk, head_dim,
-        params.softmax_scale, score_scale, softcap_log2, params.window_left, params.window_right,
-        params.dropout_p, params.seed, params.rng_offset, *rng,
-        *bias_args, *mask_args, *sparse_args(sparse, batch, nheads, False))
+        _rows(q), _rows(k), _rows(v), _rows(dout), _rows(dq), *common,
+        (nheads, nheads // nheads_k, max_sq, max_sk, head_dim), params.softmax_scale, scale, window, dropout,
+        bias_args, mask_args, sparse_args(sparse, batch, nheads, False))
     kw = _launch(
         _bwd.attn_bwd_dq_kernel, dq_grid, *dq_args,
         BLOCK_M=dq_rows, BLOCK_N=dq_keys, EVEN_D=even_d, USE_TMA=use_tma,

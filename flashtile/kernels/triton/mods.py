@@ -69,13 +69,16 @@ def head_scalars(b, h, ALIBI_SLOPES, stride_alibi_b, rng_stride_b, rng_stride_h,
 
 
 @triton.jit
-def head_tile(T, b64, h, stride_b, stride_h, PRESENT: tl.constexpr):
-    """An attn_bias / attn_mask / dBias pointer moved to (batch b, head h) (broadcast dimensions have stride 0);
-    0 where absent (present()'s placeholder: read only under the flag that says it exists)."""
+def head_tile(t, b64, h, PRESENT: tl.constexpr):
+    """(pointer moved to (batch b, head h), row stride, column stride) of an attn_bias / attn_mask / dBias given as
+    its group t = (pointer, batch, head, row and column strides) (runtime.pair_args: broadcast dimensions have
+    stride 0); the pointer is 0 where absent (present()'s placeholder: read only under the flag that says it
+    exists)."""
+    T, stride_b, stride_h, stride_m, stride_n = t
     if PRESENT:
-        return T + b64 * stride_b + tl.cast(h, tl.int64) * stride_h
+        return T + b64 * stride_b + tl.cast(h, tl.int64) * stride_h, stride_m, stride_n
     else:
-        return 0
+        return 0, stride_m, stride_n
 
 
 @triton.jit
