@@ -210,7 +210,7 @@ class Dense:
         return f"{doc.fig(lo[0], 'ratio', self.folder.file(lo[1]))}-{doc.fig(hi[0], 'ratio', self.folder.file(hi[1]))}"
 
 
-def dense_section(doc, folder: Folder, dense: Dense, gpu_label: str):
+def dense_section(doc, folder: Folder, dense: Dense, gpu_label: str, summary: bool = True):
     out = []
     first = dense.point[min(dense.point)]
     src = folder.file(first["file"])
@@ -231,7 +231,7 @@ def dense_section(doc, folder: Folder, dense: Dense, gpu_label: str):
                   if dense.fa4_files else "."))
     out.append("")
     peer_cols = " | ".join(f"/ {PEERS[p]}" for p in dense.peers)
-    if long_n:
+    if long_n and summary:   # (the reference GPU's; another GPU's tables stand alone)
         out.append(f"Over seqlen {doc.fig(long_n[0], 'seq', src)}-{doc.fig(long_n[-1], 'seq', src)}, full and "
                    "causal together (lowest-highest):")
         out.append("")
@@ -326,14 +326,21 @@ def decode_section(doc, folder: Folder):
            f"error {doc.fig(max(errs), '.1e', src)}."
            + "".join(f" Batch {doc.fig(r['batch'], 'd', src)} with a {doc.fig(r['seqlen_k'], 'seq', src)} cache: "
                      f"{doc.text(r['status'], src)}." for r in skipped), ""]
+    def host_bound(b, n):   # a layout's call from Python takes more than a twentieth longer than its graph replay
+        return any(by[(b, n, l, "eager")]["ms"] > by[(b, n, l, "graph")]["ms"] * 21 / 20 for l in layouts)
+
     for launch, what in (("graph", "Replayed from a CUDA graph (GPU time)"),
-                         ("eager", "Called from Python (host time shows where it exceeds the GPU's)")):
+                         ("eager", "Called from Python, the points where a call's host time shows (some layout more "
+                                   "than a twentieth slower than its graph replay; the others read as above)")):
+        rows = points if launch == "graph" else [(b, n) for b, n in points if host_bound(b, n)]
+        if not rows:
+            continue
         out.append(f"{what}:")
         out.append("")
         cols = " | ".join(["contiguous"] + [f"pages of {doc.fig(p, 'd', src)}" for p in data["page"]])
         out.append(f"| batch | cache | us | % of ceiling | {cols} | SDPA-flash |")
         out.append("|---:|---:|---:|---:|" + "---:|" * (len(layouts) + 1))
-        for b, n in points:
+        for b, n in rows:
             ref = by[(b, n, "sdpa-cudnn", launch)]
             mine = by[(b, n, "flashtile-contig", launch)]
             row = [doc.fig(b, "d", src), doc.fig(n, "seq", src), doc.fig(mine["ms"] * 1e3, ".1f", src),
@@ -624,6 +631,67 @@ def features_section(doc, folder: Folder):
     return out
 
 
+# ------------------------------------------------------------------------------------- masks (flex) and density
+
+FLEX_PEERS = {"torch.flex": "torch.flex", "fa4": "FA4"}
+FLEX_PASSES = ("fwd", "fwd+bwd")
+
+
+def flex_section(doc, folder: Folder):
+    """benchmarks/bench_flex.py: flashtile.flex beside torch's FlexAttention and FA4 on the same masks (ratios of
+    times in one process), then the density fits of benchmarks/bench_density.py as prose."""
+    name = "flex.json"
+    data, src = folder.data[name], folder.file(name)
+    m = data["meta"]
+    ms = {(r["seqlen"], r["mask"], r["provider"], r["pass_"]): r["ms"] for r in data["rows"]}
+    providers = {r["provider"] for r in data["rows"]}
+    peers = [p for p in FLEX_PEERS if p in providers]
+    seqlens = sorted({r["seqlen"] for r in data["rows"]})
+    masks = list(dict.fromkeys(r["mask"] for r in data["rows"]))
+    worst = max(c["rel_err_vs_fp32_rows"] for c in data["checks"])
+    out = [f"`benchmarks/bench_flex.py` on {doc.text(m['device'], src)}: batch {doc.fig(m['batch'], 'd', src)}, "
+           f"{doc.fig(m['heads'], 'd', src)} heads, head dim {doc.fig(m['headdim'], 'd', src)}, "
+           f"{doc.text(m['dtype'], src)}, block masks of {doc.fig(m['block_size'], 'd', src)} (the masks: the "
+           "script's docstring). Each cell is the peer's time over flashtile's (above one, flashtile is faster), "
+           "timed in the same process; the JSON gives the times. Every provider's output was checked against an fp32 "
+           f"reference before timing: largest relative error {doc.fig(worst, '.1e', src)} (tolerance "
+           f"{doc.fig(m['tolerance'], 'g', src)}). Command: `{doc.text(folder.runs[name]['command'], folder.readme)}`.",
+           ""]
+    cols = [(n, ps, p) for n in seqlens for ps in FLEX_PASSES for p in peers]
+    out.append("| mask | " + " | ".join(f"{doc.fig(n, 'seq', src)} {ps} / {FLEX_PEERS[p]}" for n, ps, p in cols) + " |")
+    out.append("|---|" + "---:|" * len(cols))
+    for mask in masks:
+        cells = []
+        for n, ps, p in cols:
+            mine, theirs = ms.get((n, mask, "flashtile.flex", ps)), ms.get((n, mask, p, ps))
+            cells.append(doc.fig(theirs / mine, "ratio", src) if mine is not None and theirs is not None else "-")
+        out.append(f"| {doc.text(mask, src)} | " + " | ".join(cells) + " |")
+    out.append("")
+    for dname in density_files(folder):
+        out += density_paragraph(doc, folder, dname)
+    return out
+
+
+def density_files(folder: Folder):
+    return sorted(n for n in folder.data if n.startswith("density"))
+
+
+def density_paragraph(doc, folder: Folder, name: str):
+    """benchmarks/bench_density.py: the fit t = a * density + b of block-sparse time, as one paragraph."""
+    data, src = folder.data[name], folder.file(name)
+    m = data["meta"]
+    graph = (", the forward replayed from a CUDA graph (forward + backward called from Python)" if m.get("cuda_graph")
+             else ", every call from Python")
+    fits = "; ".join(f"{doc.text(f['provider'], src)} {doc.fig(f['seqlen'], 'seq', src)} {doc.text(f['pass_'], src)} "
+                     f"{doc.fig(f['b_over_dense'], '.3f', src)} (R² {doc.fig(f['r2'], '.3f', src)})"
+                     for f in data["fits"])
+    return [f"`benchmarks/bench_density.py` on {doc.text(m['device'], src)}{graph}: causal block-sparse masks (diagonal "
+            f"tiles kept) over the densities the JSON gives, batch {doc.fig(m['batch'], 'd', src)}, "
+            f"{doc.fig(m['heads'], 'd', src)} heads, head dim {doc.fig(m['headdim'], 'd', src)}; the least-squares fit "
+            f"t = a · density + b, b over the dense time (target at most {doc.fig(m['target_b_fraction'], 'g', src)}): "
+            f"{fits}. Command: `{doc.text(folder.runs[name]['command'], folder.readme)}`.", ""]
+
+
 def features_below_fa4(doc, fs):
     """'fwd + bwd below FA4 ...' for every feature-benchmark point where flashtile's forward + backward is slower
     than FA4's, as one sentence per GPU and point; '' where there is none."""
@@ -646,7 +714,9 @@ def features_below_fa4(doc, fs):
 
 def misses_section(doc, folder: Folder, dense: Dense, fs):
     limits = folder.limits()
-    out = [doc.text(folder.limits_intro(), folder.readme), ""]
+    out = ["Where flashtile is below a peer it is measured against, and what limits it: the figures from the reference "
+           "runs above, each limit from the table in the H200 results' README. "
+           + doc.text(folder.limits_intro(), folder.readme), ""]
 
     def limit(key):
         text, raw = limits.pop(key)
@@ -746,7 +816,7 @@ def build(results: Path = RESULTS, marked: bool = False):
     src0 = ref.file(ref_dense.grid_files[0])
     out = ["# Benchmarks", "",
            "<!-- Generated by `python benchmarks/make_benchmarks_md.py` from benchmarks/results/: edit the script or "
-           "the results, not this file (tests/test_benchmarks_report.py checks that they agree). -->", "",
+           "the results, not this file (tests/test_benchmarks_report.py checks that they agree). -->",
            "This file is generated by `python benchmarks/make_benchmarks_md.py` from the reference results in "
            "[benchmarks/results/](benchmarks/results/): one folder per GPU kind, holding each benchmark's JSON as the "
            "script wrote it and a README with the command, date and tree of each. Older runs and the A/B "
@@ -794,7 +864,7 @@ def build(results: Path = RESULTS, marked: bool = False):
         label = doc.text(gpu, f.file(next(iter(f.data))))
         dense = ref_dense if f is ref else Dense(f)
         if dense.point:
-            out += [f"## Dense attention, {label}", ""] + dense_section(doc, f, dense, label)
+            out += [f"## Dense attention, {label}", ""] + dense_section(doc, f, dense, label, f is ref)
         if train_files(f):
             out += [f"## Training step (forward + backward in one call), {label}", ""] + train_section(doc, f)
         if "decode.json" in f.data:
@@ -811,9 +881,9 @@ def build(results: Path = RESULTS, marked: bool = False):
             out += [f"## End to end: transformers Llama {model} training, {label}", ""] + transformers_section(doc, f, name)
         if features_files(f):
             out += [f"## Inputs models send (feature benchmark), {label}", ""] + features_section(doc, f)
-    out += ["## Known misses and their measured limits", "",
-            "Where flashtile is below a peer it is measured against, and what limits it: the figures from the "
-            "reference runs above, each limit from the table in the H200 results' README.", ""]
+        if "flex.json" in f.data:
+            out += [f"## Masks and score mods (flex), {label}", ""] + flex_section(doc, f)
+    out += ["## Known misses and their measured limits", ""]
     out += misses_section(doc, ref, ref_dense, fs)
     while out[-1] == "":
         out.pop()
