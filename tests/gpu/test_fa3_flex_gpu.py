@@ -60,6 +60,14 @@ def _same_as_triton(fn, out, lse, dtype, ctx):
     torch.testing.assert_close(lse[finite], lse_t[finite], rtol=0, atol=2e-3, msg=lambda m: f"{ctx} lse: {m}")
 
 
+def _alibi_document_case(b, s):
+    slopes = 2.0 ** (-8.0 * torch.arange(1, 9, device=DEV) / 8)
+    ids = _doc_ids(b, s, 4, 5)
+    return (dict(score_mod=alibi_score(slopes), block_mask=create_block_mask(document_mask(ids), b, None, s, s,
+                                                                             device=DEV)),
+            lambda sc, b_, h_, q_, kv: t_alibi(sc, b_, h_, q_, kv, slopes), t_document(ids), ())
+
+
 def _doc_ids(b, s, n_docs, gen_seed):
     g = torch.Generator().manual_seed(gen_seed)
     cuts = torch.sort(torch.randperm(s - 1, generator=g)[:n_docs - 1] + 1).values
@@ -93,6 +101,9 @@ FLEX_CASES = {
              block_mask=create_block_mask(t_document(_doc_ids(1, s, 5, 3)[0]), None, None, s, s, BLOCK_SIZE=256,
                                           device=DEV)),
         t_softcap(20.0), t_document(_doc_ids(1, s, 5, 3)[0]), ())),
+    # alibi_score with slopes that want no gradient runs as the kernels' own ALiBi (flex._builtin_scores)
+    "alibi-score_mod-as-kernel-alibi+document-block_mask-d128": (2, 2048, 2048, 8, 8, 128, bf16,
+                                                                 lambda b, s: _alibi_document_case(b, s)),
     "random-tiles-per-head-block_mask-ragged-d128": (2, 1900, 1900, 4, 4, 128, fp16,
                                                      lambda b, s: _tiles_case(b, 4, s)),
     "relpos-score_mod-causal-sq-ne-sk-d256": (1, 1000, 1500, 4, 4, 256, bf16, lambda b, s: (
