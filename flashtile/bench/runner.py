@@ -426,14 +426,19 @@ def _single(parse_list, what: str):
 positive_int = _single(positive_ints, "value")
 
 
-def _positive_float(text: str) -> float:
+def _number(text: str, cast, what: str, ok, bound: str):
+    """text as cast(text), an argparse error naming `what` where it is not one, or `bound` where ok(value) fails."""
     try:
-        val = float(text)
+        val = cast(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not val > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+    if not ok(val):
+        raise argparse.ArgumentTypeError(f"{text!r} must be {bound}")
     return val
+
+
+def _positive_float(text: str) -> float:
+    return _number(text, float, "a number", lambda x: x > 0, "positive")
 
 
 def _provider_names(text: str) -> List[str]:
@@ -447,13 +452,7 @@ _provider_name = _single(_provider_names, "provider")
 
 
 def _cpu_core(text: str) -> int:
-    try:
-        val = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a CPU core number") from None
-    if val < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
-    return val
+    return _number(text, int, "a CPU core number", lambda x: x >= 0, ">= 0")
 
 
 def pin_to_cpu(core: int) -> None:
