@@ -221,7 +221,8 @@ def attn_probs_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     rows = (q_start + offs_m).to(tl.int64)
     stride_qb, stride_qm, stride_qh = q_strides
-    q = tl.load(Q + b64 * stride_qb + tl.cast(h, tl.int64) * stride_qh + rows[:, None] * stride_qm + offs_d[None, :], mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim), other=0.0)
+    q = tl.load(Q + b64 * stride_qb + tl.cast(h, tl.int64) * stride_qh + rows[:, None] * stride_qm + offs_d[None, :],
+                mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim), other=0.0)
     lse2 = load_lse2(head_lse(LSE, lse_strides, b64, h, q_start), offs_m, seqlen_q)
     alibi_slope_log2, rng_base = head_scalars(b, h, ALIBI_SLOPES, stride_alibi_b, dropout, ALIBI)
     k_base, stride_kn = head_rows(K, k_strides, b64, hk, k_start)

@@ -147,7 +147,7 @@ def visible(i, j, seqlen_q, seqlen_k, window_left, window_right, HAS_LEFT: tl.co
 @triton.jit
 def scores_log2(qk, i, j, seqlen_q, seqlen_k, scale, alibi_slope_log2, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
     """Raw q.k products -> scores in log2 units, plus t = tanh(.) (needed by the softcap backward).
-    scale: the kernels' group (score_scale, softcap_log2) (params: score_scale below, softcap * log2 e).
+    scale: the kernels' (score_scale, softcap_log2) group, score_scale as below and softcap_log2 = softcap * log2 e.
 
     Without softcap: s2 = qk * (softmax_scale * log2 e)        (score_scale = softmax_scale * log2 e)
     With softcap:    s2 = softcap * log2 e * tanh(qk * softmax_scale / softcap)
