@@ -15,9 +15,10 @@ BLOCK_SPARSE (constexpr) swaps the range loops for FA1 Alg. 5's: only the tiles 
 import triton
 import triton.language as tl
 
-from .mods import (bias_mask_log2, dropout_keep, head_scalars, head_tile, key_range, load_lse2, load_tile, mma, present,
-                   query_head, query_range, score_mod_grad, scores_log2, seq_bounds, sequences, sparse_tile_start,
-                   tile_order, to_dtype, user_mods_log2, visible)
+from .mods import (bias_mask_log2, dropout_keep, first_row, head_lse, head_rows, head_scalars, head_tile, key_range,
+                   load_lse2, load_tile, mma, present, query_block, query_head, query_range, score_mod_grad,
+                   scores_log2, seq_bounds, sequences, sparse_tile_start, tile_order, to_dtype, user_mods_log2,
+                   visible)
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -72,10 +73,10 @@ def _dkdv_tile(dk, dv, start_m, row, MASKED: tl.constexpr, HAS_MASK: tl.constexp
     COMPUTE_DK / COMPUTE_DV: a launch may do only one of the two (two launches then split the work: each
     keeps one BLOCK_N x d accumulator instead of two, for large head dims; S is recomputed by both)."""
     (k, v, desc_q, desc_do, desc_dq, q_head, do_head, dq_head, lse_blk, delta_blk, q_row0, b, h, offs_m_rel, offs_n, offs_d,
-     seqlen_q, seqlen_k, stride_qm, stride_dom, stride_dqm, head_dim, sm_scale, score_scale, softcap_log2,
-     alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base, rng_stride_m, dropout_p, bias_bh,
-     stride_bias_m, stride_bias_n, mask_bh, stride_mask_m, stride_mask_n, dbias_bh, stride_dbias_m, stride_dbias_n,
-     score_aux, mask_aux, score_aux_grad) = row
+     seqlen_q, seqlen_k, stride_qm, stride_dom, stride_dqm, head_dim, sm_scale, scale, alibi_slope_log2, window_left,
+     window_right, dropout, rng_base, bias_bh, stride_bias_m, stride_bias_n, mask_bh, stride_mask_m, stride_mask_n,
+     dbias_bh, stride_dbias_m, stride_dbias_n, score_aux, mask_aux, score_aux_grad) = row
+    dropout_p, _, _, _, _, _ = dropout
     q_blk = q_head + tl.cast(start_m, tl.int64) * stride_qm
     do_blk = do_head + tl.cast(start_m, tl.int64) * stride_dom
     dq_blk = dq_head + tl.cast(start_m, tl.int64) * stride_dqm
@@ -92,7 +93,7 @@ def _dkdv_tile(dk, dv, start_m, row, MASKED: tl.constexpr, HAS_MASK: tl.constexp
     j = offs_n[:, None]
     # Alg. 2 lines 9-11: recompute S_ij^T = K_j Q_i^T and P_ij^T = exp(S^T - L_i)
     qkt = mma(k, qt, None, DOT_PREC)
-    st, t = scores_log2(qkt, i, j, seqlen_q, seqlen_k, score_scale, softcap_log2, alibi_slope_log2, SOFTCAP, ALIBI)
+    st, t = scores_log2(qkt, i, j, seqlen_q, seqlen_k, scale, alibi_slope_log2, SOFTCAP, ALIBI)
     if HAS_BIAS:
         st = bias_mask_log2(st, i, j, seqlen_q, seqlen_k, bias_bh, stride_bias_m, stride_bias_n, mask_bh,
                             stride_mask_m, stride_mask_n, HAS_BIAS, False)
@@ -109,7 +110,7 @@ def _dkdv_tile(dk, dv, start_m, row, MASKED: tl.constexpr, HAS_MASK: tl.constexp
     pt = tl.math.exp2(st - lse2[None, :])
     keep = None
     if DROPOUT:
-        keep = dropout_keep(seed, rng_offset, rng_base, i, j, rng_stride_m, dropout_p)
+        keep = dropout_keep(dropout, rng_base, i, j)
     if COMPUTE_DK:
         # issued before the dV product, the order the single-launch kernel was tuned with
         dpt = mma(v, tl.trans(do), None, DOT_PREC)     # (dO_i V_j^T)^T
@@ -206,24 +207,11 @@ def attn_bwd_dkdv_kernel(
     - dbias: dBias's (pointer, batch, head, row and column strides) (HAS_DBIAS; runtime.pair_args);
     - sparse: the block mask's transposed lists (q_num, q_idx, full_q_num, full_q_idx, batch, head and
       block-column strides, blocks per index row) (BLOCK_SPARSE; runtime.sparse_args)."""
-    stride_qb, stride_qm, stride_qh = q_strides
-    stride_kb, stride_kn, stride_kh = k_strides
-    stride_vb, stride_vn, stride_vh = v_strides
-    stride_dob, stride_dom, stride_doh = do_strides
-    stride_dkb, stride_dkn, stride_dkh = dk_strides
-    stride_dvb, stride_dvn, stride_dvh = dv_strides
-    stride_dqb, stride_dqm, stride_dqh = dq_strides
-    stride_lse_b, stride_lse_h = lse_strides
-    nheads_k, group_size, seqlen_q_static, seqlen_k_static, head_dim = problem
-    score_scale, softcap_log2 = scale
-    window_left, window_right = window
-    dropout_p, seed, rng_offset, rng_stride_b, rng_stride_h, rng_stride_m = dropout
-    Q_NUM, Q_IDX, FULL_Q_NUM, FULL_Q_IDX, stride_sp_b, stride_sp_h, stride_sp_n, sparse_blocks = sparse
+    nheads_k, group_size, seqlen_q_static, _, head_dim = problem
     # causal: the first key blocks are seen by the most queries: the grid's order already runs them first
     pid_n, bhk = tile_order(head_group, GROUPED, False)
     b, hk, _ = query_head(bhk, nheads_k, 1)
-    q_start, seqlen_q, k_start, seqlen_k = sequences(b, CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q_static, seqlen_k_static,
-                                                     IS_VARLEN)
+    q_start, seqlen_q, k_start, seqlen_k = sequences(b, CU_SEQLENS_Q, CU_SEQLENS_K, problem, IS_VARLEN)
     start_n = pid_n * BLOCK_N
     if start_n >= seqlen_k:
         return
@@ -234,41 +222,39 @@ def attn_bwd_dkdv_kernel(
     kv_rows = (k_start + offs_n).to(tl.int64)
     kv_mask = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < head_dim)
     # Alg. 2 line 6: load K_j, V_j; line 7: dK_j = dV_j = 0 (on chip)
+    stride_kb, stride_kn, stride_kh = k_strides
+    stride_vb, stride_vn, stride_vh = v_strides
     k = tl.load(K + b64 * stride_kb + hk * stride_kh + kv_rows[:, None] * stride_kn + offs_d[None, :],
                 mask=kv_mask, other=0.0)
     v = tl.load(V + b64 * stride_vb + hk * stride_vh + kv_rows[:, None] * stride_vn + offs_d[None, :],
                 mask=kv_mask, other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    window_left, window_right = window
     lo, full_lo, full_hi, hi = query_range(start_n, seqlen_q, seqlen_k, window_left, window_right,
                                            BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    # first row of this sequence in the 2-D (rows, heads * headdim) view the TMA descriptors use
-    if IS_VARLEN:
-        q_row0 = q_start
-    else:
-        q_row0 = b * seqlen_q_static
+    q_row0 = first_row(b, q_start, seqlen_q_static, IS_VARLEN)
     # GQA: dK_j, dV_j of K/V head hk sum the contributions of all group_size query heads that read it.
     for g in range(0, group_size):
         h = hk * group_size + g
-        alibi_slope_log2, rng_base = head_scalars(b, h, ALIBI_SLOPES, stride_alibi_b, rng_stride_b, rng_stride_h,
-                                                  ALIBI)
-        q_head = Q + b64 * stride_qb + tl.cast(h, tl.int64) * stride_qh + tl.cast(q_start, tl.int64) * stride_qm
-        do_head = DO + b64 * stride_dob + tl.cast(h, tl.int64) * stride_doh + tl.cast(q_start, tl.int64) * stride_dom
-        dq_head = DQ_ACC + b64 * stride_dqb + tl.cast(h, tl.int64) * stride_dqh + tl.cast(q_start, tl.int64) * stride_dqm
-        lse_head = LSE + b64 * stride_lse_b + tl.cast(h, tl.int64) * stride_lse_h + q_start
-        delta_head = Delta + b64 * stride_lse_b + tl.cast(h, tl.int64) * stride_lse_h + q_start
+        alibi_slope_log2, rng_base = head_scalars(b, h, ALIBI_SLOPES, stride_alibi_b, dropout, ALIBI)
+        q_head, stride_qm = head_rows(Q, q_strides, b64, h, q_start)
+        do_head, stride_dom = head_rows(DO, do_strides, b64, h, q_start)
+        dq_head, stride_dqm = head_rows(DQ_ACC, dq_strides, b64, h, q_start)
+        lse_head = head_lse(LSE, lse_strides, b64, h, q_start)
+        delta_head = head_lse(Delta, lse_strides, b64, h, q_start)
         bias_bh, stride_bias_m, stride_bias_n = head_tile(bias, b64, h, HAS_BIAS)
         mask_bh, stride_mask_m, stride_mask_n = head_tile(mask, b64, h, HAS_MASK)
         dbias_bh, stride_dbias_m, stride_dbias_n = head_tile(dbias, b64, h, HAS_DBIAS)
         # what every tile step reads for query head h (one tuple: each call site names only the tile and its masks)
         row = (k, v, present(desc_q), present(desc_do), present(desc_dq), q_head, do_head, dq_head, lse_head, delta_head, q_row0, b,
                h, offs_m_rel, offs_n, offs_d, seqlen_q, seqlen_k, stride_qm, stride_dom, stride_dqm, head_dim,
-               sm_scale, score_scale, softcap_log2, alibi_slope_log2, window_left, window_right, seed, rng_offset,
-               rng_base, rng_stride_m, dropout_p, present(bias_bh), stride_bias_m, stride_bias_n, present(mask_bh),
-               stride_mask_m, stride_mask_n, present(dbias_bh), stride_dbias_m, stride_dbias_n, present(score_aux),
+               sm_scale, scale, alibi_slope_log2, window_left, window_right, dropout, rng_base, present(bias_bh),
+               stride_bias_m, stride_bias_n, present(mask_bh), stride_mask_m, stride_mask_n, present(dbias_bh), stride_dbias_m, stride_dbias_n, present(score_aux),
                present(mask_aux), present(score_aux_grad))
         if BLOCK_SPARSE:
             # FA1 Alg. 5 transposed: only the query blocks the block mask lists for this key block
+            Q_NUM, Q_IDX, FULL_Q_NUM, FULL_Q_IDX, stride_sp_b, stride_sp_h, stride_sp_n, sparse_blocks = sparse
             sp = b64 * stride_sp_b + tl.cast(h, tl.int64) * stride_sp_h + (start_n // SPARSE_BLOCK) * stride_sp_n
             n_partial = tl.load(Q_NUM + sp)
             for t in range(0, n_partial * (SPARSE_BLOCK // BLOCK_M)):
@@ -303,10 +289,12 @@ def attn_bwd_dkdv_kernel(
                                     DBIAS_ATOMIC, SCORE_MOD, SCORE_GRAD, SCORE_CAPTURED_GRAD, COMPUTE_DK, COMPUTE_DV)
     # Alg. 2 line 21: write dK_j (with the softmax scale tau of dK = tau dS^T Q), dV_j
     if COMPUTE_DK:
+        stride_dkb, stride_dkn, stride_dkh = dk_strides
         dk = dk * sm_scale
         tl.store(DK + b64 * stride_dkb + hk * stride_dkh + kv_rows[:, None] * stride_dkn + offs_d[None, :],
                  to_dtype(dk, DK.dtype.element_ty), mask=kv_mask)
     if COMPUTE_DV:
+        stride_dvb, stride_dvn, stride_dvh = dv_strides
         tl.store(DV + b64 * stride_dvb + hk * stride_dvh + kv_rows[:, None] * stride_dvn + offs_d[None, :],
                  to_dtype(dv, DV.dtype.element_ty), mask=kv_mask)
 
@@ -319,9 +307,8 @@ def _dq_tile(dq, start_n, row, MASKED: tl.constexpr, HAS_MASK: tl.constexpr, MAS
     """dQ_i += dS_ij K_j (Alg. 2 line 15), recomputing S_ij, P_ij and dP_ij for one key block; row: what every
     step of this program reads (packed by attn_bwd_dq_kernel)."""
     (q, do, lse2, delta, desc_k, desc_v, k_base, v_base, kv_row0, b, h, hk, offs_m, offs_n_rel, offs_d, seqlen_q,
-     seqlen_k, stride_kn, stride_vn, head_dim, score_scale, softcap_log2, alibi_slope_log2, window_left,
-     window_right, seed, rng_offset, rng_base, rng_stride_m, dropout_p, bias_bh, stride_bias_m, stride_bias_n,
-     mask_bh, stride_mask_m, stride_mask_n, score_aux, mask_aux) = row
+     seqlen_k, stride_kn, stride_vn, head_dim, scale, alibi_slope_log2, window_left, window_right, dropout, rng_base,
+     bias_bh, stride_bias_m, stride_bias_n, mask_bh, stride_mask_m, stride_mask_n, score_aux, mask_aux) = row
     k_blk = k_base + tl.cast(start_n, tl.int64) * stride_kn
     v_blk = v_base + tl.cast(start_n, tl.int64) * stride_vn
     kv_row = kv_row0 + start_n
@@ -335,7 +322,7 @@ def _dq_tile(dq, start_n, row, MASKED: tl.constexpr, HAS_MASK: tl.constexpr, MAS
     i = offs_m[:, None]
     j = cols[None, :]
     qk = mma(q, kt, None, DOT_PREC)
-    s, t = scores_log2(qk, i, j, seqlen_q, seqlen_k, score_scale, softcap_log2, alibi_slope_log2, SOFTCAP, ALIBI)
+    s, t = scores_log2(qk, i, j, seqlen_q, seqlen_k, scale, alibi_slope_log2, SOFTCAP, ALIBI)
     if HAS_BIAS:
         s = bias_mask_log2(s, i, j, seqlen_q, seqlen_k, bias_bh, stride_bias_m, stride_bias_n, mask_bh,
                            stride_mask_m, stride_mask_n, HAS_BIAS, False)
@@ -351,7 +338,8 @@ def _dq_tile(dq, start_n, row, MASKED: tl.constexpr, HAS_MASK: tl.constexpr, MAS
     p = tl.math.exp2(s - lse2[:, None])
     dp = mma(do, vt, None, DOT_PREC)
     if DROPOUT:
-        keep = dropout_keep(seed, rng_offset, rng_base, i, j, rng_stride_m, dropout_p)
+        keep = dropout_keep(dropout, rng_base, i, j)
+        dropout_p, _, _, _, _, _ = dropout
         dp = tl.where(keep, dp, 0.0) * (1.0 / (1.0 - dropout_p))
     ds = p * (dp - delta[:, None])
     if SCORE_MOD is not None:
@@ -379,22 +367,10 @@ def attn_bwd_dq_kernel(
     The tensors and groups as attn_bwd_dkdv_kernel's, with DQ (as Q) the output; desc_k, desc_v: TMA descriptors
     over K, V (USE_TMA); problem: (nheads, query heads per K/V head, seqlen_q, seqlen_k, head dim); sparse: the
     block mask's lists as attn_fwd_kernel's."""
-    stride_qb, stride_qm, stride_qh = q_strides
-    stride_kb, stride_kn, stride_kh = k_strides
-    stride_vb, stride_vn, stride_vh = v_strides
-    stride_dob, stride_dom, stride_doh = do_strides
-    stride_dqb, stride_dqm, stride_dqh = dq_strides
-    stride_lse_b, stride_lse_h = lse_strides
-    nheads, group_size, seqlen_q_static, seqlen_k_static, head_dim = problem
-    score_scale, softcap_log2 = scale
-    window_left, window_right = window
-    dropout_p, seed, rng_offset, rng_stride_b, rng_stride_h, rng_stride_m = dropout
-    KV_NUM, KV_IDX, FULL_KV_NUM, FULL_KV_IDX, stride_sp_b, stride_sp_h, stride_sp_m, sparse_blocks = sparse
-    pid_m, bh = tile_order(head_group, GROUPED, REVERSE)
-    b, h, hk = query_head(bh, nheads, group_size)
-    q_start, seqlen_q, k_start, seqlen_k = sequences(b, CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q_static, seqlen_k_static,
-                                                     IS_VARLEN)
-    start_m = pid_m * BLOCK_M
+    _, _, _, seqlen_k_static, head_dim = problem
+    start_m, b, h, hk, q_start, seqlen_q, k_start, seqlen_k = query_block(head_group, CU_SEQLENS_Q, CU_SEQLENS_K,
+                                                                          problem, BLOCK_M, GROUPED, REVERSE,
+                                                                          IS_VARLEN)
     if start_m >= seqlen_q:
         return
     b64 = tl.cast(b, tl.int64)
@@ -403,31 +379,28 @@ def attn_bwd_dq_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     rows = (q_start + offs_m).to(tl.int64)
     q_mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim)
-    q = tl.load(Q + b64 * stride_qb + tl.cast(h, tl.int64) * stride_qh + rows[:, None] * stride_qm + offs_d[None, :],
-                mask=q_mask, other=0.0)
-    do = tl.load(DO + b64 * stride_dob + tl.cast(h, tl.int64) * stride_doh + rows[:, None] * stride_dom + offs_d[None, :],
-                 mask=q_mask, other=0.0)
-    lse2 = load_lse2(LSE + b64 * stride_lse_b + tl.cast(h, tl.int64) * stride_lse_h + q_start, offs_m, seqlen_q)
-    delta = tl.load(Delta + b64 * stride_lse_b + tl.cast(h, tl.int64) * stride_lse_h + q_start + offs_m,
-                    mask=offs_m < seqlen_q, other=0.0)
-    alibi_slope_log2, rng_base = head_scalars(b, h, ALIBI_SLOPES, stride_alibi_b, rng_stride_b, rng_stride_h, ALIBI)
-    k_base = K + b64 * stride_kb + tl.cast(hk, tl.int64) * stride_kh + tl.cast(k_start, tl.int64) * stride_kn
-    v_base = V + b64 * stride_vb + tl.cast(hk, tl.int64) * stride_vh + tl.cast(k_start, tl.int64) * stride_vn
-    if IS_VARLEN:
-        kv_row0 = k_start
-    else:
-        kv_row0 = b * seqlen_k_static
+    q_rows = head_rows(Q, q_strides, b64, h, rows[:, None])[0]
+    q = tl.load(q_rows + offs_d[None, :], mask=q_mask, other=0.0)
+    do_rows = head_rows(DO, do_strides, b64, h, rows[:, None])[0]
+    do = tl.load(do_rows + offs_d[None, :], mask=q_mask, other=0.0)
+    lse2 = load_lse2(head_lse(LSE, lse_strides, b64, h, q_start), offs_m, seqlen_q)
+    delta = tl.load(head_lse(Delta, lse_strides, b64, h, q_start) + offs_m, mask=offs_m < seqlen_q, other=0.0)
+    alibi_slope_log2, rng_base = head_scalars(b, h, ALIBI_SLOPES, stride_alibi_b, dropout, ALIBI)
+    k_base, stride_kn = head_rows(K, k_strides, b64, hk, k_start)
+    v_base, stride_vn = head_rows(V, v_strides, b64, hk, k_start)
+    kv_row0 = first_row(b, k_start, seqlen_k_static, IS_VARLEN)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     bias_bh, stride_bias_m, stride_bias_n = head_tile(bias, b64, h, HAS_BIAS)
     mask_bh, stride_mask_m, stride_mask_n = head_tile(mask, b64, h, HAS_MASK)
+    window_left, window_right = window
     # what every tile step reads (one tuple: each call site names only the tile and its masks)
     row = (q, do, lse2, delta, present(desc_k), present(desc_v), k_base, v_base, kv_row0, b, h, hk, offs_m,
-           offs_n_rel, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn, head_dim, score_scale, softcap_log2,
-           alibi_slope_log2, window_left, window_right, seed, rng_offset, rng_base, rng_stride_m, dropout_p,
-           present(bias_bh), stride_bias_m, stride_bias_n, present(mask_bh), stride_mask_m, stride_mask_n,
-           present(score_aux), present(mask_aux))
+           offs_n_rel, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn, head_dim, scale, alibi_slope_log2,
+           window_left, window_right, dropout, rng_base, present(bias_bh), stride_bias_m, stride_bias_n,
+           present(mask_bh), stride_mask_m, stride_mask_n, present(score_aux), present(mask_aux))
     if BLOCK_SPARSE:
         # FA1 Alg. 5: only the key blocks the block mask lists for this query block
+        KV_NUM, KV_IDX, FULL_KV_NUM, FULL_KV_IDX, stride_sp_b, stride_sp_h, stride_sp_m, sparse_blocks = sparse
         sp = b64 * stride_sp_b + tl.cast(h, tl.int64) * stride_sp_h + (start_m // SPARSE_BLOCK) * stride_sp_m
         n_partial = tl.load(KV_NUM + sp)
         for t in range(0, n_partial * (SPARSE_BLOCK // BLOCK_N)):
@@ -452,5 +425,5 @@ def attn_bwd_dq_kernel(
             dq = _dq_tile(dq, start_n, row, True, HAS_MASK, MASK_MOD, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                           ALIBI, DROPOUT, DOT_PREC, USE_TMA, BLOCK_D, HAS_BIAS, SCORE_MOD, SCORE_GRAD)
     dq = dq * sm_scale
-    tl.store(DQ + b64 * stride_dqb + tl.cast(h, tl.int64) * stride_dqh + rows[:, None] * stride_dqm + offs_d[None, :],
-             to_dtype(dq, DQ.dtype.element_ty), mask=q_mask)
+    dq_rows = head_rows(DQ, dq_strides, b64, h, rows[:, None])[0]
+    tl.store(dq_rows + offs_d[None, :], to_dtype(dq, DQ.dtype.element_ty), mask=q_mask)

@@ -137,8 +137,8 @@ def _decode_tile(acc, l_i, m_i, page, start_n, row, MASKED: tl.constexpr, EVEN_D
     the loop (row's pages_vec, PAGE_VEC of them from the split's first page on) and this tile's is picked out of
     them, so no step waits on a read made by the step before."""
     (q, K_head, V_head, desc_k, desc_v, BT_ROW, cb, head_col, offs_n, offs_d, qi, leftpad, seqlen_q, seqlen_k,
-     stride_kp, stride_kn, stride_vp, stride_vn, page_size, head_dim, score_scale, softcap_log2, slope2,
-     window_left, window_right, last_page, pages_vec, first_page) = row
+     stride_kp, stride_kn, stride_vp, stride_vn, page_size, head_dim, scale, slope2, window_left,
+     window_right, last_page, pages_vec, first_page) = row
     cols = start_n + offs_n                      # key index within the sequence (after left padding)
     valid = cols < seqlen_k
     next_page = page
@@ -153,8 +153,7 @@ def _decode_tile(acc, l_i, m_i, page, start_n, row, MASKED: tl.constexpr, EVEN_D
     k = _load_kv(desc_k, K_head, k_rows, tile_row, head_col, valid, offs_d, head_dim, MASKED, EVEN_D, USE_TMA)
     # Alg. 1 line 8: S = Q K_j^T, scaled / soft-capped / ALiBi-biased, in log2 units
     qk = mma(q, tl.trans(k), None, DOT_PREC)
-    s, _ = scores_log2(qk, qi[:, None], cols[None, :], seqlen_q, seqlen_k, score_scale, softcap_log2, slope2,
-                       SOFTCAP, ALIBI)
+    s, _ = scores_log2(qk, qi[:, None], cols[None, :], seqlen_q, seqlen_k, scale, slope2, SOFTCAP, ALIBI)
     if MASKED:
         s = tl.where(visible(qi[:, None], cols[None, :], seqlen_q, seqlen_k, window_left, window_right,
                              HAS_LEFT, HAS_RIGHT), s, float("-inf"))
@@ -220,7 +219,6 @@ def decode_kernel(
     stride_ps, stride_pm, stride_ph = part_strides
     stride_lps, stride_lpm = lse_part_strides
     nheads_k, group_size = heads
-    score_scale, softcap_log2 = scale
     window_left, window_right = window
     pid_m = tl.program_id(0)
     bhk = tl.program_id(1)
@@ -307,8 +305,8 @@ def decode_kernel(
         else:
             page = _page_entry(BT_ROW, leftpad + s_lo, page_size, last_page)
     row = (q, K_head, V_head, present(desc_k), present(desc_v), BT_ROW, cb, head_col, offs_n, offs_d, qi, leftpad,
-           seqlen_q, seqlen_k, stride_kp, stride_kn, stride_vp, stride_vn, page_size, head_dim, score_scale,
-           softcap_log2, slope2, window_left, window_right, last_page, pages_vec, first_page)
+           seqlen_q, seqlen_k, stride_kp, stride_kn, stride_vp, stride_vn, page_size, head_dim, scale, slope2,
+           window_left, window_right, last_page, pages_vec, first_page)
     if PAGE_TILES and HAS_LEFTPAD:
         # a tile starts at cache position leftpad + (multiple of BLOCK_N): in one page iff leftpad is aligned
         if leftpad % BLOCK_N == 0:

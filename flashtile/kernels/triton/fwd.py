@@ -11,9 +11,9 @@ block mask lists instead of the key range of causal/window masking.
 import triton
 import triton.language as tl
 
-from .mods import (bias_mask_log2, dropout_keep, head_scalars, head_tile, key_range, load_lse2, load_tile, mma,
-                   online_softmax_step, present, query_head, scores_log2, sequences, sparse_tile_start, tile_order,
-                   to_dtype, user_mods_log2, visible)
+from .mods import (bias_mask_log2, dropout_keep, first_row, head_lse, head_rows, head_scalars, head_tile, key_range,
+                   load_lse2, load_tile, mma, online_softmax_step, present, query_block, scores_log2,
+                   sparse_tile_start, to_dtype, user_mods_log2, visible)
 
 
 @triton.jit
@@ -28,9 +28,8 @@ def _fwd_tile(acc, l_i, m_i, start_n, row, MASKED: tl.constexpr, HAS_MASK: tl.co
     FOLD_SCALE (softmax scale > 0, no score-changing feature): S stays raw q.k and the online softmax applies the
     scale inside exp2's argument (mods.online_softmax_step)."""
     (q, desc_k, desc_v, k_base, v_base, b, h, hk, kv_row0, offs_m, offs_n, offs_d, seqlen_q, seqlen_k, stride_kn,
-     stride_vn, head_dim, score_scale, softcap_log2, alibi_slope_log2, window_left, window_right, seed, rng_offset,
-     rng_base, rng_stride_m, dropout_p, bias_bh, stride_bias_m, stride_bias_n, mask_bh, stride_mask_m, stride_mask_n,
-     score_aux, mask_aux) = row
+     stride_vn, head_dim, scale, alibi_slope_log2, window_left, window_right, dropout, rng_base, bias_bh,
+     stride_bias_m, stride_bias_n, mask_bh, stride_mask_m, stride_mask_n, score_aux, mask_aux) = row
     k_blk = k_base + tl.cast(start_n, tl.int64) * stride_kn
     v_blk = v_base + tl.cast(start_n, tl.int64) * stride_vn
     kv_row = kv_row0 + start_n
@@ -47,11 +46,11 @@ def _fwd_tile(acc, l_i, m_i, start_n, row, MASKED: tl.constexpr, HAS_MASK: tl.co
     if FOLD_SCALE and not (SOFTCAP or ALIBI or HAS_BIAS or HAS_MASK or SCORE_MOD is not None
                            or MASK_MOD is not None):
         s = qk
-        scale = score_scale
+        fold, _ = scale
     else:
-        s, _ = scores_log2(qk, offs_m[:, None], cols[None, :], seqlen_q, seqlen_k, score_scale, softcap_log2,
-                           alibi_slope_log2, SOFTCAP, ALIBI)
-        scale = 1.0
+        s, _ = scores_log2(qk, offs_m[:, None], cols[None, :], seqlen_q, seqlen_k, scale, alibi_slope_log2, SOFTCAP,
+                           ALIBI)
+        fold = 1.0
     if HAS_BIAS:
         s = bias_mask_log2(s, offs_m[:, None], cols[None, :], seqlen_q, seqlen_k, bias_bh, stride_bias_m,
                            stride_bias_n, mask_bh, stride_mask_m, stride_mask_n, HAS_BIAS, False)
@@ -67,12 +66,12 @@ def _fwd_tile(acc, l_i, m_i, start_n, row, MASKED: tl.constexpr, HAS_MASK: tl.co
     # Alg. 1 line 9: m_i^(j) = max(m_i^(j-1), rowmax(S)), P~ = exp(S - m_i^(j)), l_i^(j) = e^(m_old - m_new) l + rowsum(P~)
     if HAS_BIAS or HAS_MASK or SCORE_MOD is not None or MASK_MOD is not None:
         # a user mask (or a -inf bias / score_mod) can hide a whole row of any tile, not only of the edge tiles
-        m_new, p, alpha, l_i = online_softmax_step(m_i, l_i, s, True, scale)
+        m_new, p, alpha, l_i = online_softmax_step(m_i, l_i, s, True, fold)
     else:
-        m_new, p, alpha, l_i = online_softmax_step(m_i, l_i, s, MASKED, scale)
+        m_new, p, alpha, l_i = online_softmax_step(m_i, l_i, s, MASKED, fold)
     if DROPOUT:
         # l_i sums the un-dropped P~ (the softmax normaliser); only the P~ V product sees Z (FA1 Alg. 2 line 13)
-        keep = dropout_keep(seed, rng_offset, rng_base, offs_m[:, None], cols[None, :], rng_stride_m, dropout_p)
+        keep = dropout_keep(dropout, rng_base, offs_m[:, None], cols[None, :])
         p = tl.where(keep, p, 0.0)
     # Alg. 1 line 10: O~_i^(j) = diag(e^(m_old - m_new)) O~_i^(j-1) + P~ V_j   (no division here: FA2's change)
     acc = acc * alpha[:, None]
@@ -109,43 +108,29 @@ def attn_fwd_kernel(
     - sparse: a block mask's (num, idx, full_num, full_idx, batch, head and block-row strides, blocks per index row)
       (BLOCK_SPARSE; runtime.sparse_args).
     Absent features' groups hold None and zeros, read only under the flag that says they exist."""
-    stride_qb, stride_qm, stride_qh = q_strides
-    stride_kb, stride_kn, stride_kh = k_strides
-    stride_vb, stride_vn, stride_vh = v_strides
-    stride_ob, stride_om, stride_oh = o_strides
-    stride_lse_b, stride_lse_h = lse_strides
-    nheads, group_size, seqlen_q_static, seqlen_k_static, head_dim = problem
-    score_scale, softcap_log2 = scale
-    window_left, window_right = window
-    dropout_p, seed, rng_offset, rng_stride_b, rng_stride_h, rng_stride_m = dropout
-    KV_NUM, KV_IDX, FULL_KV_NUM, FULL_KV_IDX, stride_sp_b, stride_sp_h, stride_sp_m, sparse_blocks = sparse
+    _, _, _, seqlen_k_static, head_dim = problem
     # causal/banded: the last query blocks see the most keys; launch them first so the short ones
     # fill the tail of the schedule instead of the long ones
-    pid_m, bh = tile_order(head_group, GROUPED, HAS_RIGHT)
-    b, h, hk = query_head(bh, nheads, group_size)
-    q_start, seqlen_q, k_start, seqlen_k = sequences(b, CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q_static, seqlen_k_static,
-                                                     IS_VARLEN)
-    start_m = pid_m * BLOCK_M
+    start_m, b, h, hk, q_start, seqlen_q, k_start, seqlen_k = query_block(head_group, CU_SEQLENS_Q, CU_SEQLENS_K,
+                                                                          problem, BLOCK_M, GROUPED, HAS_RIGHT,
+                                                                          IS_VARLEN)
     if start_m >= seqlen_q:
         return
     b64 = tl.cast(b, tl.int64)
-    q_base = Q + b64 * stride_qb + tl.cast(h, tl.int64) * stride_qh + tl.cast(q_start + start_m, tl.int64) * stride_qm
-    k_base = K + b64 * stride_kb + tl.cast(hk, tl.int64) * stride_kh + tl.cast(k_start, tl.int64) * stride_kn
-    # first row of this sequence in the 2-D (rows, heads * headdim) view the TMA descriptors use
-    if IS_VARLEN:
-        kv_row0 = k_start
-    else:
-        kv_row0 = b * seqlen_k_static
-    v_base = V + b64 * stride_vb + tl.cast(hk, tl.int64) * stride_vh + tl.cast(k_start, tl.int64) * stride_vn
-    o_base = O + b64 * stride_ob + tl.cast(h, tl.int64) * stride_oh + tl.cast(q_start + start_m, tl.int64) * stride_om
+    q_base, stride_qm = head_rows(Q, q_strides, b64, h, q_start, start_m)
+    k_base, stride_kn = head_rows(K, k_strides, b64, hk, k_start)
+    kv_row0 = first_row(b, k_start, seqlen_k_static, IS_VARLEN)
+    v_base, stride_vn = head_rows(V, v_strides, b64, hk, k_start)
+    o_base, stride_om = head_rows(O, o_strides, b64, h, q_start, start_m)
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_M)   # row offsets relative to the block (pointer arithmetic stays int32)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    alibi_slope_log2, rng_base = head_scalars(b, h, ALIBI_SLOPES, stride_alibi_b, rng_stride_b, rng_stride_h, ALIBI)
+    alibi_slope_log2, rng_base = head_scalars(b, h, ALIBI_SLOPES, stride_alibi_b, dropout, ALIBI)
     bias_bh, stride_bias_m, stride_bias_n = head_tile(bias, b64, h, HAS_BIAS)
     mask_bh, stride_mask_m, stride_mask_n = head_tile(mask, b64, h, HAS_MASK)
+    window_left, window_right = window
 
     # Alg. 1 line 4: load Q_i (rows past the end are 0; their outputs are never stored)
     q_mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim)
@@ -157,10 +142,11 @@ def attn_fwd_kernel(
 
     # what every tile step reads (one tuple, so each call site names only what differs: the tile and its masks)
     row = (q, present(desc_k), present(desc_v), k_base, v_base, b, h, hk, kv_row0, offs_m, offs_n, offs_d, seqlen_q,
-           seqlen_k, stride_kn, stride_vn, head_dim, score_scale, softcap_log2, alibi_slope_log2, window_left,
-           window_right, seed, rng_offset, rng_base, rng_stride_m, dropout_p, present(bias_bh), stride_bias_m,
-           stride_bias_n, present(mask_bh), stride_mask_m, stride_mask_n, present(score_aux), present(mask_aux))
+           seqlen_k, stride_kn, stride_vn, head_dim, scale, alibi_slope_log2, window_left, window_right, dropout,
+           rng_base, present(bias_bh), stride_bias_m, stride_bias_n, present(mask_bh), stride_mask_m, stride_mask_n,
+           present(score_aux), present(mask_aux))
     if BLOCK_SPARSE:
+        KV_NUM, KV_IDX, FULL_KV_NUM, FULL_KV_IDX, stride_sp_b, stride_sp_h, stride_sp_m, sparse_blocks = sparse
         # FA1 Alg. 5: visit only the key blocks the block mask lists for this query block; empty blocks are
         # never touched. Partial blocks apply the element mask (the mask tensor or mask_mod), full blocks skip it.
         sp = b64 * stride_sp_b + tl.cast(h, tl.int64) * stride_sp_h + (start_m // SPARSE_BLOCK) * stride_sp_m
@@ -200,12 +186,13 @@ def attn_fwd_kernel(
     l_safe = tl.where(empty, 1.0, l_i)
     inv_l = 1.0 / l_safe
     if DROPOUT:
+        dropout_p, _, _, _, _, _ = dropout
         inv_l = inv_l / (1.0 - dropout_p)
     out = acc * inv_l[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
     o_mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim)
     tl.store(o_base + offs_r[:, None] * stride_om + offs_d[None, :], to_dtype(out, O.dtype.element_ty), mask=o_mask)
-    lse_ptrs = LSE + b64 * stride_lse_b + tl.cast(h, tl.int64) * stride_lse_h + q_start + offs_m
+    lse_ptrs = head_lse(LSE, lse_strides, b64, h, q_start) + offs_m
     tl.store(lse_ptrs, lse, mask=offs_m < seqlen_q)
 
 
@@ -223,19 +210,9 @@ def attn_probs_kernel(
     dropped the entry (flash-attn's S_dmask convention). O(N^2) memory: never used by the fast path.
     P: (batch, nheads, seqlen_q, seqlen_k) fp32, p_strides its (batch, head, row) strides; the other tensors and
     groups as attn_fwd_kernel's."""
-    stride_qb, stride_qm, stride_qh = q_strides
-    stride_kb, stride_kn, stride_kh = k_strides
-    stride_pb, stride_ph, stride_pm = p_strides
-    stride_lse_b, stride_lse_h = lse_strides
     nheads, group_size, seqlen_q_static, seqlen_k_static, head_dim = problem
-    score_scale, softcap_log2 = scale
-    window_left, window_right = window
-    dropout_p, seed, rng_offset, rng_stride_b, rng_stride_h, rng_stride_m = dropout
-    pid_m = tl.program_id(0)
-    b, h, hk = query_head(tl.program_id(1), nheads, group_size)
-    q_start, seqlen_q, k_start, seqlen_k = sequences(b, CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q_static, seqlen_k_static,
-                                                     IS_VARLEN)
-    start_m = pid_m * BLOCK_M
+    start_m, b, h, hk, q_start, seqlen_q, k_start, seqlen_k = query_block(1, CU_SEQLENS_Q, CU_SEQLENS_K, problem,
+                                                                          BLOCK_M, False, False, IS_VARLEN)
     if start_m >= seqlen_q:
         return
     b64 = tl.cast(b, tl.int64)
@@ -243,14 +220,17 @@ def attn_probs_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     rows = (q_start + offs_m).to(tl.int64)
+    stride_qb, stride_qm, stride_qh = q_strides
     q = tl.load(Q + b64 * stride_qb + tl.cast(h, tl.int64) * stride_qh + rows[:, None] * stride_qm + offs_d[None, :],
                 mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim), other=0.0)
-    lse2 = load_lse2(LSE + b64 * stride_lse_b + tl.cast(h, tl.int64) * stride_lse_h + q_start, offs_m, seqlen_q)
-    alibi_slope_log2, rng_base = head_scalars(b, h, ALIBI_SLOPES, stride_alibi_b, rng_stride_b, rng_stride_h, ALIBI)
-    k_base = K + b64 * stride_kb + tl.cast(hk, tl.int64) * stride_kh + tl.cast(k_start, tl.int64) * stride_kn
+    lse2 = load_lse2(head_lse(LSE, lse_strides, b64, h, q_start), offs_m, seqlen_q)
+    alibi_slope_log2, rng_base = head_scalars(b, h, ALIBI_SLOPES, stride_alibi_b, dropout, ALIBI)
+    k_base, stride_kn = head_rows(K, k_strides, b64, hk, k_start)
+    stride_pb, stride_ph, stride_pm = p_strides
     p_base = P + b64 * stride_pb + tl.cast(h, tl.int64) * stride_ph
     bias_bh, stride_bias_m, stride_bias_n = head_tile(bias, b64, h, HAS_BIAS)
     mask_bh, stride_mask_m, stride_mask_n = head_tile(mask, b64, h, HAS_MASK)
+    window_left, window_right = window
     for start_n in range(0, seqlen_k, BLOCK_N):
         cols = start_n + offs_n
         kt = tl.load(k_base + cols[None, :].to(tl.int64) * stride_kn + offs_d[:, None],
@@ -258,7 +238,7 @@ def attn_probs_kernel(
         qk = mma(q, kt, None, DOT_PREC)
         i = offs_m[:, None]
         j = cols[None, :]
-        s, _ = scores_log2(qk, i, j, seqlen_q, seqlen_k, score_scale, softcap_log2, alibi_slope_log2, SOFTCAP, ALIBI)
+        s, _ = scores_log2(qk, i, j, seqlen_q, seqlen_k, scale, alibi_slope_log2, SOFTCAP, ALIBI)
         if HAS_BIAS or HAS_MASK:
             s = bias_mask_log2(s, i, j, seqlen_q, seqlen_k, bias_bh, stride_bias_m, stride_bias_n, mask_bh,
                                stride_mask_m, stride_mask_n, HAS_BIAS, HAS_MASK)
@@ -266,7 +246,7 @@ def attn_probs_kernel(
                      s, float("-inf"))
         p = tl.math.exp2(s - lse2[:, None])
         if DROPOUT:
-            keep = dropout_keep(seed, rng_offset, rng_base, i, j, rng_stride_m, dropout_p)
+            keep = dropout_keep(dropout, rng_base, i, j)
             p = tl.where(keep, p, -p)
         tl.store(p_base + offs_m[:, None].to(tl.int64) * stride_pm + j, p,
                  mask=(offs_m[:, None] < seqlen_q) & (j < seqlen_k))

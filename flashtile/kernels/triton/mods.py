@@ -51,16 +51,63 @@ def query_head(bh, nheads, group_size):
 
 
 @triton.jit
-def sequences(b, CU_SEQLENS_Q, CU_SEQLENS_K, seqlen_q_static, seqlen_k_static, IS_VARLEN: tl.constexpr):
-    """(first query row, seqlen_q, first key row, seqlen_k) of batch element b (seq_bounds of both sides)."""
+def sequences(b, CU_SEQLENS_Q, CU_SEQLENS_K, problem, IS_VARLEN: tl.constexpr):
+    """(first query row, seqlen_q, first key row, seqlen_k) of batch element b (seq_bounds of both sides).
+    problem: the kernel's group (heads, query heads per K/V head, seqlen_q, seqlen_k, head dim), whose lengths
+    (the longest where IS_VARLEN) are every sequence's without cu_seqlens."""
+    _, _, seqlen_q_static, seqlen_k_static, _ = problem
     q_start, seqlen_q = seq_bounds(b, CU_SEQLENS_Q, seqlen_q_static, IS_VARLEN)
     k_start, seqlen_k = seq_bounds(b, CU_SEQLENS_K, seqlen_k_static, IS_VARLEN)
     return q_start, seqlen_q, k_start, seqlen_k
 
 
 @triton.jit
-def head_scalars(b, h, ALIBI_SLOPES, stride_alibi_b, rng_stride_b, rng_stride_h, ALIBI: tl.constexpr):
-    """(query head h's ALiBi slope in log2 units, 0.0 without ALiBi; the base of its dropout counters)."""
+def query_block(head_group, CU_SEQLENS_Q, CU_SEQLENS_K, problem, BLOCK_M: tl.constexpr, GROUPED: tl.constexpr,
+                REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """The prologue of a kernel with one program per query block of BLOCK_M rows and (batch, query head):
+    (start_m: the block's first row, b, h, hk: query_head's, q_start, seqlen_q, k_start, seqlen_k: sequences').
+    head_group, GROUPED, REVERSE: tile_order's; problem: as sequences takes it. The caller returns when
+    start_m >= seqlen_q (a block past its sequence's end, varlen)."""
+    nheads, group_size, _, _, _ = problem
+    pid_m, bh = tile_order(head_group, GROUPED, REVERSE)
+    b, h, hk = query_head(bh, nheads, group_size)
+    q_start, seqlen_q, k_start, seqlen_k = sequences(b, CU_SEQLENS_Q, CU_SEQLENS_K, problem, IS_VARLEN)
+    return pid_m * BLOCK_M, b, h, hk, q_start, seqlen_q, k_start, seqlen_k
+
+
+@triton.jit
+def head_rows(T, strides, b64, h, row, offset=0):
+    """(pointer to row `row + offset` of head h of batch element b64 (int64), row stride) of a Q / K / V / O-shaped
+    tensor T given its (batch, row, head) strides; row: a scalar (e.g. a sequence's first row, offset then the
+    block's start in it) or an int64 index tile (the pointer tile then)."""
+    stride_b, stride_m, stride_h = strides
+    return (T + b64 * stride_b + tl.cast(h, tl.int64) * stride_h + tl.cast(row + offset, tl.int64) * stride_m,
+            stride_m)
+
+
+@triton.jit
+def head_lse(T, strides, b64, h, q_start):
+    """Pointer to the first entry of (batch b64 (int64), head h) of an LSE-shaped tensor T (the LSE, Delta) given
+    its (batch, head) strides, at the sequence's first row q_start (rows are contiguous)."""
+    stride_b, stride_h = strides
+    return T + b64 * stride_b + tl.cast(h, tl.int64) * stride_h + q_start
+
+
+@triton.jit
+def first_row(b, start, seqlen_static, IS_VARLEN: tl.constexpr):
+    """First row of batch element b's sequence in the 2-D (rows, heads * headdim) view the TMA descriptors use:
+    start (its cu_seqlens entry) where IS_VARLEN, b * seqlen_static otherwise."""
+    if IS_VARLEN:
+        return start
+    else:
+        return b * seqlen_static
+
+
+@triton.jit
+def head_scalars(b, h, ALIBI_SLOPES, stride_alibi_b, dropout, ALIBI: tl.constexpr):
+    """(query head h's ALiBi slope in log2 units, 0.0 without ALiBi; the base of its dropout counters, from the
+    dropout group's batch and head counter strides)."""
+    _, _, _, rng_stride_b, rng_stride_h, _ = dropout
     alibi_slope_log2 = 0.0
     if ALIBI:
         alibi_slope_log2 = tl.load(ALIBI_SLOPES + b * stride_alibi_b + h).to(tl.float32) * 1.4426950408889634
@@ -98,15 +145,16 @@ def visible(i, j, seqlen_q, seqlen_k, window_left, window_right, HAS_LEFT: tl.co
 
 
 @triton.jit
-def scores_log2(qk, i, j, seqlen_q, seqlen_k, score_scale, softcap_log2, alibi_slope_log2,
-                SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
+def scores_log2(qk, i, j, seqlen_q, seqlen_k, scale, alibi_slope_log2, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
     """Raw q.k products -> scores in log2 units, plus t = tanh(.) (needed by the softcap backward).
+    scale: the kernels' (score_scale, softcap_log2) group, score_scale as below and softcap_log2 = softcap * log2 e.
 
     Without softcap: s2 = qk * (softmax_scale * log2 e)        (score_scale = softmax_scale * log2 e)
     With softcap:    s2 = softcap * log2 e * tanh(qk * softmax_scale / softcap)
                                                               (score_scale = softmax_scale / softcap)
     ALiBi adds -slope * log2 e * |i + seqlen_k - seqlen_q - j|.
     """
+    score_scale, softcap_log2 = scale
     if SOFTCAP:
         # tanh(x) = 2 sigmoid(2x) - 1: portable (no libdevice), exact enough in fp32
         t = 2.0 * tl.sigmoid(2.0 * qk * score_scale) - 1.0
@@ -122,9 +170,12 @@ def scores_log2(qk, i, j, seqlen_q, seqlen_k, score_scale, softcap_log2, alibi_s
 
 
 @triton.jit
-def dropout_keep(seed, rng_offset, rng_base, i, j, rng_stride_m, dropout_p):
+def dropout_keep(dropout, rng_base, i, j):
     """Keep mask of one tile (i, j broadcastable 2-D indices): Philox counter rng_offset + rng_base +
-    i * rng_stride_m + j, exactly the counter flashtile.reference.rng.dropout_counter gives entry (b, h, i, j)."""
+    i * rng_stride_m + j, exactly the counter flashtile.reference.rng.dropout_counter gives entry (b, h, i, j).
+    dropout: the kernels' group (p, seed, rng_offset, counter strides of batch, head and row); rng_base: the
+    head's (head_scalars)."""
+    dropout_p, seed, rng_offset, _, _, rng_stride_m = dropout
     cnt = rng_offset + rng_base + i.to(tl.int64) * rng_stride_m + j.to(tl.int64)
     return tl.rand(seed, cnt) >= dropout_p
 
