@@ -128,6 +128,10 @@ class Folder:
     def file(self, name):
         return self.path / name
 
+    def starting(self, prefix: str):
+        """The names of this folder's results files that start with prefix, sorted."""
+        return sorted(n for n in self.data if n.startswith(prefix))
+
     def limits_intro(self):
         """The prose between '## Measured limits' and its table."""
         lines = self.readme.read_text().splitlines()
@@ -513,7 +517,7 @@ def host_time_section(doc, folder: Folder):
 
 
 def transformers_files(folder: Folder):
-    return sorted(n for n in folder.data if n.startswith("transformers"))
+    return folder.starting("transformers")
 
 
 def transformers_section(doc, folder: Folder, name: str):
@@ -563,7 +567,7 @@ FEATURE_MODES = {"fwd": "fwd", "bwd": "bwd", "train": "fwd + bwd"}
 
 def features_files(folder: Folder):
     """The benchmarks/bench_features.py files: flashtile beside its peers on the inputs models send."""
-    return sorted(n for n in folder.data if n.startswith("features-"))
+    return folder.starting("features-")
 
 
 def features_points(data):
@@ -667,13 +671,9 @@ def flex_section(doc, folder: Folder):
             cells.append(doc.fig(theirs / mine, "ratio", src) if mine is not None and theirs is not None else "-")
         out.append(f"| {doc.text(mask, src)} | " + " | ".join(cells) + " |")
     out.append("")
-    for dname in density_files(folder):
+    for dname in folder.starting("density"):
         out += density_paragraph(doc, folder, dname)
     return out
-
-
-def density_files(folder: Folder):
-    return sorted(n for n in folder.data if n.startswith("density"))
 
 
 def density_paragraph(doc, folder: Folder, name: str):
