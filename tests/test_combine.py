@@ -1,4 +1,6 @@
-"""Flash-decoding's merge of the split partials (flashtile/kernels/triton/combine.py): combine_splits on its own
+"""Merging partial attention results (flashtile/kernels/triton/combine.py). The ring's merge_into against one
+softmax in float64 over the union of two key sets (rows empty in one set or in both, 16-bit block outputs,
+strided views). Flash-decoding's merge of the split partials: combine_splits on its own
 against one softmax in float64 (dense and packed layouts, one merge step or several, empty splits, rows without
 keys) and its chunk rule; the merge fused into the decode launch (the last split of each tile, by ticket counter:
 runtime.tickets) against combine.py's kernel, and the rules that pick one or the other (decode.fuse_combine,
@@ -207,3 +209,42 @@ def test_ticket_counters_are_unused_slices_of_one_zeroed_pool(monkeypatch):
     own = runtime.tickets(dev, runtime.TICKET_POOL_SIZE)
     assert len(fills) == 3 and own.numel() == runtime.TICKET_POOL_SIZE and int(own.abs().sum()) == 0
     assert runtime._TICKET_POOL[(dev.type, dev.index)] is pool_before and own.data_ptr() != pool_before[0].data_ptr()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# merge_into: the ring's in-place merge of a block's result into the running one
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_merge_into_is_attention_over_the_union(seed, dtype):
+    """(acc, acc_lse) from keys [0, 7), (out, lse) from keys [7, 20) (out in the kernels' output dtype) ->
+    attention over all 20 keys in place, through strided views of larger buffers (the ring merges row slices);
+    row 0 sees no key (stays 0 / -inf, never NaN), row 1 none of the first set, row 2 none of the second."""
+    from flashtile.distributed import merge_attention
+    b, s, h, d, sk, pad = 2, 40, 3, 24, 20, 5
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(b, n, h, d, generator=g, dtype=torch.float64) for n in (s, sk, sk))
+    mask = torch.rand(s, sk, generator=g) < 0.5
+    mask[0] = False
+    mask[1, :7] = False
+    mask[2, 7:] = False
+    mask[3] = True
+    ref, ref_lse, _ = attention_ref(q, k, v, attn_mask=mask)
+    oa, la, _ = attention_ref(q, k[:, :7], v[:, :7], attn_mask=mask[:, :7])
+    ob, lb, _ = attention_ref(q, k[:, 7:], v[:, 7:], attn_mask=mask[:, 7:])
+    acc_buf = torch.full((b, s + pad, h, d), 7.0, dtype=fp32)
+    lse_buf = torch.full((b, h, s + pad), 7.0, dtype=fp32)
+    acc, acc_lse = acc_buf[:, pad:], lse_buf[:, :, pad:]
+    acc.copy_(oa)
+    acc_lse.copy_(la)
+    _combine.merge_into(acc, acc_lse, ob.to(dtype), lb.float())
+    assert torch.equal(acc_buf[:, :pad], torch.full_like(acc_buf[:, :pad], 7.0))   # nothing outside the views
+    assert torch.equal(lse_buf[:, :, :pad], torch.full_like(lse_buf[:, :, :pad], 7.0))
+    assert not torch.isnan(acc).any() and not torch.isnan(acc_lse).any()
+    assert torch.equal(acc[:, 0], torch.zeros_like(acc[:, 0]))
+    assert torch.equal(acc_lse[:, :, 0], torch.full_like(acc_lse[:, :, 0], float("-inf")))
+    tol = 1e-5 if dtype == fp32 else 1e-2
+    finite = torch.isfinite(ref_lse)
+    assert torch.allclose(acc_lse[finite].double(), ref_lse[finite], atol=1e-5, rtol=0), f"seed={seed}"
+    assert torch.allclose(acc.double(), ref, atol=tol, rtol=0), f"seed={seed}"
+    mo, ml = merge_attention(oa.float(), la.float(), ob.to(dtype), lb.float())   # the readable rule, same result
+    assert torch.allclose(acc, mo, atol=1e-6, rtol=0) and torch.allclose(acc_lse[finite], ml[finite], atol=1e-6)

@@ -31,6 +31,7 @@ import torch.distributed as dist
 import dataclasses
 
 from .. import interface as _interface
+from ..kernels.triton.combine import merge_into
 from ..api import checks
 from ..api import problem as P
 from ..api.errors import fail
@@ -355,9 +356,7 @@ def _ring_forward(ring: _Ring, q, k, v, plans, blocks):
         for c in plans[step]:
             qs, ks = blocks.rows(c)
             blk_out, blk_lse = blocks.forward(c, q[:, qs], kv[0][:, ks], kv[1][:, ks])
-            m_out, m_lse = merge_attention(out[:, qs], lse[:, :, qs], blk_out, blk_lse)
-            out[:, qs] = m_out
-            lse[:, :, qs] = m_lse
+            merge_into(out[:, qs], lse[:, :, qs], blk_out, blk_lse)   # merge_attention's rule, in place
         if step + 1 < ring.world:
             _wait(reqs)
             kv = kv_next

@@ -1,4 +1,5 @@
-"""Flash-decoding's combine step: merge the per-split partial results of decode.py into O and LSE.
+"""Merging partial attention results: flash-decoding's combine step (the per-split partial results of decode.py
+into O and LSE), and the ring's merge of one block's result into the running one (merge_into).
 
 Split s of a query row produced O_s (normalised over its keys) and lse2_s = log2 sum_j exp2(S_j) over its keys.
 Over all splits, lse2 = log2 sum_s exp2(lse2_s) and O = sum_s exp2(lse2_s - lse2) O_s: FA2's inner loop once
@@ -110,3 +111,58 @@ def combine_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tens
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
         ob, om, oh, lb, lh, seqlen_rows, head_dim, num_splits), dict(
         CHUNK=chunk, BLOCK_D=block_d, num_warps=4))
+
+
+LOG2E = tl.constexpr(params.LOG2E)
+
+
+@triton.jit
+def merge_into_kernel(ACC, ACC_LSE, O, LSE, acc_strides, acc_lse_strides, o_strides, lse_strides, nheads, seqlen,
+                      head_dim, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Grid (cdiv(seqlen, ROWS), batch * nheads): ROWS rows of one (batch, head). (ACC, ACC_LSE) and (O, LSE) are
+    attention over two disjoint key sets (LSE natural log, -inf where a set is empty); ACC, ACC_LSE are overwritten
+    with attention over their union, the online-softmax rescale of FA2 Alg. 1 line 10 applied once:
+        lse = log(e^lse_a + e^lse_b),  out = e^(lse_a - lse) out_a + e^(lse_b - lse) out_b.
+    A row empty in both keeps LSE -inf and gets weights 0. *_strides: (batch, row, head) of ACC / O, (batch,
+    head) of the LSEs (rows contiguous)."""
+    bh = tl.program_id(1)
+    b = tl.cast(bh // nheads, tl.int64)
+    h = tl.cast(bh % nheads, tl.int64)
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = rows < seqlen
+    r64 = rows.to(tl.int64)
+    sab, sah = acc_lse_strides
+    slb, slh = lse_strides
+    lse_a = tl.load(ACC_LSE + b * sab + h * sah + r64, mask=row_ok, other=float("-inf"))
+    lse_b = tl.load(LSE + b * slb + h * slh + r64, mask=row_ok, other=float("-inf"))
+    m = tl.maximum(lse_a, lse_b)
+    m = tl.where(m == float("-inf"), 0.0, m)   # both empty: weights exp(-inf) = 0, not NaN
+    w_a = tl.math.exp2((lse_a - m) * LOG2E)
+    w_b = tl.math.exp2((lse_b - m) * LOG2E)
+    total = w_a + w_b
+    lse = tl.where(total == 0.0, float("-inf"), m + tl.log(tl.where(total == 0.0, 1.0, total)))
+    inv = 1.0 / tl.where(total == 0.0, 1.0, total)
+    sb, sm, sh = acc_strides
+    ob, om, oh = o_strides
+    mask = row_ok[:, None] & (offs_d[None, :] < head_dim)
+    acc_ptrs = ACC + b * sb + h * sh + r64[:, None] * sm + offs_d[None, :]
+    o = tl.load(O + b * ob + h * oh + r64[:, None] * om + offs_d[None, :], mask=mask, other=0.0)
+    acc = tl.load(acc_ptrs, mask=mask, other=0.0)
+    out = acc * (w_a * inv)[:, None] + to_dtype(o, tl.float32) * (w_b * inv)[:, None]
+    tl.store(acc_ptrs, out, mask=mask)
+    tl.store(ACC_LSE + b * sab + h * sah + r64, lse, mask=row_ok)
+
+
+def merge_into(acc: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """(acc, acc_lse) <- the merge of attention (acc, acc_lse) with attention (out, lse) over a disjoint key set,
+    in place, one pass over each tensor. acc: (batch, seqlen, nheads, d) float32, out: the same shape in any float
+    dtype (views with a contiguous last dim); acc_lse, lse: (batch, nheads, seqlen) float32 natural log with
+    contiguous rows."""
+    b, s, h, d = acc.shape
+    if b * s * h == 0:
+        return
+    rows = 32
+    relaunch.launch(merge_into_kernel, (triton.cdiv(s, rows), b * h), (
+        acc, acc_lse, out, lse, acc.stride()[:3], acc_lse.stride()[:2], out.stride()[:3], lse.stride()[:2], h, s,
+        d), dict(ROWS=rows, BLOCK_D=max(16, next_pow2(d)), num_warps=4))
