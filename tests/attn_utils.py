@@ -241,3 +241,28 @@ def empty_rows(c: Case, device=DEVICE) -> torch.Tensor:
 
 def binomial_5sigma(n: int, p_keep: float) -> float:
     return 5.0 * math.sqrt(n * p_keep * (1.0 - p_keep))
+
+
+def dq_acc_case(varlen: bool, dtype, device, dense=(2, 77, 90), d: int = 64):
+    """A problem (dense causal GQA of (batch, seqlen_q, seqlen_k) `dense`, or varlen with a zero-length sequence
+    and padding rows after the last one) with its forward run: (problem, extras, q, k, v, dout, out, lse)."""
+    from flashtile import interface
+    from flashtile.api import problem as P
+    h, hk = 4, 2
+    if varlen:
+        cu = torch.tensor([0, 37, 37, 100, 161], dtype=torch.int32, device=device)
+        total = 170   # rows 161.. belong to no sequence
+        q, do = (torch.randn(total, h, d, device=device).to(dtype) for _ in range(2))
+        k, v = (torch.randn(total, hk, d, device=device).to(dtype) for _ in range(2))
+        p = P.memoised({}, (q, k, v, cu, cu, 64, 64, 0.0, None, True, (-1, -1), 0.0, None, False, False), P.varlen)
+        pad = P.cu_seqlens_values("cu_seqlens_q", cu, total, 64, "max_seqlen_q")
+        p = dataclasses.replace(p, pad_q=pad, pad_k=pad)
+        x = interface.Extras(None, cu, cu)
+    else:
+        b, sq, sk = dense
+        q, do = (torch.randn(b, sq, h, d, device=device).to(dtype) for _ in range(2))
+        k, v = (torch.randn(b, sk, hk, d, device=device).to(dtype) for _ in range(2))
+        p = P.memoised({}, (q, k, v, 0.0, None, True, (-1, -1), 0.0, None, False, False), P.dense)
+        x = interface.NO_EXTRAS
+    out, lse, _, _ = interface.forward(p, q, k, v, x)
+    return p, x, q, k, v, do, out, lse

@@ -8,7 +8,7 @@ import triton.language as tl
 import flashtile
 from flashtile.kernels.triton import configs, launch
 from flashtile.kernels.triton.mods import tile_order
-from attn_utils import DEVICE
+from attn_utils import DEVICE, dq_acc_case
 from flashtile.reference.dense import attention_ref
 
 
@@ -290,3 +290,30 @@ def test_triton_templates_launch_what_the_slow_path_does(varlen, atomic, monkeyp
     memo = {}
     launch.flash_fwd(q, k, v, out, lse, launch.AttnParams(0.3, dropout_p=0.1, seed=1), **lens, memo=memo)
     assert not memo
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_dq_added_into_a_float32_accumulator(seed, varlen):
+    """backward(..., dq_acc=acc) (the ring's steps): acc gains dQ in float32, the same dQ the plain call returns
+    (to its rounding), rows of no sequence gain nothing; dK, dV are the plain call's; dq comes back None."""
+    from flashtile import interface
+    p, x, q, k, v, do, out, lse = dq_acc_case(varlen, torch.float32, DEVICE)
+    dq, dk, dv = interface.backward(p, do, q, k, v, out, lse, None, x)
+    before = torch.randn(q.shape, device=q.device)
+    acc = before.clone()
+    got = interface.backward(p, do, q, k, v, out, lse, None, x, dq_acc=acc)
+    assert got[0] is None
+    assert torch.equal(got[1], dk) and torch.equal(got[2], dv)
+    assert torch.allclose(acc, before + dq, atol=1e-5, rtol=0), f"seed={seed}"
+    if varlen:
+        assert torch.equal(acc[161:], before[161:])
+
+
+def test_dq_acc_refused_with_a_bias():
+    from flashtile import interface
+    from flashtile.api.errors import ArgumentError
+    import dataclasses
+    p, x, q, k, v, do, out, lse = dq_acc_case(False, torch.float32, DEVICE)
+    with pytest.raises(ArgumentError, match="dq_acc"):
+        interface.backward(dataclasses.replace(p, bias=True), do, q, k, v, out, lse, None, x,
+                           bias=torch.zeros(1, 1, 77, 90), dq_acc=torch.zeros(q.shape))

@@ -327,7 +327,8 @@ class DenseBlocks:
     """Runs the BlockCalls of a dense plan, each on a rectangle of the (batch, seqlen_local, heads, headdim)
     shards. The ring passes (`_ring_forward` / `_ring_backward`) drive any object with this interface:
     rows(c) -> (query rows, key rows) of the local shards a call reads, forward(c, q, k, v) -> (out, lse)
-    on those rows, backward(c, dout, q, k, v, out, lse) -> (dq, dk, dv) on those rows, all batch-first."""
+    on those rows, backward(c, dout, q, k, v, out, lse, dq_acc) -> (None, dk, dv) on those rows with dQ added
+    into dq_acc (float32, those rows of the running sum), all batch-first."""
 
     def __init__(self, p: Problem):
         self.p = p
@@ -340,8 +341,9 @@ class DenseBlocks:
         out, lse, _, _ = _interface.forward(_block(self.p, c), q, k, v)
         return out, lse
 
-    def backward(self, c, dout, q, k, v, out, lse):
-        return _interface.backward(_block(self.p, c), dout, q, k, v, out, lse, None)
+    def backward(self, c, dout, q, k, v, out, lse, dq_acc):
+        """(None, dk, dv): dQ is added into dq_acc (float32) by the kernel."""
+        return _interface.backward(_block(self.p, c), dout, q, k, v, out, lse, None, dq_acc=dq_acc)
 
 
 def _ring_forward(ring: _Ring, q, k, v, plans, blocks):
@@ -378,9 +380,8 @@ def _ring_backward(ring: _Ring, dout, q, k, v, out, lse, plans, blocks):
             # global out and lse: P = exp(S - lse_global), D = rowsum(dO * O_global) -> exactly this
             # block's share of dQ and of the shard's dK, dV
             qs, ks = blocks.rows(c)
-            dq_b, dk_b, dv_b = blocks.backward(c, dout[:, qs], q[:, qs], kv[0][:, ks], kv[1][:, ks], out[:, qs],
-                                               lse[:, :, qs].contiguous())
-            dq[:, qs] += dq_b
+            _, dk_b, dv_b = blocks.backward(c, dout[:, qs], q[:, qs], kv[0][:, ks], kv[1][:, ks], out[:, qs],
+                                            lse[:, :, qs].contiguous(), dq[:, qs])
             dkv[0][:, ks] += dk_b
             dkv[1][:, ks] += dv_b
         if dkv_flight is not None:  # the shard's dK/dV accumulated by the ranks it visited before us

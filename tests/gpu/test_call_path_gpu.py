@@ -71,3 +71,40 @@ def test_gluon_switched_off_between_calls_takes_the_triton_path(seed, monkeypatc
     monkeypatch.setenv("FLASHTILE_GLUON", "0")
     out = flashtile.flash_attn_func(q, k, v, causal=True)
     check_against_reference(c, q, k, v, dout, alibi, out, None, None, None)
+
+
+@pytest.mark.parametrize("case", ["dense-aligned", "dense-ragged", "varlen"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_dq_added_into_accumulator_by_the_gluon_backward_gpu(case, d, seed):
+    """backward(..., dq_acc=acc) on the Gluon kernels (the ring's steps): acc gains the dQ the plain call returns
+    (within its 16-bit rounding), twice in a row, rows of no sequence gain nothing; dK, dV equal the plain call's."""
+    from attn_utils import dq_acc_case
+    from flashtile import interface
+    dense = (2, 1024, 1024) if case == "dense-aligned" else (2, 300, 500)
+    p, x, q, k, v, do, out, lse = dq_acc_case(case == "varlen", bf16, "cuda", dense, d)
+    dq, dk, dv = interface.backward(p, do, q, k, v, out, lse, None, x)
+    before = torch.randn(q.shape, device="cuda")
+    acc = before.clone()
+    for n in (1, 2):
+        _, dk2, dv2 = interface.backward(p, do, q, k, v, out, lse, None, x, dq_acc=acc)
+        assert torch.equal(dk2, dk) and torch.equal(dv2, dv)
+        err = (acc - (before + n * dq.float())).abs().max().item()
+        assert err <= n * 2 ** -7 * dq.float().abs().max().item() + 1e-5, (n, err)
+    if case == "varlen":
+        assert torch.equal(acc[161:], before[161:])
+
+
+def test_merge_into_matches_merge_attention_gpu(seed):
+    """The ring's in-place merge (combine.merge_into) on the GPU against the readable rule (merge_attention)."""
+    from flashtile.distributed import merge_attention
+    from flashtile.kernels.triton.combine import merge_into
+    b, s, h, d = 2, 1000, 8, 128
+    oa = torch.randn(b, s, h, d, device="cuda")
+    ob = torch.randn(b, s, h, d, device="cuda").to(bf16)
+    la, lb = (torch.randn(b, h, s, device="cuda") * 4 for _ in range(2))
+    la[:, :, :10] = float("-inf")
+    lb[:, :, 5:15] = float("-inf")
+    mo, ml = merge_attention(oa, la, ob, lb)
+    merge_into(oa, la, ob, lb)
+    assert torch.allclose(oa, mo, atol=1e-5, rtol=1e-5) and torch.equal(torch.isinf(la), torch.isinf(ml))
+    assert torch.allclose(la[torch.isfinite(ml)], ml[torch.isfinite(ml)], atol=1e-5)

@@ -527,7 +527,8 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, 
     """dq, dk, dv of attention(q, k, v) by the Gluon FA3 backward, from the forward's lse (natural log) and
     delta = rowsum(dout o out) (- dlse), both (batch, nheads, seqlen_q) or (varlen) (nheads, total_q) float32 with
     equal strides. Call only where supports(..., backward=True) said yes; dout is made contiguous here, dk / dv
-    may be strided. dq_acc: a zeroed float32 accumulator of q's shape, contiguous (None: made here). bias, mask,
+    may be strided. dq_acc: a zeroed float32 accumulator of q's shape, contiguous (None: made here); dq None: dQ
+    is added into dq_acc and left there (the caller's running sum, not zeroed here; dq_acc then required). bias, mask,
     sparse, mods: flashtile.flex's features as fwd takes them (mods.score_aux_grad: the captured tensors' gradient
     buffers)."""
     _, kern, TensorDescriptor = _kernels(_device_index(q))
@@ -565,7 +566,8 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, 
     tpl = _BWD_TEMPLATES.get(key) if key is not None else None
     if tpl is not None and tpl.kwargs == kwargs and tpl.launch(grid, (k, v, q, dout, dq_acc, dk, dv), lse, delta,
                                                                extras):
-        dq.copy_(dq_acc)
+        if dq is not None:
+            dq.copy_(dq_acc)
         return
 
     def desc(t, rows, cols):
@@ -604,7 +606,8 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, 
         if bound is not None:
             relaunch.remember(_BWD_TEMPLATES, key, _BwdTemplate(bound, kwargs, TensorDescriptor, [
                 descriptor_fields(d) for d in (*descs, dk_desc, dv_desc)], not dense))
-    dq.copy_(dq_acc)
+    if dq is not None:
+        dq.copy_(dq_acc)
     for out, grad in ((dk_out, dk), (dv_out, dv)):
         if out is not grad:
             grad.copy_(out)
