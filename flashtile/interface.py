@@ -124,13 +124,11 @@ def forward(p: Problem, q, k, v, x: Extras = NO_EXTRAS, bias=None, mod_tensors=(
 
 
 def backward(p: Problem, dout, q, k, v, out, lse, rng_state, x: Extras = NO_EXTRAS, bias=None, mod_tensors=(),
-             dlse=None, dq_acc: Optional[torch.Tensor] = None, dkv_acc=None) -> list:
+             dlse=None, dq_acc: Optional[torch.Tensor] = None) -> list:
     """[dq, dk, dv], then dbias (attn_bias's shape and dtype) if p.bias_grad, then the gradient of every score_mod
     captured tensor i with bit i of p.mod_grad_bits set. dlse: the gradient reaching the forward's LSE output.
     dq_acc: a float32 tensor of q's shape that dQ is added into, in float32 (a caller summing dQ over several
-    calls, as the ring does over its steps: no dQ of its own, no conversion); dq is then None (plain problems).
-    dkv_acc: with dq_acc, float32 tensors of k's and v's shapes that dK and dV are added into likewise (dk, dv
-    then None)."""
+    calls, as the ring does over its steps: no dQ of its own, no conversion); dq is then None (plain problems)."""
     params = p.params
     if rng_state is not None:
         seed, offset = (int(s) for s in rng_state.tolist())
@@ -139,18 +137,19 @@ def backward(p: Problem, dout, q, k, v, out, lse, rng_state, x: Extras = NO_EXTR
         dout = dout.contiguous()
     if dq_acc is not None and not p.plain:
         fail("dq_acc", "a tensor", "None for problems with attn_bias, attn_mask, block masks or mods")
-    if dkv_acc is not None and dq_acc is None:
-        fail("dkv_acc", "a pair of tensors", "None unless dq_acc is given")
-    padded = _padded_output if p.varlen else (lambda t, pad: output_like(t))
-    dq = None if dq_acc is not None else padded(q, p.pad_q)
-    dk, dv = (None, None) if dkv_acc is not None else (padded(k, p.pad_k), padded(v, p.pad_k))
+    if p.varlen:
+        dq = None if dq_acc is not None else _padded_output(q, p.pad_q)
+        dk, dv = _padded_output(k, p.pad_k), _padded_output(v, p.pad_k)
+    else:
+        dq = None if dq_acc is not None else output_like(q)
+        dk, dv = output_like(k), output_like(v)
     if p.plain:
-        dispatch.backward(p, params, dout, q, k, v, out, lse, dq, dk, dv, x, dlse=dlse, dq_acc=dq_acc,
-                          dkv_acc=dkv_acc)
+        dispatch.backward(p, params, dout, q, k, v, out, lse, dq, dk, dv, x, dlse=dlse, dq_acc=dq_acc)
         if p.varlen:
-            for g, pad in ((dq, p.pad_q), (dk, p.pad_k), (dv, p.pad_k)):
-                if g is not None:
-                    _zero_tail(g, pad)
+            if dq is not None:
+                _zero_tail(dq, p.pad_q)
+            _zero_tail(dk, p.pad_k)
+            _zero_tail(dv, p.pad_k)
         return [dq, dk, dv]
     # dBias accumulates in float32 (atomics where attn_bias broadcasts); tiles never visited stay 0
     dbias = torch.zeros(bias.shape, device=q.device, dtype=torch.float32) if p.bias_grad else None

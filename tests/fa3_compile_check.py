@@ -176,9 +176,6 @@ def compile_bwd(head_dim: int, causal: bool, dtype: torch.dtype, features=()):
     flags["TAIL"] = flags["TAIL"] or sparse is not None
     ours = fa3.bwd_flags(params, flags["VARLEN"], None, s, s, block_m, block_n, flex, sparse is not None)
     flags.update(SKIP=ours["SKIP"] or flags["TAIL"], EMPTY=ours["EMPTY"] or flags["TAIL"], **flex_consts)
-    flags["DKV_ACC"] = "dkv_acc" in features   # dK, dV added into float32 accumulators (fa3.bwd's accumulate_dkv)
-    if flags["DKV_ACC"]:
-        runtime.update(dk_ptr=torch.zeros(b * s, h * head_dim), dv_ptr=torch.zeros(b * s, h * head_dim))
     return _compile(_fa3_bwd_any.fa3_bwd_any_kernel, runtime, dict(consts, **flags))
 
 

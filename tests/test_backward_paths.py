@@ -293,24 +293,20 @@ def test_triton_templates_launch_what_the_slow_path_does(varlen, atomic, monkeyp
 
 
 @pytest.mark.parametrize("varlen", [False, True])
-@pytest.mark.parametrize("dkv", [False, True])
-def test_gradients_added_into_float32_accumulators(seed, varlen, dkv):
-    """backward(..., dq_acc=acc[, dkv_acc=(acc_k, acc_v)]) (the ring's steps): the accumulators gain dQ (dK, dV)
-    in float32, the gradients the plain call returns (to their rounding), rows of no sequence gain nothing; the
-    gradients not accumulated are the plain call's; accumulated ones come back None."""
+def test_dq_added_into_a_float32_accumulator(seed, varlen):
+    """backward(..., dq_acc=acc) (the ring's steps): acc gains dQ in float32, the same dQ the plain call returns
+    (to its rounding), rows of no sequence gain nothing; dK, dV are the plain call's; dq comes back None."""
     from flashtile import interface
     p, x, q, k, v, do, out, lse = dq_acc_case(varlen, torch.float32, DEVICE)
-    plain = interface.backward(p, do, q, k, v, out, lse, None, x)
-    before = [torch.randn(t.shape, device=t.device) for t in (q, k, v)]
-    acc = [b.clone() for b in before]
-    got = interface.backward(p, do, q, k, v, out, lse, None, x, dq_acc=acc[0], dkv_acc=(acc[1], acc[2]) if dkv else None)
-    n_acc = 3 if dkv else 1
-    assert all(g is None for g in got[:n_acc])
-    assert all(torch.equal(g, r) for g, r in zip(got[n_acc:], plain[n_acc:]))
-    for a, b, r in zip(acc[:n_acc], before, plain):
-        assert torch.allclose(a, b + r, atol=1e-5, rtol=0), f"seed={seed}"
-        if varlen:
-            assert torch.equal(a[161:], b[161:])
+    dq, dk, dv = interface.backward(p, do, q, k, v, out, lse, None, x)
+    before = torch.randn(q.shape, device=q.device)
+    acc = before.clone()
+    got = interface.backward(p, do, q, k, v, out, lse, None, x, dq_acc=acc)
+    assert got[0] is None
+    assert torch.equal(got[1], dk) and torch.equal(got[2], dv)
+    assert torch.allclose(acc, before + dq, atol=1e-5, rtol=0), f"seed={seed}"
+    if varlen:
+        assert torch.equal(acc[161:], before[161:])
 
 
 def test_dq_acc_refused_with_a_bias():

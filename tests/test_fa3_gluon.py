@@ -264,7 +264,6 @@ def test_kernels_compile_for_sm90():
     specs += [f"bwd,{d},{c},bf16" for d in sorted(fa3.BWD_CONFIGS) for c in (0, 1)] + ["bwd,64,1,fp16"]
     specs += [f"bwdx,{d},{f},bf16" for d in sorted(fa3.BWD_CONFIGS) for f in
               ("causal+tail", "left+right+tail", "softcap+alibi", "causal+varlen+tail+softcap+alibi")]
-    specs += [f"bwdx,{d},causal+varlen+tail+dkv_acc,bf16" for d in sorted(fa3.BWD_CONFIGS)]   # the ring's steps
     # flashtile.flex's features (tests/fa3_compile_check.py FLEX): mods, masks, a bias, block masks
     specs += [f"fwdx,{d},{f}" for d in fa3.FLEX_HEAD_DIMS for f in ("scoremod+maskmod+causal,bf16",
                                                                    "sparse+mask+bias,fp16")]

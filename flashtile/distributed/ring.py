@@ -327,8 +327,8 @@ class DenseBlocks:
     """Runs the BlockCalls of a dense plan, each on a rectangle of the (batch, seqlen_local, heads, headdim)
     shards. The ring passes (`_ring_forward` / `_ring_backward`) drive any object with this interface:
     rows(c) -> (query rows, key rows) of the local shards a call reads, forward(c, q, k, v) -> (out, lse)
-    on those rows, backward(c, dout, q, k, v, out, lse, dq_acc, dkv_acc) adding dQ, dK, dV on those rows into
-    dq_acc and dkv_acc (float32, those rows of the running sums), all batch-first."""
+    on those rows, backward(c, dout, q, k, v, out, lse, dq_acc) -> (None, dk, dv) on those rows with dQ added
+    into dq_acc (float32, those rows of the running sum), all batch-first."""
 
     def __init__(self, p: Problem):
         self.p = p
@@ -341,9 +341,9 @@ class DenseBlocks:
         out, lse, _, _ = _interface.forward(_block(self.p, c), q, k, v)
         return out, lse
 
-    def backward(self, c, dout, q, k, v, out, lse, dq_acc, dkv_acc):
-        """dQ, dK, dV added into dq_acc and dkv_acc (float32); returns nothing."""
-        _interface.backward(_block(self.p, c), dout, q, k, v, out, lse, None, dq_acc=dq_acc, dkv_acc=dkv_acc)
+    def backward(self, c, dout, q, k, v, out, lse, dq_acc):
+        """(None, dk, dv): dQ is added into dq_acc (float32) by the kernel."""
+        return _interface.backward(_block(self.p, c), dout, q, k, v, out, lse, None, dq_acc=dq_acc)
 
 
 def _ring_forward(ring: _Ring, q, k, v, plans, blocks):
@@ -380,8 +380,10 @@ def _ring_backward(ring: _Ring, dout, q, k, v, out, lse, plans, blocks):
             # global out and lse: P = exp(S - lse_global), D = rowsum(dO * O_global) -> exactly this
             # block's share of dQ and of the shard's dK, dV
             qs, ks = blocks.rows(c)
-            blocks.backward(c, dout[:, qs], q[:, qs], kv[0][:, ks], kv[1][:, ks], out[:, qs],
-                            lse[:, :, qs].contiguous(), dq[:, qs], (dkv[0][:, ks], dkv[1][:, ks]))
+            _, dk_b, dv_b = blocks.backward(c, dout[:, qs], q[:, qs], kv[0][:, ks], kv[1][:, ks], out[:, qs],
+                                            lse[:, :, qs].contiguous(), dq[:, qs])
+            dkv[0][:, ks] += dk_b
+            dkv[1][:, ks] += dv_b
         if dkv_flight is not None:  # the shard's dK/dV accumulated by the ranks it visited before us
             _wait(dkv_flight[0])
             dkv += dkv_flight[2]

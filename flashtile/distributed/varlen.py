@@ -358,10 +358,10 @@ class VarlenBlocks:
         out, lse, _, _ = _interface.forward(p, q[0], k[0], v[0], x)
         return out[None], lse[None]
 
-    def backward(self, c, dout, q, k, v, out, lse, dq_acc, dkv_acc):
+    def backward(self, c, dout, q, k, v, out, lse, dq_acc):
         p, x = self._call(c)
-        _interface.backward(p, dout[0], q[0], k[0], v[0], out[0], lse[0], None, x, dq_acc=dq_acc[0],
-                            dkv_acc=(dkv_acc[0][0], dkv_acc[1][0]))
+        _, dk, dv = _interface.backward(p, dout[0], q[0], k[0], v[0], out[0], lse[0], None, x, dq_acc=dq_acc[0])
+        return None, dk[None], dv[None]
 
 
 def ring_flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens, max_seqlen: int,

@@ -78,15 +78,24 @@ def flash_fwd(q, k, v, out, lse, params, alibi=None, cu_seqlens_q=None, cu_seqle
 def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None,
               max_seqlen_q=None, max_seqlen_k=None, deterministic=False, bias=None, mask=None, sparse=None,
               dbias=None, mods=None, dlse: Optional[torch.Tensor] = None, memo: Optional[dict] = None,
-              dq_acc: Optional[torch.Tensor] = None, dkv_acc=None) -> None:
+              dq_acc: Optional[torch.Tensor] = None) -> None:
     """launch.flash_bwd's call: dq, dk, dv (and dbias, the mods' captured gradients); by FlashAttention-3's
     warp-specialized backward (Gluon) from the Triton preprocess kernel's D where fa3.supports(backward=True) says
     it takes the problem (not dbias), except for deterministic gradients (it adds dQ atomically); else by the Triton
-    kernels. dq_acc (float32, q's shape): dQ is added into it instead (dq is then None), and with dkv_acc (float32
-    tensors of k's and v's shapes) dK, dV into those (dk, dv then None): _flash_bwd_into. Plain problems only."""
+    kernels. dq_acc (float32, q's shape): dQ is added into it instead (dq is then None): the Gluon kernel adds
+    into it directly where it is contiguous, else dQ is computed and added."""
     if dq_acc is not None:
-        _flash_bwd_into(dout, q, k, v, out, lse, dk, dv, params, alibi, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                        max_seqlen_k, deterministic, dlse, memo, dq_acc, dkv_acc)
+        if (dq_acc.is_contiguous() and not deterministic and k.numel() > 0
+                and fa3.supports(q, k, v, params, alibi, cu_seqlens_q, bias, mask, sparse, mods, backward=True,
+                                 dbias=dbias)):
+            delta = launch.bwd_delta(out, dout, lse, dlse, cu_seqlens_q, max_seqlen_q)
+            fa3.bwd(dout, q, k, v, lse, delta, None, dk, dv, params, dq_acc, alibi, cu_seqlens_q, cu_seqlens_k,
+                    max_seqlen_q, max_seqlen_k, bias, mask, sparse, mods)
+            return
+        dq = torch.zeros_like(q)   # (rows of no sequence stay 0: nothing is added there)
+        flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params, alibi, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                  max_seqlen_k, deterministic, bias, mask, sparse, dbias, mods, dlse, memo)
+        dq_acc.add_(dq)
         return
     if launch.relaunch_bwd(memo, dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, alibi, dlse):
         return
@@ -106,33 +115,6 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params, alibi=None, cu_seqlen
     launch.flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params, alibi, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                      max_seqlen_k, deterministic=deterministic, bias=bias, mask=mask, sparse=sparse, dbias=dbias,
                      mods=mods, dlse=dlse, memo=memo)
-
-
-def _flash_bwd_into(dout, q, k, v, out, lse, dk, dv, params, alibi, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                    max_seqlen_k, deterministic, dlse, memo, dq_acc, dkv_acc) -> None:
-    """flash_bwd adding dQ into dq_acc and (dkv_acc) dK, dV into dkv_acc, in float32 (a caller's running sums, e.g.
-    the ring's over its steps): the Gluon backward adds into contiguous accumulators itself (dQ by its reduce-adds,
-    dK / dV by fa3_bwd_any_kernel's DKV_ACC where it takes the problem), so nothing is zeroed, converted or added
-    again per call; otherwise the gradients are computed and added."""
-    varlen = cu_seqlens_q is not None
-    if (not deterministic and k.numel() > 0 and dq_acc.is_contiguous()
-            and fa3.supports(q, k, v, params, alibi, cu_seqlens_q, backward=True)
-            and (dkv_acc is None or (all(t.is_contiguous() for t in dkv_acc)
-                                     and fa3.accumulates_dkv(q, k, params, alibi, varlen)))):
-        delta = launch.bwd_delta(out, dout, lse, dlse, cu_seqlens_q, max_seqlen_q)
-        fa3.bwd(dout, q, k, v, lse, delta, None, *(dkv_acc or (dk, dv)), params, dq_acc, alibi, cu_seqlens_q,
-                cu_seqlens_k, max_seqlen_q, max_seqlen_k, accumulate_dkv=dkv_acc is not None)
-        return
-    new = torch.zeros_like if varlen else torch.empty_like   # (varlen: rows of no sequence stay 0, add nothing)
-    dq = new(q)
-    if dkv_acc is not None:
-        dk, dv = new(k), new(v)
-    flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params, alibi, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-              max_seqlen_k, deterministic, dlse=dlse, memo=memo)
-    dq_acc.add_(dq)
-    if dkv_acc is not None:
-        dkv_acc[0].add_(dk)
-        dkv_acc[1].add_(dv)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -206,12 +188,13 @@ class _GluonBackward:
 
 
 def backward(p, params, dout, q, k, v, out, lse, dq, dk, dv, x, bias=None, dbias=None, mods=None, dlse=None,
-             dq_acc=None, dkv_acc=None) -> None:
-    """dq, dk, dv (and dbias, the mods' captured gradients) of problem p; see forward. dq_acc, dkv_acc: flash_bwd's
-    (plain problems)."""
+             dq_acc=None) -> None:
+    """dq, dk, dv (and dbias, the mods' captured gradients) of problem p; see forward. dq_acc: flash_bwd's (dq
+    None)."""
     if dq_acc is not None:
-        _flash_bwd_into(dout, q, k, v, out, lse, dk, dv, params, x.alibi, x.cu_seqlens_q, x.cu_seqlens_k, p.seqlen_q,
-                        p.seqlen_k, p.deterministic, dlse, p.cache, dq_acc, dkv_acc)
+        flash_bwd(dout, q, k, v, out, lse, None, dk, dv, params, x.alibi, x.cu_seqlens_q, x.cu_seqlens_k, p.seqlen_q,
+                  p.seqlen_k, deterministic=p.deterministic, bias=bias, mask=x.mask, sparse=x.sparse, dbias=dbias,
+                  mods=mods, dlse=dlse, memo=p.cache, dq_acc=dq_acc)
         return
     plan = p.cache.get("bwd", False)
     if plan is False:

@@ -191,8 +191,7 @@ def _consumer_partition(wg: gl.constexpr, shared, BLOCK_M: gl.constexpr, BLOCK_N
                         HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
                         TAIL: gl.constexpr, SKIP: gl.constexpr, EMPTY: gl.constexpr, SCORE_MOD: gl.constexpr,
                         SCORE_GRAD: gl.constexpr, SCORE_CAPTURED_GRAD: gl.constexpr, MASK_MOD: gl.constexpr,
-                        HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr, SPARSE_BLOCK: gl.constexpr,
-                        DKV_ACC: gl.constexpr):
+                        HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr, SPARSE_BLOCK: gl.constexpr):
     """Consumer warpgroup `wg`: key rows [wg * 64, wg * 64 + 64) of the program's block through every query block
     (per query head of the group), then its rows of dK_j, dV_j (Algorithm 2 line 22). `shared`: the buffers,
     barriers, descriptors and scalars it uses (as the kernel names them), among them lse_rows: (stride_lse_b,
@@ -244,38 +243,21 @@ def _consumer_partition(wg: gl.constexpr, shared, BLOCK_M: gl.constexpr, BLOCK_N
     # key rows past the sequence) by masked pointer stores
     dq_tok = _dq_product(ds_bufs, ds_ready, k_smem, dq_init, n_iters - 1, wg, WG_N, BLOCK_M)
     _store_dkv(dk, dv, dkv, q_bufs, do_bufs, qdo_empty, kv_row + wg * WG_N, kv_col, len_k - (kv_start + wg * WG_N),
-               n_iters, sm_scale, wg, BLOCK_M, STAGES, TAIL, DKV_ACC)
+               n_iters, sm_scale, wg, BLOCK_M, STAGES, TAIL)
     dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, ))
     _dq_reduce_add(dq_desc, dq_smem, dq * sm_scale, dq_row, dq_col)
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
-def _add_rows(x, ptr, stride_row, row0, n_rows, col):
-    """Rows row0 + [0, n_rows) of a row-major float32 2-D view at columns [col, +x.shape[1]) += x, by pointer
-    loads and stores in x's own register layout."""
-    layout: gl.constexpr = x.type.layout
-    r = gl.arange(0, x.shape[0], layout=gl.SliceLayout(1, layout))
-    d = gl.arange(0, x.shape[1], layout=gl.SliceLayout(0, layout))
-    offs = (gl.expand_dims((row0 + r).to(gl.int64) * stride_row, 1) + gl.expand_dims((col + d).to(gl.int64), 0))
-    keep = gl.expand_dims(r < n_rows, 1) & gl.expand_dims(d < x.shape[1], 0)
-    gl.store(ptr + offs, gl.load(ptr + offs, mask=keep, other=0.0) + x, mask=keep)
-
-
-@gluon.jit
 def _store_dkv(dk, dv, dkv, q_bufs, do_bufs, qdo_empty, row, col, n_rows, n_iters, sm_scale, wg: gl.constexpr,
-               BLOCK_M: gl.constexpr, STAGES: gl.constexpr, TAIL: gl.constexpr, DKV_ACC: gl.constexpr = False):
+               BLOCK_M: gl.constexpr, STAGES: gl.constexpr, TAIL: gl.constexpr):
     """dK_w (scaled) and dV_w to rows [row, +64), staged as the dense kernel does (stage_dkv): one TMA store each,
-    or (TAIL, fewer than 64 of the rows in the sequence: n_rows) masked pointer stores (store_rows); DKV_ACC: added
-    in float32 into float32 dK, dV (a caller's running sums, e.g. the ring's over its steps). dkv: the descriptors,
-    pointers and row strides."""
+    or (TAIL, fewer than 64 of the rows in the sequence: n_rows) masked pointer stores (store_rows). dkv: the
+    descriptors, pointers and row strides."""
     dk_desc, dv_desc, dk_ptr, dv_ptr, stride_dk_row, stride_dv_row = dkv
     WG_N: gl.constexpr = dk.shape[0]
     HEAD_D: gl.constexpr = dk.shape[1]
-    if DKV_ACC:
-        _add_rows(dk * sm_scale, dk_ptr, stride_dk_row, row, n_rows, col)
-        _add_rows(dv, dv_ptr, stride_dv_row, row, n_rows, col)
-        return
     dk_smem, dv_smem = stage_dkv(dk, dv, q_bufs, do_bufs, qdo_empty, n_iters, sm_scale, wg, BLOCK_M, STAGES)
     if TAIL:
         if n_rows < WG_N:
@@ -298,8 +280,7 @@ def fa3_bwd_any_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_
                    HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, TAIL: gl.constexpr,
                    SKIP: gl.constexpr, EMPTY: gl.constexpr, SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr,
                    SCORE_CAPTURED_GRAD: gl.constexpr, MASK_MOD: gl.constexpr,
-                   HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr, SPARSE_BLOCK: gl.constexpr,
-                   DKV_ACC: gl.constexpr = False, num_warps: gl.constexpr = 4):
+                   HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr, SPARSE_BLOCK: gl.constexpr, num_warps: gl.constexpr):
     """Grid (cdiv(seqlen_k, BLOCK_N), batch * nheads_k); BLOCK_N = 2 x 64 key rows (one 64-row half per consumer
     warpgroup, num_warps = 4), BLOCK_M query rows per step. k/v descriptors: 2-D views (rows, nheads_k * HEAD_D),
     blocks (BLOCK_N, HEAD_D); q/dO: (rows, nheads * HEAD_D), blocks (BLOCK_M, HEAD_D); rows = batch * seqlen
@@ -316,8 +297,7 @@ def fa3_bwd_any_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_
     flashtile.flex's features as fa3_fwd_kernel's (bias_t, mask_t, score_aux, mask_aux; sparse: the block mask's
     transposed lists, per key block its query blocks, one list for the program's group of query heads), plus
     score_mod's derivative SCORE_GRAD (None: additive) and SCORE_CAPTURED_GRAD adding its captured tensors'
-    gradients into score_aux_grad's buffers (fa3.flex_args); DKV_ACC: dK, dV added into float32 dk_ptr / dv_ptr
-    (dk_desc / dv_desc unused); with a block mask, order_ptr: the programs' (head, key
+    gradients into score_aux_grad's buffers (fa3.flex_args); with a block mask, order_ptr: the programs' (head, key
     block) pairs as bh * n_key_blocks + key block, those with the most listed query blocks first (a key block every
     query sees, such as attention sinks', is the longest program: started last, it would end the launch alone).
     Without one: one head's key blocks after another: they share the head's Q_i, dO_i in L2 (every head's first
@@ -366,10 +346,10 @@ def fa3_bwd_any_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_
     gl.warp_specialize([
         (_consumer_partition, (0, shared, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, VARLEN, HAS_LEFT, HAS_RIGHT,
                                SOFTCAP, ALIBI, TAIL, SKIP, EMPTY, SCORE_MOD, SCORE_GRAD, SCORE_CAPTURED_GRAD, MASK_MOD,
-                               HAS_BIAS, HAS_MASK, SPARSE_BLOCK, DKV_ACC)),
+                               HAS_BIAS, HAS_MASK, SPARSE_BLOCK)),
         (_consumer_partition, (1, shared, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, VARLEN, HAS_LEFT, HAS_RIGHT,
                                SOFTCAP, ALIBI, TAIL, SKIP, EMPTY, SCORE_MOD, SCORE_GRAD, SCORE_CAPTURED_GRAD, MASK_MOD,
-                               HAS_BIAS, HAS_MASK, SPARSE_BLOCK, DKV_ACC)),
+                               HAS_BIAS, HAS_MASK, SPARSE_BLOCK)),
         (_load_partition, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, qdo_ready,
                            qdo_empty, kv_row, hk * HEAD_D, q_row0, n_iters, n_i, i_start, hk, group, BLOCK_M,
                            HEAD_D, STAGES, (srow, sparse, len_q), SPARSE_BLOCK)),

@@ -494,11 +494,6 @@ def _bwd_key(q, k, v, lse, dk, dv, params, alibi, sq, sk):
             None if alibi is None else alibi.stride(), sq, sk, bwd_dq_tile(BWD_CONFIGS[head_dim][0], head_dim))
 
 
-def accumulates_dkv(q, k, params, alibi, varlen: bool) -> bool:
-    """Whether bwd(..., accumulate_dkv=True) takes the problem: one fa3_bwd_any_kernel takes (dense_bwd's do not)."""
-    return not dense_bwd(q, k, params, alibi, varlen)
-
-
 def dense_bwd(q, k, params, alibi, varlen: bool, flex: bool = False) -> bool:
     """Whether the dense backward kernel (_fa3_bwd.fa3_bwd_kernel) takes the problem: dense, no softcap, ALiBi,
     flashtile.flex feature (flex) or window but causal's, lengths its tiles divide, causal with equal lengths; else
@@ -528,15 +523,14 @@ def bwd_flags(params, varlen: bool, alibi, sq: int, sk: int, block_m: int, block
 
 def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, cu_seqlens_q=None,
         cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, bias=None, mask=None, sparse=None,
-        mods=None, accumulate_dkv: bool = False) -> None:
+        mods=None) -> None:
     """dq, dk, dv of attention(q, k, v) by the Gluon FA3 backward, from the forward's lse (natural log) and
     delta = rowsum(dout o out) (- dlse), both (batch, nheads, seqlen_q) or (varlen) (nheads, total_q) float32 with
     equal strides. Call only where supports(..., backward=True) said yes; dout is made contiguous here, dk / dv
     may be strided. dq_acc: a zeroed float32 accumulator of q's shape, contiguous (None: made here); dq None: dQ
     is added into dq_acc and left there (the caller's running sum, not zeroed here; dq_acc then required). bias, mask,
     sparse, mods: flashtile.flex's features as fwd takes them (mods.score_aux_grad: the captured tensors' gradient
-    buffers). accumulate_dkv: dK, dV are added into dk, dv (float32, contiguous: a caller's running sums) by
-    fa3_bwd_any_kernel (DKV_ACC), for problems the dense kernel does not take (accumulates_dkv says which)."""
+    buffers)."""
     _, kern, TensorDescriptor = _kernels(_device_index(q))
     varlen = cu_seqlens_q is not None
     batch = cu_seqlens_q.shape[0] - 1 if varlen else q.shape[0]
@@ -557,7 +551,6 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, 
         order = 0 if sparse is None else _order(sparse, batch, nheads, nheads_k, sk, block_n)
         flex = ((*runtime, order), consts)
     dense = dense_bwd(q, k, params, alibi, varlen, flex is not None)
-    assert not (accumulate_dkv and dense), "accumulate_dkv: for problems fa3_bwd_any_kernel takes"
     kwargs = dict(HEAD_D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
                   P_LAYOUT=_smem_layout(block_m, block_n // 2, q.dtype),
                   PINGPONG=BWD_PINGPONG.get((head_dim, params.has_right), False), num_warps=4, maxnreg=MAXNREG)
@@ -567,12 +560,9 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, 
         kwargs.update(bwd_flags(params, varlen, alibi, sq, sk, block_m, block_n, flex is not None,
                                 sparse is not None))
         kwargs.update((flex or _NO_FLEX_BWD)[1])
-        if accumulate_dkv:
-            kwargs["DKV_ACC"] = True
     extras = (cu_seqlens_q, cu_seqlens_k, alibi)
-    # (flex's tensors are not live arguments of a template, nor are accumulators: such a problem launches the full
-    # way)
-    key = None if flex is not None or accumulate_dkv else _bwd_key(q, k, v, lse, dk, dv, params, alibi, sq, sk)
+    # (flex's tensors are not live arguments of a template: a problem with them launches the full way)
+    key = None if flex is not None else _bwd_key(q, k, v, lse, dk, dv, params, alibi, sq, sk)
     tpl = _BWD_TEMPLATES.get(key) if key is not None else None
     if tpl is not None and tpl.kwargs == kwargs and tpl.launch(grid, (k, v, q, dout, dq_acc, dk, dv), lse, delta,
                                                                extras):
@@ -587,10 +577,6 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, 
     # packed gradient), else through a contiguous buffer copied into them
     dkv = []
     for g in (dk, dv):
-        if accumulate_dkv:   # (pointer loads and stores: the kernel does not read these descriptors)
-            assert g.dtype == torch.float32 and g.is_contiguous()
-            dkv.append((g, desc(k, block_n // 2, head_dim)))
-            continue
         g_desc = desc(g, block_n // 2, head_dim)
         if g_desc is None:
             g = torch.empty(g.shape, dtype=g.dtype, device=g.device)
