@@ -15,9 +15,10 @@ BLOCK_SPARSE (constexpr) swaps the range loops for FA1 Alg. 5's: only the tiles 
 import triton
 import triton.language as tl
 
-from .mods import (dropout_keep, first_row, head_lse, head_rows, head_scalars, head_tile, key_range, load_lse2,
-                   load_tile, load_tile_pair, mma, present, query_block, query_head, query_range, score_mod_grad,
-                   score_mods_log2, scores_log2, seq_bounds, sequences, sparse_tile_start, tile_order, to_dtype)
+from .mods import (block_indices, dropout_keep, first_row, head_lse, head_rows, head_scalars, head_tile, key_range,
+                   load_lse2, load_tile, load_tile_pair, mma, present, query_block, query_head, query_range,
+                   score_mod_grad, score_mods_log2, scores_log2, seq_bounds, sequences, sparse_tile_start, tile_order,
+                   to_dtype)
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -205,11 +206,8 @@ def attn_bwd_dkdv_kernel(
     if start_n >= seqlen_k:
         return
     b64 = tl.cast(b, tl.int64)
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_m_rel = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    kv_rows = (k_start + offs_n).to(tl.int64)
-    kv_mask = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < head_dim)
+    offs_n, offs_m_rel, offs_d, kv_rows, kv_mask = block_indices(start_n, k_start, seqlen_k, head_dim, BLOCK_N, BLOCK_M,
+                                                                 BLOCK_D)
     # Alg. 2 line 6: load K_j, V_j; line 7: dK_j = dV_j = 0 (on chip)
     stride_kb, stride_kn, stride_kh = k_strides
     stride_vb, stride_vn, stride_vh = v_strides
@@ -346,11 +344,8 @@ def attn_bwd_dq_kernel(
     if start_m >= seqlen_q:
         return
     b64 = tl.cast(b, tl.int64)
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_n_rel = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    rows = (q_start + offs_m).to(tl.int64)
-    q_mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim)
+    offs_m, offs_n_rel, offs_d, rows, q_mask = block_indices(start_m, q_start, seqlen_q, head_dim, BLOCK_M, BLOCK_N,
+                                                             BLOCK_D)
     q_rows = head_rows(Q, q_strides, b64, h, rows[:, None])[0]
     q = tl.load(q_rows + offs_d[None, :], mask=q_mask, other=0.0)
     do_rows = head_rows(DO, do_strides, b64, h, rows[:, None])[0]

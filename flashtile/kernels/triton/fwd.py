@@ -11,9 +11,9 @@ block mask lists instead of the key range of causal/window masking.
 import triton
 import triton.language as tl
 
-from .mods import (dropout_keep, first_row, head_lse, head_rows, head_scalars, head_tile, key_range, load_lse2,
-                   load_tile_pair, mma, online_softmax_step, present, query_block, score_mods_log2, scores_log2,
-                   sparse_tile_start, to_dtype)
+from .mods import (block_indices, dropout_keep, first_row, head_lse, head_rows, head_scalars, head_tile, key_range,
+                   load_lse2, load_tile_pair, mma, online_softmax_step, present, query_block, score_mods_log2,
+                   scores_log2, sparse_tile_start, to_dtype)
 
 
 @triton.jit
@@ -199,13 +199,11 @@ def attn_probs_kernel(
     if start_m >= seqlen_q:
         return
     b64 = tl.cast(b, tl.int64)
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    rows = (q_start + offs_m).to(tl.int64)
+    offs_m, offs_n, offs_d, rows, q_mask = block_indices(start_m, q_start, seqlen_q, head_dim, BLOCK_M, BLOCK_N,
+                                                         BLOCK_D)
     stride_qb, stride_qm, stride_qh = q_strides
     q = tl.load(Q + b64 * stride_qb + tl.cast(h, tl.int64) * stride_qh + rows[:, None] * stride_qm + offs_d[None, :],
-                mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim), other=0.0)
+                mask=q_mask, other=0.0)
     lse2 = load_lse2(head_lse(LSE, lse_strides, b64, h, q_start), offs_m, seqlen_q)
     alibi_slope_log2, rng_base = head_scalars(b, h, ALIBI_SLOPES, stride_alibi_b, dropout, ALIBI)
     k_base, stride_kn = head_rows(K, k_strides, b64, hk, k_start)

@@ -76,6 +76,21 @@ def query_block(head_group, CU_SEQLENS_Q, CU_SEQLENS_K, problem, BLOCK_M: tl.con
 
 
 @triton.jit
+def block_indices(start, seq_start, seqlen, head_dim, ROWS: tl.constexpr, STREAMED: tl.constexpr,
+                  BLOCK_D: tl.constexpr):
+    """The index tiles of a program that owns rows [start, start + ROWS) of a sequence (first row seq_start, length
+    seqlen) and streams blocks of STREAMED rows past them: (offs = start + [0, ROWS); offs_rel = [0, STREAMED), a
+    streamed block's rows relative to its start; offs_d = [0, BLOCK_D); rows: the owned rows' indices in the tensor,
+    int64; mask: the in-bounds elements (rows < seqlen, columns < head_dim) of an owned (ROWS, BLOCK_D) tile)."""
+    offs = start + tl.arange(0, ROWS)
+    offs_rel = tl.arange(0, STREAMED)
+    offs_d = tl.arange(0, BLOCK_D)
+    rows = (seq_start + offs).to(tl.int64)
+    mask = (offs[:, None] < seqlen) & (offs_d[None, :] < head_dim)
+    return offs, offs_rel, offs_d, rows, mask
+
+
+@triton.jit
 def head_rows(T, strides, b64, h, row, offset=0):
     """(pointer to row `row + offset` of head h of batch element b64 (int64), row stride) of a Q / K / V / O-shaped
     tensor T given its (batch, row, head) strides; row: a scalar (e.g. a sequence's first row, offset then the
