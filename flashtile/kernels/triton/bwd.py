@@ -17,8 +17,8 @@ import triton.language as tl
 
 from .mods import (block_indices, dropout_keep, first_row, head_lse, head_rows, head_scalars, head_tile, key_range,
                    load_lse2, load_tile, load_tile_pair, mma, present, query_block, query_head, query_range,
-                   score_mod_grad, score_mods_log2, scores_log2, seq_bounds, sequences, sparse_tile_start, tile_order,
-                   to_dtype)
+                   score_mod_grad, score_mods_log2, scores_log2, seq_bounds, sequences, sparse_tile_start, sparse_tiles,
+                   tile_order, to_dtype)
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -242,15 +242,13 @@ def attn_bwd_dkdv_kernel(
             # FA1 Alg. 5 transposed: only the query blocks the block mask lists for this key block
             Q_NUM, Q_IDX, FULL_Q_NUM, FULL_Q_IDX, stride_sp_b, stride_sp_h, stride_sp_n, sparse_blocks = sparse
             sp = b64 * stride_sp_b + tl.cast(h, tl.int64) * stride_sp_h + (start_n // SPARSE_BLOCK) * stride_sp_n
-            n_partial = tl.load(Q_NUM + sp)
-            for t in range(0, n_partial * (SPARSE_BLOCK // BLOCK_M)):
+            for t in range(0, sparse_tiles(Q_NUM, sp, SPARSE_BLOCK, BLOCK_M)):
                 start_m = sparse_tile_start(Q_IDX, sp, t, sparse_blocks, SPARSE_BLOCK, BLOCK_M)
                 dk, dv = _dkdv_tile(dk, dv, start_m, row, True, HAS_MASK, MASK_MOD, EVEN_D, HAS_LEFT, HAS_RIGHT,
                                     SOFTCAP, ALIBI, DROPOUT, DOT_PREC, ATOMIC_DQ, DQ_TMA, USE_TMA, BLOCK_D, HAS_BIAS,
                                     HAS_DBIAS,
                                     DBIAS_ATOMIC, SCORE_MOD, SCORE_GRAD, SCORE_CAPTURED_GRAD, COMPUTE_DK, COMPUTE_DV)
-            n_full = tl.load(FULL_Q_NUM + sp)
-            for t in range(0, n_full * (SPARSE_BLOCK // BLOCK_M)):
+            for t in range(0, sparse_tiles(FULL_Q_NUM, sp, SPARSE_BLOCK, BLOCK_M)):
                 start_m = sparse_tile_start(FULL_Q_IDX, sp, t, sparse_blocks, SPARSE_BLOCK, BLOCK_M)
                 dk, dv = _dkdv_tile(dk, dv, start_m, row, SPARSE_FULL_MASKED, False, None, EVEN_D, HAS_LEFT, HAS_RIGHT,
                                     SOFTCAP, ALIBI, DROPOUT, DOT_PREC, ATOMIC_DQ, DQ_TMA, USE_TMA, BLOCK_D, HAS_BIAS,
@@ -368,13 +366,11 @@ def attn_bwd_dq_kernel(
         # FA1 Alg. 5: only the key blocks the block mask lists for this query block
         KV_NUM, KV_IDX, FULL_KV_NUM, FULL_KV_IDX, stride_sp_b, stride_sp_h, stride_sp_m, sparse_blocks = sparse
         sp = b64 * stride_sp_b + tl.cast(h, tl.int64) * stride_sp_h + (start_m // SPARSE_BLOCK) * stride_sp_m
-        n_partial = tl.load(KV_NUM + sp)
-        for t in range(0, n_partial * (SPARSE_BLOCK // BLOCK_N)):
+        for t in range(0, sparse_tiles(KV_NUM, sp, SPARSE_BLOCK, BLOCK_N)):
             start_n = sparse_tile_start(KV_IDX, sp, t, sparse_blocks, SPARSE_BLOCK, BLOCK_N)
             dq = _dq_tile(dq, start_n, row, True, HAS_MASK, MASK_MOD, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                           ALIBI, DROPOUT, DOT_PREC, USE_TMA, BLOCK_D, HAS_BIAS, SCORE_MOD, SCORE_GRAD)
-        n_full = tl.load(FULL_KV_NUM + sp)
-        for t in range(0, n_full * (SPARSE_BLOCK // BLOCK_N)):
+        for t in range(0, sparse_tiles(FULL_KV_NUM, sp, SPARSE_BLOCK, BLOCK_N)):
             start_n = sparse_tile_start(FULL_KV_IDX, sp, t, sparse_blocks, SPARSE_BLOCK, BLOCK_N)
             dq = _dq_tile(dq, start_n, row, SPARSE_FULL_MASKED, False, None, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                           ALIBI, DROPOUT, DOT_PREC, USE_TMA, BLOCK_D, HAS_BIAS, SCORE_MOD, SCORE_GRAD)

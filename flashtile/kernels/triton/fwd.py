@@ -13,7 +13,7 @@ import triton.language as tl
 
 from .mods import (block_indices, dropout_keep, first_row, head_lse, head_rows, head_scalars, head_tile, key_range,
                    load_lse2, load_tile_pair, mma, online_softmax_step, present, query_block, score_mods_log2,
-                   scores_log2, sparse_tile_start, to_dtype)
+                   scores_log2, sparse_tile_start, sparse_tiles, to_dtype)
 
 
 @triton.jit
@@ -133,14 +133,12 @@ def attn_fwd_kernel(
         # FA1 Alg. 5: visit only the key blocks the block mask lists for this query block; empty blocks are
         # never touched. Partial blocks apply the element mask (the mask tensor or mask_mod), full blocks skip it.
         sp = b64 * stride_sp_b + tl.cast(h, tl.int64) * stride_sp_h + (start_m // SPARSE_BLOCK) * stride_sp_m
-        n_partial = tl.load(KV_NUM + sp)
-        for t in range(0, n_partial * (SPARSE_BLOCK // BLOCK_N)):
+        for t in range(0, sparse_tiles(KV_NUM, sp, SPARSE_BLOCK, BLOCK_N)):
             start_n = sparse_tile_start(KV_IDX, sp, t, sparse_blocks, SPARSE_BLOCK, BLOCK_N)
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, start_n, row, True, HAS_MASK, MASK_MOD, EVEN_D, HAS_LEFT,
                                       HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, USE_TMA, BLOCK_N, BLOCK_D, HAS_BIAS,
                                       SCORE_MOD, FOLD_SCALE)
-        n_full = tl.load(FULL_KV_NUM + sp)
-        for t in range(0, n_full * (SPARSE_BLOCK // BLOCK_N)):
+        for t in range(0, sparse_tiles(FULL_KV_NUM, sp, SPARSE_BLOCK, BLOCK_N)):
             start_n = sparse_tile_start(FULL_KV_IDX, sp, t, sparse_blocks, SPARSE_BLOCK, BLOCK_N)
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, start_n, row, SPARSE_FULL_MASKED, False, None, EVEN_D, HAS_LEFT,
                                       HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, USE_TMA, BLOCK_N, BLOCK_D, HAS_BIAS,

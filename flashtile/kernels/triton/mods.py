@@ -356,6 +356,13 @@ def online_softmax_step(m_i, l_i, s, MASKED: tl.constexpr, scale=1.0):
 
 
 @triton.jit
+def sparse_tiles(NUM, sp, SPARSE_BLOCK: tl.constexpr, TILE: tl.constexpr):
+    """Tiles of TILE rows in row sp of a block mask's list: its NUM[sp] listed blocks of SPARSE_BLOCK rows each, the
+    tiles sparse_tile_start numbers."""
+    return tl.load(NUM + sp) * (SPARSE_BLOCK // TILE)
+
+
+@triton.jit
 def sparse_tile_start(IDX, sp, t, sparse_blocks, SPARSE_BLOCK: tl.constexpr, TILE: tl.constexpr):
     """Start (a row or key index) of tile t in the flat loop over a block mask's listed blocks: listed block
     t // (SPARSE_BLOCK / TILE) of row sp of IDX (sparse_blocks entries per row), tile t % (SPARSE_BLOCK / TILE)
