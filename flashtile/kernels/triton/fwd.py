@@ -199,9 +199,7 @@ def attn_probs_kernel(
     b64 = tl.cast(b, tl.int64)
     offs_m, offs_n, offs_d, rows, q_mask = block_indices(start_m, q_start, seqlen_q, head_dim, BLOCK_M, BLOCK_N,
                                                          BLOCK_D)
-    stride_qb, stride_qm, stride_qh = q_strides
-    q = tl.load(Q + b64 * stride_qb + tl.cast(h, tl.int64) * stride_qh + rows[:, None] * stride_qm + offs_d[None, :],
-                mask=q_mask, other=0.0)
+    q = tl.load(head_rows(Q, q_strides, b64, h, rows[:, None])[0] + offs_d[None, :], mask=q_mask, other=0.0)
     lse2 = load_lse2(head_lse(LSE, lse_strides, b64, h, q_start), offs_m, seqlen_q)
     alibi_slope_log2, rng_base = head_scalars(b, h, ALIBI_SLOPES, stride_alibi_b, dropout, ALIBI)
     k_base, stride_kn = head_rows(K, k_strides, b64, hk, k_start)
