@@ -125,6 +125,15 @@ def rand_alibi(kind: Optional[str], batch: int, nheads: int, device=DEVICE) -> O
     return torch.rand(shape, dtype=torch.float32, device=device) * 0.5 + 2.0 ** -8
 
 
+def inputs(b, sq, sk, h, hk, d, dtype, device=DEVICE):
+    """Standard-normal q (b, sq, h, d), k and v (b, sk, hk, d), leaves requiring grad, and dout shaped as q."""
+    q = torch.randn(b, sq, h, d, dtype=dtype, device=device, requires_grad=True)
+    k = torch.randn(b, sk, hk, d, dtype=dtype, device=device, requires_grad=True)
+    v = torch.randn(b, sk, hk, d, dtype=dtype, device=device, requires_grad=True)
+    dout = torch.randn(b, sq, h, d, dtype=dtype, device=device)
+    return q, k, v, dout
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     """One forward+backward configuration of the feature matrix."""
