@@ -26,13 +26,6 @@ fp16, bf16 = torch.float16, torch.bfloat16
 DEV = "cuda"
 
 
-@pytest.fixture(autouse=True)
-def _free_gpu_memory():
-    yield
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-
-
 @pytest.fixture
 def gluon_calls(monkeypatch):
     """{"fwd": calls of fa3.fwd, "bwd": of fa3.bwd} while the test runs."""

@@ -30,13 +30,6 @@ DEV = "cuda"
 REF_ELEMS = 2 ** 26
 
 
-@pytest.fixture(autouse=True)
-def _free_gpu_memory():
-    yield
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-
-
 def chunk_heads(b, h, hk, sq, sk):
     """Query heads per reference chunk: a multiple of the GQA group with b * heads * sq * sk <= REF_ELEMS."""
     group = h // hk
