@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 
@@ -72,6 +73,15 @@ def _demo(args) -> int:
     return 0 if report["ok"] else 1
 
 
+# (name, help, module, its add-arguments function, its run function) of the subcommands left out where their module
+# cannot be imported
+_OPTIONAL_COMMANDS = (
+    ("bench", "benchmark flashtile against every available peer", ".bench.runner", "add_bench_arguments", "run_bench"),
+    ("io", "HBM-access model: standard attention vs FlashAttention-1/2", ".io_report", "add_io_arguments",
+     "run_io_cli"),
+)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="flashtile", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -83,20 +93,14 @@ def main(argv=None) -> int:
     p = sub.add_parser("info", help="versions, device, usable backends and peers")
     p.add_argument("--json", action="store_true", help="print the report as one JSON document instead")
     p.set_defaults(fn=_info)
-    try:
-        from .bench.runner import add_bench_arguments, run_bench
-        p = sub.add_parser("bench", help="benchmark flashtile against every available peer")
-        add_bench_arguments(p)
-        p.set_defaults(fn=run_bench)
-    except ImportError:
-        pass
-    try:
-        from .io_report import add_io_arguments, run_io_cli
-        p = sub.add_parser("io", help="HBM-access model: standard attention vs FlashAttention-1/2")
-        add_io_arguments(p)
-        p.set_defaults(fn=run_io_cli)
-    except ImportError:
-        pass
+    for name, help_, module, add_arguments, run in _OPTIONAL_COMMANDS:
+        try:
+            mod = importlib.import_module(module, __package__)
+        except ImportError:
+            continue
+        p = sub.add_parser(name, help=help_)
+        getattr(mod, add_arguments)(p)
+        p.set_defaults(fn=getattr(mod, run))
     args = parser.parse_args(argv)
     return args.fn(args)
 

@@ -496,17 +496,11 @@ def _plots(grid: IOGrid, summary: dict, data: dict, out: Path) -> dict:
                     if q:
                         ax.plot([p["N"] for p in q], [p["total"] for p in q], style, color=col, ms=4,
                                 label=f"{alg.upper()} M={M}")
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
             ax.set_xlabel("sequence length N")
-            ax.set_ylabel("HBM accesses (elements, one head)")
             ax.set_title(f"{pass_}, d={d}")
-            ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=7, ncol=2)
-    fig.suptitle("HBM accesses counted by running the algorithms (standard vs FA1 vs FA2)")
-    fig.tight_layout()
-    files["io_vs_N"] = _save(fig, out / "io_vs_N.png")
-    plt.close(fig)
+            _log_axes(ax, "HBM accesses (elements, one head)", fontsize=7, ncol=2)
+    files["io_vs_N"] = _save(fig, out / "io_vs_N.png",
+                             "HBM accesses counted by running the algorithms (standard vs FA1 vs FA2)")
 
     # io_fits: rows fwd/bwd; columns N (FA1, FA2, standard), d, M
     F = data["fits_with_points"]
@@ -520,28 +514,17 @@ def _plots(grid: IOGrid, summary: dict, data: dict, out: Path) -> dict:
                                          f"N^{f['exponent']:.3f}")
         ax.set_title(f"{pass_}: exponent in N (d={grid.head_d}, M={grid.head_M} for FA)")
         ax.set_xlabel("N")
-        ax = axes[r][1]
-        for alg, style, col in (("fa1", "s", "C0"), ("fa2", "^", "C1")):
-            f = F[alg][pass_]["d_exponent"]
-            _fit_line(ax, f, style, col, f"{alg.upper()}: d^{f['exponent']:.3f}")
-        ax.set_title(f"{pass_}: exponent in d (N={grid.d_sweep[0]}, M={grid.d_sweep[1]}); Thm 2/5: 2")
-        ax.set_xlabel("head dim d")
-        ax = axes[r][2]
-        for alg, style, col in (("fa1", "s", "C0"), ("fa2", "^", "C1")):
-            f = F[alg][pass_]["M_exponent"]
-            _fit_line(ax, f, style, col, f"{alg.upper()}: M^{f['exponent']:.3f}")
-        ax.set_title(f"{pass_}: exponent in M (N={grid.M_sweep[0]}, d={grid.M_sweep[1]}); Thm 2/5: -1")
-        ax.set_xlabel("SRAM size M (elements)")
+        # columns d and M: FA1 and FA2 over that sweep (N and the other one fixed), the exponent Theorems 2 / 5 give
+        columns = (("d", grid.d_sweep, "M", "head dim d", 2), ("M", grid.M_sweep, "d", "SRAM size M (elements)", -1))
+        for ax, (x, sweep, other, xlabel, theorem) in zip(axes[r][1:], columns):
+            for alg, style, col in (("fa1", "s", "C0"), ("fa2", "^", "C1")):
+                f = F[alg][pass_][f"{x}_exponent"]
+                _fit_line(ax, f, style, col, f"{alg.upper()}: {x}^{f['exponent']:.3f}")
+            ax.set_title(f"{pass_}: exponent in {x} (N={sweep[0]}, {other}={sweep[1]}); Thm 2/5: {theorem}")
+            ax.set_xlabel(xlabel)
         for ax in axes[r]:
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.set_ylabel("HBM accesses")
-            ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=8)
-    fig.suptitle("Log-log least-squares fits (markers: counts; lines: fits)")
-    fig.tight_layout()
-    files["io_fits"] = _save(fig, out / "io_fits.png")
-    plt.close(fig)
+            _log_axes(ax, "HBM accesses", fontsize=8)
+    files["io_fits"] = _save(fig, out / "io_fits.png", "Log-log least-squares fits (markers: counts; lines: fits)")
 
     # io_blocksparse
     bs = summary["blocksparse"]
@@ -562,9 +545,7 @@ def _plots(grid: IOGrid, summary: dict, data: dict, out: Path) -> dict:
         ax.set_title(f"{pass_}: N={bs['N']}, d={bs['d']}, M={bs['M']} (Theorem 4)")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
     files["io_blocksparse"] = _save(fig, out / "io_blocksparse.png")
-    plt.close(fig)
 
     # io_blocksize (FA1 Fig. 2 middle: accesses only)
     bz = summary["blocksize"]
@@ -578,17 +559,11 @@ def _plots(grid: IOGrid, summary: dict, data: dict, out: Path) -> dict:
     limit = bz["N"] / 4  # M = 4 d Bc <= N d, the range of Theorem 2
     if bz["Bc"][-1] > limit:
         ax.axvspan(limit, bz["Bc"][-1] * 1.1, color="0.9", zorder=0, label="M > Nd (outside Thm 2's range)")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
     ax.set_xlabel("block size Bc (M = 4 d Bc)")
-    ax.set_ylabel("HBM accesses (elements, one head)")
     ax.set_title(f"Effect of block size, N={bz['N']}, d={bz['d']} (counts only, no runtime);\n"
                  "labels: standard / FA1 ratio, fwd + bwd")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
+    _log_axes(ax, "HBM accesses (elements, one head)", fontsize=8)
     files["io_blocksize"] = _save(fig, out / "io_blocksize.png")
-    plt.close(fig)
     return files
 
 
@@ -598,8 +573,23 @@ def _fit_line(ax, f, style, col, label):
     ax.plot(x, f["prefactor"] * x ** f["exponent"], "-", color=col, alpha=0.6, label=label)
 
 
-def _save(fig, path: Path) -> str:
+def _log_axes(ax, ylabel: str, **legend):
+    """Log-log axes (N, d, M, Bc in powers of two) with this y label, a grid and a legend (legend: its options)."""
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_ylabel(ylabel)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(**legend)
+
+
+def _save(fig, path: Path, title: str | None = None) -> str:
+    """fig under its title laid out, written to path and closed; path as a string."""
+    import matplotlib.pyplot as plt
+    if title is not None:
+        fig.suptitle(title)
+    fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
     return str(path)
 
 

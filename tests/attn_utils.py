@@ -125,8 +125,37 @@ def rand_alibi(kind: Optional[str], batch: int, nheads: int, device=DEVICE) -> O
     return torch.rand(shape, dtype=torch.float32, device=device) * 0.5 + 2.0 ** -8
 
 
+def inputs(b, sq, sk, h, hk, d, dtype, device=DEVICE):
+    """Standard-normal q (b, sq, h, d), k and v (b, sk, hk, d), leaves requiring grad, and dout shaped as q."""
+    q = torch.randn(b, sq, h, d, dtype=dtype, device=device, requires_grad=True)
+    k = torch.randn(b, sk, hk, d, dtype=dtype, device=device, requires_grad=True)
+    v = torch.randn(b, sk, hk, d, dtype=dtype, device=device, requires_grad=True)
+    dout = torch.randn(b, sq, h, d, dtype=dtype, device=device)
+    return q, k, v, dout
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Features:
+    """The options of one call that the dense (Case) and the varlen (test_varlen.VCase) feature matrices vary;
+    keyword-only, after a case's own fields."""
+    causal: bool = False
+    window: Tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    alibi: Optional[str] = None   # None, 'h' or 'bh'
+    dropout_p: float = 0.0
+    deterministic: bool = False
+
+    def feature_tags(self, *own: str) -> list:
+        """A case id's parts for the options that are set; own: the case's own parts, placed before "det"."""
+        tags = [tag for on, tag in ((self.causal, "causal"),
+                                    (self.window != (-1, -1), f"win{self.window[0]}_{self.window[1]}"),
+                                    (self.softcap, f"cap{self.softcap:g}"), (self.alibi, f"alibi-{self.alibi}"),
+                                    (self.dropout_p, f"drop{self.dropout_p:g}")) if on]
+        return tags + list(own) + (["det"] if self.deterministic else [])
+
+
 @dataclasses.dataclass(frozen=True)
-class Case:
+class Case(Features):
     """One forward+backward configuration of the feature matrix."""
     b: int
     sq: int
@@ -135,36 +164,17 @@ class Case:
     hk: int
     d: int
     dtype: torch.dtype
-    causal: bool = False
-    window: Tuple[int, int] = (-1, -1)
-    softcap: float = 0.0
-    alibi: Optional[str] = None   # None, 'h' or 'bh'
-    dropout_p: float = 0.0
     layout: str = "contig"
     softmax_scale: Optional[float] = None
-    deterministic: bool = False
 
     @property
     def id(self) -> str:
         dt = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[self.dtype]
         parts = [f"b{self.b}", f"sq{self.sq}", f"sk{self.sk}", f"h{self.h}", f"hk{self.hk}", f"d{self.d}", dt]
-        if self.causal:
-            parts.append("causal")
-        if self.window != (-1, -1):
-            parts.append(f"win{self.window[0]}_{self.window[1]}")
-        if self.softcap:
-            parts.append(f"cap{self.softcap:g}")
-        if self.alibi:
-            parts.append(f"alibi-{self.alibi}")
-        if self.dropout_p:
-            parts.append(f"drop{self.dropout_p:g}")
-        if self.layout != "contig":
-            parts.append(self.layout)
+        own = [self.layout] if self.layout != "contig" else []
         if self.softmax_scale is not None:
-            parts.append(f"scale{self.softmax_scale:g}")
-        if self.deterministic:
-            parts.append("det")
-        return "-".join(parts)
+            own.append(f"scale{self.softmax_scale:g}")
+        return "-".join(parts + self.feature_tags(*own))
 
     def replace(self, **kw) -> "Case":
         return dataclasses.replace(self, **kw)

@@ -1,11 +1,21 @@
-"""benchmarks/ scripts in tests: they are files, not a package, so a test loads the one it checks by path."""
+"""benchmarks/ and examples/ scripts in tests: they are files, not a package, so a test loads the one it checks by
+path."""
 import importlib.util
 import sys
 from pathlib import Path
 
 import torch
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "benchmarks"
+
+
+def load_script(path: Path):
+    """The script at path as a module named after its file (not registered in sys.modules)."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def script_module(name: str):

@@ -1,5 +1,5 @@
 """Test-wide set-up: without CUDA, Triton kernels run on CPU tensors through the interpreter; every test case draws a
-fresh seed, and a failing case prints the one command that replays it.
+fresh seed, and a failing case prints the one command that replays it; a GPU test (tests/gpu/) gives its memory back.
 
 TRITON_INTERPRET must be set before any @triton.jit function is decorated, i.e. before flashtile's kernels
 are imported, so it is set here, at collection time.
@@ -73,6 +73,17 @@ def _seeded(request):
 def seed(_seeded):
     """This test case's seed (torch is already seeded with it): for generators a test builds itself."""
     return _seeded
+
+
+@pytest.fixture(autouse=True)
+def _free_gpu_memory(request):
+    """After each GPU test (tests/gpu/): wait for its kernels, then hand the caching allocator's free blocks back, so
+    the next test's large problem finds the memory. (Here, not in a tests/gpu/conftest.py: a second module named
+    conftest would take this one's place for `import conftest`.)"""
+    yield
+    if request.node.path.parent.name == "gpu":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -136,14 +136,6 @@ def random_tile_mask(b, h, sq, sk, bs, device=DEVICE):
     return mask_fn
 
 
-def inputs(b, sq, sk, h, hk, d, dtype, device=DEVICE):
-    q = torch.randn(b, sq, h, d, dtype=dtype, device=device, requires_grad=True)
-    k = torch.randn(b, sk, hk, d, dtype=dtype, device=device, requires_grad=True)
-    v = torch.randn(b, sk, hk, d, dtype=dtype, device=device, requires_grad=True)
-    dout = torch.randn(b, sq, h, d, dtype=dtype, device=device)
-    return q, k, v, dout
-
-
 def flex_ref(q, k, v, *, score_fn=None, mask_fn=None, captured=(), softmax_scale=None, causal=False,
              window_size=(-1, -1), upcast=True, h_offset=0):
     """Dense attention with torch mods: s = q.k * scale -> score_fn -> -inf where mask_fn / causal / window say

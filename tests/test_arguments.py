@@ -117,14 +117,19 @@ def _nan_table(rows, half):
     return buf[:rows]
 
 
-def test_rotary_rows_past_the_table_are_refused():
-    """Causal, seqlen_q 9 > one new token: q row i is rotated at cache_seqlens + i, past a 16-row table when
-    cache_seqlens = 15 (the issue's repro returned NaN rows and read out of bounds on a GPU)."""
-    d, cap = 16, 16
+def _rotary_problem(d=16, cap=16):
+    """q of 9 rows, a (1, cap) K/V cache, one new K/V token and a cap-row cos / sin table (_nan_table) for head dim
+    d: (q, k_cache, v_cache, k, v, cos, sin)."""
     q = torch.randn(1, 9, 2, d, device=DEVICE, dtype=fp16)
     kc, vc = (torch.randn(1, cap, 2, d, device=DEVICE, dtype=fp16) for _ in range(2))
     k1, v1 = (torch.randn(1, 1, 2, d, device=DEVICE, dtype=fp16) for _ in range(2))
-    cos, sin = _nan_table(cap, d // 2), _nan_table(cap, d // 2)
+    return q, kc, vc, k1, v1, _nan_table(cap, d // 2), _nan_table(cap, d // 2)
+
+
+def test_rotary_rows_past_the_table_are_refused():
+    """Causal, seqlen_q 9 > one new token: q row i is rotated at cache_seqlens + i, past a 16-row table when
+    cache_seqlens = 15 (the issue's repro returned NaN rows and read out of bounds on a GPU)."""
+    q, kc, vc, k1, v1, cos, sin = _rotary_problem()
     with pytest.raises(ArgumentError, match="rotary_cos"):
         flashtile.flash_attn_with_kvcache(q, kc, vc, k1, v1, cos, sin, cache_seqlens=_i32([15]), causal=True)
     # positions 3 .. 11 are inside the table: the call runs and every output is finite
@@ -136,10 +141,7 @@ def test_rotary_bound_without_value_checks_is_the_worst_case(monkeypatch):
     from flashtile.api import problem
     monkeypatch.setattr(problem, "CHECK_VALUES", False)
     d, cap = 16, 16
-    q = torch.randn(1, 9, 2, d, device=DEVICE, dtype=fp16)
-    kc, vc = (torch.randn(1, cap, 2, d, device=DEVICE, dtype=fp16) for _ in range(2))
-    k1, v1 = (torch.randn(1, 1, 2, d, device=DEVICE, dtype=fp16) for _ in range(2))
-    cos, sin = _nan_table(cap, d // 2), _nan_table(cap, d // 2)
+    q, kc, vc, k1, v1, cos, sin = _rotary_problem(d, cap)
     with pytest.raises(ArgumentError, match="rotary_cos"):
         flashtile.flash_attn_with_kvcache(q, kc, vc, k1, v1, cos, sin, cache_seqlens=_i32([3]), causal=True)
     long_cos, long_sin = _nan_table(cap + 8, d // 2), _nan_table(cap + 8, d // 2)

@@ -6,28 +6,20 @@ tokens (the padded row keeps 8-16 of them), one timed step, 2 tokens generated a
 backend for the compiled cases (it traces the layers and transformers' static-cache decoding step, graph breaks
 included, without generating code).
 """
-import importlib.util
 import json
 import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from bench_utils import ROOT, load_script
+
 pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "bench_transformers.py"
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("bench_transformers", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _real(x) -> bool:
@@ -90,7 +82,7 @@ def test_quick_run_fills_every_section(tmp_path):
 
 
 def test_quick_defaults():
-    mod = _load_script()
+    mod = load_script(SCRIPT)
     args = mod.parse_args(["--quick", "--device", "cpu"])
     assert args.configs == ["tiny"] and args.seqlens == [64] and args.tokens_per_step == 128
     assert args.warmup == 1 and args.steps == 2 and args.prompt_len == 16 and args.new_tokens == 4
@@ -104,7 +96,7 @@ def test_quick_defaults():
 def test_failures_become_rows_and_the_grid_goes_on(tmp_path, monkeypatch):
     """A case that raises is recorded (status "error" or "oom", with the message) and the cases after it still run;
     the comparison with SDPA is left empty for it. The measurements are stubbed: no kernel runs."""
-    mod = _load_script()
+    mod = load_script(SCRIPT)
 
     def fake_train(cfg, state, impl, seqlen, batch, padded, compiled, args, data):
         if impl == "flashtile" and padded:
@@ -159,6 +151,6 @@ def test_failures_become_rows_and_the_grid_goes_on(tmp_path, monkeypatch):
 @pytest.mark.parametrize("argv", [["--impls", "flashtile,nope"], ["--compile", "jit"], ["--warmup", "0"],
                                   ["--configs", "70b"], ["--seqlens", "1"]])
 def test_bad_arguments_are_rejected(argv):
-    mod = _load_script()
+    mod = load_script(SCRIPT)
     with pytest.raises(SystemExit):
         mod.parse_args(["--device", "cpu", *argv])

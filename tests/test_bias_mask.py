@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import flashtile
-from attn_utils import DEVICE, assert_within_rule, rand_alibi
+from attn_utils import DEVICE, assert_within_rule, inputs, rand_alibi
 from flashtile.reference.dense import attention_ref
 
 fp16, fp32, bf16 = torch.float16, torch.float32, torch.bfloat16
@@ -36,14 +36,6 @@ def _run_and_check(q, k, v, dout, dtype, *, bias=None, mask=None, ctx="", **kw):
     return out, lse, grads
 
 
-def _inputs(b, sq, sk, h, hk, d, dtype):
-    q = torch.randn(b, sq, h, d, dtype=dtype, device=DEVICE, requires_grad=True)
-    k = torch.randn(b, sk, hk, d, dtype=dtype, device=DEVICE, requires_grad=True)
-    v = torch.randn(b, sk, hk, d, dtype=dtype, device=DEVICE, requires_grad=True)
-    dout = torch.randn(b, sq, h, d, dtype=dtype, device=DEVICE)
-    return q, k, v, dout
-
-
 B, SQ, SK, H, HK, D = 2, 40, 56, 4, 2, 32
 BIAS_SHAPES = {
     "1-1-sq-sk": (1, 1, SQ, SK),
@@ -57,7 +49,7 @@ BIAS_SHAPES = {
 @pytest.mark.parametrize("dtype", [fp16, fp32], ids=["fp16", "fp32"])
 @pytest.mark.parametrize("shape_id", list(BIAS_SHAPES))
 def test_bias_each_broadcast_shape_and_reduced_dbias(shape_id, dtype, seed):
-    q, k, v, dout = _inputs(B, SQ, SK, H, HK, D, dtype)
+    q, k, v, dout = inputs(B, SQ, SK, H, HK, D, dtype)
     bias = torch.randn(BIAS_SHAPES[shape_id], dtype=dtype, device=DEVICE, requires_grad=True)
     _, _, grads = _run_and_check(q, k, v, dout, dtype, bias=bias, ctx=f"[bias {shape_id}]")
     assert grads[3].shape == bias.shape and grads[3].dtype == bias.dtype
@@ -65,7 +57,7 @@ def test_bias_each_broadcast_shape_and_reduced_dbias(shape_id, dtype, seed):
 
 def test_bf16_bias_with_causal_gqa_softcap_alibi(seed):
     dtype = bf16
-    q, k, v, dout = _inputs(B, 48, 33, 6, 2, 40, dtype)   # ragged tiles, headdim not a power of two
+    q, k, v, dout = inputs(B, 48, 33, 6, 2, 40, dtype)   # ragged tiles, headdim not a power of two
     bias = (3.0 * torch.randn(B, 1, 48, 33, dtype=dtype, device=DEVICE)).requires_grad_()
     alibi = rand_alibi("bh", B, 6)
     _run_and_check(q, k, v, dout, dtype, bias=bias, causal=True, softcap=4.0, alibi_slopes=alibi,
@@ -73,14 +65,14 @@ def test_bf16_bias_with_causal_gqa_softcap_alibi(seed):
 
 
 def test_fp32_bias_with_fp16_inputs_and_window(seed):
-    q, k, v, dout = _inputs(1, 37, 37, 2, 1, 32, fp16)
+    q, k, v, dout = inputs(1, 37, 37, 2, 1, 32, fp16)
     bias = torch.randn(1, 2, 37, 37, dtype=fp32, device=DEVICE, requires_grad=True)
     _, _, grads = _run_and_check(q, k, v, dout, fp16, bias=bias, window_size=(8, 3), ctx="[fp32 bias window]")
     assert grads[3].dtype == fp32
 
 
 def test_bias_without_grad_gets_none_and_same_dq(seed):
-    q, k, v, dout = _inputs(1, 32, 48, 2, 2, 32, fp32)
+    q, k, v, dout = inputs(1, 32, 48, 2, 2, 32, fp32)
     bias = torch.randn(1, 1, 32, 48, device=DEVICE)            # requires_grad=False: dBias never computed
     _run_and_check(q, k, v, dout, fp32, bias=bias, ctx="[bias no grad]")
     out = flashtile.flash_attn_func(q, k, v, attn_bias=bias)
@@ -90,7 +82,7 @@ def test_bias_without_grad_gets_none_and_same_dq(seed):
 
 def test_minus_inf_bias_acts_as_mask(seed):
     """An additive -inf bias (a common way to mask) gives the masked result, with finite gradients."""
-    q, k, v, dout = _inputs(2, 32, 40, 2, 1, 32, fp32)
+    q, k, v, dout = inputs(2, 32, 40, 2, 1, 32, fp32)
     keep = torch.rand(2, 1, 32, 40, device=DEVICE) > 0.4
     keep[:, :, 5] = False                                        # one row fully masked
     bias = torch.zeros(2, 1, 32, 40, device=DEVICE).masked_fill(~keep, float("-inf"))
@@ -103,7 +95,7 @@ def test_minus_inf_bias_acts_as_mask(seed):
 @pytest.mark.parametrize("dtype", [fp16, fp32], ids=["fp16", "fp32"])
 @pytest.mark.parametrize("mask_shape", [(B, 1, SQ, SK), (1, H, SQ, SK), (SQ, SK), (B, H, 1, SK)])
 def test_bool_mask_with_causal_and_empty_rows(mask_shape, dtype, seed):
-    q, k, v, dout = _inputs(B, SQ, SK, H, HK, D, dtype)
+    q, k, v, dout = inputs(B, SQ, SK, H, HK, D, dtype)
     mask = torch.rand(mask_shape, device=DEVICE) > 0.3
     if mask.shape[-2] > 1:
         mask[..., 7, :] = False                                   # a fully masked row
@@ -132,7 +124,7 @@ def test_mask_and_bias_together_packed_entry_point(seed):
 
 def test_compiled_bias_and_mask_fullgraph(seed):
     torch._dynamo.reset()
-    q, k, v, dout = _inputs(1, 32, 32, 2, 1, 24, fp32)
+    q, k, v, dout = inputs(1, 32, 32, 2, 1, 24, fp32)
     bias = torch.randn(1, 2, 32, 32, device=DEVICE, requires_grad=True)
     mask = torch.rand(1, 1, 32, 32, device=DEVICE) > 0.3
 
@@ -160,6 +152,6 @@ def test_compiled_bias_and_mask_fullgraph(seed):
     (dict(attn_mask=torch.zeros(2, 3, 40, 56, dtype=torch.bool)), ValueError, "attn_mask.shape"),
 ])
 def test_bad_bias_or_mask_is_refused(kwargs, exc, needle):
-    q, k, v, _ = _inputs(2, 40, 56, 4, 2, 32, fp32)
+    q, k, v, _ = inputs(2, 40, 56, 4, 2, 32, fp32)
     with pytest.raises(exc, match=needle.replace(".", r"\.")):
         flashtile.flash_attn_func(q, k, v, **kwargs)

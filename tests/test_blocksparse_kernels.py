@@ -3,21 +3,13 @@ block mask marks empty never touched, and the tile classification itself."""
 import pytest
 import torch
 
-from attn_utils import DEVICE, assert_within_rule
+from attn_utils import DEVICE, assert_within_rule, inputs
 from flex_utils import random_tile_mask
 from flashtile import flash_attn_func
 from flashtile.blocksparse import BlockMask, blocksparse_attn_func, create_block_mask
 from flashtile.reference.dense import attention_ref
 
 fp16, fp32, bf16 = torch.float16, torch.float32, torch.bfloat16
-
-
-def _inputs(b, sq, sk, h, hk, d, dtype):
-    q = torch.randn(b, sq, h, d, dtype=dtype, device=DEVICE, requires_grad=True)
-    k = torch.randn(b, sk, hk, d, dtype=dtype, device=DEVICE, requires_grad=True)
-    v = torch.randn(b, sk, hk, d, dtype=dtype, device=DEVICE, requires_grad=True)
-    dout = torch.randn(b, sq, h, d, dtype=dtype, device=DEVICE)
-    return q, k, v, dout
 
 
 def _check(q, k, v, dout, bm, dtype, ctx, causal=False, ref_kv=None):
@@ -44,7 +36,7 @@ def test_document_mask_equals_dense(dtype, seed):
     doc = torch.tensor([0] * 30 + [1] * 45 + [2] * 25, device=DEVICE)
     bm = create_block_mask(lambda b, h, qi, ki: doc[qi] == doc[ki], None, None, s, s, BLOCK_SIZE=32, device=DEVICE)
     assert bm.density() < 1.0
-    q, k, v, dout = _inputs(2, s, s, 4, 2, 32, dtype)
+    q, k, v, dout = inputs(2, s, s, 4, 2, 32, dtype)
     _check(q, k, v, dout, bm, dtype, "[document]")
 
 
@@ -54,7 +46,7 @@ def test_causal_via_mask_fn_equals_causal_flag(seed):
     # causal at block granularity: lower triangle full, diagonal partial, upper empty
     assert bm.full_kv_num_blocks.flatten().tolist() == [0, 1, 2]
     assert bm.kv_num_blocks.flatten().tolist() == [1, 1, 1]
-    q, k, v, dout = _inputs(1, s, s, 2, 2, 32, fp32)
+    q, k, v, dout = inputs(1, s, s, 2, 2, 32, fp32)
     out, grads = _check(q, k, v, dout, bm, fp32, "[causal mask_fn]")
     out_c = flash_attn_func(q, k, v, causal=True)
     g_c = torch.autograd.grad(out_c, (q, k, v), dout)
@@ -67,7 +59,7 @@ def test_random_block_pattern_per_head_gqa_with_causal_flag(seed):
     """Per-(batch, head) random tile pattern (empty / full / element-wise random), GQA, plus causal=True."""
     b, h, sq, sk, bs = 2, 4, 80, 112, 16
     bm = create_block_mask(random_tile_mask(b, h, sq, sk, bs), b, h, sq, sk, BLOCK_SIZE=bs, device=DEVICE)
-    q, k, v, dout = _inputs(b, sq, sk, h, 2, 32, fp16)
+    q, k, v, dout = inputs(b, sq, sk, h, 2, 32, fp16)
     _check(q, k, v, dout, bm, fp16, "[random blocks, causal]", causal=True)
 
 
@@ -79,7 +71,7 @@ def test_empty_tiles_are_never_read(seed):
     bm = create_block_mask(lambda b, h, qi, ki: (ki < 64) & (qi + 32 >= ki), None, None, s_q, s_k,
                            BLOCK_SIZE=bs, device=DEVICE)
     assert bm.kv_num_blocks.sum() + bm.full_kv_num_blocks.sum() == 4 and bm.q_num_blocks[0, 0, 2] == 0
-    q, k, v, dout = _inputs(1, s_q, s_k, 2, 1, 32, fp32)
+    q, k, v, dout = inputs(1, s_q, s_k, 2, 1, 32, fp32)
     clean = (k.detach().clone(), v.detach().clone())   # the reference must not multiply 0 by NaN
     with torch.no_grad():
         k[:, 64:] = float("nan")
@@ -117,7 +109,7 @@ def test_bias_gradient_through_block_sparse(seed):
     s = 64
     bm = create_block_mask(lambda b, h, qi, ki: (qi // 32) >= (ki // 32), None, None, s, s, BLOCK_SIZE=32,
                            device=DEVICE)
-    q, k, v, _ = _inputs(1, s, s, 2, 2, 32, fp32)
+    q, k, v, _ = inputs(1, s, s, 2, 2, 32, fp32)
     bias = torch.randn(1, 1, s, s, device=DEVICE, requires_grad=True)
     out = blocksparse_attn_func(q, k, v, bm, attn_bias=bias)
     dbias = torch.autograd.grad(out.sum(), bias)[0]
@@ -129,7 +121,7 @@ def test_bias_gradient_through_block_sparse(seed):
 
 
 def test_bad_block_mask_arguments():
-    q, k, v, _ = _inputs(2, 64, 64, 2, 2, 32, fp32)
+    q, k, v, _ = inputs(2, 64, 64, 2, 2, 32, fp32)
     causal = lambda b, h, qi, ki: qi >= ki  # noqa: E731
     with pytest.raises(ValueError, match=r"block_mask\.shape\[2:\]"):
         blocksparse_attn_func(q, k, v, create_block_mask(causal, None, None, 64, 32, BLOCK_SIZE=32, device=DEVICE))

@@ -4,20 +4,13 @@ import json
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench_utils import ROOT, load_script
+
 SCRIPT = ROOT / "examples" / "train_gpt.py"
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("train_gpt", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_train_gpt_smoke(tmp_path):
@@ -67,7 +60,7 @@ def test_train_gpt_bf16_follows_eager(tmp_path):
 
 
 def test_train_gpt_rejects_bad_arguments():
-    mod = _load_script()
+    mod = load_script(SCRIPT)
     with pytest.raises(SystemExit):
         mod.parse_args(["--device", "cpu", "--attn", "flashtile,nope"])
     with pytest.raises(SystemExit):
@@ -79,7 +72,7 @@ def test_train_gpt_rejects_bad_arguments():
 
 
 def test_generated_text_is_deterministic_and_learnable():
-    mod = _load_script()
+    mod = load_script(SCRIPT)
     a, b = mod.make_text(5000, seed=3), mod.make_text(5000, seed=3)
     assert a == b and len(a) == 5000
     assert mod.make_text(5000, seed=4) != a

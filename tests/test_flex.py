@@ -16,14 +16,14 @@ import pytest
 import torch
 
 import flashtile
-from attn_utils import DEVICE
+from attn_utils import DEVICE, inputs as _inputs
 from flashtile.api import usermods
 from flashtile.blocksparse import BlockMask, create_block_mask
 from flashtile.flex import (MaskMod, ScoreMod, alibi_score, causal_mask, document_mask, flex_attention,
                             prefix_lm_mask, relative_position_bias, sliding_window_mask, softcap_score)
-from flex_utils import (flex_ref, inputs as _inputs, keep_period_mask, late_rows_mask, plus_head_bias, row_mask,
-                        run_and_check, sig_key_bias, sig_key_bias_dcaptured, sig_key_bias_grad, t_alibi, t_causal,
-                        t_document, t_keep_period, t_prefix_lm, t_relpos, t_sig_key_bias, t_sliding, t_softcap,
+from flex_utils import (flex_ref, keep_period_mask, late_rows_mask, plus_head_bias, row_mask, run_and_check,
+                        sig_key_bias, sig_key_bias_dcaptured, sig_key_bias_grad, t_alibi, t_causal, t_document,
+                        t_keep_period, t_prefix_lm, t_relpos, t_sig_key_bias, t_sliding, t_softcap,
                         tile_classes as _tile_classes)
 
 fp16, fp32, bf16 = torch.float16, torch.float32, torch.bfloat16

@@ -31,6 +31,15 @@ def _call(q, k, v, **kw):
     return flashtile.flash_attn_func(q, k, v, **kw)
 
 
+def _refused_with(name, change):
+    """_call on _qkv() with input `name` replaced by change(it) is refused, the error naming `name`."""
+    q, k, v = _qkv()
+    args = {"q": q, "k": k, "v": v}
+    args[name] = change(args[name])
+    with pytest.raises(ERRORS, match=_word(name)):
+        _call(**args)
+
+
 # --------------------------------------------------------------------------------------------------------
 # Shapes
 
@@ -44,20 +53,12 @@ def test_q_not_4d():
 
 @pytest.mark.parametrize("name", ["k", "v"])
 def test_k_or_v_not_4d(name):
-    q, k, v = _qkv()
-    args = {"q": q, "k": k, "v": v}
-    args[name] = args[name][0]
-    with pytest.raises(ERRORS, match=_word(name)):
-        _call(**args)
+    _refused_with(name, lambda t: t[0])
 
 
 @pytest.mark.parametrize("name", ["k", "v"])
 def test_batch_mismatch(name):
-    q, k, v = _qkv()
-    args = {"q": q, "k": k, "v": v}
-    args[name] = args[name][:1]
-    with pytest.raises(ERRORS, match=_word(name)):
-        _call(**args)
+    _refused_with(name, lambda t: t[:1])
 
 
 def test_seqlen_k_mismatch_between_k_and_v():
@@ -123,20 +124,12 @@ def test_unsupported_dtype(dtype):
 
 @pytest.mark.parametrize("name", ["k", "v"])
 def test_dtype_mismatch(name):
-    q, k, v = _qkv()
-    args = {"q": q, "k": k, "v": v}
-    args[name] = args[name].float()
-    with pytest.raises(ERRORS, match=_word(name)):
-        _call(**args)
+    _refused_with(name, lambda t: t.float())
 
 
 @pytest.mark.parametrize("name", ["k", "v"])
 def test_device_mismatch(name):
-    q, k, v = _qkv()
-    args = {"q": q, "k": k, "v": v}
-    args[name] = torch.empty(args[name].shape, dtype=args[name].dtype, device="meta")
-    with pytest.raises(ERRORS, match=_word(name)):
-        _call(**args)
+    _refused_with(name, lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"))
 
 
 @pytest.mark.parametrize("name", ["q", "k", "v"])

@@ -8,13 +8,13 @@ and fp32 all run on the CPU (tests/test_dtypes_cpu.py adds every entry point in 
 """
 import dataclasses
 import re
-from typing import Optional, Sequence, Tuple
+from typing import Sequence, Tuple
 
 import pytest
 import torch
 
 import flashtile  # noqa: F401  (sets TRITON_INTERPRET on CPU-only machines)
-from attn_utils import DEVICE, assert_within_rule, rand_alibi, reference_fwd_bwd
+from attn_utils import DEVICE, Features, assert_within_rule, rand_alibi, reference_fwd_bwd
 from flashtile.padding import index_first_axis, index_put_first_axis, pad_input, unpad_input
 from flashtile.reference.dense import attention_ref
 from flashtile.varlen import (flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,
@@ -32,31 +32,21 @@ def cu(lens: Sequence[int]) -> torch.Tensor:
 
 
 @dataclasses.dataclass(frozen=True)
-class VCase:
+class VCase(Features):
+    """One packed batch of the varlen feature matrix: the sequences' query and key lengths."""
     lens_q: Tuple[int, ...]
     lens_k: Tuple[int, ...]
     h: int
     hk: int
     d: int
     dtype: torch.dtype
-    causal: bool = False
-    window: Tuple[int, int] = (-1, -1)
-    softcap: float = 0.0
-    alibi: Optional[str] = None
-    dropout_p: float = 0.0
-    deterministic: bool = False
 
     @property
     def id(self):
         dt = {fp16: "fp16", fp32: "fp32", bf16: "bf16"}[self.dtype]
         parts = ["q" + "_".join(map(str, self.lens_q)), "k" + "_".join(map(str, self.lens_k)),
                  f"h{self.h}", f"hk{self.hk}", f"d{self.d}", dt]
-        for flag, name in ((self.causal, "causal"), (self.window != (-1, -1), f"win{self.window[0]}_{self.window[1]}"),
-                           (self.softcap, f"cap{self.softcap:g}"), (self.alibi, f"alibi-{self.alibi}"),
-                           (self.dropout_p, f"drop{self.dropout_p:g}"), (self.deterministic, "det")):
-            if flag:
-                parts.append(name)
-        return "-".join(parts)
+        return "-".join(parts + self.feature_tags())
 
 
 def packed_inputs(c: VCase):

@@ -262,6 +262,17 @@ def _bench_one(name: str, prov: Provider, attn, shape: Shape, causal: bool, inpu
     return [records[m] for m in cfg.modes]
 
 
+def _run_setup(cfg: BenchConfig, registry: Optional[Dict[str, Provider]], progress: bool):
+    """What a speed run and a memory run set up alike: (the registry, PROVIDERS by default; the device; the providers'
+    functions and report entries, _make_providers; the (shape, causal) cases; a progress bar over every case and
+    provider)."""
+    registry = PROVIDERS if registry is None else registry
+    device = torch.device(cfg.device)
+    fns, info = _make_providers(cfg.providers, registry, device, cfg.dtype)
+    cases = [(s, c) for s in cfg.shapes for c in cfg.causals]
+    return registry, device, fns, info, cases, _Progress(len(cases) * len(cfg.providers), progress)
+
+
 def run_speed(cfg: BenchConfig, registry: Optional[Dict[str, Provider]] = None, progress: bool = True) -> dict:
     """Time every provider on every (shape, causal, mode). Never raises for a provider's failure.
 
@@ -269,12 +280,8 @@ def run_speed(cfg: BenchConfig, registry: Optional[Dict[str, Provider]] = None, 
     provider, mode, causal, batch, nheads, seqlen, headdim, dtype, seed, status ('ok' | 'wrong' | 'skipped' |
     'oom' | 'error'), reason, flops, ms, tflops, errors ({out, dq, dk, dv: relative error}), tol.
     """
-    registry = PROVIDERS if registry is None else registry
-    device = torch.device(cfg.device)
+    registry, device, fns, info, cases, bar = _run_setup(cfg, registry, progress)
     timer = measure.timer_for(device)
-    fns, info = _make_providers(cfg.providers, registry, device, cfg.dtype)
-    cases = [(s, c) for s in cfg.shapes for c in cfg.causals]
-    bar = _Progress(len(cases) * len(cfg.providers), progress)
     records = []
     try:
         for ci, (shape, causal) in enumerate(cases):
@@ -340,12 +347,8 @@ def run_memory(cfg: BenchConfig, registry: Optional[Dict[str, Provider]] = None,
     extra_bytes = peak - base. An out-of-memory is recorded as status 'oom'.
     probe: an object with reset() -> base bytes, peak() -> bytes, release(); CudaMemoryProbe by default.
     """
-    registry = PROVIDERS if registry is None else registry
-    device = torch.device(cfg.device)
-    probe = measure.CudaMemoryProbe(device) if probe is None else probe
-    fns, info = _make_providers(cfg.providers, registry, device, cfg.dtype)
-    cases = [(s, c) for s in cfg.shapes for c in cfg.causals]
-    bar = _Progress(len(cases) * len(cfg.providers), progress)
+    probe = measure.CudaMemoryProbe(cfg.device) if probe is None else probe
+    registry, device, fns, info, cases, bar = _run_setup(cfg, registry, progress)
     records = []
     try:
         for ci, (shape, causal) in enumerate(cases):

@@ -42,13 +42,6 @@ DENSE_CASES = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _free_gpu_memory():
-    yield
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-
-
 def _count_gluon_calls(monkeypatch) -> dict:
     calls = {"fwd": 0, "bwd": 0}
     for name in calls:

@@ -18,18 +18,12 @@ from flashtile.flex import (alibi_score, document_mask, flex_attention, prefix_l
 from flashtile.kernels.gluon import fa3  # noqa: E402
 from flashtile.reference.dense import attention_ref  # noqa: E402
 from test_fa3_features_gpu import _count_gluon_calls  # noqa: E402
-from flex_utils import (inputs, random_tile_mask, run_and_check, t_alibi, t_document, t_prefix_lm,  # noqa: E402
-                        t_relpos, t_sliding, t_softcap)
+from attn_utils import inputs  # noqa: E402
+from flex_utils import (random_tile_mask, run_and_check, t_alibi, t_document, t_prefix_lm, t_relpos,  # noqa: E402
+                        t_sliding, t_softcap)
 
 fp16, bf16 = torch.float16, torch.bfloat16
 DEV = "cuda"
-
-
-@pytest.fixture(autouse=True)
-def _free_gpu_memory():
-    yield
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
 
 
 @pytest.fixture

@@ -49,13 +49,6 @@ TRITON_CASES = [   # features or layouts the FA3 forward does not take (tests/gp
 ]
 
 
-@pytest.fixture(autouse=True)
-def _free_gpu_memory():
-    yield
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-
-
 def _params(c: Case):
     return launch.AttnParams(softmax_scale=c.softmax_scale or c.d ** -0.5, window_left=c.window[0],
                              window_right=0 if c.causal else c.window[1], softcap=c.softcap, dropout_p=c.dropout_p)

@@ -19,13 +19,6 @@ from attn_utils import (Case, binomial_5sigma, case_inputs, check_against_refere
 fp16, bf16, fp32 = torch.float16, torch.bfloat16, torch.float32
 
 
-@pytest.fixture(autouse=True)
-def _free_gpu_memory():
-    yield
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-
-
 GPU_MATRIX = [
     # the common head dims, both half dtypes
     Case(2, 1024, 1024, 8, 8, 64, bf16),

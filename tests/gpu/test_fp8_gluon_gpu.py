@@ -50,13 +50,6 @@ def _count_gluon(monkeypatch):
     return calls
 
 
-@pytest.fixture(autouse=True)
-def _free_gpu_memory():
-    yield
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-
-
 @pytest.mark.parametrize("c", CASES, ids=_id)
 def test_gluon_fp8_matches_emulation_gpu(c, seed, monkeypatch):
     b, sq, sk, h, hk, d, causal, bq, inc, dt = c

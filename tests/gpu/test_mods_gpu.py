@@ -19,7 +19,8 @@ from flashtile.flex import (MaskMod, ScoreMod, alibi_score, causal_mask, documen
                             prefix_lm_mask, relative_position_bias, sliding_window_mask,
                             softcap_score)
 from flashtile.reference.dense import attention_ref  # noqa: E402
-from flex_utils import (check_all, inputs, keep_period_mask, random_tile_mask, reference_grads,  # noqa: E402
+from attn_utils import inputs  # noqa: E402
+from flex_utils import (check_all, keep_period_mask, random_tile_mask, reference_grads,  # noqa: E402
                         run_and_check, sig_key_bias, sig_key_bias_dcaptured, sig_key_bias_grad, t_alibi, t_causal,
                         t_document, t_keep_period, t_prefix_lm, t_relpos, t_sig_key_bias, t_sliding, t_softcap,
                         tile_classes)
@@ -27,13 +28,6 @@ from flex_utils import (check_all, inputs, keep_period_mask, random_tile_mask, r
 fp16, bf16, fp32 = torch.float16, torch.bfloat16, torch.float32
 DEV = "cuda"
 REF_ELEMS = 2 ** 26
-
-
-@pytest.fixture(autouse=True)
-def _free_gpu_memory():
-    yield
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
 
 
 def chunk_heads(b, h, hk, sq, sk):

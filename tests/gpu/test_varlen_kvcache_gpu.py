@@ -26,13 +26,6 @@ from flashtile.kernels.triton import configs as _configs  # noqa: E402
 fp16, bf16, fp32 = torch.float16, torch.bfloat16, torch.float32
 
 
-@pytest.fixture(autouse=True)
-def _free_gpu_memory():
-    yield
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-
-
 GPU_KV_CASES = [
     # single-token decode against a 32k cache, GQA 8:1, automatic splits (few tiles -> many splits)
     KCase(2, 1, 32, 4, 128, bf16, capacity=32768, seqlen_new=1),

@@ -15,10 +15,10 @@ BLOCK_SPARSE (constexpr) swaps the range loops for FA1 Alg. 5's: only the tiles 
 import triton
 import triton.language as tl
 
-from .mods import (bias_mask_log2, dropout_keep, first_row, head_lse, head_rows, head_scalars, head_tile, key_range,
-                   load_lse2, load_tile, mma, present, query_block, query_head, query_range, score_mod_grad,
-                   scores_log2, seq_bounds, sequences, sparse_tile_start, tile_order, to_dtype, user_mods_log2,
-                   visible)
+from .mods import (block_indices, dropout_keep, first_row, head_lse, head_rows, head_scalars, head_tile, key_range,
+                   load_lse2, load_tile, load_tile_pair, mma, present, query_block, query_head, query_range,
+                   score_mod_grad, score_mods_log2, scores_log2, seq_bounds, sequences, sparse_tile_start, sparse_tiles,
+                   tile_order, to_dtype)
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -72,10 +72,9 @@ def _dkdv_tile(dk, dv, start_m, row, MASKED: tl.constexpr, HAS_MASK: tl.constexp
     row: what every step reads for the current query head (packed by attn_bwd_dkdv_kernel).
     COMPUTE_DK / COMPUTE_DV: a launch may do only one of the two (two launches then split the work: each
     keeps one BLOCK_N x d accumulator instead of two, for large head dims; S is recomputed by both)."""
-    (k, v, desc_q, desc_do, desc_dq, q_head, do_head, dq_head, lse_blk, delta_blk, q_row0, b, h, offs_m_rel, offs_n, offs_d,
-     seqlen_q, seqlen_k, stride_qm, stride_dom, stride_dqm, head_dim, sm_scale, scale, alibi_slope_log2, window_left,
-     window_right, dropout, rng_base, bias_bh, stride_bias_m, stride_bias_n, mask_bh, stride_mask_m, stride_mask_n,
-     dbias_bh, stride_dbias_m, stride_dbias_n, score_aux, mask_aux, score_aux_grad) = row
+    (k, v, desc_q, desc_do, desc_dq, q_head, do_head, dq_head, lse_blk, delta_blk, q_row0, b, h, offs_m_rel, offs_n,
+     offs_d, seqlen_q, seqlen_k, stride_qm, stride_dom, stride_dqm, head_dim, sm_scale, scale, alibi_slope_log2, window,
+     dropout, rng_base, bias, mask, dbias, score_aux, mask_aux, score_aux_grad) = row
     dropout_p, _, _, _, _, _ = dropout
     q_blk = q_head + tl.cast(start_m, tl.int64) * stride_qm
     do_blk = do_head + tl.cast(start_m, tl.int64) * stride_dom
@@ -94,19 +93,8 @@ def _dkdv_tile(dk, dv, start_m, row, MASKED: tl.constexpr, HAS_MASK: tl.constexp
     # Alg. 2 lines 9-11: recompute S_ij^T = K_j Q_i^T and P_ij^T = exp(S^T - L_i)
     qkt = mma(k, qt, None, DOT_PREC)
     st, t = scores_log2(qkt, i, j, seqlen_q, seqlen_k, scale, alibi_slope_log2, SOFTCAP, ALIBI)
-    if HAS_BIAS:
-        st = bias_mask_log2(st, i, j, seqlen_q, seqlen_k, bias_bh, stride_bias_m, stride_bias_n, mask_bh,
-                            stride_mask_m, stride_mask_n, HAS_BIAS, False)
-    st_in = st       # score_mod's input; only read when there is a score_mod (then set just below)
-    if SCORE_MOD is not None or MASK_MOD is not None:
-        st, st_in = user_mods_log2(st, b, h, i, j, score_aux, mask_aux, SCORE_MOD, MASK_MOD)
-    # attn_mask / a block mask's element mask after score_mod, which may map -inf to a finite score (softcap)
-    if HAS_MASK:
-        st = bias_mask_log2(st, i, j, seqlen_q, seqlen_k, bias_bh, stride_bias_m, stride_bias_n, mask_bh,
-                           stride_mask_m, stride_mask_n, False, True)
-    if MASKED:
-        st = tl.where(visible(i, j, seqlen_q, seqlen_k, window_left, window_right, HAS_LEFT, HAS_RIGHT),
-                      st, float("-inf"))
+    st, st_in = score_mods_log2(st, b, h, i, j, seqlen_q, seqlen_k, window, bias, mask, score_aux, mask_aux, MASKED,
+                                HAS_BIAS, HAS_MASK, SCORE_MOD, MASK_MOD, HAS_LEFT, HAS_RIGHT)
     pt = tl.math.exp2(st - lse2[None, :])
     keep = None
     if DROPOUT:
@@ -123,22 +111,23 @@ def _dkdv_tile(dk, dv, start_m, row, MASKED: tl.constexpr, HAS_MASK: tl.constexp
         dv = mma(to_dtype(pdt, do.dtype), do, dv, DOT_PREC)
     if COMPUTE_DK:
         dk = _dk_step(dk, pt, dpt, qt, k, delta, st_in, t, keep, b, h, i, j, offs_m, offs_m_rel, offs_d, dq_blk,
-                      desc_dq, q_row, stride_dqm, seqlen_q, seqlen_k, head_dim, sm_scale, dropout_p, dbias_bh, stride_dbias_m,
-                      stride_dbias_n, score_aux, score_aux_grad, MASKED, EVEN_D, SOFTCAP, DROPOUT, DOT_PREC,
-                      ATOMIC_DQ, DQ_TMA, BLOCK_D, HAS_DBIAS, DBIAS_ATOMIC, SCORE_MOD, SCORE_GRAD, SCORE_CAPTURED_GRAD)
+                      desc_dq, q_row, stride_dqm, seqlen_q, seqlen_k, head_dim, sm_scale, dropout_p, dbias, score_aux,
+                      score_aux_grad, MASKED, EVEN_D, SOFTCAP, DROPOUT, DOT_PREC, ATOMIC_DQ, DQ_TMA, BLOCK_D,
+                      HAS_DBIAS, DBIAS_ATOMIC, SCORE_MOD, SCORE_GRAD, SCORE_CAPTURED_GRAD)
     return dk, dv
 
 
 @triton.jit
 def _dk_step(dk, pt, dpt, qt, k, delta, st_in, t, keep, b, h, i, j, offs_m, offs_m_rel, offs_d, dq_blk,
-             desc_dq, q_row, stride_dqm, seqlen_q, seqlen_k, head_dim, sm_scale, dropout_p, dbias_bh, stride_dbias_m,
-             stride_dbias_n, score_aux, score_aux_grad, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
+             desc_dq, q_row, stride_dqm, seqlen_q, seqlen_k, head_dim, sm_scale, dropout_p, dbias, score_aux,
+             score_aux_grad, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
              SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr, ATOMIC_DQ: tl.constexpr,
              DQ_TMA: tl.constexpr, BLOCK_D: tl.constexpr, HAS_DBIAS: tl.constexpr, DBIAS_ATOMIC: tl.constexpr,
              SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr,
              SCORE_CAPTURED_GRAD: tl.constexpr):
     """Alg. 2 lines 13-16 of one tile (transposed), given dP^T: dS^T, dK_j += dS^T Q_i (and the atomic dQ_i,
-    dBias and score_mod-captured gradients, which all need dS)."""
+    dBias and score_mod-captured gradients, which all need dS). dbias: head_tile's (pointer, row stride, column
+    stride) of dBias."""
     if DROPOUT:
         dpt = tl.where(keep, dpt, 0.0) * (1.0 / (1.0 - dropout_p))
     # Alg. 2 line 14: dS_ij = P_ij o (dP_ij - D_i); softcap multiplies by d(cap tanh(x))/dx = 1 - tanh^2
@@ -153,6 +142,7 @@ def _dk_step(dk, pt, dpt, qt, k, delta, st_in, t, keep, b, h, i, j, offs_m, offs
         # dBias = dS, the gradient of the score after softcap (bias is added there, before score_mod). This program
         # is the only one that visits tile (b, h, i-block, j-block): a full-shape bias takes plain stores; a
         # broadcast one sums over its broadcast dimensions with atomics into an fp32 buffer.
+        dbias_bh, stride_dbias_m, stride_dbias_n = dbias
         db_ptrs = dbias_bh + i.to(tl.int64) * stride_dbias_m + j.to(tl.int64) * stride_dbias_n
         db_mask = (i < seqlen_q) & (j < seqlen_k)
         if DBIAS_ATOMIC:
@@ -216,11 +206,8 @@ def attn_bwd_dkdv_kernel(
     if start_n >= seqlen_k:
         return
     b64 = tl.cast(b, tl.int64)
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_m_rel = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    kv_rows = (k_start + offs_n).to(tl.int64)
-    kv_mask = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < head_dim)
+    offs_n, offs_m_rel, offs_d, kv_rows, kv_mask = block_indices(start_n, k_start, seqlen_k, head_dim, BLOCK_N, BLOCK_M,
+                                                                 BLOCK_D)
     # Alg. 2 line 6: load K_j, V_j; line 7: dK_j = dV_j = 0 (on chip)
     stride_kb, stride_kn, stride_kh = k_strides
     stride_vb, stride_vn, stride_vh = v_strides
@@ -243,28 +230,25 @@ def attn_bwd_dkdv_kernel(
         dq_head, stride_dqm = head_rows(DQ_ACC, dq_strides, b64, h, q_start)
         lse_head = head_lse(LSE, lse_strides, b64, h, q_start)
         delta_head = head_lse(Delta, lse_strides, b64, h, q_start)
-        bias_bh, stride_bias_m, stride_bias_n = head_tile(bias, b64, h, HAS_BIAS)
-        mask_bh, stride_mask_m, stride_mask_n = head_tile(mask, b64, h, HAS_MASK)
-        dbias_bh, stride_dbias_m, stride_dbias_n = head_tile(dbias, b64, h, HAS_DBIAS)
+        head_bias = head_tile(bias, b64, h, HAS_BIAS)
+        head_mask = head_tile(mask, b64, h, HAS_MASK)
+        head_dbias = head_tile(dbias, b64, h, HAS_DBIAS)
         # what every tile step reads for query head h (one tuple: each call site names only the tile and its masks)
-        row = (k, v, present(desc_q), present(desc_do), present(desc_dq), q_head, do_head, dq_head, lse_head, delta_head, q_row0, b,
-               h, offs_m_rel, offs_n, offs_d, seqlen_q, seqlen_k, stride_qm, stride_dom, stride_dqm, head_dim,
-               sm_scale, scale, alibi_slope_log2, window_left, window_right, dropout, rng_base, present(bias_bh),
-               stride_bias_m, stride_bias_n, present(mask_bh), stride_mask_m, stride_mask_n, present(dbias_bh), stride_dbias_m, stride_dbias_n, present(score_aux),
-               present(mask_aux), present(score_aux_grad))
+        row = (k, v, present(desc_q), present(desc_do), present(desc_dq), q_head, do_head, dq_head, lse_head,
+               delta_head, q_row0, b, h, offs_m_rel, offs_n, offs_d, seqlen_q, seqlen_k, stride_qm, stride_dom,
+               stride_dqm, head_dim, sm_scale, scale, alibi_slope_log2, window, dropout, rng_base, head_bias,
+               head_mask, head_dbias, present(score_aux), present(mask_aux), present(score_aux_grad))
         if BLOCK_SPARSE:
             # FA1 Alg. 5 transposed: only the query blocks the block mask lists for this key block
             Q_NUM, Q_IDX, FULL_Q_NUM, FULL_Q_IDX, stride_sp_b, stride_sp_h, stride_sp_n, sparse_blocks = sparse
             sp = b64 * stride_sp_b + tl.cast(h, tl.int64) * stride_sp_h + (start_n // SPARSE_BLOCK) * stride_sp_n
-            n_partial = tl.load(Q_NUM + sp)
-            for t in range(0, n_partial * (SPARSE_BLOCK // BLOCK_M)):
+            for t in range(0, sparse_tiles(Q_NUM, sp, SPARSE_BLOCK, BLOCK_M)):
                 start_m = sparse_tile_start(Q_IDX, sp, t, sparse_blocks, SPARSE_BLOCK, BLOCK_M)
                 dk, dv = _dkdv_tile(dk, dv, start_m, row, True, HAS_MASK, MASK_MOD, EVEN_D, HAS_LEFT, HAS_RIGHT,
                                     SOFTCAP, ALIBI, DROPOUT, DOT_PREC, ATOMIC_DQ, DQ_TMA, USE_TMA, BLOCK_D, HAS_BIAS,
                                     HAS_DBIAS,
                                     DBIAS_ATOMIC, SCORE_MOD, SCORE_GRAD, SCORE_CAPTURED_GRAD, COMPUTE_DK, COMPUTE_DV)
-            n_full = tl.load(FULL_Q_NUM + sp)
-            for t in range(0, n_full * (SPARSE_BLOCK // BLOCK_M)):
+            for t in range(0, sparse_tiles(FULL_Q_NUM, sp, SPARSE_BLOCK, BLOCK_M)):
                 start_m = sparse_tile_start(FULL_Q_IDX, sp, t, sparse_blocks, SPARSE_BLOCK, BLOCK_M)
                 dk, dv = _dkdv_tile(dk, dv, start_m, row, SPARSE_FULL_MASKED, False, None, EVEN_D, HAS_LEFT, HAS_RIGHT,
                                     SOFTCAP, ALIBI, DROPOUT, DOT_PREC, ATOMIC_DQ, DQ_TMA, USE_TMA, BLOCK_D, HAS_BIAS,
@@ -307,34 +291,18 @@ def _dq_tile(dq, start_n, row, MASKED: tl.constexpr, HAS_MASK: tl.constexpr, MAS
     """dQ_i += dS_ij K_j (Alg. 2 line 15), recomputing S_ij, P_ij and dP_ij for one key block; row: what every
     step of this program reads (packed by attn_bwd_dq_kernel)."""
     (q, do, lse2, delta, desc_k, desc_v, k_base, v_base, kv_row0, b, h, hk, offs_m, offs_n_rel, offs_d, seqlen_q,
-     seqlen_k, stride_kn, stride_vn, head_dim, scale, alibi_slope_log2, window_left, window_right, dropout, rng_base,
-     bias_bh, stride_bias_m, stride_bias_n, mask_bh, stride_mask_m, stride_mask_n, score_aux, mask_aux) = row
-    k_blk = k_base + tl.cast(start_n, tl.int64) * stride_kn
-    v_blk = v_base + tl.cast(start_n, tl.int64) * stride_vn
-    kv_row = kv_row0 + start_n
-    cols = start_n + offs_n_rel
-    k = load_tile(desc_k, k_blk, kv_row, hk, offs_n_rel, offs_d, cols, seqlen_k, stride_kn, head_dim,
-                  MASKED, EVEN_D, USE_TMA, BLOCK_D)
-    v = load_tile(desc_v, v_blk, kv_row, hk, offs_n_rel, offs_d, cols, seqlen_k, stride_vn, head_dim,
-                  MASKED, EVEN_D, USE_TMA, BLOCK_D)
+     seqlen_k, stride_kn, stride_vn, head_dim, scale, alibi_slope_log2, window, dropout, rng_base, bias, mask,
+     score_aux, mask_aux) = row
+    k, v, cols = load_tile_pair(desc_k, desc_v, k_base, v_base, kv_row0, hk, start_n, offs_n_rel, offs_d, seqlen_k,
+                                stride_kn, stride_vn, head_dim, MASKED, EVEN_D, USE_TMA, BLOCK_D)
     kt = tl.trans(k)
     vt = tl.trans(v)
     i = offs_m[:, None]
     j = cols[None, :]
     qk = mma(q, kt, None, DOT_PREC)
     s, t = scores_log2(qk, i, j, seqlen_q, seqlen_k, scale, alibi_slope_log2, SOFTCAP, ALIBI)
-    if HAS_BIAS:
-        s = bias_mask_log2(s, i, j, seqlen_q, seqlen_k, bias_bh, stride_bias_m, stride_bias_n, mask_bh,
-                           stride_mask_m, stride_mask_n, HAS_BIAS, False)
-    if SCORE_MOD is not None or MASK_MOD is not None:
-        s, s_in = user_mods_log2(s, b, h, i, j, score_aux, mask_aux, SCORE_MOD, MASK_MOD)
-    # attn_mask / a block mask's element mask after score_mod, which may map -inf to a finite score (softcap)
-    if HAS_MASK:
-        s = bias_mask_log2(s, i, j, seqlen_q, seqlen_k, bias_bh, stride_bias_m, stride_bias_n, mask_bh,
-                           stride_mask_m, stride_mask_n, False, True)
-    if MASKED:
-        s = tl.where(visible(i, j, seqlen_q, seqlen_k, window_left, window_right, HAS_LEFT, HAS_RIGHT),
-                     s, float("-inf"))
+    s, s_in = score_mods_log2(s, b, h, i, j, seqlen_q, seqlen_k, window, bias, mask, score_aux, mask_aux, MASKED,
+                              HAS_BIAS, HAS_MASK, SCORE_MOD, MASK_MOD, HAS_LEFT, HAS_RIGHT)
     p = tl.math.exp2(s - lse2[:, None])
     dp = mma(do, vt, None, DOT_PREC)
     if DROPOUT:
@@ -374,11 +342,8 @@ def attn_bwd_dq_kernel(
     if start_m >= seqlen_q:
         return
     b64 = tl.cast(b, tl.int64)
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_n_rel = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    rows = (q_start + offs_m).to(tl.int64)
-    q_mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim)
+    offs_m, offs_n_rel, offs_d, rows, q_mask = block_indices(start_m, q_start, seqlen_q, head_dim, BLOCK_M, BLOCK_N,
+                                                             BLOCK_D)
     q_rows = head_rows(Q, q_strides, b64, h, rows[:, None])[0]
     q = tl.load(q_rows + offs_d[None, :], mask=q_mask, other=0.0)
     do_rows = head_rows(DO, do_strides, b64, h, rows[:, None])[0]
@@ -390,25 +355,22 @@ def attn_bwd_dq_kernel(
     v_base, stride_vn = head_rows(V, v_strides, b64, hk, k_start)
     kv_row0 = first_row(b, k_start, seqlen_k_static, IS_VARLEN)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    bias_bh, stride_bias_m, stride_bias_n = head_tile(bias, b64, h, HAS_BIAS)
-    mask_bh, stride_mask_m, stride_mask_n = head_tile(mask, b64, h, HAS_MASK)
+    head_bias = head_tile(bias, b64, h, HAS_BIAS)
+    head_mask = head_tile(mask, b64, h, HAS_MASK)
     window_left, window_right = window
     # what every tile step reads (one tuple: each call site names only the tile and its masks)
     row = (q, do, lse2, delta, present(desc_k), present(desc_v), k_base, v_base, kv_row0, b, h, hk, offs_m,
-           offs_n_rel, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn, head_dim, scale, alibi_slope_log2,
-           window_left, window_right, dropout, rng_base, present(bias_bh), stride_bias_m, stride_bias_n,
-           present(mask_bh), stride_mask_m, stride_mask_n, present(score_aux), present(mask_aux))
+           offs_n_rel, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn, head_dim, scale, alibi_slope_log2, window,
+           dropout, rng_base, head_bias, head_mask, present(score_aux), present(mask_aux))
     if BLOCK_SPARSE:
         # FA1 Alg. 5: only the key blocks the block mask lists for this query block
         KV_NUM, KV_IDX, FULL_KV_NUM, FULL_KV_IDX, stride_sp_b, stride_sp_h, stride_sp_m, sparse_blocks = sparse
         sp = b64 * stride_sp_b + tl.cast(h, tl.int64) * stride_sp_h + (start_m // SPARSE_BLOCK) * stride_sp_m
-        n_partial = tl.load(KV_NUM + sp)
-        for t in range(0, n_partial * (SPARSE_BLOCK // BLOCK_N)):
+        for t in range(0, sparse_tiles(KV_NUM, sp, SPARSE_BLOCK, BLOCK_N)):
             start_n = sparse_tile_start(KV_IDX, sp, t, sparse_blocks, SPARSE_BLOCK, BLOCK_N)
             dq = _dq_tile(dq, start_n, row, True, HAS_MASK, MASK_MOD, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                           ALIBI, DROPOUT, DOT_PREC, USE_TMA, BLOCK_D, HAS_BIAS, SCORE_MOD, SCORE_GRAD)
-        n_full = tl.load(FULL_KV_NUM + sp)
-        for t in range(0, n_full * (SPARSE_BLOCK // BLOCK_N)):
+        for t in range(0, sparse_tiles(FULL_KV_NUM, sp, SPARSE_BLOCK, BLOCK_N)):
             start_n = sparse_tile_start(FULL_KV_IDX, sp, t, sparse_blocks, SPARSE_BLOCK, BLOCK_N)
             dq = _dq_tile(dq, start_n, row, SPARSE_FULL_MASKED, False, None, EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                           ALIBI, DROPOUT, DOT_PREC, USE_TMA, BLOCK_D, HAS_BIAS, SCORE_MOD, SCORE_GRAD)

@@ -25,7 +25,7 @@ and tests/gpu), and the hardware cast keeps the quantizer at the speed of a plai
 import triton
 import triton.language as tl
 
-from .mods import key_range, mma, to_dtype, visible
+from .mods import key_range, load_rows, mma, present, to_dtype, visible
 
 E4M3_MAX = 448.0
 AMAX_FLOOR = 9.5367431640625e-07     # 2^-20: an all-zero block still gets a finite scale
@@ -65,23 +65,11 @@ def _fwht_stage(x, BLOCK: tl.constexpr, D: tl.constexpr, H: tl.constexpr):
 
 @triton.jit
 def fwht_rows(x, BLOCK: tl.constexpr, D: tl.constexpr):
-    """Unnormalised fast Walsh-Hadamard transform of every row of x (BLOCK, D): x @ H_D in log2(D) stages
-    (D a power of two, 2..256), unrolled at compile time."""
-    x = _fwht_stage(x, BLOCK, D, 1)
-    if D >= 4:
-        x = _fwht_stage(x, BLOCK, D, 2)
-    if D >= 8:
-        x = _fwht_stage(x, BLOCK, D, 4)
-    if D >= 16:
-        x = _fwht_stage(x, BLOCK, D, 8)
-    if D >= 32:
-        x = _fwht_stage(x, BLOCK, D, 16)
-    if D >= 64:
-        x = _fwht_stage(x, BLOCK, D, 32)
-    if D >= 128:
-        x = _fwht_stage(x, BLOCK, D, 64)
-    if D >= 256:
-        x = _fwht_stage(x, BLOCK, D, 128)
+    """Unnormalised fast Walsh-Hadamard transform of every row of x (BLOCK, D): x @ H_D in log2(D) butterfly stages
+    of half-widths 1, 2, 4, ..., D / 2 (D a power of two, 2..256), unrolled at compile time."""
+    for stage in tl.static_range(8):
+        if 2 ** (stage + 1) <= D:
+            x = _fwht_stage(x, BLOCK, D, 2 ** stage)
     return x
 
 
@@ -175,19 +163,17 @@ def quant_fp8_kernel(
 
 
 @triton.jit
-def _load_k(desc_k, k_blk, kv_row, hk, offs_n, offs_d, cols, seqlen_k, stride_kn, head_dim,
-            MASKED: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_D: tl.constexpr):
-    """K_j (BLOCK_N, BLOCK_D) e4m3."""
+def _load_kv(desc, blk, kv_row, hk, offs_n, offs_d, cols, seqlen_k, stride_n, head_dim,
+             MASKED: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_D: tl.constexpr):
+    """K_j or V_j (BLOCK_N, BLOCK_D) e4m3 from its (seqlen, d) layout: one TMA copy, or mods.load_rows (columns past
+    the head dim, and rows past seqlen_k where MASKED, read as 0). Through TMA, rows past seqlen_k are the next
+    sequence's: the caller zeroes them where they matter."""
     if USE_TMA:
-        # rows past seqlen_k (the next sequence's) only reach S entries that the mask sets to -inf
-        k = desc_k.load([kv_row, hk * BLOCK_D])
+        t = desc.load([kv_row, hk * BLOCK_D])
     else:
-        ptrs = k_blk + offs_n[:, None] * stride_kn + offs_d[None, :]
-        if MASKED:
-            k = tl.load(ptrs, mask=(cols[:, None] < seqlen_k) & (offs_d[None, :] < head_dim), other=0.0)
-        else:
-            k = tl.load(ptrs, mask=offs_d[None, :] < head_dim, other=0.0)
-    return k
+        t = load_rows(blk + offs_n[:, None] * stride_n + offs_d[None, :], cols < seqlen_k, offs_d, head_dim, MASKED,
+                      False)
+    return t
 
 
 @triton.jit
@@ -208,32 +194,31 @@ def _load_v(desc_v, v_blk, vt_row, start_n, kv_row, hk, offs_n, offs_d, cols, se
                 vt = tl.load(ptrs, mask=offs_d[:, None] < head_dim, other=0.0)
         v = tl.trans(vt)
     else:
-        if USE_TMA:
-            v = desc_v.load([kv_row, hk * BLOCK_D])
-            if MASKED:
-                # rows past seqlen_k are the next sequence's: zero them (as bytes: 0x00 is +0 in e4m3) so
-                # that P = 0 there cannot meet a NaN
-                v = tl.where(cols[:, None] < seqlen_k, v.to(tl.uint8, bitcast=True), 0).to(tl.float8e4nv, bitcast=True)
-        else:
-            ptrs = v_blk + offs_n[:, None] * stride_vn + offs_d[None, :]
-            if MASKED:
-                v = tl.load(ptrs, mask=(cols[:, None] < seqlen_k) & (offs_d[None, :] < head_dim), other=0.0)
-            else:
-                v = tl.load(ptrs, mask=offs_d[None, :] < head_dim, other=0.0)
+        v = _load_kv(desc_v, v_blk, kv_row, hk, offs_n, offs_d, cols, seqlen_k, stride_vn, head_dim, MASKED, USE_TMA,
+                     BLOCK_D)
+        if USE_TMA and MASKED:
+            # rows past seqlen_k are the next sequence's: zero them (as bytes: 0x00 is +0 in e4m3) so
+            # that P = 0 there cannot meet a NaN
+            v = tl.where(cols[:, None] < seqlen_k, v.to(tl.uint8, bitcast=True), 0).to(tl.float8e4nv, bitcast=True)
     return v
 
 
 @triton.jit
-def _fp8_tile(acc, l_i, m_i, dv_prev, q, qk_scale, desc_k, desc_v, k_blk, v_blk, K_SCALE_ROW, V_SCALE_ROW,
-              stride_ksm, stride_vsm, kv_row, vt_row, hk, start_n, offs_m, offs_n, offs_d, seqlen_q, seqlen_k,
-              stride_kn, stride_vn, stride_vd, head_dim,
-              MASKED: tl.constexpr, CAUSAL: tl.constexpr, V_TRANSPOSED: tl.constexpr, USE_TMA: tl.constexpr,
-              SOFT_CAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One step j of FA2 Alg. 1 (lines 7-10) on e4m3 tiles."""
+def _fp8_tile(acc, l_i, m_i, dv_prev, start_n, row, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+              V_TRANSPOSED: tl.constexpr, USE_TMA: tl.constexpr, SOFT_CAST: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_D: tl.constexpr):
+    """One step j of FA2 Alg. 1 (lines 7-10) on e4m3 tiles, for the key block starting at start_n; row: what every
+    step of this program reads, as attn_fwd_fp8_kernel packs it."""
+    (q, qk_scale, desc_k, desc_v, k_base, v_base, K_SCALE_ROW, V_SCALE_ROW, stride_ksm, stride_vsm, kv_row0, vt_row,
+     hk, offs_m, offs_n, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn, stride_vd, head_dim) = row
+    k_blk = k_base + tl.cast(start_n, tl.int64) * stride_kn
+    v_blk = v_base + tl.cast(start_n, tl.int64) * stride_vn
+    kv_row = kv_row0 + start_n
     cols = start_n + offs_n
     blk = start_n // BLOCK_N
-    k = _load_k(desc_k, k_blk, kv_row, hk, offs_n, offs_d, cols, seqlen_k, stride_kn, head_dim,
-                MASKED, USE_TMA, BLOCK_D)
+    # rows past seqlen_k (the next sequence's, through TMA) only reach S entries that the mask sets to -inf
+    k = _load_kv(desc_k, k_blk, kv_row, hk, offs_n, offs_d, cols, seqlen_k, stride_kn, head_dim,
+                 MASKED, USE_TMA, BLOCK_D)
     # line 8: S = Q8 K8^T, fp32 accumulate; block descales of Q_i and K_j join the softmax scale (FA3 §3.3)
     # (the scale c > 0 is applied to the row max and inside exp2's argument, not to the whole tile)
     c = qk_scale * tl.load(K_SCALE_ROW + blk * stride_ksm)
@@ -305,22 +290,18 @@ def attn_fwd_fp8_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     dv_prev = tl.load(v_scale_row)                    # any value: acc is 0 until the first tile
 
+    # what every tile step reads (one tuple, so each call site names only the tile and whether it is masked)
+    row = (q, qk_scale, present(desc_k), present(desc_v), k_base, v_base, k_scale_row, v_scale_row, stride_ksm,
+           stride_vsm, kv_row0, vt_row, hk, offs_m, offs_n, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn,
+           stride_vd, head_dim)
     lo, full_lo, full_hi, hi = key_range(start_m, seqlen_q, seqlen_k, 0, 0, BLOCK_M, BLOCK_N, False, CAUSAL)
     for start_n in range(full_lo, full_hi, BLOCK_N):
-        acc, l_i, m_i, dv_prev = _fp8_tile(
-            acc, l_i, m_i, dv_prev, q, qk_scale, desc_k, desc_v,
-            k_base + tl.cast(start_n, tl.int64) * stride_kn, v_base + tl.cast(start_n, tl.int64) * stride_vn,
-            k_scale_row, v_scale_row, stride_ksm, stride_vsm, kv_row0 + start_n, vt_row, hk, start_n,
-            offs_m, offs_n, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn, stride_vd, head_dim,
-            False, CAUSAL, V_TRANSPOSED, USE_TMA, SOFT_CAST, BLOCK_N, BLOCK_D)
+        acc, l_i, m_i, dv_prev = _fp8_tile(acc, l_i, m_i, dv_prev, start_n, row, False, CAUSAL, V_TRANSPOSED, USE_TMA,
+                                           SOFT_CAST, BLOCK_N, BLOCK_D)
     # diagonal / ragged-end tiles (lo == full_lo without a left window)
     for start_n in range(full_hi, hi, BLOCK_N):
-        acc, l_i, m_i, dv_prev = _fp8_tile(
-            acc, l_i, m_i, dv_prev, q, qk_scale, desc_k, desc_v,
-            k_base + tl.cast(start_n, tl.int64) * stride_kn, v_base + tl.cast(start_n, tl.int64) * stride_vn,
-            k_scale_row, v_scale_row, stride_ksm, stride_vsm, kv_row0 + start_n, vt_row, hk, start_n,
-            offs_m, offs_n, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn, stride_vd, head_dim,
-            True, CAUSAL, V_TRANSPOSED, USE_TMA, SOFT_CAST, BLOCK_N, BLOCK_D)
+        acc, l_i, m_i, dv_prev = _fp8_tile(acc, l_i, m_i, dv_prev, start_n, row, True, CAUSAL, V_TRANSPOSED, USE_TMA,
+                                           SOFT_CAST, BLOCK_N, BLOCK_D)
 
     # Alg. 1 lines 12-13: O = diag(l)^-1 O~ (times the last V descale), L = m + log l (448 cancels in O)
     empty = l_i == 0.0

@@ -11,9 +11,9 @@ block mask lists instead of the key range of causal/window masking.
 import triton
 import triton.language as tl
 
-from .mods import (bias_mask_log2, dropout_keep, first_row, head_lse, head_rows, head_scalars, head_tile, key_range,
-                   load_lse2, load_tile, mma, online_softmax_step, present, query_block, scores_log2,
-                   sparse_tile_start, to_dtype, user_mods_log2, visible)
+from .mods import (block_indices, dropout_keep, first_row, head_lse, head_rows, head_scalars, head_tile, key_range,
+                   load_lse2, load_tile_pair, mma, online_softmax_step, present, query_block, score_mods_log2,
+                   scores_log2, sparse_tile_start, sparse_tiles, to_dtype)
 
 
 @triton.jit
@@ -28,19 +28,14 @@ def _fwd_tile(acc, l_i, m_i, start_n, row, MASKED: tl.constexpr, HAS_MASK: tl.co
     FOLD_SCALE (softmax scale > 0, no score-changing feature): S stays raw q.k and the online softmax applies the
     scale inside exp2's argument (mods.online_softmax_step)."""
     (q, desc_k, desc_v, k_base, v_base, b, h, hk, kv_row0, offs_m, offs_n, offs_d, seqlen_q, seqlen_k, stride_kn,
-     stride_vn, head_dim, scale, alibi_slope_log2, window_left, window_right, dropout, rng_base, bias_bh,
-     stride_bias_m, stride_bias_n, mask_bh, stride_mask_m, stride_mask_n, score_aux, mask_aux) = row
-    k_blk = k_base + tl.cast(start_n, tl.int64) * stride_kn
-    v_blk = v_base + tl.cast(start_n, tl.int64) * stride_vn
-    kv_row = kv_row0 + start_n
-    cols = start_n + offs_n
-    k = load_tile(desc_k, k_blk, kv_row, hk, offs_n, offs_d, cols, seqlen_k, stride_kn, head_dim,
-                  MASKED, EVEN_D, USE_TMA, BLOCK_D)
+     stride_vn, head_dim, scale, alibi_slope_log2, window, dropout, rng_base, bias, mask, score_aux, mask_aux) = row
     # V_j is requested together with K_j (not after the softmax): the pipeliner then waits for both tiles at the
     # top of the step, and the softmax's FMULs/conversions interleave with the QK^T GEMM instead of trailing it
-    v = load_tile(desc_v, v_blk, kv_row, hk, offs_n, offs_d, cols, seqlen_k, stride_vn, head_dim,
-                  MASKED, EVEN_D, USE_TMA, BLOCK_D)
+    k, v, cols = load_tile_pair(desc_k, desc_v, k_base, v_base, kv_row0, hk, start_n, offs_n, offs_d, seqlen_k,
+                                stride_kn, stride_vn, head_dim, MASKED, EVEN_D, USE_TMA, BLOCK_D)
     kt = tl.trans(k)
+    i = offs_m[:, None]
+    j = cols[None, :]
     # Alg. 1 line 8: S_i^(j) = Q_i K_j^T (then scale / softcap / ALiBi, in log2 units)
     qk = mma(q, kt, None, DOT_PREC)
     if FOLD_SCALE and not (SOFTCAP or ALIBI or HAS_BIAS or HAS_MASK or SCORE_MOD is not None
@@ -48,21 +43,10 @@ def _fwd_tile(acc, l_i, m_i, start_n, row, MASKED: tl.constexpr, HAS_MASK: tl.co
         s = qk
         fold, _ = scale
     else:
-        s, _ = scores_log2(qk, offs_m[:, None], cols[None, :], seqlen_q, seqlen_k, scale, alibi_slope_log2, SOFTCAP,
-                           ALIBI)
+        s, _ = scores_log2(qk, i, j, seqlen_q, seqlen_k, scale, alibi_slope_log2, SOFTCAP, ALIBI)
         fold = 1.0
-    if HAS_BIAS:
-        s = bias_mask_log2(s, offs_m[:, None], cols[None, :], seqlen_q, seqlen_k, bias_bh, stride_bias_m,
-                           stride_bias_n, mask_bh, stride_mask_m, stride_mask_n, HAS_BIAS, False)
-    if SCORE_MOD is not None or MASK_MOD is not None:
-        s, _ = user_mods_log2(s, b, h, offs_m[:, None], cols[None, :], score_aux, mask_aux, SCORE_MOD, MASK_MOD)
-    # attn_mask / a block mask's element mask after score_mod, which may map -inf to a finite score (softcap)
-    if HAS_MASK:
-        s = bias_mask_log2(s, offs_m[:, None], cols[None, :], seqlen_q, seqlen_k, bias_bh, stride_bias_m, stride_bias_n, mask_bh,
-                           stride_mask_m, stride_mask_n, False, True)
-    if MASKED:
-        s = tl.where(visible(offs_m[:, None], cols[None, :], seqlen_q, seqlen_k, window_left, window_right, HAS_LEFT, HAS_RIGHT),
-                     s, float("-inf"))
+    s, _ = score_mods_log2(s, b, h, i, j, seqlen_q, seqlen_k, window, bias, mask, score_aux, mask_aux, MASKED,
+                           HAS_BIAS, HAS_MASK, SCORE_MOD, MASK_MOD, HAS_LEFT, HAS_RIGHT)
     # Alg. 1 line 9: m_i^(j) = max(m_i^(j-1), rowmax(S)), P~ = exp(S - m_i^(j)), l_i^(j) = e^(m_old - m_new) l + rowsum(P~)
     if HAS_BIAS or HAS_MASK or SCORE_MOD is not None or MASK_MOD is not None:
         # a user mask (or a -inf bias / score_mod) can hide a whole row of any tile, not only of the edge tiles
@@ -71,7 +55,7 @@ def _fwd_tile(acc, l_i, m_i, start_n, row, MASKED: tl.constexpr, HAS_MASK: tl.co
         m_new, p, alpha, l_i = online_softmax_step(m_i, l_i, s, MASKED, fold)
     if DROPOUT:
         # l_i sums the un-dropped P~ (the softmax normaliser); only the P~ V product sees Z (FA1 Alg. 2 line 13)
-        keep = dropout_keep(dropout, rng_base, offs_m[:, None], cols[None, :])
+        keep = dropout_keep(dropout, rng_base, i, j)
         p = tl.where(keep, p, 0.0)
     # Alg. 1 line 10: O~_i^(j) = diag(e^(m_old - m_new)) O~_i^(j-1) + P~ V_j   (no division here: FA2's change)
     acc = acc * alpha[:, None]
@@ -128,8 +112,8 @@ def attn_fwd_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     alibi_slope_log2, rng_base = head_scalars(b, h, ALIBI_SLOPES, stride_alibi_b, dropout, ALIBI)
-    bias_bh, stride_bias_m, stride_bias_n = head_tile(bias, b64, h, HAS_BIAS)
-    mask_bh, stride_mask_m, stride_mask_n = head_tile(mask, b64, h, HAS_MASK)
+    head_bias = head_tile(bias, b64, h, HAS_BIAS)
+    head_mask = head_tile(mask, b64, h, HAS_MASK)
     window_left, window_right = window
 
     # Alg. 1 line 4: load Q_i (rows past the end are 0; their outputs are never stored)
@@ -142,22 +126,19 @@ def attn_fwd_kernel(
 
     # what every tile step reads (one tuple, so each call site names only what differs: the tile and its masks)
     row = (q, present(desc_k), present(desc_v), k_base, v_base, b, h, hk, kv_row0, offs_m, offs_n, offs_d, seqlen_q,
-           seqlen_k, stride_kn, stride_vn, head_dim, scale, alibi_slope_log2, window_left, window_right, dropout,
-           rng_base, present(bias_bh), stride_bias_m, stride_bias_n, present(mask_bh), stride_mask_m, stride_mask_n,
-           present(score_aux), present(mask_aux))
+           seqlen_k, stride_kn, stride_vn, head_dim, scale, alibi_slope_log2, window, dropout, rng_base, head_bias,
+           head_mask, present(score_aux), present(mask_aux))
     if BLOCK_SPARSE:
         KV_NUM, KV_IDX, FULL_KV_NUM, FULL_KV_IDX, stride_sp_b, stride_sp_h, stride_sp_m, sparse_blocks = sparse
         # FA1 Alg. 5: visit only the key blocks the block mask lists for this query block; empty blocks are
         # never touched. Partial blocks apply the element mask (the mask tensor or mask_mod), full blocks skip it.
         sp = b64 * stride_sp_b + tl.cast(h, tl.int64) * stride_sp_h + (start_m // SPARSE_BLOCK) * stride_sp_m
-        n_partial = tl.load(KV_NUM + sp)
-        for t in range(0, n_partial * (SPARSE_BLOCK // BLOCK_N)):
+        for t in range(0, sparse_tiles(KV_NUM, sp, SPARSE_BLOCK, BLOCK_N)):
             start_n = sparse_tile_start(KV_IDX, sp, t, sparse_blocks, SPARSE_BLOCK, BLOCK_N)
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, start_n, row, True, HAS_MASK, MASK_MOD, EVEN_D, HAS_LEFT,
                                       HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, USE_TMA, BLOCK_N, BLOCK_D, HAS_BIAS,
                                       SCORE_MOD, FOLD_SCALE)
-        n_full = tl.load(FULL_KV_NUM + sp)
-        for t in range(0, n_full * (SPARSE_BLOCK // BLOCK_N)):
+        for t in range(0, sparse_tiles(FULL_KV_NUM, sp, SPARSE_BLOCK, BLOCK_N)):
             start_n = sparse_tile_start(FULL_KV_IDX, sp, t, sparse_blocks, SPARSE_BLOCK, BLOCK_N)
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, start_n, row, SPARSE_FULL_MASKED, False, None, EVEN_D, HAS_LEFT,
                                       HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, USE_TMA, BLOCK_N, BLOCK_D, HAS_BIAS,
@@ -216,21 +197,16 @@ def attn_probs_kernel(
     if start_m >= seqlen_q:
         return
     b64 = tl.cast(b, tl.int64)
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    rows = (q_start + offs_m).to(tl.int64)
-    stride_qb, stride_qm, stride_qh = q_strides
-    q = tl.load(Q + b64 * stride_qb + tl.cast(h, tl.int64) * stride_qh + rows[:, None] * stride_qm + offs_d[None, :],
-                mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim), other=0.0)
+    offs_m, offs_n, offs_d, rows, q_mask = block_indices(start_m, q_start, seqlen_q, head_dim, BLOCK_M, BLOCK_N,
+                                                         BLOCK_D)
+    q = tl.load(head_rows(Q, q_strides, b64, h, rows[:, None])[0] + offs_d[None, :], mask=q_mask, other=0.0)
     lse2 = load_lse2(head_lse(LSE, lse_strides, b64, h, q_start), offs_m, seqlen_q)
     alibi_slope_log2, rng_base = head_scalars(b, h, ALIBI_SLOPES, stride_alibi_b, dropout, ALIBI)
     k_base, stride_kn = head_rows(K, k_strides, b64, hk, k_start)
     stride_pb, stride_ph, stride_pm = p_strides
     p_base = P + b64 * stride_pb + tl.cast(h, tl.int64) * stride_ph
-    bias_bh, stride_bias_m, stride_bias_n = head_tile(bias, b64, h, HAS_BIAS)
-    mask_bh, stride_mask_m, stride_mask_n = head_tile(mask, b64, h, HAS_MASK)
-    window_left, window_right = window
+    head_bias = head_tile(bias, b64, h, HAS_BIAS)
+    head_mask = head_tile(mask, b64, h, HAS_MASK)
     for start_n in range(0, seqlen_k, BLOCK_N):
         cols = start_n + offs_n
         kt = tl.load(k_base + cols[None, :].to(tl.int64) * stride_kn + offs_d[:, None],
@@ -239,11 +215,8 @@ def attn_probs_kernel(
         i = offs_m[:, None]
         j = cols[None, :]
         s, _ = scores_log2(qk, i, j, seqlen_q, seqlen_k, scale, alibi_slope_log2, SOFTCAP, ALIBI)
-        if HAS_BIAS or HAS_MASK:
-            s = bias_mask_log2(s, i, j, seqlen_q, seqlen_k, bias_bh, stride_bias_m, stride_bias_n, mask_bh,
-                               stride_mask_m, stride_mask_n, HAS_BIAS, HAS_MASK)
-        s = tl.where(visible(i, j, seqlen_q, seqlen_k, window_left, window_right, HAS_LEFT, HAS_RIGHT),
-                     s, float("-inf"))
+        s, _ = score_mods_log2(s, b, h, i, j, seqlen_q, seqlen_k, window, head_bias, head_mask, None, None, True,
+                               HAS_BIAS, HAS_MASK, None, None, HAS_LEFT, HAS_RIGHT)
         p = tl.math.exp2(s - lse2[:, None])
         if DROPOUT:
             keep = dropout_keep(dropout, rng_base, i, j)

@@ -76,6 +76,21 @@ def query_block(head_group, CU_SEQLENS_Q, CU_SEQLENS_K, problem, BLOCK_M: tl.con
 
 
 @triton.jit
+def block_indices(start, seq_start, seqlen, head_dim, ROWS: tl.constexpr, STREAMED: tl.constexpr,
+                  BLOCK_D: tl.constexpr):
+    """The index tiles of a program that owns rows [start, start + ROWS) of a sequence (first row seq_start, length
+    seqlen) and streams blocks of STREAMED rows past them: (offs = start + [0, ROWS); offs_rel = [0, STREAMED), a
+    streamed block's rows relative to its start; offs_d = [0, BLOCK_D); rows: the owned rows' indices in the tensor,
+    int64; mask: the in-bounds elements (rows < seqlen, columns < head_dim) of an owned (ROWS, BLOCK_D) tile)."""
+    offs = start + tl.arange(0, ROWS)
+    offs_rel = tl.arange(0, STREAMED)
+    offs_d = tl.arange(0, BLOCK_D)
+    rows = (seq_start + offs).to(tl.int64)
+    mask = (offs[:, None] < seqlen) & (offs_d[None, :] < head_dim)
+    return offs, offs_rel, offs_d, rows, mask
+
+
+@triton.jit
 def head_rows(T, strides, b64, h, row, offset=0):
     """(pointer to row `row + offset` of head h of batch element b64 (int64), row stride) of a Q / K / V / O-shaped
     tensor T given its (batch, row, head) strides; row: a scalar (e.g. a sequence's first row, offset then the
@@ -170,6 +185,34 @@ def scores_log2(qk, i, j, seqlen_q, seqlen_k, scale, alibi_slope_log2, SOFTCAP: 
 
 
 @triton.jit
+def score_mods_log2(s, b, h, i, j, seqlen_q, seqlen_k, window, bias, mask, score_aux, mask_aux, MASKED: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr,
+                    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Everything after scores_log2 that changes a score tile s (log2 units; i, j: broadcastable query and key
+    indices), in this order: attn_bias; flashtile.flex's score_mod and mask_mod; attn_mask (after score_mod, which
+    may map -inf to a finite score); where MASKED (a tile on a causal / window edge or a sequence end), -inf where
+    not visible. window: the kernels' (window_left, window_right) group; bias, mask: head_tile's (pointer, row
+    stride, column stride) of each. Returns (s, s_in), s_in score_mod's input (natural units), which its gradient
+    needs (s itself when there is no score_mod)."""
+    bias_bh, stride_bias_m, stride_bias_n = bias
+    mask_bh, stride_mask_m, stride_mask_n = mask
+    if HAS_BIAS:
+        s = bias_mask_log2(s, i, j, seqlen_q, seqlen_k, bias_bh, stride_bias_m, stride_bias_n, mask_bh,
+                           stride_mask_m, stride_mask_n, HAS_BIAS, False)
+    s_in = s
+    if SCORE_MOD is not None or MASK_MOD is not None:
+        s, s_in = user_mods_log2(s, b, h, i, j, score_aux, mask_aux, SCORE_MOD, MASK_MOD)
+    if HAS_MASK:
+        s = bias_mask_log2(s, i, j, seqlen_q, seqlen_k, bias_bh, stride_bias_m, stride_bias_n, mask_bh,
+                           stride_mask_m, stride_mask_n, False, True)
+    if MASKED:
+        window_left, window_right = window
+        s = tl.where(visible(i, j, seqlen_q, seqlen_k, window_left, window_right, HAS_LEFT, HAS_RIGHT), s,
+                     float("-inf"))
+    return s, s_in
+
+
+@triton.jit
 def dropout_keep(dropout, rng_base, i, j):
     """Keep mask of one tile (i, j broadcastable 2-D indices): Philox counter rng_offset + rng_base +
     i * rng_stride_m + j, exactly the counter flashtile.reference.rng.dropout_counter gives entry (b, h, i, j).
@@ -257,6 +300,24 @@ def load_tile(desc, blk, row, head, offs_r, offs_d, idx, seqlen, stride_r, head_
 
 
 @triton.jit
+def load_tile_pair(desc_a, desc_b, a_base, b_base, row0, head, start, offs_r, offs_d, seqlen, stride_a, stride_b,
+                   head_dim, MASKED: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The tiles of rows idx = start + offs_r of two tensors a tile step streams together (K_j and V_j; Q_i and
+    dO_i), one head of each, and idx: load_tile of each. a_base, b_base: the head's pointers at its sequence's
+    first row, stride_a, stride_b their row strides; row0: that row in the TMA descriptors' 2-D view. Both requests
+    are issued before either tile is used."""
+    a_blk = a_base + tl.cast(start, tl.int64) * stride_a
+    b_blk = b_base + tl.cast(start, tl.int64) * stride_b
+    row = row0 + start
+    idx = start + offs_r
+    a = load_tile(desc_a, a_blk, row, head, offs_r, offs_d, idx, seqlen, stride_a, head_dim, MASKED, EVEN_D, USE_TMA,
+                  BLOCK_D)
+    b = load_tile(desc_b, b_blk, row, head, offs_r, offs_d, idx, seqlen, stride_b, head_dim, MASKED, EVEN_D, USE_TMA,
+                  BLOCK_D)
+    return a, b, idx
+
+
+@triton.jit
 def load_rows(ptrs, valid, offs_d, head_dim, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
     """Pointer load of a (rows, BLOCK_D) tile: rows where `valid` is False (only masked tiles have them) and
     columns past the head dim read as 0."""
@@ -292,6 +353,13 @@ def online_softmax_step(m_i, l_i, s, MASKED: tl.constexpr, scale=1.0):
     p = tl.math.exp2(s * scale - m_use[:, None])
     l_new = l_i * alpha + tl.sum(p, 1)
     return m_new, p, alpha, l_new
+
+
+@triton.jit
+def sparse_tiles(NUM, sp, SPARSE_BLOCK: tl.constexpr, TILE: tl.constexpr):
+    """Tiles of TILE rows in row sp of a block mask's list: its NUM[sp] listed blocks of SPARSE_BLOCK rows each, the
+    tiles sparse_tile_start numbers."""
+    return tl.load(NUM + sp) * (SPARSE_BLOCK // TILE)
 
 
 @triton.jit
