@@ -317,11 +317,9 @@ def varlen_positions(cu_seqlens, device=None) -> torch.Tensor:
 # Running a plan
 # --------------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=1024)
-@functools.lru_cache(maxsize=1024)
 def _cu_tensors(block: VarlenBlock, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
     """The call's cu_seqlens on the device, made once per block (a copy from host memory waits for the work
-    queued before it: made at every step of every layer, it kept the host from running ahead of the GPU). Never
-    written: the kernels only read them."""
+    queued before it). Never written: the kernels only read them."""
     def cum(lens):
         out = [0]
         for n in lens:

@@ -92,7 +92,8 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params, alibi=None, cu_seqlen
             fa3.bwd(dout, q, k, v, lse, delta, None, dk, dv, params, dq_acc, alibi, cu_seqlens_q, cu_seqlens_k,
                     max_seqlen_q, max_seqlen_k, bias, mask, sparse, mods)
             return
-        dq = torch.zeros_like(q)   # (rows of no sequence stay 0: nothing is added there)
+        # (varlen: rows of no sequence stay 0, so nothing is added there)
+        dq = torch.zeros_like(q) if cu_seqlens_q is not None else torch.empty_like(q)
         flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params, alibi, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                   max_seqlen_k, deterministic, bias, mask, sparse, dbias, mods, dlse, memo)
         dq_acc.add_(dq)
