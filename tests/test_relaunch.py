@@ -167,3 +167,96 @@ def test_bound_launches_with_the_bound_arguments(kern, monkeypatch):
     assert kern.calls[-1] == reference
     monkeypatch.setattr(relaunch, "FAST_LAUNCH", False)
     assert relaunch.bind(kern, args, kw, 1) is None
+
+
+# --------------------------------------------------------------------------------------------------
+# Direct launches: this module stands in for Triton 3.6's nvidia driver module (its launcher's surface)
+# --------------------------------------------------------------------------------------------------
+_BASE_ARGS_FORMAT_LEN = 13
+ENCODED = []   # base addresses of the tensor maps encoded so far
+
+
+class PyCUtensorMap:
+    def __init__(self, address):
+        self.address = address
+
+
+def make_tensordesc_arg(arg, metadata):
+    """The driver's expansion of a descriptor: its encoded map, shape and strides (metadata: the kernel's)."""
+    ENCODED.append(arg.base.data_ptr())
+    return [PyCUtensorMap(arg.base.data_ptr()), *arg.shape, *arg.strides, metadata]
+
+
+def wrap_handle_tensordesc(launcher, signature, tensordesc_meta):
+    """Triton 3.6's wrapper: every argument after the 13 leading ones in order, each descriptor expanded."""
+    tensordesc_indices = {i for i, sig in enumerate(signature) if sig.startswith("tensordesc")}
+
+    def inner(*args):
+        final_args = list(args[:_BASE_ARGS_FORMAT_LEN])
+        tensordesc_idx = 0
+        for i, arg in enumerate(args[_BASE_ARGS_FORMAT_LEN:]):
+            if i in tensordesc_indices:
+                final_args.extend(make_tensordesc_arg(arg, tensordesc_meta[tensordesc_idx]))
+                tensordesc_idx += 1
+            else:
+                final_args.append(arg)
+        return launcher(*final_args)
+
+    return inner
+
+
+class CudaLauncher:
+    def __init__(self, launch, scratch=0):
+        self.launch, self.num_ctas = launch, 1
+        self.global_scratch_size, self.profile_scratch_size = scratch, 0
+        self.launch_cooperative_grid, self.launch_pdl = False, True
+
+    def __call__(self, gx, gy, gz, stream, function, *args):
+        self.launch(gx, gy, gz, stream, function, self.launch_cooperative_grid, self.launch_pdl, None, None, *args)
+
+
+class _Entry:
+    function, packed_metadata = "fn", (4, 1, 0)
+
+    def __init__(self, run):
+        self.run = run
+
+
+def test_direct_launch_passes_what_the_launcher_would(monkeypatch):
+    """_direct: the C function gets the arguments Triton's launcher would give it (descriptors expanded in place,
+    live and bound ones), a descriptor of a DescriptorType is expanded once per base address, any other descriptor
+    every call; no direct path for a launcher of another shape (scratch buffers, another wrapper) or DIRECT off."""
+    from flashtile.kernels.runtime import DescriptorType
+    monkeypatch.setattr(relaunch, "DIRECT", True)
+    calls = []
+
+    def c_launch(*a):
+        calls.append(a)
+    signature = ["tensordesc<bf16[64,16]>", "*fp32", "tensordesc<bf16[64,16]>", "i32", "tensordesc<fp32[64,16]>", "fp32"]
+    meta = ["m0", "m1", "m2"]
+    entry = _Entry(CudaLauncher(wrap_handle_tensordesc(c_launch, signature, meta)))
+    buf = torch.empty(256)
+    a, b, c = buf[:64], buf[64:128], buf[128:192]
+    desc_type = DescriptorType(_Desc, dict(shape=[4, 16], strides=[16, 1], block_shape=[64, 16], padding="zero"))
+    plain = _Desc(c, [64, 16])
+    plain.shape, plain.strides = [4, 16], [16, 1]
+    tail = (7, plain, 0.5)
+    direct = relaunch._direct(entry, (desc_type(a), a, desc_type(b)), tail)
+    assert direct is not None
+    for live in ((desc_type(a), b, desc_type(b)), (desc_type(b), a, desc_type(a)), (desc_type(a), c, desc_type(c))):
+        entry.run(2, 3, 1, 9, "fn", entry.packed_metadata, None, None, None, *live, *tail)
+        expected = calls.pop()
+        ENCODED.clear()
+        direct((2, 3, 1), live, 9)
+        got = calls.pop()
+        assert len(got) == len(expected) and relaunch._same_arguments(got, expected)
+        assert [x.address for x in got if isinstance(x, PyCUtensorMap)] == [
+            live[0].base.data_ptr(), live[2].base.data_ptr(), c.data_ptr()]
+    assert ENCODED == [c.data_ptr()]   # (the last call's one new base; the tail was expanded at _direct)
+    no_desc = _Entry(CudaLauncher(len))   # a builtin: the C function itself, for kernels without descriptors
+    assert relaunch._direct(no_desc, (a, ), (1, )).c_launch is len
+    assert relaunch._direct(_Entry(CudaLauncher(wrap_handle_tensordesc(c_launch, signature, meta), scratch=64)),
+                            (desc_type(a), a, desc_type(b)), tail) is None
+    assert relaunch._direct(_Entry(CudaLauncher(lambda *args: None)), (desc_type(a), a, desc_type(b)), tail) is None
+    monkeypatch.setattr(relaunch, "DIRECT", False)
+    assert relaunch._direct(entry, (desc_type(a), a, desc_type(b)), tail) is None

@@ -15,12 +15,19 @@ A caller that launches one problem again and again (a decode loop, a training st
 compiled kernel bound to every argument but the leading live ones (Bound), whose call checks only the live
 arguments' keys; the caller keys its Bounds on a signature of its own that fixes the rest (Bounds, or the
 templates of decode.py and gluon/fa3.py). FLASHTILE_BIND=0 (or BIND = False) turns bind() off.
+
+A Bound also skips the Python layers of Triton's launcher where it knows them (_Direct: Triton 3.6's CudaLauncher):
+the C launch function is called with the bound arguments already expanded as the launcher would expand them, and a
+TMA descriptor's expansion (its encoded CUtensorMap, shape and strides) is kept per base address for descriptors of
+one geometry. FLASHTILE_DIRECT_LAUNCH=0 (or DIRECT = False) turns it off.
 """
 from __future__ import annotations
 
 import inspect
 import operator
 import os
+import sys
+import types
 
 import torch
 from triton.runtime.jit import JITFunction
@@ -31,6 +38,8 @@ from .support import knobs as _knobs
 FAST_LAUNCH = _knobs is not None and os.environ.get("FLASHTILE_FAST_LAUNCH", "1") != "0"
 # bind() on: callers keep launch templates (Bound); off (FLASHTILE_BIND=0), every call goes through launch()
 BIND = _knobs is not None and os.environ.get("FLASHTILE_BIND", "1") != "0"
+# Bounds call the C launch function directly where the launcher is one _Direct knows (FLASHTILE_DIRECT_LAUNCH=0: off)
+DIRECT = os.environ.get("FLASHTILE_DIRECT_LAUNCH", "1") != "0"
 # key -> compiled kernel
 _COMPILED: dict = {}
 _MAX_ENTRIES = 4096
@@ -201,10 +210,10 @@ class Bound:
     with the same arguments call after call but for a few tensors (a decode step's q, outputs and cache) skips
     launch()'s key over every argument and its parameter plan. Calling it checks the live arguments' keys (dtype
     and 16-byte alignment of a tensor, a descriptor's block...) and the device against those it was bound with."""
-    __slots__ = ("entry", "device", "live_key", "tail")
+    __slots__ = ("entry", "device", "live_key", "tail", "direct")
 
-    def __init__(self, entry, device, live_key, tail):
-        self.entry, self.device, self.live_key, self.tail = entry, device, live_key, tail
+    def __init__(self, entry, device, live_key, tail, direct=None):
+        self.entry, self.device, self.live_key, self.tail, self.direct = entry, device, live_key, tail, direct
 
     def __call__(self, grid, live: tuple, trusted: int = 0) -> bool:
         """Launch on grid (three ints) with these live arguments; False (nothing launched) where they or the device
@@ -214,10 +223,134 @@ class Bound:
         if (_args_key(live[trusted:]) != self.live_key[trusted:] or current_device() != self.device
                 or not _no_launch_hooks()):
             return False
+        if self.direct is not None:
+            self.direct(grid, live, raw_stream(self.device))
+            return True
         e = self.entry
         e.run(grid[0], grid[1], grid[2], raw_stream(self.device), e.function, e.packed_metadata, None, None, None,
               *live, *self.tail)
         return True
+
+
+# --------------------------------------------------------------------------------------------------
+# The launcher underneath CompiledKernel.run, called directly (Triton 3.6's CudaLauncher)
+# --------------------------------------------------------------------------------------------------
+# CudaLauncher.__call__(gx, gy, gz, stream, function, *args) allocates the kernel's scratch buffers (none for
+# flashtile's kernels) and calls its `launch`: the C launch function itself when the kernel takes no TMA descriptor,
+# else a Python closure (driver.wrap_handle_tensordesc's `inner`, over `launcher`, `tensordesc_indices` and
+# `tensordesc_meta`) that walks every argument and expands each descriptor into the C function's arguments
+# (driver.make_tensordesc_arg: its CUtensorMap, encoded by the driver, then its shape and strides). Those layers
+# cost about as much host time as the C launch itself. The C function's leading arguments: grid x, y, z, stream,
+# function, cooperative-grid and PDL flags, global and profile scratch, packed metadata, launch metadata and the
+# two launch hooks (driver._BASE_ARGS_FORMAT).
+_INNER_FREEVARS = ("launcher", "tensordesc_indices", "tensordesc_meta")
+_BASE_ARGS = 13
+_TMA_MAPS_MAX = 256   # expansions kept per descriptor parameter of a Bound (base addresses a loop cycles through)
+
+
+class _DescriptorSlot:
+    """A TMA-descriptor parameter of a direct launch: expand(desc, meta) (the launcher's make_tensordesc_arg) of each
+    descriptor passed there, kept per base address for descriptors of a runtime.DescriptorType (whose class fixes
+    every field but the base): a repeated launch over the same tensors encodes no CUtensorMap. A tensor freed and
+    another allocated at its address with the same geometry is described by the same map (it holds the address,
+    shape, strides, box and swizzle, nothing else)."""
+    __slots__ = ("expand", "meta", "maps")
+
+    def __init__(self, expand, meta):
+        self.expand, self.meta, self.maps = expand, meta, {}
+
+    def __call__(self, desc) -> list:
+        if getattr(type(desc), "descriptor_class", None) is None:
+            return self.expand(desc, self.meta)
+        key = (desc.base.data_ptr(), type(desc))
+        args = self.maps.get(key)
+        if args is None:
+            args = self.expand(desc, self.meta)
+            remember(self.maps, key, args, _TMA_MAPS_MAX)
+        return args
+
+
+class _Direct:
+    """entry.run(grid, stream, function, packed metadata, no hooks, *live, *tail) without the launcher's Python
+    layers: the C launch function called with the tail expanded once and the live descriptors through their
+    _DescriptorSlot. Made by _direct only where it reproduces the launcher's arguments exactly."""
+    __slots__ = ("c_launch", "function", "flags", "packed", "live_slots", "tail")
+
+    def __init__(self, entry, c_launch, live_slots, tail):
+        run = entry.run
+        self.c_launch, self.function, self.packed = c_launch, entry.function, entry.packed_metadata
+        self.flags = (run.launch_cooperative_grid, run.launch_pdl)
+        self.live_slots, self.tail = live_slots, tail
+
+    def expand(self, live: tuple) -> list:
+        """The C function's kernel arguments: live's, each descriptor expanded, then the expanded tail."""
+        args, start = [], 0
+        for i, slot in self.live_slots:
+            args += live[start:i]
+            args += slot(live[i])
+            start = i + 1
+        args += live[start:]
+        args += self.tail
+        return args
+
+    def __call__(self, grid, live: tuple, stream: int) -> None:
+        self.c_launch(grid[0], grid[1], grid[2], stream, self.function, *self.flags, None, None, self.packed, None,
+                      None, None, *self.expand(live))
+
+
+def _direct(entry, live: tuple, tail: tuple):
+    """A _Direct for launches of entry (a CompiledKernel) with live arguments like `live` and this tail, or None
+    where the launcher is not the one it knows (another Triton, scratch buffers, clusters) or DIRECT is off. Checked
+    once here: the launcher's own `inner`, rebuilt over a recording stand-in for the C function, must expand these
+    arguments into the same list."""
+    run = getattr(entry, "run", None)
+    if not (DIRECT and type(run).__name__ == "CudaLauncher" and getattr(run, "global_scratch_size", 1) == 0
+            and getattr(run, "profile_scratch_size", 1) == 0 and getattr(run, "num_ctas", 0) == 1):
+        return None
+    launch = run.launch
+    if isinstance(launch, types.BuiltinFunctionType):   # no descriptor parameter: the C function itself
+        return _Direct(entry, launch, (), tuple(tail))
+    code = getattr(launch, "__code__", None)
+    driver = sys.modules.get(getattr(launch, "__module__", None) or "")
+    if (code is None or code.co_freevars != _INNER_FREEVARS or driver is None
+            or getattr(driver, "_BASE_ARGS_FORMAT_LEN", None) != _BASE_ARGS
+            or not callable(getattr(driver, "make_tensordesc_arg", None))):
+        return None
+    c_launch, indices, metas = (cell.cell_contents for cell in launch.__closure__)
+    metas = list(metas) if metas else [None] * len(indices)
+    ordinal = {i: n for n, i in enumerate(sorted(indices))}
+    expand = driver.make_tensordesc_arg
+    slots = {i: _DescriptorSlot(expand, metas[ordinal[i]]) for i in indices}
+    expanded_tail = []
+    for i, a in enumerate(tail, start=len(live)):
+        expanded_tail += slots[i](a) if i in slots else [a]
+    direct = _Direct(entry, c_launch, tuple((i, slots[i]) for i in sorted(indices) if i < len(live)),
+                     tuple(expanded_tail))
+    # the launcher's own expansion of the same arguments, into a recorder
+    seen = []
+    recorder = types.FunctionType(code, launch.__globals__, code.co_name, launch.__defaults__,
+                                  tuple(types.CellType(c) for c in (lambda *a: seen.append(a), indices, metas)))
+    recorder(*range(_BASE_ARGS), *live, *tail)
+    if not seen or not _same_arguments(seen[0][_BASE_ARGS:], direct.expand(live)):
+        return None
+    return direct
+
+
+def _same_arguments(a, b) -> bool:
+    """Two expansions agree: equal but for the encoded CUtensorMaps (fresh objects each), which must be in the same
+    places."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if type(x).__name__ == "PyCUtensorMap" or type(y).__name__ == "PyCUtensorMap":
+            if type(x) is not type(y):
+                return False
+        elif isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            if x is not y:
+                return False
+        elif type(x) is not type(y) or x != y:
+            return False
+    return True
 
 
 def bind(kernel, args: tuple, kwargs: dict, n_live: int):
@@ -231,7 +364,8 @@ def bind(kernel, args: tuple, kwargs: dict, n_live: int):
     key, rest, entry = found
     if entry is None:
         return None
-    return Bound(entry, key[1], _args_key(args[:n_live]), (*args[n_live:], *rest))
+    tail = (*args[n_live:], *rest)
+    return Bound(entry, key[1], _args_key(args[:n_live]), tail, _direct(entry, args[:n_live], tail))
 
 
 TEMPLATES_MAX = 256   # entries per call site's memo of launch templates (remember)
