@@ -8,8 +8,6 @@ kernel (forward only, as in flash-attn).
 """
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from .api import checks
@@ -135,8 +133,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                              return_attn_probs), P.varlen)
     pad_q = P.cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q")
     pad_k = P.cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k")
-    if pad_q != P.NO_PAD or pad_k != P.NO_PAD:
-        p = dataclasses.replace(p, pad_q=pad_q, pad_k=pad_k)
+    p = p.with_padding(pad_q, pad_k)
     checks.check_device(q)
     out, lse, probs = attention(p, q, k, v, Extras(alibi_slopes, cu_seqlens_q, cu_seqlens_k))
     return out if probs is None else (out, lse, probs)

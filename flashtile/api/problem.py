@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
@@ -79,6 +79,22 @@ class Problem:
     def group(self) -> int:
         """Query heads per key/value head (GQA / MQA)."""
         return self.nheads // self.nheads_k
+
+    @property
+    def padded_q(self) -> bool:
+        """Varlen: rows of the packed q may belong to no sequence (pad_q is a row, or the values were not read)."""
+        return self.varlen and self.pad_q != NO_PAD
+
+    def with_padding(self, pad_q: int, pad_k: int) -> "Problem":
+        """This problem with pad_q / pad_k, one object per pair (kept in this problem's cache), so that a loop over
+        padded packed batches keeps its plans."""
+        if (pad_q, pad_k) == (self.pad_q, self.pad_k):
+            return self
+        key = ("padding", pad_q, pad_k)
+        p = self.cache.get(key)
+        if p is None:
+            p = self.cache[key] = replace(self, pad_q=pad_q, pad_k=pad_k)
+        return p
 
     @property
     def plain(self) -> bool:

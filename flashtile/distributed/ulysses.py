@@ -26,7 +26,6 @@ exchange back restores the layout. context.cp_shard cuts any of these layouts.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Optional, Tuple
 
@@ -160,8 +159,7 @@ def ulysses_flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     p = P.varlen(qh, kh, vh, cu, cu, max_seqlen, max_seqlen, 0.0, softmax_scale, causal, window_size, softcap, alibi,
                  deterministic, False)
     pad = P.cu_seqlens_values("cu_seqlens", cu, qh.shape[0], max_seqlen, "max_seqlen")
-    if pad != P.NO_PAD:
-        p = dataclasses.replace(p, pad_q=pad, pad_k=pad)
+    p = p.with_padding(pad, pad)
     out, lse, _ = _interface.attention(p, qh, kh, vh, _interface.Extras(alibi, cu, cu))
     out, lse = _exchange_out(out[None], lse[None] if return_softmax_lse else None, group, return_softmax_lse)
     return (out[0], lse[0]) if return_softmax_lse else out[0]

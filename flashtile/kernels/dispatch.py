@@ -121,18 +121,16 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params, alibi=None, cu_seqlen
 # --------------------------------------------------------------------------------------------------
 # The training path: a plan per problem
 # --------------------------------------------------------------------------------------------------
-def _gluon_candidate(p, params, backward: bool) -> bool:
+def _gluon_candidate(p, params) -> bool:
     """The problem's features allow the FA3 kernels' plans (their shapes are checked by fa3.supports): no bias,
-    bool mask, block mask, mods or dropout; the backward's plan, dense problems (varlen backwards go through
-    flash_bwd, which the Gluon backward takes too)."""
-    plain = not (p.bias or p.mask or p.sparse_block or p.mod_key) and params.dropout_p == 0
-    return plain and not (backward and p.varlen)
+    bool mask, block mask, mods or dropout."""
+    return not (p.bias or p.mask or p.sparse_block or p.mod_key) and params.dropout_p == 0
 
 
-def _attends(q, k) -> bool:
+def _attends(p, q, k) -> bool:
     """Queries and keys to attend with: an empty problem's outputs (zeros, an LSE of -inf, zero gradients) are the
     Triton launchers' to write; the FA3 forward would wait for a first key block that never comes."""
-    return q.numel() > 0 and k.numel() > 0
+    return q.numel() > 0 and k.numel() > 0 and p.seqlen_q > 0 and p.seqlen_k > 0
 
 
 def forward(p, params, q, k, v, out, lse, x, bias=None, mods=None) -> None:
@@ -141,7 +139,7 @@ def forward(p, params, q, k, v, out, lse, x, bias=None, mods=None) -> None:
     plan = p.cache.get("fwd", False)
     if plan is False:
         plan = None
-        if (_gluon_candidate(p, params, False) and _attends(q, k)
+        if (_gluon_candidate(p, params) and _attends(p, q, k)
                 and fa3.supports(q, k, v, params, x.alibi, x.cu_seqlens_q)):
             plan = fa3.ForwardPlan(q, k, v, lse, params, x.alibi, x.cu_seqlens_q, p.seqlen_q, p.seqlen_k)
         p.cache["fwd"] = plan
@@ -152,31 +150,36 @@ def forward(p, params, q, k, v, out, lse, x, bias=None, mods=None) -> None:
 
 
 class _GluonBackward:
-    """The Gluon backward of one problem: D = rowsum(dO o O) by the Triton preprocess kernel, which also zeroes the
-    float32 dQ accumulator, then fa3's kernel (fa3.BackwardPlan), then dQ converted."""
-    __slots__ = ("fa3", "pre_grid", "pre")
+    """The Gluon backward of one problem, dense or varlen: D = rowsum(dO o O) by the Triton preprocess kernel, which
+    also zeroes the float32 dQ accumulator (a varlen problem whose packed rows may belong to no sequence gets a
+    zero-filled one instead: the preprocess reaches only sequences' rows), then fa3's kernel (fa3.BackwardPlan),
+    then dQ converted."""
+    __slots__ = ("fa3", "pre_grid", "pre", "varlen", "zero_fill", "sizes")
 
     PRE_ROWS = 64
 
-    def __init__(self, q, k, v, lse, params, alibi=None):
-        dk, dv = torch.empty_like(k), torch.empty_like(v)   # (the gradients' strides: contiguous, as backward makes them)
-        self.fa3 = fa3.BackwardPlan(q, k, v, lse, dk, dv, params, alibi)
-        self.pre_grid = (cdiv(q.shape[1], self.PRE_ROWS), q.shape[0] * q.shape[2], 1)
+    def __init__(self, p, q, k, v, lse, params, x):
+        dk, dv = torch.empty_like(k), torch.empty_like(v)   # (contiguous, as backward makes the gradients)
+        self.fa3 = fa3.BackwardPlan(q, k, v, lse, dk, dv, params, x.alibi, x.cu_seqlens_q, p.seqlen_q, p.seqlen_k)
+        self.pre_grid = (cdiv(p.seqlen_q, self.PRE_ROWS), p.batch * p.nheads, 1)
+        self.varlen, self.zero_fill = p.varlen, p.padded_q
+        self.sizes = (p.nheads, p.seqlen_q, p.head_dim)
         self.pre = None
 
-    def __call__(self, dout, q, k, v, out, lse, dq, dk, dv, params, dlse, alibi=None) -> bool:
+    def __call__(self, dout, q, k, v, out, lse, dq, dk, dv, params, dlse, x) -> bool:
         """False (nothing launched) where this call cannot take the plan (Gluon off, or a tensor not contiguous or
         not 16-byte aligned)."""
         if not (fa3.enabled() and fa3.tma_aligned(q, k, v, out, dq, dk, dv)):
             return False
         dout = fa3.tma_ready(dout)
         delta = torch.empty_like(lse)
-        dq_acc = torch.empty(q.shape, device=q.device, dtype=torch.float32)
-        live = (out, dout, delta, dq_acc)
+        dq_acc = (torch.zeros if self.zero_fill else torch.empty)(q.shape, device=q.device, dtype=torch.float32)
+        live = (out, dout, delta, dq_acc, x.cu_seqlens_q) if self.varlen else (out, dout, delta, dq_acc)
         if self.pre is None or not self.pre(self.pre_grid, live):
-            args = (*live, None, out.stride()[:3], dout.stride()[:3], lse.stride()[:2], dq_acc.stride()[:3],
-                    (q.shape[2], q.shape[1], q.shape[3]))
-            kwargs = dict(BLOCK_M=self.PRE_ROWS, BLOCK_D=q.shape[3], IS_VARLEN=False, ZERO_DQ=True)
+            # (the preprocess kernel's CU_SEQLENS_Q is live where varlen, None after the live ones where dense)
+            args = (*live, *(() if self.varlen else (None, )), launch.row_strides(out), launch.row_strides(dout),
+                    launch.lse_strides(lse), launch.row_strides(dq_acc), self.sizes)
+            kwargs = dict(BLOCK_M=self.PRE_ROWS, BLOCK_D=q.shape[-1], IS_VARLEN=self.varlen, ZERO_DQ=not self.zero_fill)
             relaunch.launch(_bwd.attn_bwd_preprocess_kernel, self.pre_grid[:2], args, kwargs)
             # (out and dq_acc are made contiguous by the callers, dout by tma_ready: the strides bound are the call's)
             self.pre = relaunch.bind(_bwd.attn_bwd_preprocess_kernel, args, kwargs, len(live))
@@ -184,7 +187,7 @@ class _GluonBackward:
             # a gradient arriving through the LSE output: d lse_i / d S_ij = P_ij, so dS_ij gains P_ij * dlse_i,
             # i.e. dS = P o (dP - (D - dlse)): folded into D, the kernels are unchanged
             delta.sub_(dlse)
-        self.fa3(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc, alibi)
+        self.fa3(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc, x.alibi, x.cu_seqlens_q, x.cu_seqlens_k)
         return True
 
 
@@ -200,11 +203,11 @@ def backward(p, params, dout, q, k, v, out, lse, dq, dk, dv, x, bias=None, dbias
     plan = p.cache.get("bwd", False)
     if plan is False:
         plan = None
-        if (_gluon_candidate(p, params, True) and _attends(q, k) and not p.deterministic and out.is_contiguous()
-                and fa3.supports(q, k, v, params, x.alibi, backward=True)):
-            plan = _GluonBackward(q, k, v, lse, params, x.alibi)
+        if (_gluon_candidate(p, params) and _attends(p, q, k) and not p.deterministic and out.is_contiguous()
+                and fa3.supports(q, k, v, params, x.alibi, x.cu_seqlens_q, backward=True)):
+            plan = _GluonBackward(p, q, k, v, lse, params, x)
         p.cache["bwd"] = plan
-    if plan is not None and plan(dout, q, k, v, out, lse, dq, dk, dv, params, dlse, x.alibi):
+    if plan is not None and plan(dout, q, k, v, out, lse, dq, dk, dv, params, dlse, x):
         return
     flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params, x.alibi, x.cu_seqlens_q, x.cu_seqlens_k, p.seqlen_q,
               p.seqlen_k, deterministic=p.deterministic, bias=bias, mask=x.mask, sparse=x.sparse, dbias=dbias,

@@ -57,11 +57,25 @@ def test_launches_over_reused_buffers_match_the_reference(c, seed):
         assert bounds and all(b.direct is not None for b in bounds)
 
 
-def test_varlen_repeated_calls_match_per_sequence_reference(seed):
+@pytest.mark.parametrize("rows", ["every-row-in-a-sequence", "padding-rows", "values-unread"])
+def test_varlen_repeated_calls_match_per_sequence_reference(rows, seed, monkeypatch):
+    """Repeated varlen training calls go through the Gluon plans, the backward's too (dispatch._GluonBackward, its
+    dQ accumulator zeroed by the preprocess kernel, or zero-filled where packed rows may belong to no sequence:
+    rows past cu_seqlens[-1], or cu_seqlens' values not read); each call matches the per-sequence float64
+    reference, and rows of no sequence get zero outputs and gradients."""
+    from flashtile.api import problem
+    from flashtile.kernels import dispatch
     from flashtile.reference.dense import attention_ref
+    if rows == "values-unread":
+        monkeypatch.setattr(problem, "CHECK_VALUES", False)
+    planned = []
+    real = dispatch._GluonBackward.__call__
+    monkeypatch.setattr(dispatch._GluonBackward, "__call__",
+                        lambda self, *a: planned.append(self.zero_fill) or real(self, *a))
     lens = [300, 0, 1000, 77]
+    pad = 45 if rows == "padding-rows" else 0
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    total, h, d = sum(lens), 8, 128
+    total, h, d = sum(lens) + pad, 8, 128
     for _ in range(3):
         q, k, v = (torch.randn(total, h, d, device="cuda", dtype=bf16, requires_grad=True) for _ in range(3))
         dout = torch.randn_like(q)
@@ -78,6 +92,9 @@ def test_varlen_repeated_calls_match_per_sequence_reference(seed):
                                   ("dv", dv, xs[2].grad)):
                 err = (ours[a:b].unsqueeze(0).double() - r).abs().max().item()
                 assert err < 5e-2, (name, i, err)
+        for t in (out, dq, dk, dv):
+            assert (t[sum(lens):] == 0).all()
+    assert planned == [rows != "every-row-in-a-sequence"] * 3
 
 
 def test_gluon_switched_off_between_calls_takes_the_triton_path(seed, monkeypatch):

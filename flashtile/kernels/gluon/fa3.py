@@ -652,26 +652,32 @@ class ForwardPlan:
 
 
 class BackwardPlan:
-    """bwd() of one problem called again and again: the template bwd() left (_BwdTemplate) is launched directly,
-    with the config it was made with checked. Call only where supports(..., backward=True) said yes."""
-    __slots__ = ("key", "grid", "tpl", "cfg")
+    """bwd() of one problem (dense or varlen) called again and again: the template bwd() left (_BwdTemplate) is
+    launched directly, with the config it was made with checked. Call only where supports(..., backward=True) said
+    yes."""
+    __slots__ = ("key", "grid", "tpl", "cfg", "sizes")
 
-    def __init__(self, q, k, v, lse, dk, dv, params, alibi=None):
-        batch, head_dim = q.shape[0], q.shape[-1]
+    def __init__(self, q, k, v, lse, dk, dv, params, alibi=None, cu_seqlens_q=None, max_seqlen_q=None,
+                 max_seqlen_k=None):
+        varlen = cu_seqlens_q is not None
+        batch, head_dim = cu_seqlens_q.shape[0] - 1 if varlen else q.shape[0], q.shape[-1]
+        self.sizes = (max_seqlen_q, max_seqlen_k) if varlen else (q.shape[1], k.shape[1])
         self.cfg = (BWD_CONFIGS[head_dim], BWD_PINGPONG.get((head_dim, params.has_right), False))
         block_m, block_n, _ = self.cfg[0]
-        self.grid = (-(-k.shape[1] // block_n), batch * k.shape[2], 1)
-        self.key = _bwd_key(q, k, v, lse, dk, dv, params, alibi, q.shape[1], k.shape[1])
+        self.grid = (-(-self.sizes[1] // block_n), batch * k.shape[-2], 1)
+        self.key = _bwd_key(q, k, v, lse, dk, dv, params, alibi, *self.sizes)
         self.tpl = None
 
-    def __call__(self, dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc, alibi=None) -> None:
+    def __call__(self, dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc, alibi=None, cu_seqlens_q=None,
+                 cu_seqlens_k=None) -> None:
         """dq_acc: zeroed, float32, q's shape, contiguous; dq is filled from it here. dout contiguous and aligned."""
         tpl = self.tpl
         head_dim = q.shape[-1]
         if (tpl is not None
                 and self.cfg == (BWD_CONFIGS[head_dim], BWD_PINGPONG.get((head_dim, params.has_right), False))
-                and tpl.launch(self.grid, (k, v, q, dout, dq_acc, dk, dv), lse, delta, (None, None, alibi))):
+                and tpl.launch(self.grid, (k, v, q, dout, dq_acc, dk, dv), lse, delta,
+                               (cu_seqlens_q, cu_seqlens_k, alibi))):
             dq.copy_(dq_acc)
             return
-        bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc, alibi)
+        bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc, alibi, cu_seqlens_q, cu_seqlens_k, *self.sizes)
         self.tpl = _BWD_TEMPLATES.get(self.key)

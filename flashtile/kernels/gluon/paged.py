@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from .. import relaunch
-from ..runtime import descriptor_fields, descriptor_from
+from ..runtime import DescriptorType, descriptor_fields
 from . import fa3
 
 # page size (keys) -> (BLOCK_N keys per tile, STAGES) of the pages this kernel reads: 64-key tiles and 3 stages (104
@@ -131,16 +131,16 @@ _TEMPLATES: dict = {}
 
 class _Template:
     """How decode_paged launched a signature before: the compiled kernel bound to every argument but the live ones
-    (relaunch.Bound), the grid, the cache descriptors' fields and the split count; a decode loop's later steps skip
-    the launch's key over every argument and the descriptors' checks (host time)."""
-    __slots__ = ("bound", "grid", "cls", "k_fields", "v_fields", "n")
+    (relaunch.Bound), the grid, the cache descriptors' types (runtime.DescriptorType) and the split count; a decode
+    loop's later steps skip the launch's key over every argument and the descriptors' checks (host time)."""
+    __slots__ = ("bound", "grid", "k_type", "v_type", "n")
 
     def __init__(self, bound, grid, cls, k_fields, v_fields, n):
-        self.bound, self.grid, self.cls, self.k_fields, self.v_fields, self.n = bound, grid, cls, k_fields, v_fields, n
+        self.bound, self.grid, self.n = bound, grid, n
+        self.k_type, self.v_type = DescriptorType(cls, k_fields), DescriptorType(cls, v_fields)
 
     def launch(self, q, k_cache, v_cache, out, lse, block_table, seqlens_k, tickets) -> bool:
-        k_desc = descriptor_from(self.cls, self.k_fields, k_cache)
-        v_desc = descriptor_from(self.cls, self.v_fields, v_cache)
+        k_desc, v_desc = self.k_type(k_cache), self.v_type(v_cache)
         if k_desc is None or v_desc is None:
             return False
         o_part, lse_part, sem = _parts(q, self.n, tickets, self.grid[0])

@@ -54,8 +54,8 @@ from .. import relaunch
 from ..runtime import _capturing, _device_props, multiprocessors, tickets  # noqa: F401
 from . import combine as _combine
 from . import configs
-from .launch import (AttnParams, _dot_precision, _lse_strides, _rows, cdiv, descriptor_fields, descriptor_from,
-                     interpreting, next_pow2, row_descriptor)
+from .launch import (AttnParams, DescriptorType, _dot_precision, cdiv, descriptor_fields, interpreting, lse_strides,
+                     next_pow2, row_descriptor, row_strides)
 from .mods import (key_range, load_rows, mma, online_softmax_step, present, query_head, scores_log2, seq_bounds,
                    to_dtype, visible)
 
@@ -674,7 +674,7 @@ class _Template:
     part_shape: Optional[tuple]   # o_part's shape of a split launch (lse_part's is its first three), else None
     parts: Optional[tuple]        # (o_part, lse_part) placeholders of an unsplit launch
     n_counters: int               # ticket counters of the fused combine (0: none)
-    tma_fields: Optional[tuple]   # k / v cache TMA descriptors' fields (launch.descriptor_fields); None: pointers
+    tma_types: Optional[tuple]    # k / v cache TMA descriptors' types (runtime.DescriptorType); None: pointers
     placeholder_i32: torch.Tensor
 
     def launch(self, q, k_cache, v_cache, out, lse, seqlens_k, cu_seqlens_q, cache_batch_idx, leftpad, block_table,
@@ -690,9 +690,8 @@ class _Template:
         else:
             o_part, lse_part = self.parts
         desc_k = desc_v = None
-        if self.tma_fields is not None:   # (the caches have the first call's geometry: the signature says so)
-            desc_k = descriptor_from(TensorDescriptor, self.tma_fields[0], k_cache)
-            desc_v = descriptor_from(TensorDescriptor, self.tma_fields[1], v_cache)
+        if self.tma_types is not None:   # (the caches have the first call's geometry: the signature says so)
+            desc_k, desc_v = self.tma_types[0](k_cache), self.tma_types[1](v_cache)
             if desc_k is None or desc_v is None:
                 return False
         return self.bound(self.grid, (
@@ -777,7 +776,8 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         cache_batch_idx if cache_batch_idx is not None else dummy_i32,
         leftpad if leftpad is not None else dummy_i32,
         block_table if paged else dummy_i32, alibi,
-        _rows(q), k_cache.stride()[:3], v_cache.stride()[:3], _rows(out), _lse_strides(lse), o_part.stride()[:3],
+        row_strides(q), k_cache.stride()[:3], v_cache.stride()[:3], row_strides(out), lse_strides(lse),
+        o_part.stride()[:3],
         lse_part.stride()[:2], block_table.stride(0) if paged else 0,
         0 if alibi is None or alibi.dim() == 1 else alibi.stride(0),
         (nheads_k, group), sq, int(seqlens_add) if has_seqlens else int(seqlen_k_static), head_dim, k_cache.shape[1],
@@ -797,7 +797,8 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
             relaunch.remember(_TEMPLATES, key, _Template(
                 bound, grid, tuple(o_part.shape) if split else None, None if split else (o_part, lse_part),
                 plan.m_blocks * batch * nheads_k if fused else 0,
-                (descriptor_fields(desc_k), descriptor_fields(desc_v)) if use_tma else None,
+                tuple(DescriptorType(TensorDescriptor, descriptor_fields(d)) for d in (desc_k, desc_v))
+                if use_tma else None,
                 _placeholder(q.device, torch.int32, 1)))
     if split and not fused:
         _combine.combine_splits(o_part, lse_part, out, lse, seqlen_rows=total_rows if varlen else sq,

@@ -19,18 +19,18 @@ from . import configs, tuning
 from . import fwd as _fwd
 from .configs import Config
 from ..params import AttnParams, SparseLists, UserMods  # noqa: F401  (the launchers' side arguments)
-from ..runtime import (DescriptorType, TensorDescriptor, cdiv, descriptor_fields, descriptor_from,  # noqa: F401
+from ..runtime import (DescriptorType, TensorDescriptor, cdiv, descriptor_fields,  # noqa: F401
                        interpreting, next_pow2, pair_args, row_descriptor, sparse_args, tma_row_view)
 
 
-def _rows(t: torch.Tensor):
+def row_strides(t: torch.Tensor):
     """(stride_batch, stride_row, stride_head) of a dense 4-D or a packed 3-D tensor."""
     if t.dim() == 4:
         return t.stride(0), t.stride(1), t.stride(2)
     return 0, t.stride(0), t.stride(1)
 
 
-def _lse_strides(lse: torch.Tensor):
+def lse_strides(lse: torch.Tensor):
     """LSE is (batch, nheads, seqlen_q) dense or (nheads, total_q) varlen."""
     if lse.dim() == 3:
         return lse.stride(0), lse.stride(1)
@@ -243,7 +243,7 @@ def flash_fwd(q, k, v, out, lse, params: AttnParams, alibi: Optional[torch.Tenso
         desc_k = desc_v = None
     args = (
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi, desc_k, desc_v,
-        _rows(q), _rows(k), _rows(v), _rows(out), _lse_strides(lse), alibi_sb,
+        row_strides(q), row_strides(k), row_strides(v), row_strides(out), lse_strides(lse), alibi_sb,
         (nheads, nheads // nheads_k, max_sq, max_sk, head_dim), scale, window, dropout,
         pair_args(bias, batch, nheads, max_sq, max_sk), pair_args(mask, batch, nheads, max_sq, max_sk),
         sparse_args(sparse, batch, nheads, False))
@@ -271,7 +271,7 @@ def attn_probs(q, k, lse, params: AttnParams, alibi=None, cu_seqlens_q=None, cu_
     grid = (cdiv(max_sq, 32), batch * nheads)
     _fwd.attn_probs_kernel[grid](
         q, k, lse, p, cu_seqlens_q, cu_seqlens_k, alibi,
-        _rows(q), _rows(k), p.stride()[:3], _lse_strides(lse), alibi_sb,
+        row_strides(q), row_strides(k), p.stride()[:3], lse_strides(lse), alibi_sb,
         (nheads, nheads // nheads_k, max_sq, max_sk, head_dim), scale, window, dropout,
         pair_args(bias, batch, nheads, max_sq, max_sk), pair_args(mask, batch, nheads, max_sq, max_sk),
         BLOCK_M=32, BLOCK_N=32, num_warps=4, **_flags(params, alibi, cu_seqlens_q, head_dim, q.dtype),
@@ -335,7 +335,7 @@ def _delta(out, dout, lse, dlse, cu_seqlens_q, batch: int, nheads: int, max_sq: 
     delta = torch.empty_like(lse)
     pre_m = 64 if not interpreting() else 32
     grid = (cdiv(max_sq, pre_m), batch * nheads)
-    args = (out, dout, delta, None, cu_seqlens_q, _rows(out), _rows(dout), _lse_strides(lse), (0, 0, 0),
+    args = (out, dout, delta, None, cu_seqlens_q, row_strides(out), row_strides(dout), lse_strides(lse), (0, 0, 0),
             (nheads, max_sq, head_dim))
     kwargs = dict(BLOCK_M=pre_m, BLOCK_D=configs.block_d(head_dim), IS_VARLEN=cu_seqlens_q is not None, ZERO_DQ=False)
     relaunch.launch(_bwd.attn_bwd_preprocess_kernel, grid, args, kwargs)
@@ -390,7 +390,7 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
     delta, (pre_grid, pre_args, pre_kwargs) = _delta(out, dout, lse, dlse, cu_seqlens_q, batch, nheads, max_sq,
                                                      head_dim)
     cfg = _sparse_config(bwd_config(head_dim, q.dtype, causal, seqlen=seqlen), sparse)
-    common = (_lse_strides(lse), alibi_sb)
+    common = (lse_strides(lse), alibi_sb)
     bias_args = pair_args(bias, batch, nheads, max_sq, max_sk)
     mask_args = pair_args(mask, batch, nheads, max_sq, max_sk)
     mod_flags = _mod_flags(bias, mask, sparse, params, max_sq, max_sk)
@@ -428,7 +428,8 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
         dkdv_grid = (cdiv(max_sk, block_n), batch * nheads_k)
         dkdv_args = (
             q, k, v, dout, lse, delta, dk, dv, dq_acc, cu_seqlens_q, cu_seqlens_k, alibi, desc_q, desc_do, desc_dq,
-            _rows(q), _rows(k), _rows(v), _rows(dout), _rows(dk), _rows(dv), _rows(dq_acc), *common,
+            row_strides(q), row_strides(k), row_strides(v), row_strides(dout), row_strides(dk), row_strides(dv),
+            row_strides(dq_acc), *common,
             (nheads_k, nheads // nheads_k, max_sq, max_sk, head_dim), params.softmax_scale, scale, window, dropout,
             bias_args, mask_args, pair_args(dbias, batch, nheads, max_sq, max_sk),
             sparse_args(sparse, batch, nheads, True))
@@ -450,7 +451,7 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
     dq_grid = (cdiv(max_sq, dq_rows), batch * nheads)
     dq_args = (
         q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, alibi, desc_k, desc_v,
-        _rows(q), _rows(k), _rows(v), _rows(dout), _rows(dq), *common,
+        row_strides(q), row_strides(k), row_strides(v), row_strides(dout), row_strides(dq), *common,
         (nheads, nheads // nheads_k, max_sq, max_sk, head_dim), params.softmax_scale, scale, window, dropout,
         bias_args, mask_args, sparse_args(sparse, batch, nheads, False))
     kw = _launch(
