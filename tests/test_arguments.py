@@ -313,3 +313,21 @@ def test_a_replaced_problem_has_a_cache_of_its_own():
     for other in (dataclasses.replace(p, seqlen_q=12), dataclasses.replace(p, bias=True),
                   P.Problem.unpack(q, k, *p.pack(), batch=1)):
         assert other.cache == {} and other.cache is not p.cache
+
+
+def test_padded_problems_are_kept_per_padding(monkeypatch):
+    """Problem.with_padding: the same object for the same (pad_q, pad_k), so a loop over padded packed batches keeps
+    its plans; a problem of its own (cache included) per padding; the problem itself without padding to add; at
+    most MEMO_MAX of them."""
+    from flashtile.api import problem as P
+    q, k, v = (torch.randn(30, 2, 16) for _ in range(3))
+    cu = torch.tensor([0, 10, 25], dtype=torch.int32)
+    p = P.varlen(q, k, v, cu, cu, 15, 15, 0.0, None, True, (-1, -1), 0.0, None, False, False)
+    a = p.with_padding(25, 25)
+    assert a is p.with_padding(25, 25) and (a.pad_q, a.pad_k) == (25, 25) and a.padded_q and not p.padded_q
+    assert a.cache is not p.cache and p.with_padding(P.NO_PAD, P.NO_PAD) is p
+    assert p.with_padding(20, 25) is not a
+    monkeypatch.setattr(P, "MEMO_MAX", 4)
+    for pad in range(10):
+        p.with_padding(pad, pad)
+    assert len(p.cache["padding"]) <= 4

@@ -86,14 +86,16 @@ class Problem:
         return self.varlen and self.pad_q != NO_PAD
 
     def with_padding(self, pad_q: int, pad_k: int) -> "Problem":
-        """This problem with pad_q / pad_k, one object per pair (kept in this problem's cache), so that a loop over
-        padded packed batches keeps its plans."""
+        """This problem with pad_q / pad_k, one object per pair (kept in this problem's cache, at most MEMO_MAX
+        pairs), so that a loop over padded packed batches keeps its plans."""
         if (pad_q, pad_k) == (self.pad_q, self.pad_k):
             return self
-        key = ("padding", pad_q, pad_k)
-        p = self.cache.get(key)
+        padded = self.cache.setdefault("padding", {})
+        p = padded.get((pad_q, pad_k))
         if p is None:
-            p = self.cache[key] = replace(self, pad_q=pad_q, pad_k=pad_k)
+            if len(padded) >= MEMO_MAX:
+                padded.clear()
+            p = padded[(pad_q, pad_k)] = replace(self, pad_q=pad_q, pad_k=pad_k)
         return p
 
     @property
