@@ -224,8 +224,9 @@ class _Entry:
 
 def test_direct_launch_passes_what_the_launcher_would(monkeypatch):
     """_direct: the C function gets the arguments Triton's launcher would give it (descriptors expanded in place,
-    live and bound ones), a descriptor of a DescriptorType is expanded once per base address, any other descriptor
-    every call; no direct path for a launcher of another shape (scratch buffers, another wrapper) or DIRECT off."""
+    live and bound ones), a descriptor of a DescriptorType is expanded once per base address (where the kernel has
+    TMA metadata), any other descriptor every call; no direct path for a launcher of another shape (scratch
+    buffers, another wrapper) or DIRECT off."""
     from flashtile.kernels.runtime import DescriptorType
     monkeypatch.setattr(relaunch, "DIRECT", True)
     calls = []
@@ -253,6 +254,13 @@ def test_direct_launch_passes_what_the_launcher_would(monkeypatch):
         assert [x.address for x in got if isinstance(x, PyCUtensorMap)] == [
             live[0].base.data_ptr(), live[2].base.data_ptr(), c.data_ptr()]
     assert ENCODED == [c.data_ptr()]   # (the last call's one new base; the tail was expanded at _direct)
+    # without the kernel's TMA metadata the expansion holds the base tensor: expanded at every call, never kept
+    no_meta = _Entry(CudaLauncher(wrap_handle_tensordesc(c_launch, signature, [None] * 3)))
+    direct = relaunch._direct(no_meta, (desc_type(a), a, desc_type(b)), tail)
+    ENCODED.clear()
+    for _ in range(2):
+        direct((2, 3, 1), (desc_type(a), a, desc_type(b)), 9)
+    assert ENCODED == [a.data_ptr(), b.data_ptr()] * 2 and not any(s.maps for _, s in direct.live_slots)
     no_desc = _Entry(CudaLauncher(len))   # a builtin: the C function itself, for kernels without descriptors
     assert relaunch._direct(no_desc, (a, ), (1, )).c_launch is len
     assert relaunch._direct(_Entry(CudaLauncher(wrap_handle_tensordesc(c_launch, signature, meta), scratch=64)),

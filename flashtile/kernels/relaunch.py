@@ -251,16 +251,18 @@ _TMA_MAPS_MAX = 256   # expansions kept per descriptor parameter of a Bound (bas
 class _DescriptorSlot:
     """A TMA-descriptor parameter of a direct launch: expand(desc, meta) (the launcher's make_tensordesc_arg) of each
     descriptor passed there, kept per base address for descriptors of a runtime.DescriptorType (whose class fixes
-    every field but the base): a repeated launch over the same tensors encodes no CUtensorMap. A tensor freed and
-    another allocated at its address with the same geometry is described by the same map (it holds the address,
-    shape, strides, box and swizzle, nothing else)."""
+    every field but the base) where the kernel has TMA metadata (meta): a repeated launch over the same tensors
+    encodes no CUtensorMap. A tensor freed and another allocated at its address with the same geometry is described
+    by the same map (it holds the address, shape, strides, box and swizzle, no reference to the tensor)."""
     __slots__ = ("expand", "meta", "maps")
 
     def __init__(self, expand, meta):
         self.expand, self.meta, self.maps = expand, meta, {}
 
     def __call__(self, desc) -> list:
-        if getattr(type(desc), "descriptor_class", None) is None:
+        if self.meta is None or getattr(type(desc), "descriptor_class", None) is None:
+            # (without the kernel's TMA metadata the launcher passes the base tensor itself: nothing to keep, and a
+            # kept expansion would keep its tensor alive)
             return self.expand(desc, self.meta)
         key = (desc.base.data_ptr(), type(desc))
         args = self.maps.get(key)
