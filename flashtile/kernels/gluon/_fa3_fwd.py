@@ -846,31 +846,14 @@ def fa3_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_scale_ptr, k_scale
               (score_aux, mask_aux, bias_t, mask_t, sparse))
     loads = (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
              slots, counter_ptr, n_m, n_tiles, nheads, group, seq, window, sparse)
-    if NUM_WG == 2:
-        gl.warp_specialize([
-            (_consumer_partition, (0, shared, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8, VARLEN,
-                                   HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, GUARD, SCORE_MOD, MASK_MOD,
-                                   HAS_BIAS, HAS_MASK, SPARSE_BLOCK)),
-            (_consumer_partition, (1, shared, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8, VARLEN,
-                                   HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, GUARD, SCORE_MOD, MASK_MOD,
-                                   HAS_BIAS, HAS_MASK, SPARSE_BLOCK)),
-            (_load_partition, (loads, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, FP8, VARLEN, HAS_LEFT,
-                               HAS_RIGHT, SPARSE_BLOCK)),
-        ], [4, 1], [CONSUMER_REGS, 24])
-    else:
-        gl.warp_specialize([
-            (_consumer_partition, (0, shared, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8, VARLEN,
-                                   HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, GUARD, SCORE_MOD, MASK_MOD,
-                                   HAS_BIAS, HAS_MASK, SPARSE_BLOCK)),
-            (_consumer_partition, (1, shared, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8, VARLEN,
-                                   HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, GUARD, SCORE_MOD, MASK_MOD,
-                                   HAS_BIAS, HAS_MASK, SPARSE_BLOCK)),
-            (_consumer_partition, (2, shared, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8, VARLEN,
-                                   HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, GUARD, SCORE_MOD, MASK_MOD,
-                                   HAS_BIAS, HAS_MASK, SPARSE_BLOCK)),
-            (_load_partition, (loads, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, FP8, VARLEN, HAS_LEFT,
-                               HAS_RIGHT, SPARSE_BLOCK)),
-        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
+    # partition i < NUM_WG: consumer warpgroup i (i = 0: the default partition); i = NUM_WG: the producer
+    gl.warp_specialize(
+        [(_consumer_partition, (i, shared, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8, VARLEN,
+                                HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, GUARD, SCORE_MOD, MASK_MOD, HAS_BIAS,
+                                HAS_MASK, SPARSE_BLOCK)) if i < NUM_WG else
+         (_load_partition, (loads, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, FP8, VARLEN, HAS_LEFT, HAS_RIGHT,
+                            SPARSE_BLOCK)) for i in (0, 1, 2, 3)[:NUM_WG + 1]],
+        [4] * (NUM_WG - 1) + [1], [CONSUMER_REGS] * (NUM_WG - 1) + [24])
 
     for i in gl.static_range(Q_BUFS * NUM_WG):
         mbarrier.invalidate(q_ready.index(i))
