@@ -39,6 +39,21 @@ tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 
+@gluon.constexpr_function
+def wgmma_acc_layout(n, dtype):
+    """The layout of one warpgroup's wgmma accumulator of 64 rows x n columns over operands of `dtype`: 4 warps
+    down the rows, instructions 16 rows x n columns x 32 bytes of K deep."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                     instr_shape=[16, n, 256 // dtype.primitive_bitwidth])
+
+
+@gluon.constexpr_function
+def p_operand_layout(o_layout, dtype):
+    """P~ as the register A operand of the P V wgmma accumulating into o_layout: 32 bits of consecutive keys per
+    register (2 x 16, 4 x 8 bit)."""
+    return gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=32 // dtype.primitive_bitwidth)
+
+
 @gluon.jit
 def _tile_coords(tile, n_m, LONGEST_FIRST: gl.constexpr):
     """Tile number `tile` -> (bh, pid_m). Tiles are numbered head by head (a head's tiles share its K / V in L2);
@@ -542,14 +557,9 @@ def _consumer_tile(wg: gl.constexpr, q_smem, q_empty, k_bufs, v_bufs, o_bufs, k_
     SCORED: gl.constexpr = SOFTCAP or ALIBI or SCORE_MOD is not None or HAS_BIAS
     user, srow, sparse = flex
     dtype: gl.constexpr = q_smem.dtype
-    INSTR_K: gl.constexpr = 256 // dtype.primitive_bitwidth   # a wgmma's reduction depth: 32 bytes of K
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, INSTR_K])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_D, INSTR_K])
-    # P~ as the register A operand of the P V wgmma: 32 bits of consecutive keys per register (2 x 16, 4 x 8 bit)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout,
-                                                 k_width=32 // dtype.primitive_bitwidth)
+    s_layout: gl.constexpr = wgmma_acc_layout(BLOCK_N, dtype)   # S_ij = Q_i K_j^T
+    o_layout: gl.constexpr = wgmma_acc_layout(HEAD_D, dtype)    # O_i
+    p_layout: gl.constexpr = p_operand_layout(o_layout, dtype)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     q_row0, q_start, len_q, len_k, q_col = rows
     len_q, len_k, window, score = mask
