@@ -25,6 +25,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 
+from ._fa3_fwd import p_operand_layout, wgmma_acc_layout
+
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 # a CTA-wide bar.sync: Triton 3.6's Gluon (the GPU image's) names it thread_barrier, later releases barrier
 thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
@@ -132,13 +134,9 @@ def paged_decode_kernel(k_desc, v_desc, q_ptr, o_ptr, lse_ptr, o_part_ptr, lse_p
     BLOCK_M: gl.constexpr = 64                    # wgmma's M: the packed (query, head) rows, padded
     PAGES: gl.constexpr = BLOCK_N // PAGE
     dtype: gl.constexpr = k_desc.dtype
-    INSTR_K: gl.constexpr = 256 // dtype.primitive_bitwidth
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, INSTR_K])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_D, INSTR_K])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout,
-                                                 k_width=32 // dtype.primitive_bitwidth)
+    s_layout: gl.constexpr = wgmma_acc_layout(BLOCK_N, dtype)
+    o_layout: gl.constexpr = wgmma_acc_layout(HEAD_D, dtype)
+    p_layout: gl.constexpr = p_operand_layout(o_layout, dtype)
     io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)

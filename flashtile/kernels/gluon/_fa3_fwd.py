@@ -39,6 +39,21 @@ tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 
+@gluon.constexpr_function
+def wgmma_acc_layout(n, dtype):
+    """The layout of one warpgroup's wgmma accumulator of 64 rows x n columns over operands of `dtype`: 4 warps
+    down the rows, instructions 16 rows x n columns x 32 bytes of K deep."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                     instr_shape=[16, n, 256 // dtype.primitive_bitwidth])
+
+
+@gluon.constexpr_function
+def p_operand_layout(o_layout, dtype):
+    """P~ as the register A operand of the P V wgmma accumulating into o_layout: 32 bits of consecutive keys per
+    register (2 x 16, 4 x 8 bit)."""
+    return gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=32 // dtype.primitive_bitwidth)
+
+
 @gluon.jit
 def _tile_coords(tile, n_m, LONGEST_FIRST: gl.constexpr):
     """Tile number `tile` -> (bh, pid_m). Tiles are numbered head by head (a head's tiles share its K / V in L2);
@@ -542,14 +557,9 @@ def _consumer_tile(wg: gl.constexpr, q_smem, q_empty, k_bufs, v_bufs, o_bufs, k_
     SCORED: gl.constexpr = SOFTCAP or ALIBI or SCORE_MOD is not None or HAS_BIAS
     user, srow, sparse = flex
     dtype: gl.constexpr = q_smem.dtype
-    INSTR_K: gl.constexpr = 256 // dtype.primitive_bitwidth   # a wgmma's reduction depth: 32 bytes of K
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, INSTR_K])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_D, INSTR_K])
-    # P~ as the register A operand of the P V wgmma: 32 bits of consecutive keys per register (2 x 16, 4 x 8 bit)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout,
-                                                 k_width=32 // dtype.primitive_bitwidth)
+    s_layout: gl.constexpr = wgmma_acc_layout(BLOCK_N, dtype)   # S_ij = Q_i K_j^T
+    o_layout: gl.constexpr = wgmma_acc_layout(HEAD_D, dtype)    # O_i
+    p_layout: gl.constexpr = p_operand_layout(o_layout, dtype)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     q_row0, q_start, len_q, len_k, q_col = rows
     len_q, len_k, window, score = mask
@@ -846,31 +856,14 @@ def fa3_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_scale_ptr, k_scale
               (score_aux, mask_aux, bias_t, mask_t, sparse))
     loads = (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
              slots, counter_ptr, n_m, n_tiles, nheads, group, seq, window, sparse)
-    if NUM_WG == 2:
-        gl.warp_specialize([
-            (_consumer_partition, (0, shared, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8, VARLEN,
-                                   HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, GUARD, SCORE_MOD, MASK_MOD,
-                                   HAS_BIAS, HAS_MASK, SPARSE_BLOCK)),
-            (_consumer_partition, (1, shared, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8, VARLEN,
-                                   HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, GUARD, SCORE_MOD, MASK_MOD,
-                                   HAS_BIAS, HAS_MASK, SPARSE_BLOCK)),
-            (_load_partition, (loads, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, FP8, VARLEN, HAS_LEFT,
-                               HAS_RIGHT, SPARSE_BLOCK)),
-        ], [4, 1], [CONSUMER_REGS, 24])
-    else:
-        gl.warp_specialize([
-            (_consumer_partition, (0, shared, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8, VARLEN,
-                                   HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, GUARD, SCORE_MOD, MASK_MOD,
-                                   HAS_BIAS, HAS_MASK, SPARSE_BLOCK)),
-            (_consumer_partition, (1, shared, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8, VARLEN,
-                                   HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, GUARD, SCORE_MOD, MASK_MOD,
-                                   HAS_BIAS, HAS_MASK, SPARSE_BLOCK)),
-            (_consumer_partition, (2, shared, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8, VARLEN,
-                                   HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, GUARD, SCORE_MOD, MASK_MOD,
-                                   HAS_BIAS, HAS_MASK, SPARSE_BLOCK)),
-            (_load_partition, (loads, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, FP8, VARLEN, HAS_LEFT,
-                               HAS_RIGHT, SPARSE_BLOCK)),
-        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
+    # partition i < NUM_WG: consumer warpgroup i (i = 0: the default partition); i = NUM_WG: the producer
+    gl.warp_specialize(
+        [(_consumer_partition, (i, shared, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8, VARLEN,
+                                HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, GUARD, SCORE_MOD, MASK_MOD, HAS_BIAS,
+                                HAS_MASK, SPARSE_BLOCK)) if i < NUM_WG else
+         (_load_partition, (loads, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, FP8, VARLEN, HAS_LEFT, HAS_RIGHT,
+                            SPARSE_BLOCK)) for i in (0, 1, 2, 3)[:NUM_WG + 1]],
+        [4] * (NUM_WG - 1) + [1], [CONSUMER_REGS] * (NUM_WG - 1) + [24])
 
     for i in gl.static_range(Q_BUFS * NUM_WG):
         mbarrier.invalidate(q_ready.index(i))

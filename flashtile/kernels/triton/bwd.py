@@ -242,35 +242,27 @@ def attn_bwd_dkdv_kernel(
             # FA1 Alg. 5 transposed: only the query blocks the block mask lists for this key block
             Q_NUM, Q_IDX, FULL_Q_NUM, FULL_Q_IDX, stride_sp_b, stride_sp_h, stride_sp_n, sparse_blocks = sparse
             sp = b64 * stride_sp_b + tl.cast(h, tl.int64) * stride_sp_h + (start_n // SPARSE_BLOCK) * stride_sp_n
-            for t in range(0, sparse_tiles(Q_NUM, sp, SPARSE_BLOCK, BLOCK_M)):
-                start_m = sparse_tile_start(Q_IDX, sp, t, sparse_blocks, SPARSE_BLOCK, BLOCK_M)
-                dk, dv = _dkdv_tile(dk, dv, start_m, row, True, HAS_MASK, MASK_MOD, EVEN_D, HAS_LEFT, HAS_RIGHT,
-                                    SOFTCAP, ALIBI, DROPOUT, DOT_PREC, ATOMIC_DQ, DQ_TMA, USE_TMA, BLOCK_D, HAS_BIAS,
-                                    HAS_DBIAS,
-                                    DBIAS_ATOMIC, SCORE_MOD, SCORE_GRAD, SCORE_CAPTURED_GRAD, COMPUTE_DK, COMPUTE_DV)
-            for t in range(0, sparse_tiles(FULL_Q_NUM, sp, SPARSE_BLOCK, BLOCK_M)):
-                start_m = sparse_tile_start(FULL_Q_IDX, sp, t, sparse_blocks, SPARSE_BLOCK, BLOCK_M)
-                dk, dv = _dkdv_tile(dk, dv, start_m, row, SPARSE_FULL_MASKED, False, None, EVEN_D, HAS_LEFT, HAS_RIGHT,
-                                    SOFTCAP, ALIBI, DROPOUT, DOT_PREC, ATOMIC_DQ, DQ_TMA, USE_TMA, BLOCK_D, HAS_BIAS,
-                                    HAS_DBIAS,
-                                    DBIAS_ATOMIC, SCORE_MOD, SCORE_GRAD, SCORE_CAPTURED_GRAD, COMPUTE_DK, COMPUTE_DV)
+            # the listed blocks the mask cuts (through the element masks), then the full ones (through none; the
+            # bounds mask only where SPARSE_FULL_MASKED)
+            for full in tl.static_range(2):
+                for t in range(0, sparse_tiles((Q_NUM, FULL_Q_NUM)[full], sp, SPARSE_BLOCK, BLOCK_M)):
+                    start_m = sparse_tile_start((Q_IDX, FULL_Q_IDX)[full], sp, t, sparse_blocks, SPARSE_BLOCK,
+                                                BLOCK_M)
+                    dk, dv = _dkdv_tile(dk, dv, start_m, row, (True, SPARSE_FULL_MASKED)[full], (HAS_MASK, False)[full],
+                                        (MASK_MOD, None)[full], EVEN_D, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT,
+                                        DOT_PREC, ATOMIC_DQ, DQ_TMA, USE_TMA, BLOCK_D, HAS_BIAS, HAS_DBIAS,
+                                        DBIAS_ATOMIC, SCORE_MOD, SCORE_GRAD, SCORE_CAPTURED_GRAD, COMPUTE_DK,
+                                        COMPUTE_DV)
         else:
-            # Alg. 2 line 8: for i = 1..Tr (only the query blocks that can see this key block)
-            for start_m in range(lo, full_lo, BLOCK_M):
-                dk, dv = _dkdv_tile(dk, dv, start_m, row, True, HAS_MASK, MASK_MOD, EVEN_D, HAS_LEFT, HAS_RIGHT,
-                                    SOFTCAP, ALIBI, DROPOUT, DOT_PREC, ATOMIC_DQ, DQ_TMA, USE_TMA, BLOCK_D, HAS_BIAS,
-                                    HAS_DBIAS,
-                                    DBIAS_ATOMIC, SCORE_MOD, SCORE_GRAD, SCORE_CAPTURED_GRAD, COMPUTE_DK, COMPUTE_DV)
-            for start_m in range(full_lo, full_hi, BLOCK_M):
-                dk, dv = _dkdv_tile(dk, dv, start_m, row, False, HAS_MASK, MASK_MOD, EVEN_D, HAS_LEFT, HAS_RIGHT,
-                                    SOFTCAP, ALIBI, DROPOUT, DOT_PREC, ATOMIC_DQ, DQ_TMA, USE_TMA, BLOCK_D, HAS_BIAS,
-                                    HAS_DBIAS,
-                                    DBIAS_ATOMIC, SCORE_MOD, SCORE_GRAD, SCORE_CAPTURED_GRAD, COMPUTE_DK, COMPUTE_DV)
-            for start_m in range(full_hi, hi, BLOCK_M):
-                dk, dv = _dkdv_tile(dk, dv, start_m, row, True, HAS_MASK, MASK_MOD, EVEN_D, HAS_LEFT, HAS_RIGHT,
-                                    SOFTCAP, ALIBI, DROPOUT, DOT_PREC, ATOMIC_DQ, DQ_TMA, USE_TMA, BLOCK_D, HAS_BIAS,
-                                    HAS_DBIAS,
-                                    DBIAS_ATOMIC, SCORE_MOD, SCORE_GRAD, SCORE_CAPTURED_GRAD, COMPUTE_DK, COMPUTE_DV)
+            # Alg. 2 line 8: for i = 1..Tr (only the query blocks that can see this key block): those of [lo, full_lo)
+            # and [full_hi, hi) straddle a mask edge or the end of Q and take the masked path, those between skip it
+            bounds = (lo, full_lo, full_hi, hi)
+            for part in tl.static_range(3):
+                for start_m in range(bounds[part], bounds[part + 1], BLOCK_M):
+                    dk, dv = _dkdv_tile(dk, dv, start_m, row, part != 1, HAS_MASK, MASK_MOD, EVEN_D, HAS_LEFT,
+                                        HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, ATOMIC_DQ, DQ_TMA, USE_TMA,
+                                        BLOCK_D, HAS_BIAS, HAS_DBIAS, DBIAS_ATOMIC, SCORE_MOD, SCORE_GRAD,
+                                        SCORE_CAPTURED_GRAD, COMPUTE_DK, COMPUTE_DV)
     # Alg. 2 line 21: write dK_j (with the softmax scale tau of dK = tau dS^T Q), dV_j
     if COMPUTE_DK:
         stride_dkb, stride_dkn, stride_dkh = dk_strides
