@@ -154,35 +154,32 @@ class _GluonBackward:
     also zeroes the float32 dQ accumulator (a varlen problem whose packed rows may belong to no sequence gets a
     zero-filled one instead: the preprocess reaches only sequences' rows), then fa3's kernel (fa3.BackwardPlan),
     then dQ converted."""
-    __slots__ = ("fa3", "pre_grid", "pre", "varlen", "zero_fill", "sizes")
-
-    PRE_ROWS = 64
+    __slots__ = ("fa3", "pre", "p")
 
     def __init__(self, p, q, k, v, lse, params, x):
         dk, dv = torch.empty_like(k), torch.empty_like(v)   # (contiguous, as backward makes the gradients)
         self.fa3 = fa3.BackwardPlan(q, k, v, lse, dk, dv, params, x.alibi, x.cu_seqlens_q, p.seqlen_q, p.seqlen_k)
-        self.pre_grid = (cdiv(p.seqlen_q, self.PRE_ROWS), p.batch * p.nheads, 1)
-        self.varlen, self.zero_fill = p.varlen, p.padded_q
-        self.sizes = (p.nheads, p.seqlen_q, p.head_dim)
-        self.pre = None
+        self.p, self.pre = p, None
 
     def __call__(self, dout, q, k, v, out, lse, dq, dk, dv, params, dlse, x) -> bool:
         """False (nothing launched) where this call cannot take the plan (Gluon off, or a tensor not contiguous or
         not 16-byte aligned)."""
         if not (fa3.enabled() and fa3.tma_aligned(q, k, v, out, dq, dk, dv)):
             return False
+        p = self.p
         dout = fa3.tma_ready(dout)
         delta = torch.empty_like(lse)
-        dq_acc = (torch.zeros if self.zero_fill else torch.empty)(q.shape, device=q.device, dtype=torch.float32)
-        live = (out, dout, delta, dq_acc, x.cu_seqlens_q) if self.varlen else (out, dout, delta, dq_acc)
-        if self.pre is None or not self.pre(self.pre_grid, live):
-            # (the preprocess kernel's CU_SEQLENS_Q is live where varlen, None after the live ones where dense)
-            args = (*live, *(() if self.varlen else (None, )), launch.row_strides(out), launch.row_strides(dout),
-                    launch.lse_strides(lse), launch.row_strides(dq_acc), self.sizes)
-            kwargs = dict(BLOCK_M=self.PRE_ROWS, BLOCK_D=q.shape[-1], IS_VARLEN=self.varlen, ZERO_DQ=not self.zero_fill)
-            relaunch.launch(_bwd.attn_bwd_preprocess_kernel, self.pre_grid[:2], args, kwargs)
+        dq_acc = (torch.zeros if p.padded_q else torch.empty)(q.shape, device=q.device, dtype=torch.float32)
+        # the preprocess kernel's live arguments: out, dout, delta, dQ's accumulator (None where zero-filled here)
+        # and, varlen, cu_seqlens_q
+        live = (out, dout, delta, None if p.padded_q else dq_acc, *((x.cu_seqlens_q, ) if p.varlen else ()))
+        if self.pre is None or not self.pre[1](self.pre[0], live):
+            grid, args, kwargs = launch.preprocess_launch(*live[:4], x.cu_seqlens_q, p.batch, p.nheads, p.seqlen_q,
+                                                          p.head_dim)
+            relaunch.launch(_bwd.attn_bwd_preprocess_kernel, grid, args, kwargs)
             # (out and dq_acc are made contiguous by the callers, dout by tma_ready: the strides bound are the call's)
-            self.pre = relaunch.bind(_bwd.attn_bwd_preprocess_kernel, args, kwargs, len(live))
+            bound = relaunch.bind(_bwd.attn_bwd_preprocess_kernel, args, kwargs, len(live))
+            self.pre = None if bound is None else ((*grid, 1), bound)
         if dlse is not None:
             # a gradient arriving through the LSE output: d lse_i / d S_ij = P_ij, so dS_ij gains P_ij * dlse_i,
             # i.e. dS = P o (dP - (D - dlse)): folded into D, the kernels are unchanged

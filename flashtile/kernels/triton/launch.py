@@ -329,15 +329,24 @@ def relaunch_bwd(memo: Optional[dict], dout, q, k, v, out, lse, dq, dk, dv, cu_s
     return tpl is not None and tpl(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, alibi, dlse)
 
 
+def preprocess_launch(out, dout, delta, dq_acc, cu_seqlens_q, batch: int, nheads: int, max_sq: int, head_dim: int):
+    """(grid, args, kwargs) of the preprocess kernel writing D into delta (lse's shape) and, where dq_acc is given
+    (float32, q's shape), zeroing dQ's accumulator over every sequence's rows; args in the kernel's order."""
+    pre_m = 64 if not interpreting() else 32
+    grid = (cdiv(max_sq, pre_m), batch * nheads)
+    args = (out, dout, delta, dq_acc, cu_seqlens_q, row_strides(out), row_strides(dout), lse_strides(delta),
+            (0, 0, 0) if dq_acc is None else row_strides(dq_acc), (nheads, max_sq, head_dim))
+    kwargs = dict(BLOCK_M=pre_m, BLOCK_D=configs.block_d(head_dim), IS_VARLEN=cu_seqlens_q is not None,
+                  ZERO_DQ=dq_acc is not None)
+    return grid, args, kwargs
+
+
 def _delta(out, dout, lse, dlse, cu_seqlens_q, batch: int, nheads: int, max_sq: int, head_dim: int):
     """(D, (grid, args, kwargs) of its launch): D = rowsum(dO o O) (FA2 Alg. 2 line 4), lse's shape, by the
     preprocess kernel, less dlse where a gradient arrives through the LSE output."""
-    delta = torch.empty_like(lse)
-    pre_m = 64 if not interpreting() else 32
-    grid = (cdiv(max_sq, pre_m), batch * nheads)
-    args = (out, dout, delta, None, cu_seqlens_q, row_strides(out), row_strides(dout), lse_strides(lse), (0, 0, 0),
-            (nheads, max_sq, head_dim))
-    kwargs = dict(BLOCK_M=pre_m, BLOCK_D=configs.block_d(head_dim), IS_VARLEN=cu_seqlens_q is not None, ZERO_DQ=False)
+    # (lse's strides: the backward kernels read delta with them)
+    delta = torch.empty_strided(lse.shape, lse.stride(), dtype=lse.dtype, device=lse.device)
+    grid, args, kwargs = preprocess_launch(out, dout, delta, None, cu_seqlens_q, batch, nheads, max_sq, head_dim)
     relaunch.launch(_bwd.attn_bwd_preprocess_kernel, grid, args, kwargs)
     if dlse is not None:
         # a gradient arriving through the LSE output: d lse_i / d S_ij = P_ij, so dS_ij gains P_ij * dlse_i, i.e.
