@@ -97,6 +97,8 @@ def rand_tensor(shape: Sequence[int], dtype, device=DEVICE, layout: str = "conti
     padded:     a view into a larger (b, s+2, h+1, d+pad) buffer, pad chosen so every stride and the storage
                 offset stay 16-byte aligned: strided, yet eligible for TMA descriptors.
     transposed: a (b, h, s, d) buffer transposed to (b, s, h, d) (the layout of q after a head-first projection).
+    packed:     the middle slice of a (b, s, 3, h, d) buffer (q, k or v of a fused qkv projection): rows at stride
+                3 h d, a (rows, heads x d) view TMA can tile.
     The last dimension is always contiguous. The result is a leaf (requires_grad as asked) with that layout.
     """
     b, s, h, d = shape
@@ -110,6 +112,8 @@ def rand_tensor(shape: Sequence[int], dtype, device=DEVICE, layout: str = "conti
         t = torch.randn(b, s + 2, h + 1, d + pad, dtype=dtype, device=device)[:, 1:1 + s, 1:, :d]
     elif layout == "transposed":
         t = torch.randn(b, h, s, d, dtype=dtype, device=device).transpose(1, 2)
+    elif layout == "packed":
+        t = torch.randn(b, s, 3, h, d, dtype=dtype, device=device)[:, :, 1]
     else:
         raise ValueError(layout)
     assert t.shape == (b, s, h, d) and t.stride(-1) == 1

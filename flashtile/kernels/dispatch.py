@@ -157,14 +157,15 @@ class _GluonBackward:
     __slots__ = ("fa3", "pre", "p")
 
     def __init__(self, p, q, k, v, lse, params, x):
-        dk, dv = torch.empty_like(k), torch.empty_like(v)   # (contiguous, as backward makes the gradients)
+        dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (k, v))   # (as backward's)
         self.fa3 = fa3.BackwardPlan(q, k, v, lse, dk, dv, params, x.alibi, x.cu_seqlens_q, p.seqlen_q, p.seqlen_k)
         self.p, self.pre = p, None
 
     def __call__(self, dout, q, k, v, out, lse, dq, dk, dv, params, dlse, x) -> bool:
-        """False (nothing launched) where this call cannot take the plan (Gluon off, or a tensor not contiguous or
-        not 16-byte aligned)."""
-        if not (fa3.enabled() and fa3.tma_aligned(q, k, v, out, dq, dk, dv)):
+        """False (nothing launched) where this call cannot take the plan (Gluon off, q, k, v of other strides than the
+        plan's or not 16-byte aligned, or the outputs not contiguous and aligned)."""
+        if not (fa3.enabled() and fa3.layout(q, k, v) == self.fa3.layout and fa3.aligned_bases(q, k, v)
+                and fa3.tma_aligned(out, dq, dk, dv)):
             return False
         p = self.p
         dout = fa3.tma_ready(dout)

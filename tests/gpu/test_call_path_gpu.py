@@ -97,6 +97,30 @@ def test_varlen_repeated_calls_match_per_sequence_reference(rows, seed, monkeypa
     assert planned == [rows != "every-row-in-a-sequence"] * 3
 
 
+LAYOUTS = ("contig", "packed", "contig", "packed")
+
+
+@pytest.mark.parametrize("c", CASES[:2], ids=[c.id for c in CASES[:2]])
+def test_layouts_of_one_shape_alternating(c, seed, monkeypatch):
+    """Training calls of one shape in the layouts models hand over, alternating: contiguous and slices of a packed
+    qkv (rows at stride 3 h d: the TMA descriptors tile them as they are). Each call matches the float64 reference,
+    so a launch template of one layout serving another (its descriptors' geometry is the layout's) fails here; none
+    runs the Triton kernels."""
+    import dataclasses
+    from flashtile.kernels.triton import launch
+    triton_calls = []
+    for name in ("flash_fwd", "flash_bwd"):
+        real = getattr(launch, name)
+        monkeypatch.setattr(launch, name, lambda *a, _n=name, _f=real, **kw: triton_calls.append(_n) or _f(*a, **kw))
+    for layout in LAYOUTS:
+        cl = dataclasses.replace(c, layout=layout)
+        q, k, v, dout, alibi = case_inputs(cl)
+        out, lse, _ = flashtile.flash_attn_func(q, k, v, return_attn_probs=True, **flash_kwargs(cl, alibi))
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        check_against_reference(cl, q, k, v, dout, alibi, out, lse, None, grads)
+    assert triton_calls == []
+
+
 def test_gluon_switched_off_between_calls_takes_the_triton_path(seed, monkeypatch):
     """A plan made with Gluon on is not used while Gluon is off (fa3.disabled, FLASHTILE_GLUON=0)."""
     c = Case(2, 1024, 1024, 4, 4, 128, bf16, causal=True)

@@ -164,6 +164,11 @@ def tma_aligned(*ts: torch.Tensor) -> bool:
     return all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in ts)
 
 
+def aligned_bases(*ts: torch.Tensor) -> bool:
+    """Whether every tensor's base is 16-byte aligned (with strides a plan's: tensors its descriptors tile)."""
+    return all(t.data_ptr() % 16 == 0 for t in ts)
+
+
 def tma_viewable(*ts: torch.Tensor) -> bool:
     """Whether every tensor is a (rows, heads x d) view TMA can tile (runtime.tma_row_view: contiguous, or a slice
     of a packed tensor, with 16-byte aligned base and row stride)."""
@@ -331,11 +336,18 @@ class _FwdTemplate:
                                  lse if cu_k is None else cu_k, lse if alibi is None else alibi), trusted=4)
 
 
-def _fwd_key(q, k, v, lse, params, alibi, sq, sk):
-    """The key of a forward's launch template: what fixes every argument but the live ones (q, k, v, out, lse and
-    the extras contiguous: _launch_fwd keeps templates only then)."""
-    return (q.shape, k.shape, v.shape, q.dtype, q.device, lse.stride(), params.softmax_scale, params.window_left,
-            params.window_right, params.softcap, None if alibi is None else alibi.stride(), sq, sk)
+def layout(*ts) -> tuple:
+    """The strides of q, k, v (and out): with the shapes, the geometry of their TMA descriptors (tma_row_view), which
+    a launch template binds."""
+    return tuple(t.stride() for t in ts)
+
+
+def _fwd_key(q, k, v, out, lse, params, alibi, sq, sk):
+    """The key of a forward's launch template: what fixes every argument but the live ones (the shapes and strides of
+    q, k, v and out fix their descriptors' geometry)."""
+    return (q.shape, k.shape, v.shape, layout(q, k, v, out), q.dtype, q.device, lse.stride(), params.softmax_scale,
+            params.window_left, params.window_right, params.softcap, None if alibi is None else alibi.stride(), sq,
+            sk)
 
 
 def _launch_fwd(q, k, v, out, lse, scales, params, cfg, fp8, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None,
@@ -362,9 +374,8 @@ def _launch_fwd(q, k, v, out, lse, scales, params, cfg, fp8, alibi=None, cu_seql
                   **flex_consts, **_regs(head_dim, fp8, num_wg))
     counter = tickets(q.device, 1)
     extras = (cu_seqlens_q, cu_seqlens_k, alibi)
-    contiguous = tma_aligned(q, k, v, out)
     # (flex's tensors are not live arguments of a template: a problem with them launches the full way)
-    key = None if fp8 or not contiguous or flex is not None else _fwd_key(q, k, v, lse, params, alibi, sq, sk)
+    key = None if fp8 or flex is not None else _fwd_key(q, k, v, out, lse, params, alibi, sq, sk)
     tpl = _FWD_TEMPLATES.get(key) if key is not None else None
     if tpl is not None and tpl.kwargs == kwargs and tpl.launch((programs, 1, 1), q, k, v, out, lse, scales, counter,
                                                                extras):
@@ -487,9 +498,10 @@ class _BwdTemplate(_FwdTemplate):
 
 
 def _bwd_key(q, k, v, lse, dk, dv, params, alibi, sq, sk):
-    """The key of a backward's launch template: what fixes every argument but the live ones."""
+    """The key of a backward's launch template: what fixes every argument but the live ones (the shapes and strides
+    of q, k, v fix their descriptors' geometry; dO and dQ's accumulator are contiguous)."""
     head_dim = q.shape[-1]
-    return (q.shape, k.shape, v.shape, q.dtype, q.device, lse.stride(), dk.stride(), dv.stride(),
+    return (q.shape, k.shape, v.shape, layout(q, k, v), q.dtype, q.device, lse.stride(), dk.stride(), dv.stride(),
             params.softmax_scale, params.window_left, params.window_right, params.softcap,
             None if alibi is None else alibi.stride(), sq, sk, bwd_dq_tile(BWD_CONFIGS[head_dim][0], head_dim))
 
@@ -617,8 +629,9 @@ class ForwardPlan:
     """fwd() of one problem (shapes, dtype, device, LSE strides, the scalars, extras' layout) called again and
     again (a training loop): what fwd() derives from the problem is derived once, and a call launches the
     template fwd() left (_FwdTemplate), checking only the config it was made with (benchmark sweeps change the
-    tables). Call only where supports() said yes for these tensors."""
-    __slots__ = ("key", "cfg", "grid", "tpl", "sizes")
+    tables) and the strides of q, k, v and out (their descriptors' geometry). Call only where supports() said yes
+    for tensors of these shapes."""
+    __slots__ = ("key", "cfg", "grid", "tpl", "sizes", "layout")
 
     def __init__(self, q, k, v, lse, params, alibi=None, cu_seqlens_q=None, max_seqlen_q=None, max_seqlen_k=None):
         varlen = cu_seqlens_q is not None
@@ -630,7 +643,9 @@ class ForwardPlan:
         self.cfg = fwd_config(head_dim, sq, params.has_right, alibi is not None)
         n_tiles = -(-sq // (self.cfg[0] * WG_ROWS)) * batch * q.shape[-2]
         self.grid = (min(n_tiles, _sm_count(_device_index(q))) if PERSISTENT else n_tiles, 1, 1)
-        self.key = _fwd_key(q, k, v, lse, params, alibi, sq, sk)
+        out = torch.empty(q.shape, device="meta")   # (the output the callers make: contiguous)
+        self.layout = layout(q, k, v, out)
+        self.key = _fwd_key(q, k, v, out, lse, params, alibi, sq, sk)
         self.tpl = None
 
     def __call__(self, q, k, v, out, lse, params, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None) -> bool:
@@ -639,7 +654,7 @@ class ForwardPlan:
         if not enabled():
             return False
         tpl = self.tpl
-        if (tpl is not None and tma_aligned(q, k, v, out)
+        if (tpl is not None and layout(q, k, v, out) == self.layout
                 and self.cfg == fwd_config(q.shape[-1], self.sizes[0], params.has_right, alibi is not None)
                 and tpl.launch(self.grid, q, k, v, out, lse, (lse, lse, lse), tickets(q.device, 1),
                                (cu_seqlens_q, cu_seqlens_k, alibi))):
@@ -654,8 +669,8 @@ class ForwardPlan:
 class BackwardPlan:
     """bwd() of one problem (dense or varlen) called again and again: the template bwd() left (_BwdTemplate) is
     launched directly, with the config it was made with checked. Call only where supports(..., backward=True) said
-    yes."""
-    __slots__ = ("key", "grid", "tpl", "cfg", "sizes")
+    yes, with q, k, v of the strides it was made with (`layout`) and 16-byte aligned bases, contiguous dK and dV."""
+    __slots__ = ("key", "grid", "tpl", "cfg", "sizes", "layout")
 
     def __init__(self, q, k, v, lse, dk, dv, params, alibi=None, cu_seqlens_q=None, max_seqlen_q=None,
                  max_seqlen_k=None):
@@ -665,6 +680,7 @@ class BackwardPlan:
         self.cfg = (BWD_CONFIGS[head_dim], BWD_PINGPONG.get((head_dim, params.has_right), False))
         block_m, block_n, _ = self.cfg[0]
         self.grid = (-(-self.sizes[1] // block_n), batch * k.shape[-2], 1)
+        self.layout = layout(q, k, v)
         self.key = _bwd_key(q, k, v, lse, dk, dv, params, alibi, *self.sizes)
         self.tpl = None
 
