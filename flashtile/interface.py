@@ -253,6 +253,8 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, p, x, bias, *mod_tensors):
+        # (copies made here are no nodes of the graph: the gradients of q, k, v are those of their copies)
+        q, k, v = dispatch.kernel_inputs(p, q, k, v)
         out, lse, rng_state, probs = _run_forward(p, q, k, v, x, bias, mod_tensors)
         ctx.p = p
         ctx.gluon = fa3.enabled()   # a forward inside fa3.disabled() gets its backward from the Triton kernels too
@@ -301,7 +303,8 @@ def attention(p: Problem, q, k, v, x: Extras = NO_EXTRAS, bias=None, mod_tensors
                                     or (bias is not None and bias.requires_grad)
                                     or any(t.requires_grad for t in mod_tensors)):
         return _Attention.apply(q, k, v, p, x, bias, *mod_tensors)
-    out, lse, _, probs = _run_forward(p, q, k, v, x, bias, mod_tensors)   # inference: no autograd Function
+    q, k, v = dispatch.kernel_inputs(p, q, k, v)   # inference: no autograd Function
+    out, lse, _, probs = _run_forward(p, q, k, v, x, bias, mod_tensors)
     return out, lse, probs
 
 

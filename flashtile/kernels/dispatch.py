@@ -22,7 +22,7 @@ from triton.compiler.errors import CompilationError
 
 from . import relaunch
 from .gluon import fa3, paged
-from .runtime import _capturing, cdiv, tickets
+from .runtime import _capturing, cdiv, tickets, tma_row_view
 from .triton import bwd as _bwd
 from .triton import combine, decode, launch
 
@@ -131,6 +131,34 @@ def _attends(p, q, k) -> bool:
     """Queries and keys to attend with: an empty problem's outputs (zeros, an LSE of -inf, zero gradients) are the
     Triton launchers' to write; the FA3 forward would wait for a first key block that never comes."""
     return q.numel() > 0 and k.numel() > 0 and p.seqlen_q > 0 and p.seqlen_k > 0
+
+
+# the fewest (query, key) pairs per head for which kernel_inputs copies inputs TMA cannot tile: below, a training call
+# is bound by host time, where the Triton kernels' launches over the strided tensors cost less than copies and the
+# Gluon plans (same-run A/B on an H200: slower below, parity at 1024 x 1024, faster from 2048 x 2048)
+COPY_MIN_PAIRS = 1 << 20
+
+
+def kernel_inputs(p, q, k, v) -> tuple:
+    """q, k, v as the kernels of problem p read them best: where the FA3 kernels take a dense problem but for the
+    layout (tensors that are no (rows, heads x d) view TMA can tile, such as (batch, nheads, seqlen, d) memory seen
+    transposed, SDPA's layout), those tensors copied contiguous (one copy each per call, made inside the autograd
+    Function: the backward reads the copies), rather than the Triton kernels over the strided originals, for
+    problems of at least COPY_MIN_PAIRS (query, key) pairs per head. Decided
+    once per problem (p.cache: the dense memo's key holds the strides); none while torch.compile traces (the
+    compiled op takes the tensors as they are)."""
+    if not q.is_cuda or torch.compiler.is_compiling():
+        return q, k, v
+    copy = p.cache.get("copy")
+    if copy is None:
+        copy = ()
+        if (_gluon_candidate(p, p.params) and p.seqlen_q * p.seqlen_k >= COPY_MIN_PAIRS
+                and not fa3.tma_viewable(q, k, v) and fa3.supports(q, k, v, p.params, layout=False)):
+            copy = tuple(tma_row_view(t) is None for t in (q, k, v))
+        p.cache["copy"] = copy
+    if not copy:
+        return q, k, v
+    return tuple(t.contiguous() if c else t for t, c in zip((q, k, v), copy))
 
 
 def forward(p, params, q, k, v, out, lse, x, bias=None, mods=None) -> None:

@@ -97,15 +97,16 @@ def test_varlen_repeated_calls_match_per_sequence_reference(rows, seed, monkeypa
     assert planned == [rows != "every-row-in-a-sequence"] * 3
 
 
-LAYOUTS = ("contig", "packed", "contig", "packed")
+LAYOUTS = ("contig", "packed", "transposed", "sliced", "packed", "contig", "transposed")
 
 
 @pytest.mark.parametrize("c", CASES[:2], ids=[c.id for c in CASES[:2]])
 def test_layouts_of_one_shape_alternating(c, seed, monkeypatch):
-    """Training calls of one shape in the layouts models hand over, alternating: contiguous and slices of a packed
-    qkv (rows at stride 3 h d: the TMA descriptors tile them as they are). Each call matches the float64 reference,
-    so a launch template of one layout serving another (its descriptors' geometry is the layout's) fails here; none
-    runs the Triton kernels."""
+    """Training calls of one shape in the layouts models hand over, alternating: contiguous, slices of a packed qkv
+    (rows at stride 3 h d: the TMA descriptors tile them as they are), (b, h, s, d) memory seen transposed and an
+    unaligned strided view (both copied contiguous for the Hopper kernels: dispatch.kernel_inputs). Each call
+    matches the float64 reference, so a launch template of one layout serving another (its descriptors' geometry
+    is the layout's) fails here; none runs the Triton kernels."""
     import dataclasses
     from flashtile.kernels.triton import launch
     triton_calls = []

@@ -109,14 +109,15 @@ def _kernels(device_index: int):
 
 
 def eligible(q, k, v, params, alibi=None, cu_seqlens_q=None, bias=None, mask=None, sparse=None,
-             mods=None, backward=False, dbias=None) -> bool:
+             mods=None, backward=False, dbias=None, layout=True) -> bool:
     """Whether the FA3 kernel (forward, or backward) computes this problem (dtype, layout, shapes, features),
     whatever the device: dense or varlen, any lengths, windows and causal (bottom-right), softcap, ALiBi (float32
     slopes), GQA; q / k / v as (rows, heads x d) views TMA can tile (tma_viewable); head dims of CONFIGS (the
     forward) or BWD_CONFIGS (the backward). A dense problem at a head dim of FLEX_HEAD_DIMS may also have
     flashtile.flex's features: attn_bias (the backward: not its gradient dbias), a bool mask, score_mod /
     mask_mod, a block mask whose block size is a multiple of 128 (each tile inside one mask block; the backward:
-    one list per group of query heads sharing a KV head). Not: dropout (the Triton kernels)."""
+    one list per group of query heads sharing a KV head). Not: dropout (the Triton kernels). layout=False: whatever
+    q, k, v's strides (dispatch.kernel_inputs asks whether contiguous copies would be taken)."""
     if q.dtype not in (torch.float16, torch.bfloat16):
         return False
     if params.dropout_p > 0:
@@ -139,7 +140,7 @@ def eligible(q, k, v, params, alibi=None, cu_seqlens_q=None, bias=None, mask=Non
         return False
     if alibi is not None and not (alibi.dtype == torch.float32 and alibi.stride(-1) == 1):
         return False
-    return tma_viewable(q, k, v)
+    return not layout or tma_viewable(q, k, v)
 
 
 def supports(q, k, v, params, *args, **kwargs) -> bool:
