@@ -133,10 +133,10 @@ def _attends(p, q, k) -> bool:
     return q.numel() > 0 and k.numel() > 0 and p.seqlen_q > 0 and p.seqlen_k > 0
 
 
-# the fewest (query, key) pairs per head for which kernel_inputs copies inputs TMA cannot tile: below, a training call
-# is bound by host time, where the Triton kernels' launches over the strided tensors cost less than copies and the
-# Gluon plans (same-run A/B on an H200: slower below, parity at 1024 x 1024, faster from 2048 x 2048)
-COPY_MIN_PAIRS = 1 << 20
+# the least work (batch x heads x seqlen_q x seqlen_k x head_dim) for which kernel_inputs copies inputs TMA cannot
+# tile: below, a training call is bound by host time, where the copies and the Gluon plans cost more than the Triton
+# kernels' launches over the strided tensors (b2 h16 d128 at 4k x 4k; same-run A/Bs on an H200, issue #36)
+COPY_MIN_WORK = 1 << 36
 
 
 def kernel_inputs(p, q, k, v) -> tuple:
@@ -144,7 +144,7 @@ def kernel_inputs(p, q, k, v) -> tuple:
     layout (tensors that are no (rows, heads x d) view TMA can tile, such as (batch, nheads, seqlen, d) memory seen
     transposed, SDPA's layout), those tensors copied contiguous (one copy each per call, made inside the autograd
     Function: the backward reads the copies), rather than the Triton kernels over the strided originals, for
-    problems of at least COPY_MIN_PAIRS (query, key) pairs per head. Decided
+    problems of at least COPY_MIN_WORK. Decided
     once per problem (p.cache: the dense memo's key holds the strides); none while torch.compile traces (the
     compiled op takes the tensors as they are)."""
     if not q.is_cuda or torch.compiler.is_compiling():
@@ -152,7 +152,8 @@ def kernel_inputs(p, q, k, v) -> tuple:
     copy = p.cache.get("copy")
     if copy is None:
         copy = ()
-        if (_gluon_candidate(p, p.params) and p.seqlen_q * p.seqlen_k >= COPY_MIN_PAIRS
+        if (_gluon_candidate(p, p.params)
+                and p.batch * p.nheads * p.seqlen_q * p.seqlen_k * p.head_dim >= COPY_MIN_WORK
                 and not fa3.tma_viewable(q, k, v) and fa3.supports(q, k, v, p.params, layout=False)):
             copy = tuple(tma_row_view(t) is None for t in (q, k, v))
         p.cache["copy"] = copy

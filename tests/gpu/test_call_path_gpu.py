@@ -104,11 +104,16 @@ LAYOUTS = ("contig", "packed", "transposed", "sliced", "packed", "contig", "tran
 def test_layouts_of_one_shape_alternating(c, seed, monkeypatch):
     """Training calls of one shape in the layouts models hand over, alternating: contiguous, slices of a packed qkv
     (rows at stride 3 h d: the TMA descriptors tile them as they are), (b, h, s, d) memory seen transposed and an
-    unaligned strided view (both copied contiguous for the Hopper kernels: dispatch.kernel_inputs). Each call
-    matches the float64 reference, so a launch template of one layout serving another (its descriptors' geometry
-    is the layout's) fails here; none runs the Triton kernels."""
+    unaligned strided view (both copied contiguous for the Hopper kernels: dispatch.kernel_inputs, its work threshold
+    lowered to this size, the problems' memo emptied for the test). Each call matches the float64 reference, so a
+    launch template of one layout serving another (its descriptors' geometry is the layout's) fails here; none runs
+    the Triton kernels."""
     import dataclasses
+    from flashtile import interface
+    from flashtile.kernels import dispatch
     from flashtile.kernels.triton import launch
+    monkeypatch.setattr(dispatch, "COPY_MIN_WORK", 0)
+    monkeypatch.setattr(interface, "_DENSE", {})   # (problems whose copy decision was made with the threshold)
     triton_calls = []
     for name in ("flash_fwd", "flash_bwd"):
         real = getattr(launch, name)

@@ -40,14 +40,12 @@ FA3_CASES = [
     Case(1, 320, 320, 4, 1, 128, fp16, causal=True),
     Case(2, 704, 640, 4, 2, 128, bf16),                            # s_q % Br = 64: the last tile's second
     Case(1, 1088, 1088, 2, 1, 256, fp16, causal=True),             # warpgroup computes rows it does not store
-    Case(1, 1024, 1024, 4, 4, 128, bf16, layout="transposed"),     # layouts TMA cannot tile, copied contiguous
-    Case(2, 1024, 1152, 4, 2, 64, fp16, causal=True, layout="sliced"),   # for the kernels (dispatch.kernel_inputs)
 ]
 
 TRITON_CASES = [   # features or layouts the FA3 forward does not take (tests/gpu/test_fa3_features_gpu.py: those it
     Case(1, 1024, 1024, 4, 4, 128, bf16, dropout_p=0.1),        # takes beyond dense aligned problems)
     Case(1, 1024, 1024, 4, 4, 128, torch.float32),
-    Case(1, 512, 512, 4, 4, 128, bf16, layout="transposed"),   # under dispatch.COPY_MIN_PAIRS: the strided inputs
+    Case(1, 512, 512, 4, 4, 128, bf16, layout="transposed"),   # under dispatch.COPY_MIN_WORK: the strided inputs
 ]
 
 
