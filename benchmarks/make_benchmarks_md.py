@@ -839,8 +839,10 @@ def build(results: Path = RESULTS, marked: bool = False):
            "measured together hold. Ratios are flashtile's speed over the peer's: above one, flashtile is faster.",
            "- The dense problem is the FA3 paper's grid: a fixed number of tokens per call (batch = tokens / seqlen) "
            "and a fixed hidden size (heads = hidden / head dim), head dims and sequence lengths as in the tables.", "",
-           "Software and hardware, as each results file records them (- where a file does not):", "",
-           "| GPU | driver | CUDA | torch | triton | cuDNN | Python | files |", "|---|---|---|---|---|---|---|---|"]
+           "Software and hardware, as each results file records them (- where a file does not), and each file's "
+           "run (date, tree); each section below gives its command, as the folder's README.md does:", "",
+           "| GPU | driver | CUDA | torch | triton | cuDNN | Python | files (date, tree) |",
+           "|---|---|---|---|---|---|---|---|"]
     for f in fs:
         groups = {}
         for name, data in f.data.items():
@@ -848,16 +850,9 @@ def build(results: Path = RESULTS, marked: bool = False):
         for env, names in sorted(groups.items(), key=lambda kv: kv[1]):
             src = f.file(names[0])
             cells = [doc.text(v, src) if v is not None else "-" for v in env]
-            out.append("| " + " | ".join(cells) + " | " + ", ".join(doc.text(f"{f.name}/{n}", f.file(n)) for n in names)
-                       + " |")
-    out += ["", "## Runs", ""]
-    out.append("| folder | file | date | tree | command |")
-    out.append("|---|---|---|---|---|")
-    for f in fs:
-        for name in sorted(f.runs):
-            run = f.runs[name]
-            out.append(f"| {f.name} | {doc.text(name, f.file(name))} | {doc.text(run['date'], f.readme)} | {doc.text(run['tree'], f.readme)} | "
-                       f"`{doc.text(run['command'], f.readme)}` |")
+            runs = [f"{doc.text(f'{f.name}/{n}', f.file(n))} ({doc.text(f.runs[n]['date'], f.readme)}, "
+                    f"{doc.text(f.runs[n]['tree'], f.readme)})" for n in names]
+            out.append("| " + " | ".join(cells) + " | " + ", ".join(runs) + " |")
     out.append("")
     for f in fs:
         gpu = environment(next(iter(f.data.values())))[0]
