@@ -140,26 +140,30 @@ COPY_MIN_WORK = 1 << 36
 
 
 def kernel_inputs(p, q, k, v) -> tuple:
-    """q, k, v as the kernels of problem p read them best: where the FA3 kernels take a dense problem but for the
-    layout (tensors that are no (rows, heads x d) view TMA can tile, such as (batch, nheads, seqlen, d) memory seen
-    transposed, SDPA's layout), those tensors copied contiguous (one copy each per call, made inside the autograd
-    Function: the backward reads the copies), rather than the Triton kernels over the strided originals, for
-    problems of at least COPY_MIN_WORK. Decided
-    once per problem (p.cache: the dense memo's key holds the strides); none while torch.compile traces (the
-    compiled op takes the tensors as they are)."""
+    """q, k, v as the kernels of problem p read them best: the tensors copies(p, q, k, v) names copied contiguous
+    (one copy each per call, made inside the autograd Function: the backward reads the copies). Decided once per
+    problem (p.cache: the dense memo's key holds the strides); none while torch.compile traces (the compiled op takes
+    the tensors as they are) or off CUDA."""
     if not q.is_cuda or torch.compiler.is_compiling():
         return q, k, v
     copy = p.cache.get("copy")
     if copy is None:
-        copy = ()
-        if (_gluon_candidate(p, p.params)
-                and p.batch * p.nheads * p.seqlen_q * p.seqlen_k * p.head_dim >= COPY_MIN_WORK
-                and not fa3.tma_viewable(q, k, v) and fa3.supports(q, k, v, p.params, layout=False)):
-            copy = tuple(tma_row_view(t) is None for t in (q, k, v))
-        p.cache["copy"] = copy
+        copy = p.cache["copy"] = copies(p, q, k, v)
     if not copy:
         return q, k, v
     return tuple(t.contiguous() if c else t for t, c in zip((q, k, v), copy))
+
+
+def copies(p, q, k, v) -> tuple:
+    """Which of q, k, v to copy contiguous for the FA3 kernels ((copy q, copy k, copy v), or () for none): where they
+    take the dense problem p but for the layout (a tensor that is no (rows, heads x d) view TMA can tile, such as
+    (batch, nheads, seqlen, d) memory seen transposed, SDPA's layout, or a view with an unaligned base), from
+    COPY_MIN_WORK; else the kernels read the tensors as they are (the Triton kernels take any strides)."""
+    if (_gluon_candidate(p, p.params) and not p.varlen
+            and p.batch * p.nheads * p.seqlen_q * p.seqlen_k * p.head_dim >= COPY_MIN_WORK
+            and not fa3.tma_viewable(q, k, v) and fa3.supports(q, k, v, p.params, layout=False)):
+        return tuple(tma_row_view(t) is None for t in (q, k, v))
+    return ()
 
 
 def forward(p, params, q, k, v, out, lse, x, bias=None, mods=None) -> None:
