@@ -179,6 +179,19 @@ def _flashtile_triton(device, dtype):
     return attn
 
 
+@register_provider("flashtile-bhsd", layout="bhsd", devices=("cuda", "cpu"), modules=("flashtile", ),
+                   description="flashtile.flash_attn_func given (batch, nheads, seqlen, headdim) memory seen "
+                               "transposed, as SDPA-style models hold it (copied for the Hopper kernels from "
+                               "kernels.dispatch.COPY_MIN_WORK, else read strided by the Triton kernels)")
+def _flashtile_bhsd(device, dtype):
+    import flashtile
+
+    def attn(q, k, v, causal):
+        out = flashtile.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal)
+        return out.transpose(1, 2)
+    return attn
+
+
 # --------------------------------------------------------------------------------------------------------
 # PyTorch SDPA backends, each forced with sdpa_kernel([backend]): a backend that cannot serve the inputs
 # raises "No available kernel" at the first call (with the reasons as warnings, which the runner keeps).

@@ -134,8 +134,9 @@ def _attends(p, q, k) -> bool:
 
 
 # the least work (batch x heads x seqlen_q x seqlen_k x head_dim) for which kernel_inputs copies inputs TMA cannot
-# tile: below, a training call is bound by host time, where the copies and the Gluon plans cost more than the Triton
-# kernels' launches over the strided tensors (b2 h16 d128 at 4k x 4k; same-run A/Bs on an H200, issue #36)
+# tile (b2 h16 d128 at 4k x 4k): below, a training call is bound by host time, where the copies and the Gluon plans
+# cost more than the Triton kernels reading the strided tensors (`flashtile bench --mode train` with the
+# flashtile-bhsd provider, this constant at 0 and at 2^62)
 COPY_MIN_WORK = 1 << 36
 
 

@@ -101,7 +101,7 @@ def test_cpu_defaults_are_a_tiny_bf16_grid():
     assert all(s.batch * s.nheads * s.seqlen <= 1024 for s in cfg.shapes)
     assert cfg.dtype == torch.bfloat16 and cfg.causals == (False, True) and cfg.modes == ("fwd", "bwd")
     assert cfg.providers == list(providers.PROVIDERS)
-    assert cfg.baseline == "cudnn" and cfg.compare == ["flashtile", "flashtile-triton"]
+    assert cfg.baseline == "cudnn" and cfg.compare == ["flashtile", "flashtile-triton", "flashtile-bhsd"]
 
 
 @pytest.mark.parametrize("argv, needle", [
