@@ -188,6 +188,7 @@ def _from_op(q, k, tensors, ints, floats):
 def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: List[Optional[torch.Tensor]],
             ints: List[int], floats: List[float]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     p, x, bias, mods = _from_op(q, k, tensors, ints, floats)
+    q, k, v = dispatch.kernel_inputs(p, q, k, v)   # (the traced Function passed them as they are)
     out, lse, rng_state, probs = forward(p, q, k, v, x, bias, mods)
     if rng_state is None:
         rng_state = torch.zeros(2, dtype=torch.int64)
@@ -214,6 +215,7 @@ def _bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             lse: torch.Tensor, rng_state: torch.Tensor, tensors: List[Optional[torch.Tensor]], ints: List[int],
             floats: List[float], dlse: Optional[torch.Tensor]) -> List[torch.Tensor]:
     p, x, bias, mods = _from_op(q, k, tensors, ints, floats)
+    q, k, v = dispatch.kernel_inputs(p, q, k, v)   # (the forward's copies are not kept: made again)
     return backward(p, dout, q, k, v, out, lse, rng_state if p.params.dropout_p > 0 else None, x, bias, mods, dlse)
 
 

@@ -44,6 +44,7 @@ from ..api import problem as P
 from ..api.checks import check_device
 from ..api.problem import values_readable
 from ..interface import NO_EXTRAS, Extras, backward, flash_attn_func, forward
+from ..kernels.dispatch import kernel_inputs
 from ..padding import pad_input, unpad_input
 from ..varlen import flash_attn_varlen_func
 
@@ -183,6 +184,7 @@ def _row_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position_ids: to
              floats: List[float]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """out (1, s, h, d), lse (1, h, s), the dropout's rng state (2,) of a batch-1 row (_row_problem)."""
     p, qr, kr, vr, x = _row_problem(q, k, v, position_ids, ints, floats)
+    qr, kr, vr = kernel_inputs(p, qr, kr, vr)
     out, lse, rng_state, _ = forward(p, qr, kr, vr, x)
     if rng_state is None:
         rng_state = torch.zeros(2, dtype=torch.int64)
@@ -201,6 +203,7 @@ def _row_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
              floats: List[float]) -> List[torch.Tensor]:
     """dq, dk, dv of _row_fwd."""
     p, qr, kr, vr, x = _row_problem(q, k, v, position_ids, ints, floats)
+    qr, kr, vr = kernel_inputs(p, qr, kr, vr)
     if p.varlen:
         dout, out, lse = dout.reshape(qr.shape), out.reshape(qr.shape), lse[0]
     grads = backward(p, dout, qr, kr, vr, out, lse, rng_state if p.params.dropout_p > 0 else None, x)

@@ -143,8 +143,8 @@ COPY_MIN_WORK = 1 << 36
 def kernel_inputs(p, q, k, v) -> tuple:
     """q, k, v as the kernels of problem p read them best: the tensors copies(p, q, k, v) names copied contiguous
     (one copy each per call, made inside the autograd Function: the backward reads the copies). Decided once per
-    problem (p.cache: the dense memo's key holds the strides); none while torch.compile traces (the compiled op takes
-    the tensors as they are) or off CUDA."""
+    problem (p.cache: the dense memo's key holds the strides); none off CUDA or while torch.compile traces (the
+    custom ops call this when the graph runs, the backward's making its copies again)."""
     if not q.is_cuda or torch.compiler.is_compiling():
         return q, k, v
     copy = p.cache.get("copy")

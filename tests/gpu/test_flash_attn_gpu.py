@@ -176,6 +176,32 @@ def test_no_nan_on_huge_scores_gpu(seed):
     check_against_reference(c, q, k, v, dout, None, out, lse, None, (dq, dk, dv))
 
 
+def test_compiled_transposed_inputs_take_the_hopper_kernels_gpu(seed, monkeypatch):
+    """Under torch.compile the custom ops copy (batch, heads, seqlen, d) memory seen transposed for the Hopper
+    kernels when the graph runs (dispatch.kernel_inputs; its work threshold lowered to this size), forward and
+    backward: no Triton launch, and the float64 reference."""
+    from flashtile.kernels import dispatch
+    from flashtile.kernels.gluon import fa3
+    from flashtile.kernels.triton import launch
+    if not fa3.supports(*(torch.empty(1, 128, 2, 128, device="cuda", dtype=bf16) for _ in range(3)),
+                        launch.AttnParams(softmax_scale=0.1)):
+        pytest.skip("the Hopper kernels do not run here")
+    torch._dynamo.reset()
+    monkeypatch.setattr(dispatch, "COPY_MIN_WORK", 0)
+    triton_calls = []
+    for name in ("flash_fwd", "flash_bwd"):
+        real = getattr(launch, name)
+        monkeypatch.setattr(launch, name, lambda *a, _n=name, _f=real, **kw: triton_calls.append(_n) or _f(*a, **kw))
+    c = Case(2, 1024, 1024, 8, 2, 128, bf16, causal=True, layout="transposed")
+    q, k, v, dout, _ = case_inputs(c, "cuda")
+    compiled = torch.compile(lambda q, k, v: flashtile.flash_attn_func(q, k, v, causal=True), fullgraph=True)
+    out = compiled(q, k, v)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    check_against_reference(c, q, k, v, dout, None, out, None, None, grads)
+    assert triton_calls == []
+    torch._dynamo.reset()
+
+
 def test_compiled_inductor_gpu(seed):
     torch._dynamo.reset()
     c = Case(2, 2048, 2048, 8, 2, 128, bf16, causal=True)
