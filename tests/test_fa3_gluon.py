@@ -394,6 +394,27 @@ def test_tma_viewable_layouts():
     assert not viewable(torch.empty(2 * 64 * 4 * 128 + 1, dtype=torch.bfloat16)[1:].view(2, 64, 4, 128))
 
 
+def test_launch_template_keys_hold_the_layout():
+    """The Gluon launch templates bind their descriptors' geometry, so tensors of one shape in two layouts (contiguous,
+    slices of a packed qkv) key two templates, forward and backward, and the plans keep the strides they were made
+    with (tests/gpu/test_call_path_gpu.py runs the layouts through the kernels)."""
+    bf16 = torch.bfloat16
+    contiguous = [torch.empty(2, 256, 4, 128, dtype=bf16) for _ in range(3)]
+    packed = list(torch.empty(2, 256, 3, 4, 128, dtype=bf16).unbind(2))
+    lse = torch.empty(2, 4, 256)
+    dk, dv = torch.empty(2, 256, 4, 128, dtype=bf16), torch.empty(2, 256, 4, 128, dtype=bf16)
+    params = AttnParams(softmax_scale=0.1, window_right=0)
+    out = torch.empty(2, 256, 4, 128, dtype=bf16)
+    assert (fa3._fwd_key(*contiguous, out, lse, params, None, 256, 256)
+            != fa3._fwd_key(*packed, out, lse, params, None, 256, 256))
+    assert (fa3._bwd_key(*contiguous, lse, dk, dv, params, None, 256, 256)
+            != fa3._bwd_key(*packed, lse, dk, dv, params, None, 256, 256))
+    assert fa3._bwd_key(*packed, lse, dk, dv, params, None, 256, 256) == fa3._bwd_key(
+        *torch.empty(2, 256, 3, 4, 128, dtype=bf16).unbind(2), lse, dk, dv, params, None, 256, 256)
+    plan = fa3.BackwardPlan(*packed, lse, dk, dv, params)
+    assert plan.layout == fa3.layout(*packed) != fa3.layout(*contiguous)
+
+
 def test_row_descriptor_reuses_a_checked_geometry():
     """launch.row_descriptor: a second tensor of a geometry seen before gets the first's checked fields with its own
     base; a misaligned base of that geometry is checked again (None), and a non-view is None. Gluon's class (with
