@@ -413,6 +413,7 @@ def test_launch_template_keys_hold_the_layout():
         *torch.empty(2, 256, 3, 4, 128, dtype=bf16).unbind(2), lse, dk, dv, params, None, 256, 256)
     plan = fa3.BackwardPlan(*packed, lse, dk, dv, params)
     assert plan.layout == fa3.layout(*packed) != fa3.layout(*contiguous)
+    assert plan.takes(*torch.empty(2, 256, 3, 4, 128, dtype=bf16).unbind(2)) and not plan.takes(*contiguous)
 
 
 def test_row_descriptor_reuses_a_checked_geometry():

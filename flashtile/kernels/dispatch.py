@@ -160,10 +160,11 @@ def copies(p, q, k, v) -> tuple:
     take the dense problem p but for the layout (a tensor that is no (rows, heads x d) view TMA can tile, such as
     (batch, nheads, seqlen, d) memory seen transposed, SDPA's layout, or a view with an unaligned base), from
     COPY_MIN_WORK; else the kernels read the tensors as they are (the Triton kernels take any strides)."""
-    if (_gluon_candidate(p, p.params) and not p.varlen
+    copy = tuple(tma_row_view(t) is None for t in (q, k, v))
+    if (any(copy) and _gluon_candidate(p, p.params) and not p.varlen
             and p.batch * p.nheads * p.seqlen_q * p.seqlen_k * p.head_dim >= COPY_MIN_WORK
-            and not fa3.tma_viewable(q, k, v) and fa3.supports(q, k, v, p.params, layout=False)):
-        return tuple(tma_row_view(t) is None for t in (q, k, v))
+            and fa3.supports(q, k, v, p.params, layout=False)):
+        return copy
     return ()
 
 
@@ -198,8 +199,7 @@ class _GluonBackward:
     def __call__(self, dout, q, k, v, out, lse, dq, dk, dv, params, dlse, x) -> bool:
         """False (nothing launched) where this call cannot take the plan (Gluon off, q, k, v of other strides than the
         plan's or not 16-byte aligned, or the outputs not contiguous and aligned)."""
-        if not (fa3.enabled() and fa3.layout(q, k, v) == self.fa3.layout and fa3.aligned_bases(q, k, v)
-                and fa3.tma_aligned(out, dq, dk, dv)):
+        if not (fa3.enabled() and self.fa3.takes(q, k, v) and fa3.tma_aligned(out, dq, dk, dv)):
             return False
         p = self.p
         dout = fa3.tma_ready(dout)

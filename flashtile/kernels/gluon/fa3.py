@@ -670,7 +670,7 @@ class ForwardPlan:
 class BackwardPlan:
     """bwd() of one problem (dense or varlen) called again and again: the template bwd() left (_BwdTemplate) is
     launched directly, with the config it was made with checked. Call only where supports(..., backward=True) said
-    yes, with q, k, v of the strides it was made with (`layout`) and 16-byte aligned bases, contiguous dK and dV."""
+    yes and takes(q, k, v), with contiguous dK and dV."""
     __slots__ = ("key", "grid", "tpl", "cfg", "sizes", "layout")
 
     def __init__(self, q, k, v, lse, dk, dv, params, alibi=None, cu_seqlens_q=None, max_seqlen_q=None,
@@ -684,6 +684,10 @@ class BackwardPlan:
         self.layout = layout(q, k, v)
         self.key = _bwd_key(q, k, v, lse, dk, dv, params, alibi, *self.sizes)
         self.tpl = None
+
+    def takes(self, q, k, v) -> bool:
+        """Whether q, k, v have the strides the plan was made with (its descriptors' geometry) and aligned bases."""
+        return layout(q, k, v) == self.layout and aligned_bases(q, k, v)
 
     def __call__(self, dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc, alibi=None, cu_seqlens_q=None,
                  cu_seqlens_k=None) -> None:
