@@ -24,7 +24,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E4
 from triton.runtime.jit import mangle_type  # noqa: E402
 
 from flashtile.kernels.gluon import _fa3_bwd, _fa3_fwd, fa3  # noqa: E402
-from flashtile.kernels.params import AttnParams  # noqa: E402
+from flashtile.kernels.params import AttnParams, Features  # noqa: E402
 
 
 def _compile(kernel, runtime: dict, consts: dict, maxnreg=fa3.MAXNREG):
@@ -37,12 +37,20 @@ def _compile(kernel, runtime: dict, consts: dict, maxnreg=fa3.MAXNREG):
             signature[p.name] = "fp32"
         else:
             signature[p.name] = mangle_type(runtime[p.name])
-            if isinstance(runtime[p.name], tuple):   # (its elements equal to 1 specialize as constants, as at a launch)
-                for j, x in enumerate(runtime[p.name]):
-                    if signature[p.name][j] == "constexpr":
-                        constexprs[(i, j)] = x
+            # (a tuple's elements equal to 1, at any depth, specialize as constants, as at a launch)
+            constexprs.update(_tuple_constants(signature[p.name], runtime[p.name], (i, )))
     return triton.compile(GluonASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=4, **({} if maxnreg is None else dict(maxnreg=maxnreg))))
+
+
+def _tuple_constants(sig, value, path):
+    """{path: value} of the elements of a tuple argument that its signature marks constexpr."""
+    if not isinstance(value, tuple):
+        return {path: value} if sig == "constexpr" and len(path) > 1 else {}
+    out = {}
+    for j, (s, x) in enumerate(zip(sig, value)):
+        out.update(_tuple_constants(s, x, (*path, j)))
+    return out
 
 
 def _desc(t, rows, cols):
@@ -60,9 +68,8 @@ def _fwd_runtime(q, k, v, o, lse, block_n, head_dim, h, s, fp8=False):
                 v_desc=_desc(v, head_dim, block_n) if fp8 else _desc(v, block_n, head_dim),
                 o_desc=_desc(o, fa3.WG_ROWS, head_dim), lse_ptr=lse, q_scale_ptr=lse, k_scale_ptr=lse,
                 v_scale_ptr=lse, counter_ptr=torch.zeros(1, dtype=torch.int32), out_ptr=o, cu_seqlens_q=i32,
-                cu_seqlens_k=i32, alibi_ptr=torch.zeros(h), stride_lse_b=lse.stride(0), stride_lse_h=lse.stride(1),
-                stride_o_row=o.stride(0), stride_alibi_b=0, seqlen_q=s, seqlen_k=s, n_bh=2 * h, nheads=h, group=1,
-                qk_scale=0.1, softcap_log2=0.5, window_left=64, window_right=0)
+                cu_seqlens_k=i32, alibi_ptr=torch.zeros(h), strides=(lse.stride(0), lse.stride(1), o.stride(0), 0),
+                sizes=(s, s, 2 * h, h, 1), scales=(0.1, 0.5), window=(64, 0))
 
 
 # the forward's flashtile.flex features (fwdx): a score_mod, a mask_mod, attn_bias, a bool mask, a block mask
@@ -90,8 +97,7 @@ def _flex_runtime(lse, features, b, h, s, backward=False):
     bias = torch.zeros(1, h, s, s, dtype=torch.bfloat16) if "bias" in features else None
     mask = torch.ones(s, s, dtype=torch.bool)[None, None] if "mask" in features else None
     runtime, consts = fa3.flex_args(lse, b, h, s, s, bias, mask, sparse, mods, backward)
-    names = ("bias_t", "mask_t", "sparse", "score_aux", "mask_aux", "score_aux_grad")
-    return dict(zip(names, runtime)), consts, sparse
+    return runtime, consts, sparse
 
 
 def compile_fwd(head_dim: int, causal: bool, dtype: torch.dtype, seqlen: int = 1 << 20, features=()):
@@ -102,18 +108,16 @@ def compile_fwd(head_dim: int, causal: bool, dtype: torch.dtype, seqlen: int = 1
     t = torch.randn(b * s, h * head_dim, dtype=dtype)
     lse = torch.empty(b, h, s)
     runtime = _fwd_runtime(t, t, t, t, lse, block_n, head_dim, h, s)
-    flex_rt, flex_consts, sparse = _flex_runtime(lse, features, b, h, s)
-    runtime.update(flex_rt)
+    runtime["flex"], flex_consts, sparse = _flex_runtime(lse, features, b, h, s)
     launch = fa3._regs(head_dim, False, num_wg)
     flags = {_FLAGS[f]: f in features for f in FEATURES if f in _FLAGS}
     flags["HAS_RIGHT"] = flags["HAS_RIGHT"] or causal
-    if any(f in FLEX for f in features):   # (fa3.fwd_flags)
+    if any(f in FLEX for f in features):   # (fa3.fwd_features)
         flags.update(GUARD=True, TAIL=flags["TAIL"] or sparse is not None)
-    flags.update(flex_consts)
-    consts = dict(HEAD_D=head_dim, BLOCK_M=fa3.WG_ROWS, BLOCK_N=block_n, STAGES=stages,
-                  NUM_WG=num_wg, Q_BUFS=fa3.q_buffers(head_dim, num_wg, block_n, stages, t.element_size(), False),
-                  PINGPONG=pingpong, FP8=False, **flags,
-                  CONSUMER_REGS=launch["CONSUMER_REGS"], num_warps=4)
+    tile = fa3.FwdTile(head_dim, fa3.WG_ROWS, block_n, stages, num_wg,
+                       fa3.q_buffers(head_dim, num_wg, block_n, stages, t.element_size(), False), pingpong, False)
+    consts = dict(TILE=tile, FEATURES=Features(**flags), FLEX=flex_consts, CONSUMER_REGS=launch["CONSUMER_REGS"],
+                  num_warps=4)
     return _compile(_fa3_fwd.fa3_fwd_kernel, runtime, consts, launch["maxnreg"])
 
 
@@ -126,16 +130,13 @@ def compile_fp8(head_dim: int, causal: bool, out_dtype: torch.dtype):
     out = torch.empty(b * s, h * head_dim, dtype=out_dtype)
     lse = torch.empty(b, h, s)
     runtime = _fwd_runtime(x8, x8, vt, out, lse, block_n, head_dim, h, s, fp8=True)
-    flex_rt, flex_consts, _ = _flex_runtime(lse, (), b, h, s)
-    runtime.update(flex_rt)
+    runtime["flex"], flex_consts, _ = _flex_runtime(lse, (), b, h, s)
     num_wg, _, stages = fa3.FP8_CONFIGS[head_dim]
     launch = fa3._regs(head_dim, True, num_wg)
-    flags = {_FLAGS[f]: False for f in FEATURES}
-    flags.update(flex_consts)
-    flags["HAS_RIGHT"] = causal
-    consts = dict(HEAD_D=head_dim, BLOCK_M=fa3.WG_ROWS, BLOCK_N=block_n, STAGES=stages, **flags,
-                  NUM_WG=num_wg, Q_BUFS=fa3.q_buffers(head_dim, num_wg, block_n, stages, 1, True),
-                  PINGPONG=fa3.FP8_PINGPONG[head_dim][causal], FP8=True,
+    tile = fa3.FwdTile(head_dim, fa3.WG_ROWS, block_n, stages, num_wg,
+                       fa3.q_buffers(head_dim, num_wg, block_n, stages, 1, True), fa3.FP8_PINGPONG[head_dim][causal],
+                       True)
+    consts = dict(TILE=tile, FEATURES=Features(HAS_RIGHT=causal), FLEX=flex_consts,
                   CONSUMER_REGS=launch["CONSUMER_REGS"], num_warps=4)
     return _compile(_fa3_fwd.fa3_fwd_kernel, runtime, consts, launch["maxnreg"])
 
@@ -153,30 +154,29 @@ def compile_bwd(head_dim: int, causal: bool, dtype: torch.dtype, features=()):
     runtime = dict(k_desc=_desc(t, block_n, head_dim), v_desc=_desc(t, block_n, head_dim),
                    q_desc=_desc(t, block_m, head_dim), do_desc=_desc(t, block_m, head_dim),
                    dq_desc=_desc(dq, *dq_tile), lse_ptr=lse, delta_ptr=lse,
-                   dk_desc=_desc(t, block_n // 2, head_dim), dv_desc=_desc(t, block_n // 2, head_dim),
-                   stride_lse_b=lse.stride(0), stride_lse_h=lse.stride(1), seqlen_q=s, seqlen_k=s, nheads_k=h,
-                   group=1, sm_scale=0.1, qk_scale=0.1)
-    consts = dict(HEAD_D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
-                  P_LAYOUT=fa3._smem_layout(block_m, block_n // 2, dtype),
-                  PINGPONG=fa3.BWD_PINGPONG.get((head_dim, causal), False), num_warps=4)
+                   dk_desc=_desc(t, block_n // 2, head_dim), dv_desc=_desc(t, block_n // 2, head_dim))
+    tile = fa3.BwdTile(head_dim, block_m, block_n, stages, fa3.BWD_PINGPONG.get((head_dim, causal), False))
+    consts = dict(TILE=tile, P_LAYOUT=fa3._smem_layout(block_m, block_n // 2, dtype), num_warps=4)
     if not features:
+        runtime.update(lse_strides=(lse.stride(0), lse.stride(1)), sizes=(s, s, h, 1), scales=(0.1, 0.1))
         return _compile(_fa3_bwd.fa3_bwd_kernel, runtime, dict(consts, CAUSAL=causal))
     from flashtile.kernels.gluon import _fa3_bwd_any
     i32 = torch.zeros(3, dtype=torch.int32)
     runtime.update(dk_ptr=t, dv_ptr=t, cu_seqlens_q=i32, cu_seqlens_k=i32, alibi_ptr=torch.zeros(h),
-                   stride_dk_row=t.stride(0), stride_dv_row=t.stride(0), stride_alibi_b=0, softcap_log2=0.5,
-                   window_left=64, window_right=0)
+                   strides=(lse.stride(0), lse.stride(1), t.stride(0), t.stride(0), 0), sizes=(s, s, h, 1),
+                   scales=(0.1, 0.1, 0.5), window=(64, 0))
     flags = {_FLAGS[f]: f in features for f in FEATURES if f != "guard"}
     flags["HAS_RIGHT"] = flags["HAS_RIGHT"] or causal
     params = AttnParams(softmax_scale=0.1, window_left=64 if flags["HAS_LEFT"] else -1,
                         window_right=0 if flags["HAS_RIGHT"] else -1)
     flex_rt, flex_consts, sparse = _flex_runtime(lse, features, b, h, s, backward=True)
-    runtime.update(flex_rt, order_ptr=torch.zeros(16, dtype=torch.int32))
+    runtime["flex"] = (*flex_rt, torch.zeros(16, dtype=torch.int32))   # (order_ptr last)
     flex = any(f in FLEX for f in features)
     flags["TAIL"] = flags["TAIL"] or sparse is not None
-    ours = fa3.bwd_flags(params, flags["VARLEN"], None, s, s, block_m, block_n, flex, sparse is not None)
-    flags.update(SKIP=ours["SKIP"] or flags["TAIL"], EMPTY=ours["EMPTY"] or flags["TAIL"], **flex_consts)
-    return _compile(_fa3_bwd_any.fa3_bwd_any_kernel, runtime, dict(consts, **flags))
+    ours = fa3.bwd_features(params, flags["VARLEN"], None, s, s, block_m, block_n, flex, sparse is not None)
+    flags.update(SKIP=ours.SKIP or flags["TAIL"], EMPTY=ours.EMPTY or flags["TAIL"])
+    return _compile(_fa3_bwd_any.fa3_bwd_any_kernel, runtime, dict(consts, FEATURES=Features(**flags),
+                                                                  FLEX=flex_consts))
 
 
 def compile_paged(head_dim: int, causal: bool, dtype: torch.dtype, page: int):

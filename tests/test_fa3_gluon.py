@@ -256,7 +256,7 @@ def test_kernels_compile_for_sm90():
     arrival follows a bar.sync of its warpgroup (the barrier counts rely on it)."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     specs = [f"fwd,{d},{c},bf16" for d in sorted(fa3.CONFIGS) for c in (0, 1)] + ["fwd,128,0,fp16"]
-    # the forward's features, each alone and together (fa3.fwd_flags), at each head dim
+    # the forward's features, each alone and together (fa3.fwd_features), at each head dim
     specs += [f"fwdx,{d},{f},bf16" for d in sorted(fa3.CONFIGS) for f in
               ("causal+tail", "left+right+tail+guard", "softcap+alibi", "causal+varlen+tail+guard+softcap+alibi")]
     specs += [f"fwdshort,{d},{int(c)},bf16,{n}" for (d, c), entries in sorted(fa3.SHORT_CONFIGS.items())
@@ -328,8 +328,9 @@ def test_bwd_launch_follows_the_tables(d, causal, monkeypatch):
         fa3.bwd(torch.randn_like(q), q, k, v, lse, torch.randn_like(lse), *grads, params)
         (kernel, grid, args, kw), = launches
         assert kernel is kernels.fa3_bwd_kernel and grid == (1024 // block_n, 2 * 2)
-        assert (kw["BLOCK_M"], kw["BLOCK_N"], kw["STAGES"], kw["CAUSAL"]) == (block_m, block_n, stages, causal)
-        assert kw["PINGPONG"] is turns
+        tile = kw["TILE"]
+        assert (tile.BLOCK_M, tile.BLOCK_N, tile.STAGES, kw["CAUSAL"]) == (block_m, block_n, stages, causal)
+        assert tile.PINGPONG is turns
         dk_out, dv_out = args[7], args[8]
         assert isinstance(dk_out, _FakeDescriptor) and dk_out.block_shape == [block_n // 2, d]
         assert dk_out.base.data_ptr() == grads[1].data_ptr() and dv_out.base.data_ptr() == grads[2].data_ptr()

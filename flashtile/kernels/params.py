@@ -1,5 +1,6 @@
 """The arguments of an attention problem beside q, k, v as every kernel family reads them (Triton, Gluon, decode):
-the scalars (AttnParams), a block mask's tile lists (SparseLists) and the user mods compiled in (UserMods).
+the scalars (AttnParams), a block mask's tile lists (SparseLists) and the user mods compiled in (UserMods); the
+Gluon kernels' constexpr groups of features (Features, Flex).
 
 The mask is a window (left, right) aligned to the bottom-right corner (flash-attn 2.x): query i may see key j iff
 i + sk - sq - left <= j <= i + sk - sq + right, -1 meaning unbounded on that side; causal is (-1, 0). What a kernel
@@ -8,7 +9,7 @@ derives from it (causal or not, which window edges apply) is derived here, once.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -60,6 +61,32 @@ class AttnParams:
         if self.softcap > 0:
             return self.softmax_scale / self.softcap, self.softcap * LOG2E
         return self.softmax_scale * LOG2E, 0.0
+
+
+class Features(NamedTuple):
+    """The problem's features a Gluon kernel compiles in: one constexpr, so a problem without a feature compiles
+    none of its code (fa3.fwd_features / bwd_features derive them from the problem and the kernel's tiles)."""
+    VARLEN: bool = False      # packed sequences: bounds from cu_seqlens
+    HAS_LEFT: bool = False    # a window's left edge (AttnParams.has_left)
+    HAS_RIGHT: bool = False   # its right edge (causal: right = 0)
+    SOFTCAP: bool = False
+    ALIBI: bool = False
+    TAIL: bool = False        # a sequence may end inside a tile
+    GUARD: bool = False       # forward: a row may see no key (output 0, LSE -inf)
+    SKIP: bool = False        # backward: a query block may see none of a consumer warpgroup's keys
+    EMPTY: bool = False       # backward: a row may have seen no key (L = -inf)
+
+
+class Flex(NamedTuple):
+    """flashtile.flex's features a Gluon kernel compiles in (one constexpr): the user's @triton.jit mods (None:
+    absent; the derivatives backward only), attn_bias / a bool mask present, a block mask's block size (0: none)."""
+    SCORE_MOD: object = None
+    MASK_MOD: object = None
+    HAS_BIAS: bool = False
+    HAS_MASK: bool = False
+    SPARSE_BLOCK: int = 0
+    SCORE_GRAD: object = None
+    SCORE_CAPTURED_GRAD: object = None
 
 
 @dataclass(frozen=True)

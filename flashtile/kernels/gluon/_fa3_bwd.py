@@ -141,11 +141,14 @@ def _add_dq(dq, ds_free, t, dq_desc, dq_smem, sm_scale, row, col):
 @gluon.jit
 def _step(t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs, p_smem, ds_bufs, dq_smem, qdo_ready,
           qdo_empty, ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr, lse_off, kv_start, q_row0, sm_scale, qk_scale,
-          wg: gl.constexpr, s_layout: gl.constexpr, dq_init, turns, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-          HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+          wg: gl.constexpr, s_layout: gl.constexpr, dq_init, turns, TILE: gl.constexpr, CAUSAL: gl.constexpr):
     """Iteration t of consumer warpgroup wg: query block i of head h against the warpgroup's 64 keys (Algorithm 2
     lines 8-20), lse_off: (batch, head)'s offset into lse / delta. Returns dK_w, dV_w and where this step's dQ tile
     goes: it is computed at the next step (or after the loop)."""
+    BLOCK_M: gl.constexpr = TILE.BLOCK_M
+    BLOCK_N: gl.constexpr = TILE.BLOCK_N
+    STAGES: gl.constexpr = TILE.STAGES
+    PINGPONG: gl.constexpr = TILE.PINGPONG
     dtype: gl.constexpr = q_bufs.dtype
     WG_N: gl.constexpr = k_w.shape[0]
     # this warpgroup's dQ tile: rows [wg * 64, +64) when Br = 128, else columns [wg * d/2, +d/2)
@@ -188,7 +191,7 @@ def _step(t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs, p_
         dk, dv = dkv_dq_products(t, p_smem, ds_smem, q_s, do_s, dk, dv, k_smem, ds_bufs, ds_ready, ds_free, dq_init,
                                  dq_desc, dq_smem, sm_scale, dq_row, dq_col, turns, wg, WG_N, BLOCK_M, PINGPONG)
     mbarrier.arrive(qdo_empty.index(s), count=1)   # Q_i, dO_i read by every product: the buffer may refill
-    return dk, dv, q_row0 + q_start + DQ_ROW, h * HEAD_D + DQ_COL
+    return dk, dv, q_row0 + q_start + DQ_ROW, h * TILE.HEAD_D + DQ_COL
 
 
 @gluon.jit
@@ -267,18 +270,20 @@ def warpgroup_state(wg: gl.constexpr, k_smem, v_smem, p_bufs, dq_bufs, dq_desc, 
 
 
 @gluon.jit
-def _consumer_partition(wg: gl.constexpr, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar,
-                        qdo_ready, qdo_empty, ds_ready, ds_free, turns, dq_desc, lse_ptr, delta_ptr, stride_lse_b,
-                        stride_lse_h, dk_desc, dv_desc, kv_row, kv_col, b, kv_start, q_row0, n_iters, n_i, i_start,
-                        hk, group, sm_scale, qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                        HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+def _consumer_partition(wg: gl.constexpr, shared, TILE: gl.constexpr, CAUSAL: gl.constexpr):
     """Consumer warpgroup `wg`: key rows [wg * 64, wg * 64 + 64) of the program's block through every query block
-    (per query head of the group), then its rows of dK_j, dV_j (Algorithm 2 line 22)."""
+    (per query head of the group), then its rows of dK_j, dV_j (Algorithm 2 line 22). `shared`: the buffers,
+    barriers, descriptors and scalars it uses (as the kernel names them)."""
+    (k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, qdo_ready, qdo_empty, ds_ready, ds_free, turns,
+     dq_desc, lse_ptr, delta_ptr, stride_lse_b, stride_lse_h, dk_desc, dv_desc, kv_row, kv_col, b, kv_start, q_row0,
+     n_iters, n_i, i_start, hk, group, sm_scale, qk_scale) = shared
+    BLOCK_M: gl.constexpr = TILE.BLOCK_M
+    BLOCK_N: gl.constexpr = TILE.BLOCK_N
     WG_N: gl.constexpr = BLOCK_N // 2          # key rows of this warpgroup
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, WG_N, 16])
     k_w, v_w, p_smem, dq_smem, dk, dv, dq_init = warpgroup_state(wg, k_smem, v_smem, p_bufs, dq_bufs, dq_desc,
-                                                                  BLOCK_N, HEAD_D)
+                                                                  BLOCK_N, TILE.HEAD_D)
 
     dq_row = q_row0   # where the previous step's dQ tile goes
     dq_col = 0
@@ -288,12 +293,11 @@ def _consumer_partition(wg: gl.constexpr, k_smem, v_smem, q_bufs, do_bufs, p_buf
         dk, dv, dq_row, dq_col = _step(
             t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs, p_smem, ds_bufs, dq_smem,
             qdo_ready, qdo_empty, ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr, b * stride_lse_b + h * stride_lse_h,
-            kv_start, q_row0, sm_scale, qk_scale, wg, s_layout, dq_init, turns, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
-            CAUSAL, PINGPONG)
+            kv_start, q_row0, sm_scale, qk_scale, wg, s_layout, dq_init, turns, TILE, CAUSAL)
     # the last query block's dQ, issued first: by TMA, dK_j and dV_j (line 22) are staged and stored while it runs
     dq_tok = _dq_product(ds_bufs, ds_ready, k_smem, dq_init, n_iters - 1, wg, WG_N, BLOCK_M)
     _store_dkv_tma(dk, dv, dk_desc, dv_desc, q_bufs, do_bufs, qdo_empty, kv_row + wg * WG_N, kv_col, n_iters,
-                   sm_scale, wg, BLOCK_M, STAGES)
+                   sm_scale, wg, BLOCK_M, TILE.STAGES)
     dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, ))
     _dq_reduce_add(dq_desc, dq_smem, dq * sm_scale, dq_row, dq_col)
     tma.store_wait(pendings=0)
@@ -385,12 +389,12 @@ def invalidate(barriers, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def fa3_bwd_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr, dk_desc, dv_desc, stride_lse_b,
-                   stride_lse_h, seqlen_q, seqlen_k, nheads_k, group, sm_scale, qk_scale,
-                   HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                   CAUSAL: gl.constexpr, P_LAYOUT: gl.constexpr, PINGPONG: gl.constexpr, num_warps: gl.constexpr):
-    """Grid (seqlen_k / BLOCK_N, batch * nheads_k); BLOCK_N = 2 x 64 key rows (one 64-row half per consumer
-    warpgroup, num_warps = 4), BLOCK_M query rows per step. k/v descriptors: 2-D views (batch * seqlen_k,
+def fa3_bwd_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr, dk_desc, dv_desc, lse_strides, sizes,
+                   scales, TILE: gl.constexpr, P_LAYOUT: gl.constexpr, CAUSAL: gl.constexpr, num_warps: gl.constexpr):
+    """Grid (seqlen_k / BLOCK_N, batch * nheads_k); TILE (fa3.BwdTile): HEAD_D, BLOCK_N = 2 x 64 key rows (one
+    64-row half per consumer warpgroup, num_warps = 4), BLOCK_M query rows per step, STAGES, PINGPONG.
+    The argument groups: lse_strides (stride_lse_b, stride_lse_h), sizes (seqlen_q, seqlen_k, nheads_k, group),
+    scales (sm_scale = softmax_scale, qk_scale = softmax_scale log2 e). k/v descriptors: 2-D views (batch * seqlen_k,
     nheads_k * HEAD_D), blocks (BLOCK_N, HEAD_D); q/dO: (batch * seqlen_q, nheads * HEAD_D), blocks
     (BLOCK_M, HEAD_D); dk_desc / dv_desc: descriptors over dK, dV as k/v's, blocks (BLOCK_N / 2, HEAD_D) (one
     consumer warpgroup's rows); dq_desc: the float32 accumulator
@@ -399,6 +403,13 @@ def fa3_bwd_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr,
     lse, delta: (batch, nheads, seqlen_q) fp32 with the same strides. P_LAYOUT: the shared layout of a
     (BLOCK_M, BLOCK_N / 2) tile of q's dtype (a warpgroup's P or dS). seqlen_q % BLOCK_M == 0 and
     seqlen_k % BLOCK_N == 0 (the host checks); causal only with seqlen_q == seqlen_k."""
+    stride_lse_b, stride_lse_h = lse_strides
+    seqlen_q, seqlen_k, nheads_k, group = sizes
+    sm_scale, qk_scale = scales
+    HEAD_D: gl.constexpr = TILE.HEAD_D
+    BLOCK_M: gl.constexpr = TILE.BLOCK_M
+    BLOCK_N: gl.constexpr = TILE.BLOCK_N
+    STAGES: gl.constexpr = TILE.STAGES
     # one head's key blocks after another: they share the head's Q_i, dO_i in L2 (every head's first block, then
     # every head's second... measured slower)
     pid_n = gl.program_id(0)
@@ -419,17 +430,12 @@ def fa3_bwd_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr,
     k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs = buffers
     kv_bar, qdo_ready, qdo_empty, ds_ready, ds_free, turns = barriers
 
+    shared = (k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, qdo_ready, qdo_empty, ds_ready,
+              ds_free, turns, dq_desc, lse_ptr, delta_ptr, stride_lse_b, stride_lse_h, dk_desc, dv_desc, kv_row,
+              hk * HEAD_D, b, kv_start, q_row0, n_iters, n_i, i_start, hk, group, sm_scale, qk_scale)
     gl.warp_specialize([
-        (_consumer_partition, (0, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, qdo_ready,
-                               qdo_empty, ds_ready, ds_free, turns, dq_desc, lse_ptr, delta_ptr, stride_lse_b,
-                               stride_lse_h, dk_desc, dv_desc, kv_row, hk * HEAD_D, b, kv_start, q_row0, n_iters,
-                               n_i, i_start, hk, group, sm_scale, qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL,
-                               PINGPONG)),
-        (_consumer_partition, (1, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, qdo_ready,
-                               qdo_empty, ds_ready, ds_free, turns, dq_desc, lse_ptr, delta_ptr, stride_lse_b,
-                               stride_lse_h, dk_desc, dv_desc, kv_row, hk * HEAD_D, b, kv_start, q_row0, n_iters,
-                               n_i, i_start, hk, group, sm_scale, qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CAUSAL,
-                               PINGPONG)),
+        (_consumer_partition, (0, shared, TILE, CAUSAL)),
+        (_consumer_partition, (1, shared, TILE, CAUSAL)),
         (_load_partition, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, qdo_ready,
                            qdo_empty, kv_row, hk * HEAD_D, q_row0, n_iters, n_i, i_start, hk, group, BLOCK_M,
                            HEAD_D, STAGES)),

@@ -85,8 +85,7 @@ def _seq_info(b, seq, VARLEN: gl.constexpr):
 
 
 @gluon.jit
-def _key_blocks(row_lo, row_hi, len_q, len_k, window, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
-                HAS_RIGHT: gl.constexpr):
+def _key_blocks(row_lo, row_hi, len_q, len_k, window, BLOCK_N: gl.constexpr, FEATURES: gl.constexpr):
     """The mask rule, per key block (the Triton kernels' mods.key_range): query i of a sequence sees key j iff
     j < len_k and, with the window's bounds, i + shift - left <= j <= i + shift + right, shift = len_k - len_q
     (bottom-right aligned; causal is right = 0). Rows [row_lo, row_hi) see key blocks [lo, hi), and each of them
@@ -97,21 +96,20 @@ def _key_blocks(row_lo, row_hi, len_q, len_k, window, BLOCK_N: gl.constexpr, HAS
     full_lo = 0
     hi = gl.cdiv(len_k, BLOCK_N)
     full_hi = len_k // BLOCK_N
-    if HAS_RIGHT:   # the last row's last key; the first row's
+    if FEATURES.HAS_RIGHT:   # the last row's last key; the first row's
         hi = gl.minimum(hi, gl.cdiv(gl.maximum(row_hi + shift + window_right, 0), BLOCK_N))
         full_hi = gl.minimum(full_hi, gl.maximum(row_lo + shift + window_right + 1, 0) // BLOCK_N)
-    if HAS_LEFT:    # the first row's first key; the last row's
+    if FEATURES.HAS_LEFT:    # the first row's first key; the last row's
         lo = gl.maximum(row_lo + shift - window_left, 0) // BLOCK_N
         full_lo = gl.cdiv(gl.maximum(row_hi - 1 + shift - window_left, 0), BLOCK_N)
     return lo, full_lo, full_hi, hi
 
 
 @gluon.jit
-def _tile_blocks(q_start, tile_rows, len_q, len_k, window, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
-                 HAS_RIGHT: gl.constexpr):
+def _tile_blocks(q_start, tile_rows, len_q, len_k, window, BLOCK_N: gl.constexpr, FEATURES: gl.constexpr):
     """Key blocks [lo, hi) a query tile loads: those its rows see, at least one (a tile whose rows see no key,
     e.g. a sequence without keys, computes one block fully masked: its rows output 0)."""
-    lo, _, _, hi = _key_blocks(q_start, q_start + tile_rows, len_q, len_k, window, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    lo, _, _, hi = _key_blocks(q_start, q_start + tile_rows, len_q, len_k, window, BLOCK_N, FEATURES)
     return lo, gl.maximum(hi, lo + 1)
 
 
@@ -163,55 +161,52 @@ def _step_block(j, srow, sparse, len_k, SPARSE_BLOCK: gl.constexpr, BLOCK_N: gl.
 
 
 @gluon.jit
-def _element_masks(s, i, j, len_q, len_k, user, SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr,
-                   HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr, SPARSE_BLOCK: gl.constexpr):
+def _element_masks(s, i, j, len_q, len_k, user, FLEX: gl.constexpr):
     """-inf where attn_mask (or a block mask's element mask) or mask_mod hides query i from key j (elementwise's
     rules, as the Triton kernels apply them)."""
     b, h, score_aux, mask_aux, bias_t, mask_t = user
-    if HAS_MASK:
+    if FLEX.HAS_MASK:
         mask_bh, stride_mask_m, stride_mask_n = mask_t
         s = bias_mask_log2(s, i, j, len_q, len_k, mask_bh, 0, 0, mask_bh, stride_mask_m, stride_mask_n, False, True)
-    if MASK_MOD is not None:
-        s = gl.where(MASK_MOD(b, h, i, j, mask_aux), s, float("-inf"))
+    if FLEX.MASK_MOD is not None:
+        s = gl.where(FLEX.MASK_MOD(b, h, i, j, mask_aux), s, float("-inf"))
     return s
 
 
 @gluon.jit
-def _user_scores(s, rows, cols, len_q, len_k, user, partial, SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr,
-                 HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr, SPARSE_BLOCK: gl.constexpr):
+def _user_scores(s, rows, cols, len_q, len_k, user, partial, FLEX: gl.constexpr):
     """flashtile.flex's features on a score tile (log2 units where it has a bias or score_mod): attn_bias and
     score_mod on every block, then the element masks (_element_masks) on `partial` ones (every block without a
     block mask, its partial blocks with one): a mask applies after score_mod, which may map -inf to a finite
     score (softcap). user: (b, h, score_aux, mask_aux, (bias of the head, its row and column strides), (the
-    mask's)); the flags as fa3_fwd_kernel's. Also returns score_mod's input in natural-log units (its gradient's)."""
+    mask's)); FLEX: fa3_fwd_kernel's. Also returns score_mod's input in natural-log units (its gradient's)."""
     b, h, score_aux, mask_aux, bias_t, mask_t = user
     i = gl.expand_dims(rows, 1)
     j = gl.expand_dims(cols, 0)
-    if HAS_BIAS:
+    if FLEX.HAS_BIAS:
         bias_bh, stride_bias_m, stride_bias_n = bias_t
         s = bias_mask_log2(s, i, j, len_q, len_k, bias_bh, stride_bias_m, stride_bias_n, bias_bh, 0, 0, True, False)
-    s, s_in = user_mods_log2(s, b, h, i, j, score_aux, mask_aux, SCORE_MOD, None)
-    if SPARSE_BLOCK > 0:
+    s, s_in = user_mods_log2(s, b, h, i, j, score_aux, mask_aux, FLEX.SCORE_MOD, None)
+    if FLEX.SPARSE_BLOCK > 0:
         if partial:
-            s = _element_masks(s, i, j, len_q, len_k, user, SCORE_MOD, MASK_MOD, HAS_BIAS, HAS_MASK, SPARSE_BLOCK)
+            s = _element_masks(s, i, j, len_q, len_k, user, FLEX)
     else:
-        s = _element_masks(s, i, j, len_q, len_k, user, SCORE_MOD, MASK_MOD, HAS_BIAS, HAS_MASK, SPARSE_BLOCK)
+        s = _element_masks(s, i, j, len_q, len_k, user, FLEX)
     return s, s_in
 
 
 @gluon.jit
-def _visible(s, rows, cols, len_q, len_k, window, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-             TAIL: gl.constexpr, fill: gl.constexpr = float("-inf")):
+def _visible(s, rows, cols, len_q, len_k, window, FEATURES: gl.constexpr, fill: gl.constexpr = float("-inf")):
     """The mask rule per element (_key_blocks'): s with `fill` (S: -inf, P: 0) where query rows[i] does not see key
-    cols[j] (TAIL: keys past len_k as well; without it every block ends within the sequence)."""
+    cols[j] (FEATURES.TAIL: keys past len_k as well; without it every block ends within the sequence)."""
     window_left, window_right = window
     diag = gl.expand_dims(rows + (len_k - len_q), 1)
     keys = gl.expand_dims(cols, 0)
-    if HAS_RIGHT:
+    if FEATURES.HAS_RIGHT:
         s = gl.where(keys <= diag + window_right, s, fill)
-    if HAS_LEFT:
+    if FEATURES.HAS_LEFT:
         s = gl.where(keys >= diag - window_left, s, fill)
-    if TAIL:
+    if FEATURES.TAIL:
         s = gl.where(keys < len_k, s, fill)
     return s
 
@@ -295,9 +290,7 @@ def store_rows(tile, ptr, stride_row, row0, n_rows, col, ROWS: gl.constexpr, COL
 
 
 @gluon.jit
-def _load_partition(loads, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                    NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr, FP8: gl.constexpr, VARLEN: gl.constexpr,
-                    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SPARSE_BLOCK: gl.constexpr):
+def _load_partition(loads, TILE: gl.constexpr, FEATURES: gl.constexpr, FLEX: gl.constexpr):
     """Producer and tile scheduler. It draws the program's next tile from a counter shared by the launch (dynamic
     scheduling: a program that drew short tiles draws more), skips a tile past its sequence's end (VARLEN: the
     tiles are counted for the longest sequence), writes its number into the slot of a free Q buffer (Q_BUFS per
@@ -310,22 +303,27 @@ def _load_partition(loads, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N:
     `loads`: the descriptors, buffers, barriers and scalars it uses (as the kernel names them)."""
     (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, slots,
      counter_ptr, n_m, n_tiles, nheads, group, seq, window, sparse) = loads
+    BLOCK_N: gl.constexpr = TILE.BLOCK_N
+    BLOCK_M: gl.constexpr = TILE.BLOCK_M
+    NUM_WG: gl.constexpr = TILE.NUM_WG
+    Q_BUFS: gl.constexpr = TILE.Q_BUFS
+    SPARSE_BLOCK: gl.constexpr = FLEX.SPARSE_BLOCK
     slot_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     c = 0
     it = 0
     tile = gl.atomic_add(counter_ptr, 1)
     while tile < n_tiles:
-        bh, pid_m = _tile_coords(tile, n_m, HAS_RIGHT)
+        bh, pid_m = _tile_coords(tile, n_m, FEATURES.HAS_RIGHT)
         b = bh // nheads
         h = bh % nheads
-        q_row0, k_row0, len_q, len_k = _seq_info(b, seq, VARLEN)
+        q_row0, k_row0, len_q, len_k = _seq_info(b, seq, FEATURES.VARLEN)
         q_start = pid_m * (NUM_WG * BLOCK_M)
         if q_start < len_q:
             if SPARSE_BLOCK > 0:
                 lo, hi = _sparse_steps(q_start, b, h, sparse, SPARSE_BLOCK, BLOCK_N)
                 srow = _sparse_row(sparse, b, h, q_start, SPARSE_BLOCK, BLOCK_N)
             else:
-                lo, hi = _tile_blocks(q_start, NUM_WG * BLOCK_M, len_q, len_k, window, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+                lo, hi = _tile_blocks(q_start, NUM_WG * BLOCK_M, len_q, len_k, window, BLOCK_N, FEATURES)
             qb = it % Q_BUFS
             for wg in gl.static_range(NUM_WG):
                 # mbarriers start with phase 1 complete, so each buffer's first wait passes at once
@@ -335,15 +333,15 @@ def _load_partition(loads, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N:
             slots.index(qb).store(gl.full([1], tile, gl.int32, slot_layout))
             for wg in gl.static_range(NUM_WG):
                 mbarrier.expect(q_ready.index(qb * NUM_WG + wg), q_desc.block_type.nbytes)
-                tma_load(q_desc, [q_row0 + q_start + wg * BLOCK_M, h * HEAD_D], q_ready.index(qb * NUM_WG + wg),
-                         q_bufs.index(qb * NUM_WG + wg))
-            kv_col = (h // group) * HEAD_D
-            vt_row = (b * (nheads // group) + h // group) * HEAD_D
+                tma_load(q_desc, [q_row0 + q_start + wg * BLOCK_M, h * TILE.HEAD_D],
+                         q_ready.index(qb * NUM_WG + wg), q_bufs.index(qb * NUM_WG + wg))
+            kv_col = (h // group) * TILE.HEAD_D
+            vt_row = (b * (nheads // group) + h // group) * TILE.HEAD_D
             for j in range(lo, hi):
-                s = c % STAGES
+                s = c % TILE.STAGES
                 # K_j's buffer frees as soon as S_{j-STAGES} is computed, V_j's only once P~ V of that block is:
                 # separate barriers let K run ahead
-                phase = ((c // STAGES) & 1) ^ 1
+                phase = ((c // TILE.STAGES) & 1) ^ 1
                 kb = j
                 if SPARSE_BLOCK > 0:
                     kb = _sparse_block(j, srow, sparse, len_k, SPARSE_BLOCK, BLOCK_N)
@@ -353,7 +351,7 @@ def _load_partition(loads, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N:
                 tma_load(k_desc, [row, kv_col], k_ready.index(s), k_bufs.index(s))
                 mbarrier.wait(v_empty.index(s), phase)
                 mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-                if FP8:
+                if TILE.FP8:
                     tma_load(v_desc, [vt_row, kb * BLOCK_N], v_ready.index(s), v_bufs.index(s))
                 else:
                     tma_load(v_desc, [row, kv_col], v_ready.index(s), v_bufs.index(s))
@@ -373,14 +371,12 @@ def _load_partition(loads, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N:
 
 @gluon.jit
 def _online_softmax(s, m_i, l_i, qk_scale, masked, rows, cols, mask, user, partial, alibi, FP8: gl.constexpr,
-                    SCORED: gl.constexpr, GUARD: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                    TAIL: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SCORE_MOD: gl.constexpr,
-                    MASK_MOD: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr, SPARSE_BLOCK: gl.constexpr):
+                    SCORED: gl.constexpr, FEATURES: gl.constexpr, FLEX: gl.constexpr):
     """Algorithm 1 lines 9-10 for one S block, in base 2: m_new = max(m_i, rowmax(S2)); P~ = exp2(S2 - m_new);
     l_new = exp2(m_i - m_new) l_i + rowsum(P~), with S2 = S * qk_scale (qk_scale = softmax_scale * log2 e > 0,
     which lets the row max be taken before scaling) or, SCORED (softcap / ALiBi), _scores_log2(S). A `masked`
     block (one some of the warpgroup's rows do not see whole: _key_blocks) gets -inf where the mask rule hides a
-    key (_visible). GUARD: a row may have seen no key yet (m = -inf); its exponentials are taken against 0
+    key (_visible). FEATURES.GUARD: a row may have seen no key yet (m = -inf); its exponentials are taken against 0
     instead of NaN, so it adds nothing. Without GUARD the warpgroup's first block has a visible key in every row.
     mask = (len_q, len_k, (left, right), score), rows / cols the block's query and key indices in the sequence.
     FP8: P~ = exp2(S * scale - m_new + log2 448) fills e4m3's range [0, 448] for the P V product; l carries the
@@ -389,24 +385,23 @@ def _online_softmax(s, m_i, l_i, qk_scale, masked, rows, cols, mask, user, parti
     alibi: the block's _alibi_terms (ALIBI); without a score_mod the scores, m_i with them, carry its row term
     r (_alibi_log2; the caller's LSE subtracts it).
     (SCORED: the scores are in log2 units before the max; else they are scaled inside the exponential.)"""
-    MASKED: gl.constexpr = HAS_LEFT or HAS_RIGHT or TAIL
+    MASKED: gl.constexpr = FEATURES.HAS_LEFT or FEATURES.HAS_RIGHT or FEATURES.TAIL
     len_q, len_k, window, score = mask
     if SCORED:
-        s, _ = _scores_log2(s, score, alibi, SOFTCAP, ALIBI)
-        if ALIBI and SCORE_MOD is not None:   # (it reads the true score)
+        s, _ = _scores_log2(s, score, alibi, FEATURES.SOFTCAP, FEATURES.ALIBI)
+        if FEATURES.ALIBI and FLEX.SCORE_MOD is not None:   # (it reads the true score)
             s = s - gl.expand_dims(alibi[0], 1)
-    if SCORE_MOD is not None or MASK_MOD is not None or HAS_BIAS or HAS_MASK:
-        s, _ = _user_scores(s, rows, cols, len_q, len_k, user, partial, SCORE_MOD, MASK_MOD, HAS_BIAS, HAS_MASK,
-                            SPARSE_BLOCK)
+    if FLEX.SCORE_MOD is not None or FLEX.MASK_MOD is not None or FLEX.HAS_BIAS or FLEX.HAS_MASK:
+        s, _ = _user_scores(s, rows, cols, len_q, len_k, user, partial, FLEX)
     if MASKED:   # (a problem without a mask compiles none of it)
         if masked:
-            s = _visible(s, rows, cols, len_q, len_k, window, HAS_LEFT, HAS_RIGHT, TAIL)
+            s = _visible(s, rows, cols, len_q, len_k, window, FEATURES)
     if SCORED:
         m_new = gl.maximum(m_i, gl.max(s, 1))
     else:
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     m_use = m_new
-    if GUARD:
+    if FEATURES.GUARD:
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_use)
     if FP8:
@@ -441,44 +436,45 @@ def _pass_turn(bars, wg: gl.constexpr, NUM_WG: gl.constexpr, PINGPONG: gl.conste
 
 
 @gluon.jit
-def _consumer_partition(wg: gl.constexpr, shared, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
-                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr,
-                        PINGPONG: gl.constexpr, FP8: gl.constexpr, VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr,
-                        HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, TAIL: gl.constexpr,
-                        GUARD: gl.constexpr, SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr,
-                        HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr, SPARSE_BLOCK: gl.constexpr):
+def _consumer_partition(wg: gl.constexpr, shared, TILE: gl.constexpr, FEATURES: gl.constexpr, FLEX: gl.constexpr):
     """Consumer warpgroup `wg`, tile after tile as the producer hands them over (the tile number in the slot of
     the Q buffer, >= n_tiles: none left): c counts the program's K / V blocks (ring position), t its turns, `it`
     its tiles (Q buffer). `shared`: the buffers, barriers and scalars it uses (as the kernel names them);
-    the feature flags: fa3_fwd_kernel's."""
+    TILE, FEATURES, FLEX: fa3_fwd_kernel's."""
     (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, slots, o_desc,
      lse_ptr, stride_lse_b, stride_lse_h, q_scale_ptr, k_scale_ptr, v_scale_ptr, n_m, n_tiles, nheads, group,
      qk_scale, seq, window, epilogue, alibi, flex) = shared
     alibi_ptr, stride_alibi_b, softcap_log2 = alibi
     score_aux, mask_aux, bias_t, mask_t, sparse = flex
     slot_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    BLOCK_M: gl.constexpr = TILE.BLOCK_M
+    BLOCK_N: gl.constexpr = TILE.BLOCK_N
+    NUM_WG: gl.constexpr = TILE.NUM_WG
+    Q_BUFS: gl.constexpr = TILE.Q_BUFS
+    SPARSE_BLOCK: gl.constexpr = FLEX.SPARSE_BLOCK
     c = 0
     t = 0
     it = 0
     mbarrier.wait(q_ready.index(wg), 0)
     tile = gl.max(slots.index(0).load(slot_layout), 0)
     while tile < n_tiles:
-        bh, pid_m = _tile_coords(tile, n_m, HAS_RIGHT)
+        bh, pid_m = _tile_coords(tile, n_m, FEATURES.HAS_RIGHT)
         b = bh // nheads
         h = bh % nheads
-        q_row0, k_row0, len_q, len_k = _seq_info(b, seq, VARLEN)
+        q_row0, k_row0, len_q, len_k = _seq_info(b, seq, FEATURES.VARLEN)
         q_start = pid_m * (NUM_WG * BLOCK_M)
         srow = (0, 0, 0)
         if SPARSE_BLOCK > 0:
             lo, hi = _sparse_steps(q_start, b, h, sparse, SPARSE_BLOCK, BLOCK_N)
             srow = _sparse_row(sparse, b, h, q_start, SPARSE_BLOCK, BLOCK_N)
         else:
-            lo, hi = _tile_blocks(q_start, NUM_WG * BLOCK_M, len_q, len_k, window, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-        user = (b, h, score_aux, mask_aux, _head_tile(bias_t, b, h, HAS_BIAS), _head_tile(mask_t, b, h, HAS_MASK))
+            lo, hi = _tile_blocks(q_start, NUM_WG * BLOCK_M, len_q, len_k, window, BLOCK_N, FEATURES)
+        user = (b, h, score_aux, mask_aux, _head_tile(bias_t, b, h, FLEX.HAS_BIAS),
+                _head_tile(mask_t, b, h, FLEX.HAS_MASK))
         tile_scale = qk_scale
         k_scales = k_scale_ptr
         v_scales = v_scale_ptr
-        if FP8:   # the descale of this warpgroup's 64 Q rows joins the softmax scale (clamped: a sequence's last
+        if TILE.FP8:   # the descale of this warpgroup's 64 Q rows joins the softmax scale (clamped: a sequence's last
             # tile may end before this warpgroup's rows); K_j's and V_j's are read per block
             q_blocks = len_q // BLOCK_M
             tile_scale = qk_scale * gl.load(q_scale_ptr + bh * q_blocks + gl.minimum(pid_m * NUM_WG + wg,
@@ -487,19 +483,17 @@ def _consumer_partition(wg: gl.constexpr, shared, HEAD_D: gl.constexpr, BLOCK_M:
             k_scales = k_scale_ptr + bhk * (len_k // BLOCK_N)
             v_scales = v_scale_ptr + bhk * (len_k // BLOCK_N)
         slope_log2 = softcap_log2 * 0.0
-        if ALIBI:
+        if FEATURES.ALIBI:
             slope_log2 = gl.load(alibi_ptr + b * stride_alibi_b + h) * LOG2E
         lse_row = lse_ptr + b * stride_lse_b + h * stride_lse_h
-        if VARLEN:   # (nheads, total_q): the sequence's rows start at its first token
+        if FEATURES.VARLEN:   # (nheads, total_q): the sequence's rows start at its first token
             lse_row = lse_row + q_row0
         qb = (it % Q_BUFS) * NUM_WG + wg
-        rows = (q_row0, q_start, len_q, len_k, h * HEAD_D)
+        rows = (q_row0, q_start, len_q, len_k, h * TILE.HEAD_D)
         mask = (len_q, len_k, window, (tile_scale, softcap_log2, slope_log2))
         _consumer_tile(wg, q_bufs.index(qb), q_empty.index(qb), k_bufs, v_bufs, o_bufs, k_ready, v_ready, k_empty,
                        v_empty, turns, o_desc, lse_row, k_scales, v_scales, rows, mask, epilogue, lo, hi,
-                       tile_scale, c, t, (user, srow, sparse), BLOCK_M, BLOCK_N, HEAD_D, STAGES, NUM_WG, PINGPONG,
-                       FP8, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, GUARD, SCORE_MOD, MASK_MOD, HAS_BIAS, HAS_MASK,
-                       SPARSE_BLOCK)
+                       tile_scale, c, t, (user, srow, sparse), TILE, FEATURES, FLEX)
         c += hi - lo
         t += hi - lo + 1
         it += 1
@@ -538,11 +532,7 @@ def _release(j0, j1, k_ready, v_ready, k_empty, v_empty, turns, c, t, wg: gl.con
 @gluon.jit
 def _consumer_tile(wg: gl.constexpr, q_smem, q_empty, k_bufs, v_bufs, o_bufs, k_ready, v_ready,
                    k_empty, v_empty, turns, o_desc, lse_row, k_scale_ptr, v_scale_ptr, rows, mask, epilogue,
-                   lo, hi, qk_scale, c, t, flex, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   HEAD_D: gl.constexpr, STAGES: gl.constexpr, NUM_WG: gl.constexpr, PINGPONG: gl.constexpr,
-                   FP8: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-                   ALIBI: gl.constexpr, TAIL: gl.constexpr, GUARD: gl.constexpr, SCORE_MOD: gl.constexpr,
-                   MASK_MOD: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr, SPARSE_BLOCK: gl.constexpr):
+                   lo, hi, qk_scale, c, t, flex, TILE: gl.constexpr, FEATURES: gl.constexpr, FLEX: gl.constexpr):
     """Consumer warpgroup `wg` on one tile: rows [wg * BLOCK_M, (wg + 1) * BLOCK_M) of its Q tile (in q_smem),
     through the whole key loop (Algorithm 1 lines 6-11), then its part of the epilogue (lines 12-15). The tile's
     key blocks are [lo, hi) (_tile_blocks); block j is the program's block c + j - lo (ring buffer
@@ -552,9 +542,13 @@ def _consumer_tile(wg: gl.constexpr, q_smem, q_empty, k_bufs, v_bufs, o_bufs, k_
     per block (k_scale_ptr[j]), and V_j's (v_scale_ptr[j]) rides on the row rescale: acc is kept in units of
     the last V block's descale, so block quantization costs a scalar per block.
     flex: (user, the tile's block-mask row (_sparse_row), the block mask's lists): with a block mask
-    (SPARSE_BLOCK) step j reads key block _sparse_block(j), every warpgroup runs every step, and the element masks
-    apply on the partial blocks' steps."""
-    SCORED: gl.constexpr = SOFTCAP or ALIBI or SCORE_MOD is not None or HAS_BIAS
+    (FLEX.SPARSE_BLOCK) step j reads key block _sparse_block(j), every warpgroup runs every step, and the element
+    masks apply on the partial blocks' steps."""
+    BLOCK_M: gl.constexpr = TILE.BLOCK_M
+    HEAD_D: gl.constexpr = TILE.HEAD_D
+    BLOCK_N: gl.constexpr = TILE.BLOCK_N
+    FP8: gl.constexpr = TILE.FP8
+    SCORED: gl.constexpr = FEATURES.SOFTCAP or FEATURES.ALIBI or FLEX.SCORE_MOD is not None or FLEX.HAS_BIAS
     user, srow, sparse = flex
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = wgmma_acc_layout(BLOCK_N, dtype)   # S_ij = Q_i K_j^T
@@ -572,10 +566,10 @@ def _consumer_tile(wg: gl.constexpr, q_smem, q_empty, k_bufs, v_bufs, o_bufs, k_
     # [full_lo, full_hi); the tile's other blocks (before or past its rows' window, or every block after the first
     # for rows past the sequence) it only releases (_release)
     mine_lo, full_lo, full_hi, mine_hi = _key_blocks(row_lo, row_lo + BLOCK_M, len_q, len_k, window, BLOCK_N,
-                                                     HAS_LEFT, HAS_RIGHT)
+                                                     FEATURES)
     mine_lo = gl.minimum(gl.maximum(mine_lo, lo), hi - 1)
     mine_hi = gl.minimum(gl.maximum(mine_hi, mine_lo + 1), hi)
-    if SPARSE_BLOCK > 0:   # (the steps are the listed blocks, not a range of them)
+    if FLEX.SPARSE_BLOCK > 0:   # (the steps are the listed blocks, not a range of them)
         mine_lo = lo
         mine_hi = hi
     if row_lo >= len_q:
@@ -587,7 +581,7 @@ def _consumer_tile(wg: gl.constexpr, q_smem, q_empty, k_bufs, v_bufs, o_bufs, k_
     # ring positions and turns relative to the tile's first block
     c = c - lo
     t = t - lo
-    _release(lo, mine_lo, k_ready, v_ready, k_empty, v_empty, turns, c, t, wg, STAGES, NUM_WG, PINGPONG)
+    _release(lo, mine_lo, k_ready, v_ready, k_empty, v_empty, turns, c, t, wg, TILE.STAGES, TILE.NUM_WG, TILE.PINGPONG)
     scale_j = qk_scale
     if FP8:   # the first block's descales, and the next one's loaded a turn ahead of their use (latency hidden)
         scale_j = qk_scale * gl.load(k_scale_ptr + mine_lo)
@@ -595,60 +589,57 @@ def _consumer_tile(wg: gl.constexpr, q_smem, q_empty, k_bufs, v_bufs, o_bufs, k_
         ks_next = gl.load(k_scale_ptr + gl.minimum(mine_lo + 1, mine_hi - 1))
         dv_next = gl.load(v_scale_ptr + gl.minimum(mine_lo + 1, mine_hi - 1))
     # the first step's key block, and (a block mask) the next one's read a turn ahead of its use, as FP8's descales
-    kb, partial = _step_block(mine_lo, srow, sparse, len_k, SPARSE_BLOCK, BLOCK_N)
-    kb_next, partial_next = _step_block(gl.minimum(mine_lo + 1, mine_hi - 1), srow, sparse, len_k, SPARSE_BLOCK,
+    kb, partial = _step_block(mine_lo, srow, sparse, len_k, FLEX.SPARSE_BLOCK, BLOCK_N)
+    kb_next, partial_next = _step_block(gl.minimum(mine_lo + 1, mine_hi - 1), srow, sparse, len_k, FLEX.SPARSE_BLOCK,
                                         BLOCK_N)
 
     # (Q_i has landed: the caller waited for q_ready to read the tile number)
     # first turn: S_j = Q K_j^T (nothing to overlap it with yet)
-    first = (c + mine_lo) % STAGES
-    mbarrier.wait(k_ready.index(first), ((c + mine_lo) // STAGES) & 1)
-    _turn(turns, wg, t + mine_lo, NUM_WG, PINGPONG)
+    first = (c + mine_lo) % TILE.STAGES
+    mbarrier.wait(k_ready.index(first), ((c + mine_lo) // TILE.STAGES) & 1)
+    _turn(turns, wg, t + mine_lo, TILE.NUM_WG, TILE.PINGPONG)
     s_tok = warpgroup_mma(q_smem, k_bufs.index(first).permute((1, 0)), s_init, use_acc=False, is_async=True)
-    _pass_turn(turns, wg, NUM_WG, PINGPONG)
+    _pass_turn(turns, wg, TILE.NUM_WG, TILE.PINGPONG)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
     mbarrier.arrive(k_empty.index(first), count=1)
     masked = (kb < full_lo) | (kb >= full_hi)
     alibi = 0
-    if ALIBI:
+    if FEATURES.ALIBI:
         alibi = _alibi_terms(score[2], rows_from0, kb * BLOCK_N, key_cols, diag0)
     p, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, scale_j, masked, q_rows, kb * BLOCK_N + key_cols, mask, user,
-                                         partial, alibi, FP8, SCORED, GUARD, HAS_LEFT, HAS_RIGHT, TAIL, SOFTCAP, ALIBI,
-                                         SCORE_MOD, MASK_MOD, HAS_BIAS, HAS_MASK, SPARSE_BLOCK)
+                                         partial, alibi, FP8, SCORED, FEATURES, FLEX)
     p = _p_operand(p, dtype, p_layout, BLOCK_M, BLOCK_N, FP8)
     for j in range(mine_lo + 1, mine_hi):
-        cur = (c + j) % STAGES
-        prev = (c + j - 1) % STAGES
+        cur = (c + j) % TILE.STAGES
+        prev = (c + j - 1) % TILE.STAGES
         if FP8:   # block j's descales (loaded last turn); block j + 1's
             scale_j = qk_scale * ks_next
             dv_j = dv_next
             ks_next = gl.load(k_scale_ptr + gl.minimum(j + 1, mine_hi - 1))
             dv_next = gl.load(v_scale_ptr + gl.minimum(j + 1, mine_hi - 1))
-        if SPARSE_BLOCK > 0:
+        if FLEX.SPARSE_BLOCK > 0:
             kb = kb_next
             partial = partial_next
-            kb_next, partial_next = _step_block(gl.minimum(j + 1, mine_hi - 1), srow, sparse, len_k, SPARSE_BLOCK,
+            kb_next, partial_next = _step_block(gl.minimum(j + 1, mine_hi - 1), srow, sparse, len_k, FLEX.SPARSE_BLOCK,
                                                 BLOCK_N)
         else:
             kb = j
         # turn j: issue S_j = Q K_j^T, then O += P~_{j-1} V_{j-1}; both run on the tensor cores meanwhile
-        mbarrier.wait(k_ready.index(cur), ((c + j) // STAGES) & 1)
-        mbarrier.wait(v_ready.index(prev), ((c + j - 1) // STAGES) & 1)
-        _turn(turns, wg, t + j, NUM_WG, PINGPONG)
+        mbarrier.wait(k_ready.index(cur), ((c + j) // TILE.STAGES) & 1)
+        mbarrier.wait(v_ready.index(prev), ((c + j - 1) // TILE.STAGES) & 1)
+        _turn(turns, wg, t + j, TILE.NUM_WG, TILE.PINGPONG)
         s_tok = warpgroup_mma(q_smem, k_bufs.index(cur).permute((1, 0)), s_init, use_acc=False, is_async=True)
         o_tok = warpgroup_mma(_p_cast(p, FP8), _v_operand(v_bufs, prev, FP8), acc, is_async=True)
-        _pass_turn(turns, wg, NUM_WG, PINGPONG)
+        _pass_turn(turns, wg, TILE.NUM_WG, TILE.PINGPONG)
         # wgmma groups retire in order: <= 1 outstanding means S_j is done (P~_{j-1} V_{j-1} may still run)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
         mbarrier.arrive(k_empty.index(cur), count=1)   # K_j read: the producer may refill its buffer
         masked = (kb < full_lo) | (kb >= full_hi)
         alibi_j = 0   # (not `alibi`: a name assigned before the loop would be carried across it)
-        if ALIBI:
+        if FEATURES.ALIBI:
             alibi_j = _alibi_terms(score[2], rows_from0, kb * BLOCK_N, key_cols, diag0)
         p_next, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, scale_j, masked, q_rows, kb * BLOCK_N + key_cols,
-                                                  mask, user, partial, alibi_j, FP8, SCORED, GUARD, HAS_LEFT, HAS_RIGHT,
-                                                  TAIL, SOFTCAP, ALIBI, SCORE_MOD, MASK_MOD, HAS_BIAS, HAS_MASK,
-                                                  SPARSE_BLOCK)
+                                                  mask, user, partial, alibi_j, FP8, SCORED, FEATURES, FLEX)
         if FP8:   # (the wait cannot carry 8-bit registers; the e4m3 P~ is a temporary of this turn)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, ))
         else:
@@ -661,11 +652,11 @@ def _consumer_tile(wg: gl.constexpr, q_smem, q_empty, k_bufs, v_bufs, o_bufs, k_
             dv_prev = dv_j
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
         p = _p_operand(p_next, dtype, p_layout, BLOCK_M, BLOCK_N, FP8)
-    last = (c + mine_hi - 1) % STAGES
-    mbarrier.wait(v_ready.index(last), ((c + mine_hi - 1) // STAGES) & 1)
-    _turn(turns, wg, t + mine_hi, NUM_WG, PINGPONG)
+    last = (c + mine_hi - 1) % TILE.STAGES
+    mbarrier.wait(v_ready.index(last), ((c + mine_hi - 1) // TILE.STAGES) & 1)
+    _turn(turns, wg, t + mine_hi, TILE.NUM_WG, TILE.PINGPONG)
     o_tok = warpgroup_mma(_p_cast(p, FP8), _v_operand(v_bufs, last, FP8), acc, is_async=True)
-    _pass_turn(turns, wg, NUM_WG, PINGPONG)
+    _pass_turn(turns, wg, TILE.NUM_WG, TILE.PINGPONG)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, ))
     mbarrier.arrive(v_empty.index(last), count=1)
 
@@ -673,7 +664,7 @@ def _consumer_tile(wg: gl.constexpr, q_smem, q_empty, k_bufs, v_bufs, o_bufs, k_
     # key has l_i = 0 and outputs 0 with L = -inf. The output goes through this warpgroup's Q buffer (free: its S
     # wgmmas have retired), FP8: its own buffer; the TMA store has read it before the Q buffer is released
     l_safe = l_i
-    if GUARD:
+    if FEATURES.GUARD:
         l_safe = gl.where(l_i == 0.0, 1.0, l_i)
     if FP8:
         o = acc * gl.expand_dims(gl.convert_layout(dv_prev / l_safe, o_rows), 1)
@@ -683,17 +674,17 @@ def _consumer_tile(wg: gl.constexpr, q_smem, q_empty, k_bufs, v_bufs, o_bufs, k_
         o_smem = q_smem
     if FP8:   # l_i carries P~'s factor 448
         lse = (m_i + gl.log2(l_safe) - LOG2_E4M3_MAX) * LN2
-    elif ALIBI and SCORE_MOD is None:   # m_i carries ALiBi's row term (_alibi_log2)
+    elif FEATURES.ALIBI and FLEX.SCORE_MOD is None:   # m_i carries ALiBi's row term (_alibi_log2)
         lse = (m_i - score[2] * rows_from0.to(gl.float32) + gl.log2(l_safe)) * LN2
     else:
         lse = (m_i + gl.log2(l_safe)) * LN2
-    if GUARD:
+    if FEATURES.GUARD:
         lse = gl.where(l_i == 0.0, float("-inf"), lse)
     # Rows past the sequence (the next sequence's, or TMA's zero fill) were computed but are not stored: a
     # warpgroup's rows all past it store nothing; TAIL: rows partly past it store through masked pointer stores
     # (a TMA store would write the next sequence's rows)
     if row_lo < len_q:
-        if TAIL:
+        if FEATURES.TAIL:
             if row_lo + BLOCK_M > len_q:
                 _store_rows(o, lse, o_smem, epilogue, q_row0, row_lo, len_q, lse_row, q_col, BLOCK_M, HEAD_D)
             else:
@@ -701,7 +692,8 @@ def _consumer_tile(wg: gl.constexpr, q_smem, q_empty, k_bufs, v_bufs, o_bufs, k_
         else:
             _store_tile(o, lse, o_smem, o_desc, q_row0, row_lo, q_col, lse_row, q_rows)
     mbarrier.arrive(q_empty, count=1)
-    _release(mine_hi, hi, k_ready, v_ready, k_empty, v_empty, turns, c, t + 1, wg, STAGES, NUM_WG, PINGPONG)
+    _release(mine_hi, hi, k_ready, v_ready, k_empty, v_empty, turns, c, t + 1, wg, TILE.STAGES, TILE.NUM_WG,
+             TILE.PINGPONG)
 
 
 @gluon.jit
@@ -774,24 +766,23 @@ def _v_operand(v_bufs, i, FP8: gl.constexpr):
 
 @gluon.jit
 def fa3_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, counter_ptr,
-                   out_ptr, cu_seqlens_q, cu_seqlens_k, alibi_ptr,
-                   stride_lse_b, stride_lse_h, stride_o_row, stride_alibi_b, seqlen_q, seqlen_k, n_bh, nheads, group,
-                   qk_scale, softcap_log2, window_left, window_right, bias_t, mask_t, sparse, score_aux, mask_aux,
-                   HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                   NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr, PINGPONG: gl.constexpr, FP8: gl.constexpr,
-                   VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-                   ALIBI: gl.constexpr, TAIL: gl.constexpr, GUARD: gl.constexpr, SCORE_MOD: gl.constexpr,
-                   MASK_MOD: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_MASK: gl.constexpr, SPARSE_BLOCK: gl.constexpr,
-                   CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                   out_ptr, cu_seqlens_q, cu_seqlens_k, alibi_ptr, strides, sizes, scales, window, flex,
+                   TILE: gl.constexpr, FEATURES: gl.constexpr, FLEX: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                   num_warps: gl.constexpr):
     """Persistent: G programs (at most one per SM) share the cdiv(seqlen_q, NUM_WG * BLOCK_M) output tiles of each
     of the n_bh = batch * nheads heads, drawing them from counter_ptr (an int32 that is 0 at the launch and
     again after it; _tile_coords: the order), so one tile's epilogue overlaps the next one's loads; with G = the
-    tile count it is one tile per program. BLOCK_M = 64 rows per consumer warpgroup (num_warps = 4: the first
-    consumer is the default partition). q/k/v/o descriptors are over the 2-D views (rows, nheads * HEAD_D) with
-    blocks (BLOCK_M or BLOCK_N, HEAD_D); rows = batch * seqlen (dense) or tokens (VARLEN: sequence b's are
-    cu_seqlens[b] .. cu_seqlens[b + 1], seqlen_q / seqlen_k the longest, seqlen_q >= 2). lse: (batch, nheads,
-    seqlen_q) or (VARLEN, stride_lse_b = 0) (nheads, total_q), fp32, natural log.
-    The problem's features (constexpr, so a problem without them compiles none of their code):
+    tile count it is one tile per program. TILE (fa3.FwdTile): HEAD_D, BLOCK_M = 64 rows per consumer warpgroup
+    (num_warps = 4: the first consumer is the default partition), BLOCK_N, STAGES, NUM_WG consumer warpgroups,
+    Q_BUFS, PINGPONG, FP8. q/k/v/o descriptors are over the 2-D views (rows, nheads * HEAD_D) with blocks (BLOCK_M
+    or BLOCK_N, HEAD_D); rows = batch * seqlen (dense) or tokens (VARLEN: sequence b's are cu_seqlens[b] ..
+    cu_seqlens[b + 1], seqlen_q / seqlen_k the longest, seqlen_q >= 2). lse: (batch, nheads, seqlen_q) or (VARLEN,
+    stride_lse_b = 0) (nheads, total_q), fp32, natural log. The argument groups:
+    - strides: (stride_lse_b, stride_lse_h, stride_o_row, stride_alibi_b);
+    - sizes: (seqlen_q, seqlen_k, n_bh, nheads, group = query heads per K/V head);
+    - scales: (qk_scale, softcap_log2); window: (window_left, window_right);
+    - flex: (bias_t, mask_t, sparse, score_aux, mask_aux) of flashtile.flex's features (below).
+    The problem's FEATURES (params.Features; constexpr, so a problem without them compiles none of their code):
     - HAS_LEFT / HAS_RIGHT: a window (window_left / window_right keys around each row's bottom-right diagonal;
       causal is right = 0) - _key_blocks;
     - SOFTCAP (softcap_log2 = softcap log2 e; qk_scale = softmax_scale / softcap), ALIBI (alibi_ptr: float32
@@ -801,25 +792,34 @@ def fa3_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_scale_ptr, k_scale
       masked, and output rows past it are not stored (out_ptr, stride_o_row: pointer stores where a TMA store
       would write past the sequence);
     - GUARD: a row may see no key (left windows, VARLEN, a right window above the diagonal, the features below):
-      its output is 0 and its LSE -inf;
-    - flashtile.flex's features (dense problems; _user_scores): HAS_BIAS (bias_t: attn_bias's pointer and its
-      batch, head, row and column strides, 0 where it broadcasts), HAS_MASK (mask_t: a bool attn_mask or a block
-      mask's element mask read as uint8, likewise), SCORE_MOD / MASK_MOD (@triton.jit functions, or None, with
-      the values they capture in score_aux / mask_aux), SPARSE_BLOCK (> 0: a block mask of that block size,
-      sparse = its (num, idx, full_num, full_idx) lists with their batch, head and row strides and the index
-      lists' row length: a tile visits only the key blocks listed for its rows, SPARSE_BLOCK a multiple of the
-      tile's rows and of BLOCK_N; TAIL and GUARD on). Absent ones get placeholders the kernel does not read.
+      its output is 0 and its LSE -inf.
+    flashtile.flex's features, FLEX (params.Flex; dense problems; _user_scores): HAS_BIAS (bias_t: attn_bias's
+    pointer and its batch, head, row and column strides, 0 where it broadcasts), HAS_MASK (mask_t: a bool attn_mask
+    or a block mask's element mask read as uint8, likewise), SCORE_MOD / MASK_MOD (@triton.jit functions, or None,
+    with the values they capture in score_aux / mask_aux), SPARSE_BLOCK (> 0: a block mask of that block size,
+    sparse = its (num, idx, full_num, full_idx) lists with their batch, head and row strides and the index lists'
+    row length: a tile visits only the key blocks listed for its rows, SPARSE_BLOCK a multiple of the tile's rows
+    and of BLOCK_N; TAIL and GUARD on). Absent ones get placeholders the kernel does not read.
     FP8: dense, seqlen_q % 64 == 0 and seqlen_k % BLOCK_N == 0, causal only with seqlen_q == seqlen_k; q, k
     e4m3, v_desc over V^T viewed (batch * nheads_k * HEAD_D, seqlen_k) with blocks (HEAD_D, BLOCK_N); o_desc over
     the bf16 / fp16 output; descales q_scale (batch, nheads, seqlen_q / BLOCK_M), k_scale, v_scale (batch,
     nheads_k, seqlen_k / BLOCK_N), contiguous float32 (unused otherwise)."""
-    dtype: gl.constexpr = q_desc.dtype
+    stride_lse_b, stride_lse_h, stride_o_row, stride_alibi_b = strides
+    seqlen_q, seqlen_k, n_bh, nheads, group = sizes
+    qk_scale, softcap_log2 = scales
+    HEAD_D: gl.constexpr = TILE.HEAD_D
+    BLOCK_M: gl.constexpr = TILE.BLOCK_M
+    BLOCK_N: gl.constexpr = TILE.BLOCK_N
+    NUM_WG: gl.constexpr = TILE.NUM_WG
     n_m = gl.cdiv(seqlen_q, NUM_WG * BLOCK_M)
     n_tiles = n_m * n_bh
+    STAGES: gl.constexpr = TILE.STAGES
+    Q_BUFS: gl.constexpr = TILE.Q_BUFS
+    dtype: gl.constexpr = q_desc.dtype
 
     q_bufs = gl.allocate_shared_memory(dtype, [Q_BUFS * NUM_WG, BLOCK_M, HEAD_D], q_desc.layout)
     k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
-    if FP8:
+    if TILE.FP8:
         v_bufs = gl.allocate_shared_memory(dtype, [STAGES, HEAD_D, BLOCK_N], v_desc.layout)
         o_bufs = gl.allocate_shared_memory(o_desc.dtype, [NUM_WG, BLOCK_M, HEAD_D], o_desc.layout)
     else:
@@ -849,7 +849,7 @@ def fa3_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_scale_ptr, k_scale
     # CONSUMER_REGS per consumer thread, 24 for the producer (setmaxnreg within the kernel's limit: fa3._regs)
     gl.static_assert(NUM_WG == 2 or NUM_WG == 3)
     seq = (cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k)
-    window = (window_left, window_right)
+    bias_t, mask_t, sparse, score_aux, mask_aux = flex
     shared = (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, slots,
               o_desc, lse_ptr, stride_lse_b, stride_lse_h, q_scale_ptr, k_scale_ptr, v_scale_ptr, n_m, n_tiles,
               nheads, group, qk_scale, seq, window, (out_ptr, stride_o_row), (alibi_ptr, stride_alibi_b, softcap_log2),
@@ -858,11 +858,8 @@ def fa3_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_scale_ptr, k_scale
              slots, counter_ptr, n_m, n_tiles, nheads, group, seq, window, sparse)
     # partition i < NUM_WG: consumer warpgroup i (i = 0: the default partition); i = NUM_WG: the producer
     gl.warp_specialize(
-        [(_consumer_partition, (i, shared, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, PINGPONG, FP8, VARLEN,
-                                HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, TAIL, GUARD, SCORE_MOD, MASK_MOD, HAS_BIAS,
-                                HAS_MASK, SPARSE_BLOCK)) if i < NUM_WG else
-         (_load_partition, (loads, HEAD_D, BLOCK_M, BLOCK_N, STAGES, NUM_WG, Q_BUFS, FP8, VARLEN, HAS_LEFT, HAS_RIGHT,
-                            SPARSE_BLOCK)) for i in (0, 1, 2, 3)[:NUM_WG + 1]],
+        [(_consumer_partition, (i, shared, TILE, FEATURES, FLEX)) if i < NUM_WG else
+         (_load_partition, (loads, TILE, FEATURES, FLEX)) for i in (0, 1, 2, 3)[:NUM_WG + 1]],
         [4] * (NUM_WG - 1) + [1], [CONSUMER_REGS] * (NUM_WG - 1) + [24])
 
     for i in gl.static_range(Q_BUFS * NUM_WG):

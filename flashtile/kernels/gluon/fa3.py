@@ -10,11 +10,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+from typing import NamedTuple
 
 import torch
 
 from .. import relaunch, support
-from ..params import LOG2E, AttnParams
+from ..params import LOG2E, AttnParams, Features, Flex
 from ..runtime import (DescriptorType, descriptor_fields, pair_args, row_descriptor, sparse_args, tickets,
                        tma_row_view)
 
@@ -70,6 +71,33 @@ BWD_CONFIGS = {64: (128, 128, 2), 128: (64, 128, 2)}
 # (head_dim, causal) -> whether the backward's consumer warpgroups take turns issuing their GEMMs (S, dP; then dV,
 # dK, dQ), as the forward's ping-pong (same-run A/Bs on an H200: `git log -S BWD_PINGPONG`)
 BWD_PINGPONG = {(64, True): True}
+
+
+
+
+class FwdTile(NamedTuple):
+    """fa3_fwd_kernel's tiles and schedule (one constexpr): head dim, a consumer warpgroup's query rows (Br =
+    BLOCK_M x NUM_WG), Bc, the K / V ring's stages, consumer warpgroups, Q buffers per warpgroup (q_buffers),
+    ping-pong, e4m3 inputs."""
+    HEAD_D: int
+    BLOCK_M: int
+    BLOCK_N: int
+    STAGES: int
+    NUM_WG: int
+    Q_BUFS: int
+    PINGPONG: bool
+    FP8: bool
+
+
+class BwdTile(NamedTuple):
+    """The backward kernels' tiles and schedule (one constexpr): head dim, Br, Bc (two consumer warpgroups' 64
+    keys), the (Q_i, dO_i) stages, ping-pong. (The shared layout of P / dS is a constexpr of its own: a layout
+    cannot travel inside a tuple.)"""
+    HEAD_D: int
+    BLOCK_M: int
+    BLOCK_N: int
+    STAGES: int
+    PINGPONG: bool
 
 
 _off = 0   # > 0 inside disabled()
@@ -225,14 +253,13 @@ def fwd(q, k, v, out, lse, params, alibi=None, cu_seqlens_q=None, cu_seqlens_k=N
 _NO_PAIR = (0, 0, 0, 0, 0)
 _NO_LISTS = (0, 0, 0, 0, 0, 0, 0, 0)
 _NO_AUX = (0, )
-_NO_FLEX = ((_NO_PAIR, _NO_PAIR, _NO_LISTS, _NO_AUX, _NO_AUX),
-            dict(SCORE_MOD=None, MASK_MOD=None, HAS_BIAS=False, HAS_MASK=False, SPARSE_BLOCK=0))
-_NO_FLEX_BWD = ((*_NO_FLEX[0], _NO_AUX, 0), dict(_NO_FLEX[1], SCORE_GRAD=None, SCORE_CAPTURED_GRAD=None))
+_NO_FLEX = ((_NO_PAIR, _NO_PAIR, _NO_LISTS, _NO_AUX, _NO_AUX), Flex())
+_NO_FLEX_BWD = ((*_NO_FLEX[0], _NO_AUX, 0), Flex())
 
 
 def flex_args(lse, batch: int, nheads: int, sq: int, sk: int, bias=None, mask=None, sparse=None, mods=None,
               backward: bool = False):
-    """(fa3_fwd_kernel's runtime arguments bias_t, mask_t, sparse, score_aux, mask_aux; its constexpr ones) of
+    """(fa3_fwd_kernel's runtime group flex: bias_t, mask_t, sparse, score_aux, mask_aux; its constexpr FLEX) of
     flashtile.flex's features (fwd's), placeholders for the absent ones; backward: fa3_bwd_any_kernel's (the
     block mask's transposed lists, score_aux_grad added; SCORE_GRAD, SCORE_CAPTURED_GRAD)."""
     def pair(t):
@@ -240,16 +267,16 @@ def flex_args(lse, batch: int, nheads: int, sq: int, sk: int, bias=None, mask=No
     lists = _NO_LISTS if sparse is None else sparse_args(sparse, batch, nheads, backward)
     score_aux = mods.score_aux if mods is not None and mods.score_aux is not None else _NO_AUX
     mask_aux = mods.mask_aux if mods is not None and mods.mask_aux is not None else _NO_AUX
-    consts = dict(SCORE_MOD=None if mods is None else mods.score_mod, MASK_MOD=None if mods is None else mods.mask_mod,
+    consts = Flex(SCORE_MOD=None if mods is None else mods.score_mod, MASK_MOD=None if mods is None else mods.mask_mod,
                   HAS_BIAS=bias is not None, HAS_MASK=mask is not None,
                   SPARSE_BLOCK=0 if sparse is None else sparse.block_size)
     runtime = (pair(bias), pair(mask), lists, score_aux, mask_aux)
     if backward:
         aux_grad = mods.score_aux_grad if mods is not None and mods.score_aux_grad is not None else score_aux
         runtime += (aux_grad, )
-        consts.update(SCORE_GRAD=None if mods is None else mods.score_grad,
-                      SCORE_CAPTURED_GRAD=None if mods is None or mods.score_aux_grad is None
-                      else mods.score_captured_grad)
+        consts = consts._replace(SCORE_GRAD=None if mods is None else mods.score_grad,
+                                 SCORE_CAPTURED_GRAD=None if mods is None or mods.score_aux_grad is None
+                                 else mods.score_captured_grad)
     return runtime, consts
 
 
@@ -283,15 +310,15 @@ def _order(sparse, batch: int, nheads: int, nheads_k: int, sk: int, block_n: int
     return order
 
 
-def fwd_flags(params, varlen: bool, alibi, sq: int, sk: int, block_n: int, flex: bool = False,
-              sparse: bool = False) -> dict:
-    """fa3_fwd_kernel's feature flags for a problem (its docstring says what each compiles in); flex: the problem has
+def fwd_features(params, varlen: bool, alibi, sq: int, sk: int, block_n: int, flex: bool = False,
+                 sparse: bool = False) -> Features:
+    """fa3_fwd_kernel's FEATURES for a problem (its docstring says what each compiles in); flex: the problem has
     flashtile.flex's features (its rows may see no key), sparse: a block mask (tiles may visit blocks past the keys)."""
     has_left, has_right = params.has_left, params.has_right
     tail = varlen or sq % WG_ROWS != 0 or sk % block_n != 0 or sparse
     guard = varlen or has_left or (has_right and sk - sq + params.window_right < 0) or flex
-    return dict(VARLEN=varlen, HAS_LEFT=has_left, HAS_RIGHT=has_right, SOFTCAP=params.softcap > 0,
-                ALIBI=alibi is not None, TAIL=tail, GUARD=guard)
+    return Features(VARLEN=varlen, HAS_LEFT=has_left, HAS_RIGHT=has_right, SOFTCAP=params.softcap > 0,
+                    ALIBI=alibi is not None, TAIL=tail, GUARD=guard)
 
 
 def fwd_config(head_dim: int, seqlen_q: int, causal: bool, alibi: bool = False):
@@ -366,13 +393,13 @@ def _launch_fwd(q, k, v, out, lse, scales, params, cfg, fp8, alibi=None, cu_seql
     n_tiles = -(-sq // (num_wg * WG_ROWS)) * batch * nheads   # (not triton.cdiv: ~2 us of host time per call)
     programs = min(n_tiles, _sm_count(_device_index(q))) if PERSISTENT else n_tiles
     # (a block mask's blocks hold whole tiles: FLEX_HEAD_DIMS' configs)
-    assert not flex or flex[1]["SPARSE_BLOCK"] % (num_wg * WG_ROWS) == 0 == flex[1]["SPARSE_BLOCK"] % block_n
+    assert not flex or flex[1].SPARSE_BLOCK % (num_wg * WG_ROWS) == 0 == flex[1].SPARSE_BLOCK % block_n
     flex_runtime, flex_consts = flex if flex is not None else _NO_FLEX
-    kwargs = dict(HEAD_D=head_dim, BLOCK_M=WG_ROWS, BLOCK_N=block_n, STAGES=stages, NUM_WG=num_wg,
-                  Q_BUFS=q_buffers(head_dim, num_wg, block_n, stages, q.element_size(), fp8), PINGPONG=pingpong,
-                  FP8=fp8, **fwd_flags(params, varlen, alibi, sq, sk, block_n, flex is not None,
-                                       flex_consts["SPARSE_BLOCK"] > 0),
-                  **flex_consts, **_regs(head_dim, fp8, num_wg))
+    tile = FwdTile(head_dim, WG_ROWS, block_n, stages, num_wg,
+                   q_buffers(head_dim, num_wg, block_n, stages, q.element_size(), fp8), pingpong, fp8)
+    kwargs = dict(TILE=tile, FEATURES=fwd_features(params, varlen, alibi, sq, sk, block_n, flex is not None,
+                                                   flex_consts.SPARSE_BLOCK > 0),
+                  FLEX=flex_consts, **_regs(head_dim, fp8, num_wg))
     counter = tickets(q.device, 1)
     extras = (cu_seqlens_q, cu_seqlens_k, alibi)
     # (flex's tensors are not live arguments of a template: a problem with them launches the full way)
@@ -394,11 +421,10 @@ def _launch_fwd(q, k, v, out, lse, scales, params, cfg, fp8, alibi=None, cu_seql
     descs = (desc(q, WG_ROWS), desc(k, block_n), v_desc, desc(out, WG_ROWS))
     lse_strides = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
     score_scale, softcap_log2 = params.score_args()
-    args = (*descs, lse, *scales, counter, out, *(lse if t is None else t for t in extras), *lse_strides,
-            tma_row_view(out).stride(0), 0 if alibi is None or alibi.dim() == 1 else alibi.stride(0),
-            max(sq, 2) if varlen else sq, sk,
-            batch * nheads, nheads, nheads // nheads_k, score_scale, softcap_log2, max(params.window_left, 0),
-            max(params.window_right, 0), *flex_runtime)
+    strides = (*lse_strides, tma_row_view(out).stride(0), 0 if alibi is None or alibi.dim() == 1 else alibi.stride(0))
+    sizes = (max(sq, 2) if varlen else sq, sk, batch * nheads, nheads, nheads // nheads_k)
+    args = (*descs, lse, *scales, counter, out, *(lse if t is None else t for t in extras), strides, sizes,
+            (score_scale, softcap_log2), (max(params.window_left, 0), max(params.window_right, 0)), flex_runtime)
     relaunch.launch(kern.fa3_fwd_kernel, (programs, ), args, kwargs)
     if key is not None:
         bound = relaunch.bind(kern.fa3_fwd_kernel, args, kwargs, _FWD_LIVE)
@@ -518,9 +544,9 @@ def dense_bwd(q, k, params, alibi, varlen: bool, flex: bool = False) -> bool:
     return not (sq % block_m or sk % block_n or (params.is_causal and sq != sk))
 
 
-def bwd_flags(params, varlen: bool, alibi, sq: int, sk: int, block_m: int, block_n: int, flex: bool = False,
-              sparse: bool = False) -> dict:
-    """fa3_bwd_any_kernel's feature flags for a problem (its docstring and fa3_fwd_kernel's say what each compiles
+def bwd_features(params, varlen: bool, alibi, sq: int, sk: int, block_m: int, block_n: int, flex: bool = False,
+                 sparse: bool = False) -> Features:
+    """fa3_bwd_any_kernel's FEATURES for a problem (its docstring and fa3_fwd_kernel's say what each compiles
     in).
     SKIP: a query block may see none of a consumer warpgroup's 64 keys - a left window, a sequence's end, or a right
     window other than causal over equal lengths with Br <= 64 (with Br 128, aligned causal blocks always see some).
@@ -529,9 +555,9 @@ def bwd_flags(params, varlen: bool, alibi, sq: int, sk: int, block_m: int, block
     tail = varlen or sq % block_m != 0 or sk % block_n != 0 or sparse
     guard = varlen or has_left or (has_right and sk - sq + params.window_right < 0) or flex
     aligned_causal = params.window_right == 0 and sq == sk and block_m > block_n // 2
-    return dict(VARLEN=varlen, HAS_LEFT=has_left, HAS_RIGHT=has_right, SOFTCAP=params.softcap > 0,
-                ALIBI=alibi is not None, TAIL=tail, SKIP=has_left or tail or (has_right and not aligned_causal),
-                EMPTY=guard or tail)
+    return Features(VARLEN=varlen, HAS_LEFT=has_left, HAS_RIGHT=has_right, SOFTCAP=params.softcap > 0,
+                    ALIBI=alibi is not None, TAIL=tail, SKIP=has_left or tail or (has_right and not aligned_causal),
+                    EMPTY=guard or tail)
 
 
 def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, cu_seqlens_q=None,
@@ -564,15 +590,13 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, 
         order = 0 if sparse is None else _order(sparse, batch, nheads, nheads_k, sk, block_n)
         flex = ((*runtime, order), consts)
     dense = dense_bwd(q, k, params, alibi, varlen, flex is not None)
-    kwargs = dict(HEAD_D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
-                  P_LAYOUT=_smem_layout(block_m, block_n // 2, q.dtype),
-                  PINGPONG=BWD_PINGPONG.get((head_dim, params.has_right), False), num_warps=4, maxnreg=MAXNREG)
+    tile = BwdTile(head_dim, block_m, block_n, stages, BWD_PINGPONG.get((head_dim, params.has_right), False))
+    kwargs = dict(TILE=tile, P_LAYOUT=_smem_layout(block_m, block_n // 2, q.dtype), num_warps=4, maxnreg=MAXNREG)
     if dense:
         kwargs["CAUSAL"] = params.is_causal
     else:
-        kwargs.update(bwd_flags(params, varlen, alibi, sq, sk, block_m, block_n, flex is not None,
-                                sparse is not None))
-        kwargs.update((flex or _NO_FLEX_BWD)[1])
+        kwargs.update(FEATURES=bwd_features(params, varlen, alibi, sq, sk, block_m, block_n, flex is not None,
+                                            sparse is not None), FLEX=(flex or _NO_FLEX_BWD)[1])
     extras = (cu_seqlens_q, cu_seqlens_k, alibi)
     # (flex's tensors are not live arguments of a template: a problem with them launches the full way)
     key = None if flex is not None else _bwd_key(q, k, v, lse, dk, dv, params, alibi, sq, sk)
@@ -601,18 +625,18 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, 
              desc(dout, block_m, head_dim), desc(dq_acc, *dq_tile))
     if dense:
         kernel, n_live = kern.fa3_bwd_kernel, _BWD_LIVE
-        args = (*descs, lse, delta, dk_desc, dv_desc, lse.stride(0), lse.stride(1), sq, sk, nheads_k,
-                nheads // nheads_k, params.softmax_scale, params.softmax_scale * LOG2E)
+        args = (*descs, lse, delta, dk_desc, dv_desc, (lse.stride(0), lse.stride(1)), (sq, sk, nheads_k,
+                nheads // nheads_k), (params.softmax_scale, params.softmax_scale * LOG2E))
     else:
         kernel, n_live = kern.fa3_bwd_any_kernel, _BWD_LIVE + 5
         lse_strides = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
         score_scale, softcap_log2 = params.score_args()
+        strides = (*lse_strides, tma_row_view(dk_out).stride(0), tma_row_view(dv_out).stride(0),
+                   0 if alibi is None or alibi.dim() == 1 else alibi.stride(0))
         args = (*descs, lse, delta, dk_desc, dv_desc, dk_out, dv_out, *(lse if t is None else t for t in extras),
-                *lse_strides, tma_row_view(dk_out).stride(0), tma_row_view(dv_out).stride(0),
-                0 if alibi is None or alibi.dim() == 1 else alibi.stride(0), max(sq, 2) if varlen else sq, sk,
-                nheads_k, nheads // nheads_k, params.softmax_scale, score_scale, softcap_log2,
-                max(params.window_left, 0), max(params.window_right, 0),
-                *(flex or _NO_FLEX_BWD)[0])
+                strides, (max(sq, 2) if varlen else sq, sk, nheads_k, nheads // nheads_k),
+                (params.softmax_scale, score_scale, softcap_log2),
+                (max(params.window_left, 0), max(params.window_right, 0)), (flex or _NO_FLEX_BWD)[0])
     relaunch.launch(kernel, grid[:2], args, kwargs)
     if key is not None and dk_out is dk and dv_out is dv:   # (not through copies: descriptors over per-call buffers)
         bound = relaunch.bind(kernel, args, kwargs, n_live)
