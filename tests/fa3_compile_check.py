@@ -192,9 +192,8 @@ def compile_paged(head_dim: int, causal: bool, dtype: torch.dtype, page: int):
     runtime = dict(q_ptr=q, k_desc=_desc(cache, page, head_dim), v_desc=_desc(cache, page, head_dim), o_ptr=q,
                    lse_ptr=torch.empty(2, 32, 1), o_part_ptr=part if causal else q,
                    lse_part_ptr=lse_part if causal else q, sem_ptr=i32 if causal else q, bt_ptr=i32,
-                   seqlens_ptr=i32, score_scale=0.1)
-    runtime.update({p.name: 1 for p in _decode.paged_decode_kernel.params if p.name.startswith("stride")
-                    or p.name in ("nheads_k", "group", "seqlen_q", "seqlen_k_static", "num_splits")})
+                   seqlens_ptr=i32, score_scale=0.1, q_strides=(1, 1, 1), o_strides=(1, 1, 1), lse_strides=(1, 1),
+                   part_strides=(1, 1, 1, 1, 1), stride_bt=1, sizes=(1, 1, 1, 1, 1))
     consts = dict(HEAD_D=head_dim, PAGE=page, BLOCK_N=block_n, STAGES=stages, HAS_SEQLENS=True, CAUSAL=causal,
                   SPLIT=causal, FUSED=causal)
     return _compile(_decode.paged_decode_kernel, runtime, consts, maxnreg=None)

@@ -69,13 +69,15 @@ def _online_softmax_step(m_i, l_i, s):
 
 
 @gluon.jit
-def _merge_splits(o_ptr, lse_ptr, o_part_ptr, lse_part_ptr, b, hk, n_rows, group, seqlen_q, num_splits,
-                  stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, stride_ps, stride_pm, stride_ph,
-                  stride_lps, stride_lpm, HEAD_D: gl.constexpr):
+def _merge_splits(o_ptr, lse_ptr, o_part_ptr, lse_part_ptr, b, hk, n_rows, group, seqlen_q, num_splits, o_strides,
+                  lse_strides, part_strides, HEAD_D: gl.constexpr):
     """Flash-decoding's combine of one (batch, K/V head) tile's rows: O = sum_s w_s O_s / sum_s w_s, lse = log
     sum_s 2^lse2_s, w_s = 2^(lse2_s - max), as the online-softmax update over (lse2_s, O_s) pairs. RG rows and
     CHUNK splits at a time (one (RG, CHUNK, HEAD_D) load per step, so a step waits for memory once, not once per
-    split); a row no split saw: O = 0, lse = -inf."""
+    split); a row no split saw: O = 0, lse = -inf. The strides: paged_decode_kernel's groups."""
+    stride_ob, stride_om, stride_oh = o_strides
+    stride_lse_b, stride_lse_h = lse_strides
+    stride_ps, stride_pm, stride_ph, stride_lps, stride_lpm = part_strides
     RG: gl.constexpr = 4
     CHUNK: gl.constexpr = 16
     L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 1, 32], [1, 4, 1], [2, 1, 0])   # (row, split, d)
@@ -117,9 +119,7 @@ def _merge_splits(o_ptr, lse_ptr, o_part_ptr, lse_part_ptr, b, hk, n_rows, group
 
 @gluon.jit
 def paged_decode_kernel(k_desc, v_desc, q_ptr, o_ptr, lse_ptr, o_part_ptr, lse_part_ptr, sem_ptr, bt_ptr, seqlens_ptr,
-                        stride_qb, stride_qm, stride_qh, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h,
-                        stride_ps, stride_pm, stride_ph, stride_lps, stride_lpm, stride_bt,
-                        nheads_k, group, seqlen_q, seqlen_k_static, num_splits, score_scale,
+                        q_strides, o_strides, lse_strides, part_strides, stride_bt, sizes, score_scale,
                         HEAD_D: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                         HAS_SEQLENS: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr,
                         FUSED: gl.constexpr):
@@ -130,7 +130,14 @@ def paged_decode_kernel(k_desc, v_desc, q_ptr, o_ptr, lse_ptr, o_part_ptr, lse_p
     (num_splits, batch * seqlen_q, nheads), log2 units); FUSED: the last split of a (batch, K/V head) to finish (a
     ticket in sem (batch * nheads_k,) int32, zero between launches) merges them into o and lse and resets its
     ticket (else combine.py's kernel merges them). score_scale: softmax_scale * log2 e. The parameters a decode step
-    changes come first (paged.LIVE)."""
+    changes come first (paged.LIVE); then the groups q_strides / o_strides (batch, row, head), lse_strides (batch,
+    head), part_strides (o_part's split, row and head strides, lse_part's split and row strides), the block table's
+    row stride and sizes (nheads_k, group = query heads per K/V head, seqlen_q, seqlen_k_static, num_splits)."""
+    stride_qb, stride_qm, stride_qh = q_strides
+    stride_ob, stride_om, stride_oh = o_strides
+    stride_lse_b, stride_lse_h = lse_strides
+    stride_ps, stride_pm, stride_ph, stride_lps, stride_lpm = part_strides
+    nheads_k, group, seqlen_q, seqlen_k_static, num_splits = sizes
     BLOCK_M: gl.constexpr = 64                    # wgmma's M: the packed (query, head) rows, padded
     PAGES: gl.constexpr = BLOCK_N // PAGE
     dtype: gl.constexpr = k_desc.dtype
@@ -257,8 +264,7 @@ def paged_decode_kernel(k_desc, v_desc, q_ptr, o_ptr, lse_ptr, o_part_ptr, lse_p
             ticket = gl.atomic_add(sem_ptr + bhk, 1, sem="acq_rel", scope="gpu")
             if ticket == num_splits - 1:
                 _merge_splits(o_ptr, lse_ptr, o_part_ptr, lse_part_ptr, b, hk, n_rows, group, seqlen_q, num_splits,
-                              stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, stride_ps, stride_pm,
-                              stride_ph, stride_lps, stride_lpm, HEAD_D)
+                              o_strides, lse_strides, part_strides, HEAD_D)
                 gl.store(sem_ptr + bhk, 0)
     else:
         gl.store(o_ptr + gl.expand_dims(o_off, 1) + gl.expand_dims(d_io, 0), out.to(o_ptr.dtype.element_ty),

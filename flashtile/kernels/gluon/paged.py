@@ -88,10 +88,9 @@ def decode_paged(q, k_cache, v_cache, out, lse, seqlens_k: Optional[torch.Tensor
     score_scale, _ = params.score_args()
     args = (k_desc, v_desc, q, out, lse, o_part, lse_part, sem, block_table,
             seqlens_k if seqlens_k is not None else block_table,
-            q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
-            lse.stride(0), lse.stride(1), *(o_part.stride()[:3] if split else (0, 0, 0)),
-            *(lse_part.stride()[:2] if split else (0, 0)), block_table.stride(0),
-            nheads_k, nheads // nheads_k, sq, int(seqlen_k_static), n, score_scale)
+            q.stride()[:3], out.stride()[:3], lse.stride()[:2],
+            (*(o_part.stride()[:3] if split else (0, 0, 0)), *(lse_part.stride()[:2] if split else (0, 0))),
+            block_table.stride(0), (nheads_k, nheads // nheads_k, sq, int(seqlen_k_static), n), score_scale)
     kwargs = dict(HEAD_D=head_dim, PAGE=page, BLOCK_N=block_n, STAGES=int(OVERRIDE.get("stages", stages)),
                   HAS_SEQLENS=seqlens_k is not None, CAUSAL=params.is_causal, SPLIT=split, FUSED=fused,
                   num_warps=4)
