@@ -1,0 +1,103 @@
+"""The Gluon kernels' launches as flashtile's host code makes them (fa3.fwd, fa3.bwd, paged.decode_paged), through
+Triton's own JIT launch path (argument binding, specialization, cache key, compile) on a machine without a GPU: a
+stand-in driver reports an sm_90 device, the calls get CPU tensors, and relaunch.launch becomes kernel.warmup, which
+compiles and launches nothing. Prints `ok <n> <kernel> wgmma=<count>` per launch and `done <n>`. The compile check
+(fa3_compile_check.py) builds the kernels' arguments itself; this one checks the host code's argument lists and
+constexpr groups against the kernels under the JIT's binder. Run by tests/test_fa3_gluon.py in a subprocess."""
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "0"
+import torch  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime import driver  # noqa: E402
+
+
+class _Sm90Driver:
+    """The active driver, but for the target, device and stream of an sm_90 GPU."""
+    def __init__(self, real):
+        self.real = real
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+try:
+    _real = driver.active
+except Exception:  # noqa: BLE001   (no GPU driver on this machine)
+    _real = None
+driver.set_active(_Sm90Driver(_real))
+
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
+
+from flashtile.kernels import relaunch  # noqa: E402
+from flashtile.kernels.gluon import _decode, _fa3_bwd, _fa3_bwd_any, _fa3_fwd, fa3, paged  # noqa: E402
+from flashtile.kernels.params import AttnParams  # noqa: E402
+
+fa3._kernels = lambda index: (_fa3_fwd, fa3._Backward(_fa3_bwd.fa3_bwd_kernel, _fa3_bwd_any.fa3_bwd_any_kernel),
+                              TensorDescriptor)
+fa3._device_index = lambda t: 0
+fa3._sm_count = lambda index: 132
+fa3.tickets = lambda device, n: torch.zeros(n, dtype=torch.int32)
+paged._on_gpu = lambda q: True
+paged._kernel = lambda index: (_decode, TensorDescriptor)
+_count = [0]
+
+
+def _warmup(kernel, grid, args, kwargs):
+    compiled = kernel.warmup(*args, grid=grid, **kwargs)
+    name = kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__
+    print(f"ok {_count[0]} {name} wgmma={compiled.asm['ptx'].count('wgmma.mma_async')}", flush=True)
+    _count[0] += 1
+
+
+relaunch.launch = _warmup
+relaunch.bind = lambda *a, **k: None   # (no launch template: there is no launch)
+BF16 = torch.bfloat16
+FULL = AttnParams(softmax_scale=0.1)
+CAUSAL = AttnParams(softmax_scale=0.1, window_right=0)
+
+
+def _rand(*shape):
+    return torch.randn(*shape, dtype=BF16)
+
+
+def _fwd_bwd(params, b=2, sq=1024, sk=1024, h=4, hk=2, d=128, alibi=None, cu=None, max_len=None, **flex):
+    """fa3.fwd then fa3.bwd of one problem (dense (b, s, h, d), or varlen (tokens, h, d) with cu_seqlens)."""
+    if cu is None:
+        q, k, v = _rand(b, sq, h, d), _rand(b, sk, hk, d), _rand(b, sk, hk, d)
+        lse = torch.empty(b, h, sq)
+        lens = {}
+    else:
+        q, k, v = _rand(sq, h, d), _rand(sk, hk, d), _rand(sk, hk, d)
+        lse = torch.empty(h, sq)
+        lens = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len, max_seqlen_k=max_len)
+    fa3.fwd(q, k, v, torch.empty_like(q), lse, params, alibi, **lens, **flex)
+    fa3.bwd(torch.randn_like(q), q, k, v, lse, torch.randn_like(lse), torch.empty_like(q), torch.empty_like(k),
+            torch.empty_like(v), params, alibi=alibi, **lens, **flex)
+
+
+if __name__ == "__main__":
+    _fwd_bwd(FULL)                                        # the dense backward kernel
+    _fwd_bwd(CAUSAL, d=64)
+    _fwd_bwd(AttnParams(softmax_scale=0.1, window_left=100, window_right=20), sq=1000, sk=1100)   # the general one
+    _fwd_bwd(AttnParams(softmax_scale=0.1, softcap=30.0), alibi=torch.rand(4))
+    _fwd_bwd(CAUSAL, sq=1024, sk=1024, hk=4, cu=torch.tensor([0, 300, 1024], dtype=torch.int32), max_len=724)
+    _fwd_bwd(CAUSAL, sq=512, sk=512, hk=4, bias=_rand(1, 4, 512, 512), mask=torch.rand(2, 1, 512, 512) > 0.2)
+    for page, splits in ((16, 4), (32, 1)):               # split with the fused merge; one split
+        q = _rand(2, 1, 8, 128)
+        paged.decode_paged(q, _rand(64, page, 2, 128), _rand(64, page, 2, 128), torch.empty_like(q),
+                           torch.empty(2, 8, 1), torch.tensor([100, 300], dtype=torch.int32), 0,
+                           torch.arange(64, dtype=torch.int32).view(2, 32), CAUSAL, splits, lambda block_n: splits,
+                           lambda n: torch.zeros(n, dtype=torch.int32), True, None)
+    print(f"done {_count[0]}", flush=True)
+    sys.exit(0)
