@@ -314,11 +314,17 @@ def fwd_features(params, varlen: bool, alibi, sq: int, sk: int, block_n: int, fl
                  sparse: bool = False) -> Features:
     """fa3_fwd_kernel's FEATURES for a problem (its docstring says what each compiles in); flex: the problem has
     flashtile.flex's features (its rows may see no key), sparse: a block mask (tiles may visit blocks past the keys)."""
-    has_left, has_right = params.has_left, params.has_right
     tail = varlen or sq % WG_ROWS != 0 or sk % block_n != 0 or sparse
-    guard = varlen or has_left or (has_right and sk - sq + params.window_right < 0) or flex
-    return Features(VARLEN=varlen, HAS_LEFT=has_left, HAS_RIGHT=has_right, SOFTCAP=params.softcap > 0,
-                    ALIBI=alibi is not None, TAIL=tail, GUARD=guard)
+    return Features(VARLEN=varlen, HAS_LEFT=params.has_left, HAS_RIGHT=params.has_right, SOFTCAP=params.softcap > 0,
+                    ALIBI=alibi is not None, TAIL=tail, GUARD=rows_may_see_no_key(params, varlen, sq, sk, flex))
+
+
+def rows_may_see_no_key(params, varlen: bool, sq: int, sk: int, flex: bool) -> bool:
+    """Whether some query row may see no key (its output 0, LSE -inf): varlen (a sequence without keys), a left
+    window, a right window that ends before the first key for the first rows (sk - sq + right < 0), or
+    flashtile.flex's features (masks and mods may hide a whole row)."""
+    return (varlen or params.has_left or (params.has_right and sk - sq + params.window_right < 0)
+            or flex)
 
 
 def fwd_config(head_dim: int, seqlen_q: int, causal: bool, alibi: bool = False):
@@ -553,11 +559,10 @@ def bwd_features(params, varlen: bool, alibi, sq: int, sk: int, block_m: int, bl
     flex: flashtile.flex's features (rows may see no key), sparse: a block mask (steps past the rows: TAIL)."""
     has_left, has_right = params.has_left, params.has_right
     tail = varlen or sq % block_m != 0 or sk % block_n != 0 or sparse
-    guard = varlen or has_left or (has_right and sk - sq + params.window_right < 0) or flex
-    aligned_causal = params.window_right == 0 and sq == sk and block_m > block_n // 2
+    aligned_causal = params.lower_triangular and sq == sk and block_m > block_n // 2
     return Features(VARLEN=varlen, HAS_LEFT=has_left, HAS_RIGHT=has_right, SOFTCAP=params.softcap > 0,
                     ALIBI=alibi is not None, TAIL=tail, SKIP=has_left or tail or (has_right and not aligned_causal),
-                    EMPTY=guard or tail)
+                    EMPTY=rows_may_see_no_key(params, varlen, sq, sk, flex) or tail)
 
 
 def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, cu_seqlens_q=None,
