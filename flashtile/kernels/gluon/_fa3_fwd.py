@@ -55,15 +55,15 @@ def p_operand_layout(o_layout, dtype):
 
 
 @gluon.jit
-def _tile_coords(tile, n_m, LONGEST_FIRST: gl.constexpr):
-    """Tile number `tile` -> (bh, pid_m). Tiles are numbered head by head (a head's tiles share its K / V in L2);
-    LONGEST_FIRST (a right window, causal included): each head's last query tile, which sees the most keys, first,
-    so the short ones fill the tail."""
+def _tile_coords(tile, n_m, nheads, LONGEST_FIRST: gl.constexpr):
+    """Tile number `tile` -> (bh = batch * nheads + head, batch, head, pid_m). Tiles are numbered head by head (a
+    head's tiles share its K / V in L2); LONGEST_FIRST (a right window, causal included): each head's last query
+    tile, which sees the most keys, first, so the short ones fill the tail."""
     bh = tile // n_m
     pid_m = tile % n_m
     if LONGEST_FIRST:
         pid_m = n_m - 1 - pid_m
-    return bh, pid_m
+    return bh, bh // nheads, bh % nheads, pid_m
 
 
 @gluon.jit
@@ -313,9 +313,7 @@ def _load_partition(loads, TILE: gl.constexpr, FEATURES: gl.constexpr, FLEX: gl.
     it = 0
     tile = gl.atomic_add(counter_ptr, 1)
     while tile < n_tiles:
-        bh, pid_m = _tile_coords(tile, n_m, FEATURES.HAS_RIGHT)
-        b = bh // nheads
-        h = bh % nheads
+        bh, b, h, pid_m = _tile_coords(tile, n_m, nheads, FEATURES.HAS_RIGHT)
         q_row0, k_row0, len_q, len_k = _seq_info(b, seq, FEATURES.VARLEN)
         q_start = pid_m * (NUM_WG * BLOCK_M)
         if q_start < len_q:
@@ -458,9 +456,7 @@ def _consumer_partition(wg: gl.constexpr, shared, TILE: gl.constexpr, FEATURES: 
     mbarrier.wait(q_ready.index(wg), 0)
     tile = gl.max(slots.index(0).load(slot_layout), 0)
     while tile < n_tiles:
-        bh, pid_m = _tile_coords(tile, n_m, FEATURES.HAS_RIGHT)
-        b = bh // nheads
-        h = bh % nheads
+        bh, b, h, pid_m = _tile_coords(tile, n_m, nheads, FEATURES.HAS_RIGHT)
         q_row0, k_row0, len_q, len_k = _seq_info(b, seq, FEATURES.VARLEN)
         q_start = pid_m * (NUM_WG * BLOCK_M)
         srow = (0, 0, 0)
