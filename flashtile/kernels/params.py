@@ -1,6 +1,6 @@
 """The arguments of an attention problem beside q, k, v as every kernel family reads them (Triton, Gluon, decode):
 the scalars (AttnParams), a block mask's tile lists (SparseLists) and the user mods compiled in (UserMods); the
-Gluon kernels' constexpr groups of features (Features, Flex).
+kernels' constexpr groups of features (Features, Flex).
 
 The mask is a window (left, right) aligned to the bottom-right corner (flash-attn 2.x): query i may see key j iff
 i + sk - sq - left <= j <= i + sk - sq + right, -1 meaning unbounded on that side; causal is (-1, 0). What a kernel
@@ -64,8 +64,9 @@ class AttnParams:
 
 
 class Features(NamedTuple):
-    """The problem's features a Gluon kernel compiles in: one constexpr, so a problem without a feature compiles
-    none of its code (fa3.fwd_features / bwd_features derive them from the problem and the kernel's tiles)."""
+    """The problem's features a kernel compiles in: one constexpr, so a problem without a feature compiles none of
+    its code (the Triton launchers' and fa3.fwd_features / bwd_features derive them from the problem and the
+    kernel's tiles; a kernel reads the fields it knows)."""
     VARLEN: bool = False      # packed sequences: bounds from cu_seqlens
     HAS_LEFT: bool = False    # a window's left edge (AttnParams.has_left)
     HAS_RIGHT: bool = False   # its right edge (causal: right = 0)
@@ -75,11 +76,12 @@ class Features(NamedTuple):
     GUARD: bool = False       # forward: a row may see no key (output 0, LSE -inf)
     SKIP: bool = False        # backward: a query block may see none of a consumer warpgroup's keys
     EMPTY: bool = False       # backward: a row may have seen no key (L = -inf)
+    DROPOUT: bool = False     # dropout on P (the Triton kernels; the Gluon kernels take none)
 
 
 class Flex(NamedTuple):
-    """flashtile.flex's features a Gluon kernel compiles in (one constexpr): the user's @triton.jit mods (None:
-    absent; the derivatives backward only), attn_bias / a bool mask present, a block mask's block size (0: none)."""
+    """flashtile.flex's features a kernel compiles in (one constexpr): the user's @triton.jit mods (None: absent;
+    the derivatives backward only), attn_bias / a bool mask present, a block mask's block size (0: none)."""
     SCORE_MOD: object = None
     MASK_MOD: object = None
     HAS_BIAS: bool = False

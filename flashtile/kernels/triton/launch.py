@@ -18,7 +18,7 @@ from . import bwd as _bwd
 from . import configs, tuning
 from . import fwd as _fwd
 from .configs import Config
-from ..params import AttnParams, SparseLists, UserMods  # noqa: F401  (the launchers' side arguments)
+from ..params import AttnParams, Features, Flex, SparseLists, UserMods  # noqa: F401  (the launchers' side arguments)
 from ..runtime import (DescriptorType, TensorDescriptor, cdiv, descriptor_fields,  # noqa: F401
                        interpreting, next_pow2, pair_args, row_descriptor, sparse_args, tma_row_view)
 
@@ -81,11 +81,11 @@ def bwd_config(head_dim: int, dtype: torch.dtype, causal: bool = False, seqlen: 
 
 
 def _flags(params: AttnParams, alibi, cu_q, head_dim, dtype):
+    """The attention kernels' head-dim tile, dot precision and FEATURES (params.Features) of a problem."""
     return dict(
-        BLOCK_D=configs.block_d(head_dim), IS_VARLEN=cu_q is not None,
-        HAS_LEFT=params.has_left, HAS_RIGHT=params.has_right,
-        SOFTCAP=params.softcap > 0, ALIBI=alibi is not None, DROPOUT=params.dropout_p > 0,
-        DOT_PREC=_dot_precision(dtype),
+        BLOCK_D=configs.block_d(head_dim), DOT_PREC=_dot_precision(dtype),
+        FEATURES=Features(VARLEN=cu_q is not None, HAS_LEFT=params.has_left, HAS_RIGHT=params.has_right,
+                          SOFTCAP=params.softcap > 0, ALIBI=alibi is not None, DROPOUT=params.dropout_p > 0),
     )
 
 
@@ -137,10 +137,6 @@ def _launch(kernel, grid, *args, num_stages: int, **kwargs):
             num_stages -= 1
 
 
-def _user_mod_kwargs(mods: Optional[UserMods], kernel: str) -> dict:
-    return {} if mods is None else mods.kernel_kwargs(kernel)
-
-
 def _sparse_config(cfg: Config, lists) -> Config:
     """With a block mask every kernel tile must lie inside one mask block: tile sizes divide block_size (both
     powers of two)."""
@@ -151,19 +147,22 @@ def _sparse_config(cfg: Config, lists) -> Config:
     return dataclasses.replace(cfg, BLOCK_M=min(cfg.BLOCK_M, bs), BLOCK_N=min(cfg.BLOCK_N, bs), dv=dv)
 
 
-def _mod_flags(bias, mask, lists, params: Optional[AttnParams] = None, sq: int = 0, sk: int = 0):
-    flags = {}
-    if bias is not None:
-        flags["HAS_BIAS"] = True
-    if mask is not None:
-        flags["HAS_MASK"] = True
+def _flex(bias, mask, lists, mods: Optional[UserMods] = None, kernel: str = "fwd", params: Optional[AttnParams] = None,
+          sq: int = 0, sk: int = 0) -> dict:
+    """The attention kernels' FLEX (params.Flex: attn_bias, attn_mask, a block mask's block size, the user mods for
+    kernel "fwd", "dq" or "dkdv": UserMods.kernel_kwargs) and the keyword arguments beside it: the mods' captured
+    values and, with a block mask, SPARSE_FULL_MASKED."""
+    kw = {} if mods is None else mods.kernel_kwargs(kernel)
+    kw["FLEX"] = Flex(SCORE_MOD=kw.pop("SCORE_MOD", None), MASK_MOD=kw.pop("MASK_MOD", None), HAS_BIAS=bias is not None,
+                      HAS_MASK=mask is not None, SPARSE_BLOCK=0 if lists is None else lists.block_size,
+                      SCORE_GRAD=kw.pop("SCORE_GRAD", None), SCORE_CAPTURED_GRAD=kw.pop("SCORE_CAPTURED_GRAD", None))
     if lists is not None:
         # a block mask's full tiles need no per-element masking at all, unless causal / window masking applies
         # too or a sequence ends inside a block (then its last tiles read past the end)
         even = sq % lists.block_size == 0 and sk % lists.block_size == 0
         window = params is not None and (params.has_left or params.has_right)
-        flags.update(BLOCK_SPARSE=True, SPARSE_BLOCK=lists.block_size, SPARSE_FULL_MASKED=window or not even)
-    return flags
+        kw["SPARSE_FULL_MASKED"] = window or not even
+    return kw
 
 
 def _descriptor_type(desc):
@@ -252,7 +251,7 @@ def flash_fwd(q, k, v, out, lse, params: AttnParams, alibi: Optional[torch.Tenso
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, EVEN_D=block_d == head_dim, USE_TMA=use_tma,
         FOLD_SCALE=scale[0] > 0, **_order_args(params, head_dim, "fwd", *grid),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_flags(params, alibi, cu_seqlens_q, head_dim, q.dtype),
-        **_mod_flags(bias, mask, sparse, params, max_sq, max_sk), **_user_mod_kwargs(mods, "fwd"))
+        **_flex(bias, mask, sparse, mods, "fwd", params, max_sq, max_sk))
     if memo is not None and _templated(params, bias, mask, sparse, mods):
         bound = relaunch.bind(_fwd.attn_fwd_kernel, args, kwargs, _FWD_LIVE)
         if bound is not None:
@@ -275,7 +274,7 @@ def attn_probs(q, k, lse, params: AttnParams, alibi=None, cu_seqlens_q=None, cu_
         (nheads, nheads // nheads_k, max_sq, max_sk, head_dim), scale, window, dropout,
         pair_args(bias, batch, nheads, max_sq, max_sk), pair_args(mask, batch, nheads, max_sq, max_sk),
         BLOCK_M=32, BLOCK_N=32, num_warps=4, **_flags(params, alibi, cu_seqlens_q, head_dim, q.dtype),
-        **_mod_flags(bias, mask, None))
+        **_flex(bias, mask, None))
     return p
 
 
@@ -402,7 +401,6 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
     common = (lse_strides(lse), alibi_sb)
     bias_args = pair_args(bias, batch, nheads, max_sq, max_sk)
     mask_args = pair_args(mask, batch, nheads, max_sq, max_sk)
-    mod_flags = _mod_flags(bias, mask, sparse, params, max_sq, max_sk)
     dbias_flags = {}
     if dbias is not None:
         # a dimension bias broadcasts along is summed over: several tiles add into one element
@@ -447,8 +445,8 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
             BLOCK_M=cfg.BLOCK_M, BLOCK_N=block_n, EVEN_D=even_d, ATOMIC_DQ=atomic and with_ds, USE_TMA=use_tma,
             DQ_TMA=desc_dq is not None and with_ds,
             **_order_args(params, head_dim, "dkdv", *dkdv_grid),
-            num_warps=warps, num_stages=stages, **flags, **mod_flags,
-            **(dbias_flags if with_ds else {}), **_user_mod_kwargs(mods, "dkdv" if with_ds else "dq"), **only)
+            num_warps=warps, num_stages=stages, **flags, **(dbias_flags if with_ds else {}),
+            **_flex(bias, mask, sparse, mods, "dkdv" if with_ds else "dq", params, max_sq, max_sk), **only)
         launched.append((_bwd.attn_bwd_dkdv_kernel, dkdv_grid, dkdv_args, kw, _DKDV_LIVE))
     if atomic:
         dq.copy_(dq_acc)
@@ -467,7 +465,8 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
         _bwd.attn_bwd_dq_kernel, dq_grid, *dq_args,
         BLOCK_M=dq_rows, BLOCK_N=dq_keys, EVEN_D=even_d, USE_TMA=use_tma,
         **_order_args(params, head_dim, "dq", *dq_grid),
-        num_warps=dq_warps, num_stages=dq_stages, **flags, **mod_flags, **_user_mod_kwargs(mods, "dq"))
+        num_warps=dq_warps, num_stages=dq_stages, **flags, **_flex(bias, mask, sparse, mods, "dq", params, max_sq,
+                                                                   max_sk))
     if record:
         launched.append((_bwd.attn_bwd_dq_kernel, dq_grid, dq_args, kw, _DQ_LIVE))
         _remember_bwd(memo, (_bwd.attn_bwd_preprocess_kernel, pre_grid, pre_args, pre_kwargs, _PRE_LIVE), launched,

@@ -186,14 +186,18 @@ def scores_log2(qk, i, j, seqlen_q, seqlen_k, scale, alibi_slope_log2, SOFTCAP: 
 
 @triton.jit
 def score_mods_log2(s, b, h, i, j, seqlen_q, seqlen_k, window, bias, mask, score_aux, mask_aux, MASKED: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr,
-                    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+                    ELEMENT_MASKS: tl.constexpr, FEATURES: tl.constexpr, FLEX: tl.constexpr):
     """Everything after scores_log2 that changes a score tile s (log2 units; i, j: broadcastable query and key
     indices), in this order: attn_bias; flashtile.flex's score_mod and mask_mod; attn_mask (after score_mod, which
     may map -inf to a finite score); where MASKED (a tile on a causal / window edge or a sequence end), -inf where
     not visible. window: the kernels' (window_left, window_right) group; bias, mask: head_tile's (pointer, row
-    stride, column stride) of each. Returns (s, s_in), s_in score_mod's input (natural units), which its gradient
-    needs (s itself when there is no score_mod)."""
+    stride, column stride) of each. ELEMENT_MASKS: attn_mask and mask_mod apply to this tile (off on a block mask's
+    full tiles). Returns (s, s_in), s_in score_mod's input (natural units), which its gradient needs (s itself when
+    there is no score_mod)."""
+    HAS_BIAS: tl.constexpr = FLEX.HAS_BIAS
+    HAS_MASK: tl.constexpr = FLEX.HAS_MASK and ELEMENT_MASKS
+    SCORE_MOD: tl.constexpr = FLEX.SCORE_MOD
+    MASK_MOD: tl.constexpr = FLEX.MASK_MOD if ELEMENT_MASKS else None
     bias_bh, stride_bias_m, stride_bias_n = bias
     mask_bh, stride_mask_m, stride_mask_n = mask
     if HAS_BIAS:
@@ -207,8 +211,8 @@ def score_mods_log2(s, b, h, i, j, seqlen_q, seqlen_k, window, bias, mask, score
                            stride_mask_m, stride_mask_n, False, True)
     if MASKED:
         window_left, window_right = window
-        s = tl.where(visible(i, j, seqlen_q, seqlen_k, window_left, window_right, HAS_LEFT, HAS_RIGHT), s,
-                     float("-inf"))
+        s = tl.where(visible(i, j, seqlen_q, seqlen_k, window_left, window_right, FEATURES.HAS_LEFT,
+                             FEATURES.HAS_RIGHT), s, float("-inf"))
     return s, s_in
 
 
