@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 
 from .. import relaunch
+from ..params import Features
 from ..runtime import _capturing, _device_props, multiprocessors, tickets  # noqa: F401
 from . import combine as _combine
 from . import configs
@@ -127,9 +128,8 @@ def _load_kv(desc, HEAD, rows, row, head_col, valid, offs_d, head_dim,
 
 @triton.jit
 def _decode_tile(acc, l_i, m_i, page, start_n, row, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
-                 PAGED: tl.constexpr, PAGE_TILES: tl.constexpr, USE_TMA: tl.constexpr, HAS_LEFT: tl.constexpr,
-                 HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DOT_PREC: tl.constexpr,
-                 BLOCK_N: tl.constexpr, PAGE_VEC: tl.constexpr):
+                 PAGED: tl.constexpr, PAGE_TILES: tl.constexpr, USE_TMA: tl.constexpr, FEATURES: tl.constexpr,
+                 DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_VEC: tl.constexpr):
     """One step j of the inner loop (FA2 Alg. 1 lines 7-10) for the key block starting at start_n. row: what
     every step of the program reads, as decode_kernel packs it. page: this tile's block-table entry (paged
     one-page-per-tile); the next tile's is requested here and returned, so that its latency overlaps this
@@ -153,10 +153,11 @@ def _decode_tile(acc, l_i, m_i, page, start_n, row, MASKED: tl.constexpr, EVEN_D
     k = _load_kv(desc_k, K_head, k_rows, tile_row, head_col, valid, offs_d, head_dim, MASKED, EVEN_D, USE_TMA)
     # Alg. 1 line 8: S = Q K_j^T, scaled / soft-capped / ALiBi-biased, in log2 units
     qk = mma(q, tl.trans(k), None, DOT_PREC)
-    s, _ = scores_log2(qk, qi[:, None], cols[None, :], seqlen_q, seqlen_k, scale, slope2, SOFTCAP, ALIBI)
+    s, _ = scores_log2(qk, qi[:, None], cols[None, :], seqlen_q, seqlen_k, scale, slope2, FEATURES.SOFTCAP,
+                       FEATURES.ALIBI)
     if MASKED:
         s = tl.where(visible(qi[:, None], cols[None, :], seqlen_q, seqlen_k, window_left, window_right,
-                             HAS_LEFT, HAS_RIGHT), s, float("-inf"))
+                             FEATURES.HAS_LEFT, FEATURES.HAS_RIGHT), s, float("-inf"))
     # Alg. 1 line 9: running max m_i, P~ = exp2(S - m_i), running sum l_i
     m_i, p, alpha, l_i = online_softmax_step(m_i, l_i, s, MASKED)
     v = _load_kv(desc_v, V_head, v_rows, tile_row, head_col, valid, offs_d, head_dim, MASKED, EVEN_D, USE_TMA)
@@ -168,21 +169,20 @@ def _decode_tile(acc, l_i, m_i, page, start_n, row, MASKED: tl.constexpr, EVEN_D
 
 @triton.jit
 def _attend_split(acc, l_i, m_i, page, row, s_lo, f_lo, f_hi, s_hi, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
-                  PAGED: tl.constexpr, PAGE_TILES: tl.constexpr, USE_TMA: tl.constexpr, HAS_LEFT: tl.constexpr,
-                  HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DOT_PREC: tl.constexpr,
-                  PAGE_VEC: tl.constexpr):
+                  PAGED: tl.constexpr, PAGE_TILES: tl.constexpr, USE_TMA: tl.constexpr, FEATURES: tl.constexpr,
+                  DOT_PREC: tl.constexpr, PAGE_VEC: tl.constexpr):
     """Alg. 1 line 6: the split's key blocks, [s_lo, f_lo) masked | [f_lo, f_hi) unmasked | [f_hi, s_hi) masked.
     The three ranges are consecutive, so the block-table entry each step prefetches is the next step's; page:
     the first tile's entry (paged one-page-per-tile without PAGE_VEC; with it the steps read row's pages_vec)."""
     for start_n in range(s_lo, f_lo, BLOCK_N):
         acc, l_i, m_i, page = _decode_tile(acc, l_i, m_i, page, start_n, row, True, EVEN_D, PAGED, PAGE_TILES,
-                                           USE_TMA, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DOT_PREC, BLOCK_N, PAGE_VEC)
+                                           USE_TMA, FEATURES, DOT_PREC, BLOCK_N, PAGE_VEC)
     for start_n in range(f_lo, f_hi, BLOCK_N):
         acc, l_i, m_i, page = _decode_tile(acc, l_i, m_i, page, start_n, row, False, EVEN_D, PAGED, PAGE_TILES,
-                                           USE_TMA, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DOT_PREC, BLOCK_N, PAGE_VEC)
+                                           USE_TMA, FEATURES, DOT_PREC, BLOCK_N, PAGE_VEC)
     for start_n in range(f_hi, s_hi, BLOCK_N):
         acc, l_i, m_i, page = _decode_tile(acc, l_i, m_i, page, start_n, row, True, EVEN_D, PAGED, PAGE_TILES,
-                                           USE_TMA, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DOT_PREC, BLOCK_N, PAGE_VEC)
+                                           USE_TMA, FEATURES, DOT_PREC, BLOCK_N, PAGE_VEC)
     return acc, l_i, m_i
 
 
@@ -193,10 +193,9 @@ def decode_kernel(
     q_strides, k_strides, v_strides, o_strides, lse_strides, part_strides, lse_part_strides, stride_bt_b,
     stride_alibi_b, heads, seqlen_q_static, seqlen_k_static, head_dim, page_size, scale, window, num_splits,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-    IS_VARLEN_Q: tl.constexpr, PAGED: tl.constexpr, PAGE_TILES: tl.constexpr, USE_TMA: tl.constexpr,
-    HAS_SEQLENS: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-    SPLIT: tl.constexpr, FUSED_COMBINE: tl.constexpr, COMBINE_RG: tl.constexpr, COMBINE_CHUNK: tl.constexpr,
+    FEATURES: tl.constexpr, PAGED: tl.constexpr, PAGE_TILES: tl.constexpr, USE_TMA: tl.constexpr,
+    HAS_SEQLENS: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr, SPLIT: tl.constexpr,
+    FUSED_COMBINE: tl.constexpr, COMBINE_RG: tl.constexpr, COMBINE_CHUNK: tl.constexpr,
     DOT_PREC: tl.constexpr, PAGE_VEC: tl.constexpr = 0,
 ):
     """One program per tile of BLOCK_M packed (query, head of the group) rows of one (batch, K/V head), per split of
@@ -204,7 +203,8 @@ def decode_kernel(
     the rest): Q, O, LSE as flash_decode's q, out, lse; K, V the caches; O_PART, LSE_PART the split partials
     (SPLIT) and SEM the fused combine's ticket counters (FUSED_COMBINE); desc_k, desc_v TMA descriptors over the
     caches (USE_TMA); CU_SEQLENS_Q, SEQLENS_K, CACHE_BATCH_IDX, LEFTPAD, BLOCK_TABLE, ALIBI_SLOPES under their
-    flags (IS_VARLEN_Q, HAS_SEQLENS, HAS_BATCH_IDX, HAS_LEFTPAD, PAGED, ALIBI). The rest:
+    flags (FEATURES.VARLEN: varlen queries, HAS_SEQLENS, HAS_BATCH_IDX, HAS_LEFTPAD, PAGED, FEATURES.ALIBI);
+    FEATURES (params.Features) as attn_fwd_kernel's but dropout. The rest:
     - q_strides, o_strides: (batch, row, head) strides; k_strides, v_strides: (cache row or page, position, head);
       lse_strides: (batch, head); part_strides: O_PART's (split, packed row, head), lse_part_strides: LSE_PART's
       (split, packed row); stride_bt_b: BLOCK_TABLE's row stride; stride_alibi_b;
@@ -224,7 +224,7 @@ def decode_kernel(
     bhk = tl.program_id(1)
     split = tl.program_id(2)
     b, hk, _ = query_head(bhk, nheads_k, 1)
-    q_start, seqlen_q = seq_bounds(b, CU_SEQLENS_Q, seqlen_q_static, IS_VARLEN_Q)
+    q_start, seqlen_q = seq_bounds(b, CU_SEQLENS_Q, seqlen_q_static, FEATURES.VARLEN)
     start_r = pid_m * BLOCK_M
     if start_r >= seqlen_q * group_size:
         return
@@ -266,7 +266,7 @@ def decode_kernel(
     q = tl.load(Q + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < head_dim),
                 other=0.0)
     slope2 = 0.0
-    if ALIBI:
+    if FEATURES.ALIBI:
         slope2 = (tl.load(ALIBI_SLOPES + b * stride_alibi_b + h, mask=row_ok, other=0.0).to(tl.float32)
                   * 1.4426950408889634)[:, None]
 
@@ -275,9 +275,9 @@ def decode_kernel(
     i_lo = start_r // group_size
     i_hi = tl.minimum((start_r + BLOCK_M - 1) // group_size, seqlen_q - 1)
     lo, _, full_hi, _ = key_range(i_lo, seqlen_q, seqlen_k, window_left, window_right, 1, BLOCK_N,
-                                  HAS_LEFT, HAS_RIGHT)
+                                  FEATURES.HAS_LEFT, FEATURES.HAS_RIGHT)
     _, full_lo, _, hi = key_range(i_hi, seqlen_q, seqlen_k, window_left, window_right, 1, BLOCK_N,
-                                  HAS_LEFT, HAS_RIGHT)
+                                  FEATURES.HAS_LEFT, FEATURES.HAS_RIGHT)
     hi = tl.maximum(hi, lo)
     # this split's share of the visible key blocks (flash-decoding). Every tile the loops below visit starts
     # at a multiple of BLOCK_N (lo, full_lo, full_hi and the split bounds are; a bound clamped to hi only ever
@@ -311,13 +311,13 @@ def decode_kernel(
         # a tile starts at cache position leftpad + (multiple of BLOCK_N): in one page iff leftpad is aligned
         if leftpad % BLOCK_N == 0:
             acc, l_i, m_i = _attend_split(acc, l_i, m_i, page, row, s_lo, f_lo, f_hi, s_hi, BLOCK_N, EVEN_D, PAGED,
-                                          True, USE_TMA, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DOT_PREC, PAGE_VEC)
+                                          True, USE_TMA, FEATURES, DOT_PREC, PAGE_VEC)
         else:
             acc, l_i, m_i = _attend_split(acc, l_i, m_i, page, row, s_lo, f_lo, f_hi, s_hi, BLOCK_N, EVEN_D, PAGED,
-                                          False, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DOT_PREC, 0)
+                                          False, False, FEATURES, DOT_PREC, 0)
     else:
         acc, l_i, m_i = _attend_split(acc, l_i, m_i, page, row, s_lo, f_lo, f_hi, s_hi, BLOCK_N, EVEN_D, PAGED,
-                                      PAGE_TILES, USE_TMA, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DOT_PREC, PAGE_VEC)
+                                      PAGE_TILES, USE_TMA, FEATURES, DOT_PREC, PAGE_VEC)
 
     # Alg. 1 lines 12-13: O = O~ / l, lse2 = m + log2 l; a row that saw no key: O = 0, lse = -inf
     empty = l_i == 0.0
@@ -326,7 +326,7 @@ def decode_kernel(
     lse2 = tl.where(empty, float("-inf"), m_i + tl.math.log2(l_safe))
     if SPLIT:
         # partial of this split (fp32, log2 units), indexed by the packed query row
-        row_p = _part_row(b, q_start, qi, seqlen_q_static, IS_VARLEN_Q)
+        row_p = _part_row(b, q_start, qi, seqlen_q_static, FEATURES.VARLEN)
         part = tl.cast(split, tl.int64) * stride_ps + row_p * stride_pm + h.to(tl.int64) * stride_ph
         tl.store(O_PART + part[:, None] + offs_d[None, :], out, mask=row_ok[:, None] & (offs_d[None, :] < head_dim))
         tl.store(LSE_PART + tl.cast(split, tl.int64) * stride_lps + row_p * stride_lpm + h, lse2, mask=row_ok)
@@ -345,7 +345,7 @@ def decode_kernel(
                     ok = rr < rows_end
                     qc = rr // group_size
                     hc = (hk * group_size + rr % group_size).to(tl.int64)
-                    row_c = _part_row(b, q_start, qc, seqlen_q_static, IS_VARLEN_Q)
+                    row_c = _part_row(b, q_start, qc, seqlen_q_static, FEATURES.VARLEN)
                     out_c, lse_c = _combine.merge_splits(
                         LSE_PART + row_c * stride_lpm + hc, O_PART + row_c * stride_pm + hc * stride_ph, ok,
                         stride_lps, stride_ps, num_splits, head_dim, COMBINE_RG, COMBINE_CHUNK, BLOCK_D)
@@ -784,10 +784,10 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         params.score_args(), (params.window_left, params.window_right), num_splits)
     kwargs = dict(
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_D=block_d, EVEN_D=block_d == head_dim,
-        IS_VARLEN_Q=varlen, PAGED=paged, PAGE_TILES=paged and plan.page_tiles, USE_TMA=use_tma,
-        HAS_SEQLENS=has_seqlens, HAS_BATCH_IDX=cache_batch_idx is not None,
-        HAS_LEFTPAD=leftpad is not None, HAS_LEFT=params.has_left, HAS_RIGHT=params.has_right,
-        SOFTCAP=params.softcap > 0, ALIBI=alibi is not None, SPLIT=split, FUSED_COMBINE=fused,
+        FEATURES=Features(VARLEN=varlen, HAS_LEFT=params.has_left, HAS_RIGHT=params.has_right,
+                          SOFTCAP=params.softcap > 0, ALIBI=alibi is not None),
+        PAGED=paged, PAGE_TILES=paged and plan.page_tiles, USE_TMA=use_tma, HAS_SEQLENS=has_seqlens,
+        HAS_BATCH_IDX=cache_batch_idx is not None, HAS_LEFTPAD=leftpad is not None, SPLIT=split, FUSED_COMBINE=fused,
         COMBINE_RG=combine_rg, COMBINE_CHUNK=combine_chunk, DOT_PREC=_dot_precision(q.dtype), PAGE_VEC=plan.page_vec,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     relaunch.launch(decode_kernel, grid, args, kwargs)
