@@ -335,10 +335,8 @@ def attention_fp8(t: FP8Tensors, *, softmax_scale: float, causal: bool = False, 
     grid = (cdiv(sq, cfg.BLOCK_M), b * h)
     _k.attn_fwd_fp8_kernel[grid](
         q8, k8, v8, out, lse, qs[0], ks[0], vs[0], desc_k if tma else None, desc_v if tma else None,
-        q8.stride(0), q8.stride(1), q8.stride(2), k8.stride(0), k8.stride(1), k8.stride(2),
-        *v_str, out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-        qs[1], qs[2], qs[3], ks[1], ks[2], ks[3], vs[1], vs[2], vs[3],
-        h, hk, h // hk, qs[4], sq, sk, d, d, softmax_scale * LOG2E,
+        q8.stride()[:3], k8.stride()[:3], v_str, out.stride()[:3], lse.stride()[:2], tuple(qs[1:4]), tuple(ks[1:4]),
+        tuple(vs[1:4]), (h, hk, h // hk, qs[4], sq, sk, d, d), softmax_scale * LOG2E,
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_D=bd, CAUSAL=bool(causal),
         V_TRANSPOSED=t.v_transposed, USE_TMA=tma, SOFT_CAST=bool(soft_cast),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)

@@ -247,18 +247,27 @@ def _fp8_tile(acc, l_i, m_i, dv_prev, start_n, row, MASKED: tl.constexpr, CAUSAL
 @triton.jit
 def attn_fwd_fp8_kernel(
     Q, K, V, O, LSE, Q_SCALE, K_SCALE, V_SCALE, desc_k, desc_v,
-    stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
-    stride_vb, stride_vn, stride_vh, stride_vd, stride_ob, stride_om, stride_oh,
-    stride_lse_b, stride_lse_h,
-    stride_qsb, stride_qsh, stride_qsm, stride_ksb, stride_ksh, stride_ksm, stride_vsb, stride_vsh, stride_vsm,
-    nheads, nheads_k, group_size, q_scale_group, seqlen_q, seqlen_k, vt_rows_per_head, head_dim, score_scale,
+    q_strides, k_strides, v_strides, o_strides, lse_strides, q_scale_strides, k_scale_strides, v_scale_strides,
+    sizes, score_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     V_TRANSPOSED: tl.constexpr, USE_TMA: tl.constexpr, SOFT_CAST: tl.constexpr,
 ):
     """O = softmax(S) V from e4m3 Q (b, sq, h, d), K (b, sk, hk, d), V (b, sk, hk, d) or V^T (b, hk, d, sk_pad).
 
     Scales: Q_SCALE[b, h // q_scale_group, m-block], K_SCALE / V_SCALE[b, hk, n-block], any stride 0 (per
-    (batch, head_k) or per-tensor descales use stride_*sm = 0 and broadcast). LSE: natural log, float32."""
+    (batch, head_k) or per-tensor descales use stride_*sm = 0 and broadcast). LSE: natural log, float32.
+    The groups: q_strides, k_strides, o_strides (batch, row, head); v_strides (batch, key, head, d: V^T's where
+    V_TRANSPOSED); lse_strides (batch, head); q / k / v_scale_strides (batch, head, block); sizes (nheads, nheads_k,
+    group_size, q_scale_group, seqlen_q, seqlen_k, vt_rows_per_head, head_dim); score_scale: softmax_scale log2 e."""
+    stride_qb, stride_qm, stride_qh = q_strides
+    stride_kb, stride_kn, stride_kh = k_strides
+    stride_vb, stride_vn, stride_vh, stride_vd = v_strides
+    stride_ob, stride_om, stride_oh = o_strides
+    stride_lse_b, stride_lse_h = lse_strides
+    stride_qsb, stride_qsh, stride_qsm = q_scale_strides
+    stride_ksb, stride_ksh, stride_ksm = k_scale_strides
+    stride_vsb, stride_vsh, stride_vsm = v_scale_strides
+    nheads, nheads_k, group_size, q_scale_group, seqlen_q, seqlen_k, vt_rows_per_head, head_dim = sizes
     pid_m = tl.program_id(0)
     if CAUSAL:
         pid_m = tl.num_programs(0) - 1 - pid_m       # longest rows first
