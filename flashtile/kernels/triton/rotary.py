@@ -51,12 +51,16 @@ def _rotate_heads(SRC, DST, src_rows, dst_rows, h_ok, COS, SIN, pos, stride_cos,
 
 
 @triton.jit
-def rotary_q_kernel(Q, Q_OUT, COS, SIN, POS0,
-                    stride_qb, stride_qm, stride_qh, stride_ob, stride_om, stride_oh, stride_cos, stride_sin,
-                    seqlen, nheads, head_dim, rotary_half,
+def rotary_q_kernel(Q, Q_OUT, COS, SIN, POS0, q_strides, out_strides, table_strides, sizes,
                     PER_ROW: tl.constexpr, INTERLEAVED: tl.constexpr,
                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Q_OUT[b, i] = rope(Q[b, i]) at position POS0[b] + i (PER_ROW) or POS0[b] (every row the same)."""
+    """Q_OUT[b, i] = rope(Q[b, i]) at position POS0[b] + i (PER_ROW) or POS0[b] (every row the same).
+    q_strides, out_strides: (batch, row, head); table_strides: COS's and SIN's row strides; sizes: (seqlen, nheads,
+    head_dim, rotary_half)."""
+    stride_qb, stride_qm, stride_qh = q_strides
+    stride_ob, stride_om, stride_oh = out_strides
+    stride_cos, stride_sin = table_strides
+    seqlen, nheads, head_dim, rotary_half = sizes
     row = tl.program_id(0)
     b = row // seqlen
     i = row % seqlen
@@ -75,16 +79,22 @@ def rotary_q_kernel(Q, Q_OUT, COS, SIN, POS0,
 
 @triton.jit
 def append_kv_kernel(K_NEW, V_NEW, K_CACHE, V_CACHE, COS, SIN, CACHE_SEQLENS, LEFTPAD, CACHE_BATCH_IDX, BLOCK_TABLE,
-                     stride_knb, stride_knm, stride_knh, stride_vnb, stride_vnm, stride_vnh,
-                     stride_kcp, stride_kcn, stride_kch, stride_vcp, stride_vcn, stride_vch,
-                     stride_bt_b, stride_cos, stride_sin,
-                     seqlen_new, nheads_k, head_dim, rotary_half, page_size,
-                     ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, PAGED: tl.constexpr,
+                     k_new_strides, v_new_strides, k_cache_strides, v_cache_strides, stride_bt_b, table_strides,
+                     sizes, ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, PAGED: tl.constexpr,
                      HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
                      BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
     """New token i of batch element b goes to cache position p = CACHE_SEQLENS[b] + i (row p of cache row
     CACHE_BATCH_IDX[b], or slot p % page_size of page BLOCK_TABLE[b, p // page_size]); k is rotated at
-    position p - LEFTPAD[b] (its index in the unpadded sequence), v is copied."""
+    position p - LEFTPAD[b] (its index in the unpadded sequence), v is copied. k_new_strides, v_new_strides:
+    (batch, row, head); k_cache_strides, v_cache_strides: (cache row or page, position, head); stride_bt_b:
+    BLOCK_TABLE's row stride; table_strides: COS's and SIN's row strides; sizes: (seqlen_new, nheads_k, head_dim,
+    rotary_half, page_size)."""
+    stride_knb, stride_knm, stride_knh = k_new_strides
+    stride_vnb, stride_vnm, stride_vnh = v_new_strides
+    stride_kcp, stride_kcn, stride_kch = k_cache_strides
+    stride_vcp, stride_vcn, stride_vch = v_cache_strides
+    stride_cos, stride_sin = table_strides
+    seqlen_new, nheads_k, head_dim, rotary_half, page_size = sizes
     row = tl.program_id(0)
     b = row // seqlen_new
     i = row % seqlen_new
@@ -135,8 +145,8 @@ def rotary_q(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos0: torch.
     rotary_half = cos.shape[1]
     block_h, block_d, block_r = _blocks(nheads, head_dim, rotary_half)
     relaunch.launch(rotary_q_kernel, (batch * seqlen, cdiv(nheads, block_h)), (
-        q, out, cos, sin, pos0, q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        cos.stride(0), sin.stride(0), seqlen, nheads, head_dim, rotary_half), dict(
+        q, out, cos, sin, pos0, q.stride()[:3], out.stride()[:3], (cos.stride(0), sin.stride(0)),
+        (seqlen, nheads, head_dim, rotary_half)), dict(
         PER_ROW=per_row, INTERLEAVED=interleaved, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_R=block_r, num_warps=4))
     return out
 
@@ -170,12 +180,9 @@ def append_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if sig is not None and _APPEND_BOUNDS.launch(sig, grid, live):
         return
     args = (
-        *live,
-        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2), block_table.stride(0) if paged else 0,
-        cos.stride(0) if rotary else 0, sin.stride(0) if rotary else 0,
-        seqlen_new, nheads_k, head_dim, rotary_half, k_cache.shape[1] if paged else 1)
+        *live, k.stride()[:3], v.stride()[:3], k_cache.stride()[:3], v_cache.stride()[:3],
+        block_table.stride(0) if paged else 0, (cos.stride(0) if rotary else 0, sin.stride(0) if rotary else 0),
+        (seqlen_new, nheads_k, head_dim, rotary_half, k_cache.shape[1] if paged else 1))
     kwargs = dict(ROTARY=rotary, INTERLEAVED=interleaved, PAGED=paged, HAS_BATCH_IDX=cache_batch_idx is not None,
                   HAS_LEFTPAD=leftpad is not None, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_R=block_r, num_warps=4)
     relaunch.launch(append_kv_kernel, grid[:2], args, kwargs)
