@@ -111,32 +111,30 @@ def _dkdv_tile(dk, dv, start_m, row, MASKED: tl.constexpr, ELEMENT_MASKS: tl.con
     if COMPUTE_DK:
         dk = _dk_step(dk, pt, dpt, qt, k, delta, st_in, t, keep, b, h, i, j, offs_m, offs_m_rel, offs_d, dq_blk,
                       desc_dq, q_row, stride_dqm, seqlen_q, seqlen_k, head_dim, sm_scale, dropout_p, dbias, score_aux,
-                      score_aux_grad, MASKED, EVEN_D, FEATURES.SOFTCAP, FEATURES.DROPOUT, DOT_PREC, ATOMIC_DQ, DQ_TMA,
-                      BLOCK_D, HAS_DBIAS, DBIAS_ATOMIC, FLEX.SCORE_MOD, FLEX.SCORE_GRAD, FLEX.SCORE_CAPTURED_GRAD)
+                      score_aux_grad, MASKED, EVEN_D, FEATURES, FLEX, DOT_PREC, ATOMIC_DQ, DQ_TMA, BLOCK_D, HAS_DBIAS,
+                      DBIAS_ATOMIC)
     return dk, dv
 
 
 @triton.jit
 def _dk_step(dk, pt, dpt, qt, k, delta, st_in, t, keep, b, h, i, j, offs_m, offs_m_rel, offs_d, dq_blk,
              desc_dq, q_row, stride_dqm, seqlen_q, seqlen_k, head_dim, sm_scale, dropout_p, dbias, score_aux,
-             score_aux_grad, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
-             SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-             DQ_TMA: tl.constexpr, BLOCK_D: tl.constexpr, HAS_DBIAS: tl.constexpr, DBIAS_ATOMIC: tl.constexpr,
-             SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr,
-             SCORE_CAPTURED_GRAD: tl.constexpr):
+             score_aux_grad, MASKED: tl.constexpr, EVEN_D: tl.constexpr, FEATURES: tl.constexpr, FLEX: tl.constexpr,
+             DOT_PREC: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, BLOCK_D: tl.constexpr,
+             HAS_DBIAS: tl.constexpr, DBIAS_ATOMIC: tl.constexpr):
     """Alg. 2 lines 13-16 of one tile (transposed), given dP^T: dS^T, dK_j += dS^T Q_i (and the atomic dQ_i,
     dBias and score_mod-captured gradients, which all need dS). dbias: head_tile's (pointer, row stride, column
     stride) of dBias."""
-    if DROPOUT:
+    if FEATURES.DROPOUT:
         dpt = tl.where(keep, dpt, 0.0) * (1.0 / (1.0 - dropout_p))
     # Alg. 2 line 14: dS_ij = P_ij o (dP_ij - D_i); softcap multiplies by d(cap tanh(x))/dx = 1 - tanh^2
     dst = pt * (dpt - delta[None, :])
-    if SCORE_MOD is not None:
+    if FLEX.SCORE_MOD is not None:
         # through score_mod: its captured tensors' gradients (this kernel visits each tile once, so they are
         # accumulated here only, not again in the dQ pass), then dS w.r.t. its input
-        if SCORE_CAPTURED_GRAD is not None:
-            SCORE_CAPTURED_GRAD(dst, st_in, b, h, i, j, score_aux, score_aux_grad)
-        dst = score_mod_grad(dst, st_in, b, h, i, j, score_aux, SCORE_GRAD)
+        if FLEX.SCORE_CAPTURED_GRAD is not None:
+            FLEX.SCORE_CAPTURED_GRAD(dst, st_in, b, h, i, j, score_aux, score_aux_grad)
+        dst = score_mod_grad(dst, st_in, b, h, i, j, score_aux, FLEX.SCORE_GRAD)
     if HAS_DBIAS:
         # dBias = dS, the gradient of the score after softcap (bias is added there, before score_mod). This program
         # is the only one that visits tile (b, h, i-block, j-block): a full-shape bias takes plain stores; a
@@ -148,7 +146,7 @@ def _dk_step(dk, pt, dpt, qt, k, delta, st_in, t, keep, b, h, i, j, offs_m, offs
             tl.atomic_add(db_ptrs, dst, mask=db_mask, sem="relaxed")
         else:
             tl.store(db_ptrs, dst, mask=db_mask)
-    if SOFTCAP:
+    if FEATURES.SOFTCAP:
         dst = dst * (1.0 - t * t)
     # Alg. 2 line 16: dK_j += dS_ij^T Q_i   (the softmax scale tau is applied once at the end)
     dk = mma(to_dtype(dst, qt.dtype), tl.trans(qt), dk, DOT_PREC)
