@@ -1,9 +1,10 @@
 """The Gluon kernels' launches as flashtile's host code makes them (fa3.fwd, fa3.bwd, paged.decode_paged), through
 Triton's own JIT launch path (argument binding, specialization, cache key, compile) on a machine without a GPU: a
 stand-in driver reports an sm_90 device, the calls get CPU tensors, and relaunch.launch becomes kernel.warmup, which
-compiles and launches nothing. Prints `ok <n> <kernel> wgmma=<count>` per launch and `done <n>`. The compile check
-(fa3_compile_check.py) builds the kernels' arguments itself; this one checks the host code's argument lists and
-constexpr groups against the kernels under the JIT's binder. Run by tests/test_fa3_gluon.py in a subprocess."""
+compiles and launches nothing. Prints `ok <n> <kernel> wgmma=<count>` per launch and `done <n>` (PTX_DIR set:
+also writes each launch's PTX there). The compile check (fa3_compile_check.py) builds the kernels' arguments
+itself; this one checks the host code's argument lists and constexpr groups against the kernels under the JIT's
+binder. Run by tests/test_fa3_gluon.py in a subprocess."""
 import os
 import sys
 
@@ -57,6 +58,9 @@ def _warmup(kernel, grid, args, kwargs):
     compiled = kernel.warmup(*args, grid=grid, **kwargs)
     name = kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__
     print(f"ok {_count[0]} {name} wgmma={compiled.asm['ptx'].count('wgmma.mma_async')}", flush=True)
+    if os.environ.get("PTX_DIR"):   # (the PTX of each launch, for comparing two trees)
+        with open(os.path.join(os.environ["PTX_DIR"], f"{_count[0]:02d}_{name}.ptx"), "w") as f:
+            f.write(compiled.asm["ptx"])
     _count[0] += 1
 
 
@@ -86,6 +90,23 @@ def _fwd_bwd(params, b=2, sq=1024, sk=1024, h=4, hk=2, d=128, alibi=None, cu=Non
             torch.empty_like(v), params, alibi=alibi, **lens, **flex)
 
 
+def _flex_fwd_bwd():
+    """flashtile.flex's features through fa3.fwd / fa3.bwd: a block mask's lists with a score_mod (ALiBi's, its
+    slopes wanting a gradient) and a mask_mod (document's)."""
+    from flashtile import flex
+    from flashtile.blocksparse import create_block_mask
+    from flashtile.kernels.params import SparseLists, UserMods
+    b, h, s, d = 2, 4, 512, 128
+    score = flex.alibi_score(torch.rand(h))
+    mask_mod = flex.document_mask(torch.zeros(s, dtype=torch.int32))
+    bm = create_block_mask(lambda b_, h_, q, kv: kv <= q, None, None, s, s, BLOCK_SIZE=128, device="cpu")
+    sparse = SparseLists(128, bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
+                         bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices)
+    mods = UserMods(score.fn, score.grad_fn, score.captured_grad_fn, score.captured, mask_mod.fn, mask_mod.captured,
+                    (torch.zeros(h), ))
+    _fwd_bwd(FULL, b=b, sq=s, sk=s, h=h, hk=h, d=d, sparse=sparse, mods=mods)
+
+
 if __name__ == "__main__":
     _fwd_bwd(FULL)                                        # the dense backward kernel
     _fwd_bwd(CAUSAL, d=64)
@@ -93,6 +114,13 @@ if __name__ == "__main__":
     _fwd_bwd(AttnParams(softmax_scale=0.1, softcap=30.0), alibi=torch.rand(4))
     _fwd_bwd(CAUSAL, sq=1024, sk=1024, hk=4, cu=torch.tensor([0, 300, 1024], dtype=torch.int32), max_len=724)
     _fwd_bwd(CAUSAL, sq=512, sk=512, hk=4, bias=_rand(1, 4, 512, 512), mask=torch.rand(2, 1, 512, 512) > 0.2)
+    _flex_fwd_bwd()
+    for d, causal in ((128, False), (64, True)):          # the FP8 forward: e4m3 Q, K, V^T, per-block descales
+        block_m, block_n = fa3.fp8_block_shape(d)
+        q8, k8 = (torch.randn(2, 512, 4, d).to(torch.float8_e4m3fn) for _ in range(2))
+        vt8 = torch.randn(2, 4, d, 512).to(torch.float8_e4m3fn)
+        scales = (torch.rand(2, 4, 512 // block_m), torch.rand(2, 4, 512 // block_n), torch.rand(2, 4, 512 // block_n))
+        fa3.fwd_fp8(q8, k8, vt8, *scales, torch.empty(2, 512, 4, d, dtype=BF16), torch.empty(2, 4, 512), 0.1, causal)
     for page, splits in ((16, 4), (32, 1)):               # split with the fused merge; one split
         q = _rand(2, 1, 8, 128)
         paged.decode_paged(q, _rand(64, page, 2, 128), _rand(64, page, 2, 128), torch.empty_like(q),
