@@ -123,10 +123,17 @@ class UserMods:
     score_aux_grad: Optional[tuple] = None
 
     def kernel_kwargs(self, kernel: str) -> dict:
-        """Keyword arguments of attn_fwd_kernel ("fwd"), attn_bwd_dkdv_kernel ("dkdv") or attn_bwd_dq_kernel ("dq")."""
-        kw = dict(score_aux=self.score_aux, mask_aux=self.mask_aux, SCORE_MOD=self.score_mod, MASK_MOD=self.mask_mod)
-        if kernel != "fwd":
-            kw["SCORE_GRAD"] = self.score_grad
+        """The Triton kernels' keyword arguments for the captured values: attn_fwd_kernel's ("fwd"),
+        attn_bwd_dq_kernel's ("dq"), attn_bwd_dkdv_kernel's ("dkdv", with the gradient buffers)."""
+        kw = dict(score_aux=self.score_aux, mask_aux=self.mask_aux)
         if kernel == "dkdv":
-            kw.update(score_aux_grad=self.score_aux_grad, SCORE_CAPTURED_GRAD=self.score_captured_grad)
+            kw["score_aux_grad"] = self.score_aux_grad
         return kw
+
+    def flex_fields(self, kernel: str) -> dict:
+        """Flex's fields of the mods for a kernel: the mods; the score_mod's derivative in a backward kernel ("dq",
+        "dkdv"); its captured tensors' gradient in the one that adds it ("dkdv": the Triton dK / dV kernel, the
+        Gluon backward)."""
+        return dict(SCORE_MOD=self.score_mod, MASK_MOD=self.mask_mod,
+                    SCORE_GRAD=self.score_grad if kernel != "fwd" else None,
+                    SCORE_CAPTURED_GRAD=self.score_captured_grad if kernel == "dkdv" else None)

@@ -267,16 +267,13 @@ def flex_args(lse, batch: int, nheads: int, sq: int, sk: int, bias=None, mask=No
     lists = _NO_LISTS if sparse is None else sparse_args(sparse, batch, nheads, backward)
     score_aux = mods.score_aux if mods is not None and mods.score_aux is not None else _NO_AUX
     mask_aux = mods.mask_aux if mods is not None and mods.mask_aux is not None else _NO_AUX
-    consts = Flex(SCORE_MOD=None if mods is None else mods.score_mod, MASK_MOD=None if mods is None else mods.mask_mod,
-                  HAS_BIAS=bias is not None, HAS_MASK=mask is not None,
-                  SPARSE_BLOCK=0 if sparse is None else sparse.block_size)
+    consts = Flex(HAS_BIAS=bias is not None, HAS_MASK=mask is not None,
+                  SPARSE_BLOCK=0 if sparse is None else sparse.block_size,
+                  **({} if mods is None else mods.flex_fields("dkdv" if backward else "fwd")))
     runtime = (pair(bias), pair(mask), lists, score_aux, mask_aux)
     if backward:
         aux_grad = mods.score_aux_grad if mods is not None and mods.score_aux_grad is not None else score_aux
         runtime += (aux_grad, )
-        consts = consts._replace(SCORE_GRAD=None if mods is None else mods.score_grad,
-                                 SCORE_CAPTURED_GRAD=None if mods is None or mods.score_aux_grad is None
-                                 else mods.score_captured_grad)
     return runtime, consts
 
 

@@ -150,12 +150,12 @@ def _sparse_config(cfg: Config, lists) -> Config:
 def _flex(bias, mask, lists, mods: Optional[UserMods] = None, kernel: str = "fwd", params: Optional[AttnParams] = None,
           sq: int = 0, sk: int = 0) -> dict:
     """The attention kernels' FLEX (params.Flex: attn_bias, attn_mask, a block mask's block size, the user mods for
-    kernel "fwd", "dq" or "dkdv": UserMods.kernel_kwargs) and the keyword arguments beside it: the mods' captured
-    values and, with a block mask, SPARSE_FULL_MASKED."""
+    kernel "fwd", "dq" or "dkdv": UserMods.flex_fields) and the keyword arguments beside it: the mods' captured
+    values (UserMods.kernel_kwargs) and, with a block mask, SPARSE_FULL_MASKED."""
     kw = {} if mods is None else mods.kernel_kwargs(kernel)
-    kw["FLEX"] = Flex(SCORE_MOD=kw.pop("SCORE_MOD", None), MASK_MOD=kw.pop("MASK_MOD", None), HAS_BIAS=bias is not None,
-                      HAS_MASK=mask is not None, SPARSE_BLOCK=0 if lists is None else lists.block_size,
-                      SCORE_GRAD=kw.pop("SCORE_GRAD", None), SCORE_CAPTURED_GRAD=kw.pop("SCORE_CAPTURED_GRAD", None))
+    kw["FLEX"] = Flex(HAS_BIAS=bias is not None, HAS_MASK=mask is not None,
+                      SPARSE_BLOCK=0 if lists is None else lists.block_size,
+                      **({} if mods is None else mods.flex_fields(kernel)))
     if lists is not None:
         # a block mask's full tiles need no per-element masking at all, unless causal / window masking applies
         # too or a sequence ends inside a block (then its last tiles read past the end)
