@@ -78,8 +78,8 @@ def quant_call(x, block, w, inc, mma, soft, tr):
     def fn():
         group = quant_group(nblk, b * h, x.device)
         K.quant_fp8_kernel[(triton.cdiv(nblk, group), b * h)](
-            x, y, scale, signs, scale, x.stride(0), x.stride(1), x.stride(2), *ystr, scale.stride(0),
-            scale.stride(1), h, n, d, 1.0 / math.sqrt(d), BLOCK=block, BLOCK_D=bd, INCOHERENT=inc, GROUP=group,
+            x, y, scale, signs, scale, x.stride()[:3], ystr, scale.stride()[:2], (h, n, d), 1.0 / math.sqrt(d),
+            BLOCK=block, BLOCK_D=bd, INCOHERENT=inc, GROUP=group,
             PER_TENSOR=False, WRITE_Y=True, FWHT_MMA=mma, SOFT_ROUND=soft, num_warps=w)
         return y
     return fn

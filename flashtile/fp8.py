@@ -198,8 +198,7 @@ def _quant_one(x, block, per_tensor, signs, transpose, key_perm=False):
     # 4 warps, 8 for the largest tiles (benchmarks/sweep_fp8.py's quantizer breakdown times both)
     warps = 8 if block * bd >= 32768 else 4
     sig = signs if incoherent else scale
-    common = (x.stride(0), x.stride(1), x.stride(2), *ystr, scale.stride(0), scale.stride(1),
-              h, n, d, 1.0 / math.sqrt(d))
+    common = (x.stride()[:3], tuple(ystr), scale.stride()[:2], (h, n, d), 1.0 / math.sqrt(d))
     assert not key_perm or (transpose and n % 32 == 0 and block % 32 == 0)
     mma = bool(FWHT_MMA)
     meta = dict(BLOCK=block, BLOCK_D=bd, INCOHERENT=incoherent, FWHT_MMA=mma, SOFT_ROUND=interpreting(),

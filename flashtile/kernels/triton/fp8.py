@@ -101,10 +101,7 @@ def key_perm(c):
 
 @triton.jit
 def quant_fp8_kernel(
-    X, Y, SCALE, SIGNS, AMAX_IN,
-    stride_xb, stride_xn, stride_xh, stride_yb, stride_yn, stride_yh, stride_yd,
-    stride_sb, stride_sh,
-    nheads, seqlen, head_dim, inv_sqrt_d,
+    X, Y, SCALE, SIGNS, AMAX_IN, x_strides, y_strides, scale_strides, sizes, inv_sqrt_d,
     BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, INCOHERENT: tl.constexpr,
     PER_TENSOR: tl.constexpr, WRITE_Y: tl.constexpr, FWHT_MMA: tl.constexpr = False, SOFT_ROUND: tl.constexpr = True,
     KEY_PERM: tl.constexpr = False, GROUP: tl.constexpr = 1,
@@ -118,7 +115,12 @@ def quant_fp8_kernel(
     32 rows, row 16h + 8i + 2q + e is stored at 16h + 4q + 2i + e (key_perm).
     A program quantizes GROUP consecutive blocks of one (batch, head): diag(signs) H is built once per GROUP
     blocks (building it costs about as much as a block's product) and the loop loads the next block while this
-    one is quantized."""
+    one is quantized. x_strides: X's (batch, row, head); y_strides: Y's (batch, row, head, d); scale_strides:
+    SCALE's (batch, head); sizes: (nheads, seqlen, head_dim)."""
+    stride_xb, stride_xn, stride_xh = x_strides
+    stride_yb, stride_yn, stride_yh, stride_yd = y_strides
+    stride_sb, stride_sh = scale_strides
+    nheads, seqlen, head_dim = sizes
     pid_g = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // nheads

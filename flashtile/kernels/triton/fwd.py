@@ -88,7 +88,7 @@ def attn_fwd_kernel(
     - scale: (score_scale, softcap_log2): mods.scores_log2's scalars; window: (window_left, window_right)
       (HAS_LEFT / HAS_RIGHT; causal is right = 0);
     - dropout: (p, Philox seed, counter offset, counter strides of batch, head and row) (DROPOUT);
-    - bias, mask: an attn_bias / attn_mask's (pointer, batch, head, row and column strides) (HAS_BIAS /
+    - bias, mask: an attn_bias / attn_mask's (pointer, batch, head, row and column strides) (FLEX.HAS_BIAS /
       HAS_MASK; runtime.pair_args);
     - sparse: a block mask's (num, idx, full_num, full_idx, batch, head and block-row strides, blocks per index row)
       (SPARSE_BLOCK > 0; runtime.sparse_args; SPARSE_FULL_MASKED: its full tiles need the window / sequence-end
