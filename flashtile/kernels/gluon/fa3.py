@@ -73,8 +73,6 @@ BWD_CONFIGS = {64: (128, 128, 2), 128: (64, 128, 2)}
 BWD_PINGPONG = {(64, True): True}
 
 
-
-
 class FwdTile(NamedTuple):
     """fa3_fwd_kernel's tiles and schedule (one constexpr): head dim, a consumer warpgroup's query rows (Br =
     BLOCK_M x NUM_WG), Bc, the K / V ring's stages, consumer warpgroups, Q buffers per warpgroup (q_buffers),
@@ -254,7 +252,7 @@ _NO_PAIR = (0, 0, 0, 0, 0)
 _NO_LISTS = (0, 0, 0, 0, 0, 0, 0, 0)
 _NO_AUX = (0, )
 _NO_FLEX = ((_NO_PAIR, _NO_PAIR, _NO_LISTS, _NO_AUX, _NO_AUX), Flex())
-_NO_FLEX_BWD = ((*_NO_FLEX[0], _NO_AUX, 0), Flex())
+_NO_FLEX_BWD = ((*_NO_FLEX[0], _NO_AUX, 0), _NO_FLEX[1])
 
 
 def flex_args(lse, batch: int, nheads: int, sq: int, sk: int, bias=None, mask=None, sparse=None, mods=None,
