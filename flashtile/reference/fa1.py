@@ -101,6 +101,14 @@ def fa1_forward(Q, K, V, *, M: int | None = None, block_mask=None, block_sizes=N
     return FA1Forward(hbm["O"].to(head.dtype), hbm["l"], hbm["m"], R, t.Br, t.Bc)  # line 19
 
 
+def load_kv_zero_grads(sram: SRAM, hbm: HBM, cols: slice, acc: torch.dtype, dk_name: str, dv_name: str):
+    """The backward's outer-loop step shared by FA1 (Alg. 4 lines 7-8) and FA2 (Alg. 2 lines 6-7): load K_j, V_j
+    from HBM to SRAM and hold their gradient accumulators, zero, in SRAM. Returns (K_j, V_j, dK_j, dV_j)."""
+    K_j = sram.load("K_j", hbm, "K", cols, acc)
+    V_j = sram.load("V_j", hbm, "V", cols, acc)
+    return K_j, V_j, sram.hold(dk_name, torch.zeros_like(K_j)), sram.hold(dv_name, torch.zeros_like(V_j))
+
+
 def fa1_backward(Q, K, V, O, dO, l, m, R, *, M: int | None = None, block_mask=None, block_sizes=None,
                  hbm: HBM | None = None, **options):
     """FA1 backward pass (Alg. 4; skipping zero blocks when ``block_mask`` is given). Returns (dQ, dK, dV)
@@ -125,10 +133,8 @@ def fa1_backward(Q, K, V, O, dO, l, m, R, *, M: int | None = None, block_mask=No
     for j in range(t.Tc):                                                    # line 6
         cols = t.cols(j)
         with sram.scope():
-            K_j = sram.load("K_j", hbm, "K", cols, acc)                      # line 7
-            V_j = sram.load("V_j", hbm, "V", cols, acc)
-            dK_tilde_j = sram.hold("dK~_j", torch.zeros_like(K_j))           # line 8
-            dV_tilde_j = sram.hold("dV~_j", torch.zeros_like(V_j))
+            # line 7: K_j, V_j to SRAM; line 8: dK~_j = (0), dV~_j = (0) in SRAM
+            K_j, V_j, dK_tilde_j, dV_tilde_j = load_kv_zero_grads(sram, hbm, cols, acc, "dK~_j", "dV~_j")
             for i in range(t.Tr):                                            # line 9
                 if not t.nonzero(i, j):  # Alg. 5: zero blocks are skipped in the backward too
                     continue

@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from .fa1 import logsumexp
+from .fa1 import load_kv_zero_grads, logsumexp
 from .io_counters import BACKWARD_SRAM_FACTOR, HBM, SRAM
 from .softmax import NEG_INF, diag_inv, safe_exp
 from .standard import validate
@@ -106,10 +106,8 @@ def fa2_backward(Q, K, V, O, dO, L, *, M: int | None = None, block_sizes=None, h
     for j in range(t.Tc):                                                    # line 5
         cols = t.cols(j)
         with sram.scope():
-            K_j = sram.load("K_j", hbm, "K", cols, acc)                      # line 6
-            V_j = sram.load("V_j", hbm, "V", cols, acc)
-            dK_j = sram.hold("dK_j", torch.zeros_like(K_j))                  # line 7
-            dV_j = sram.hold("dV_j", torch.zeros_like(V_j))
+            # line 6: K_j, V_j to SRAM; line 7: dK_j = (0), dV_j = (0) in SRAM
+            K_j, V_j, dK_j, dV_j = load_kv_zero_grads(sram, hbm, cols, acc, "dK_j", "dV_j")
             for i in range(t.Tr):                                            # line 8
                 rows = t.rows(i)
                 if head.block_is_masked(rows, cols):  # §3.1.1, as in the forward
