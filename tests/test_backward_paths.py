@@ -102,7 +102,7 @@ def test_split_dkdv_and_dq_tiles_give_the_single_launch_gradients(seed, case, mo
 def test_launch_retries_with_fewer_stages_when_shared_memory_runs_out():
     """launch._launch: a config whose tiles do not fit in shared memory (OutOfResources at compile time) is
     retried with one pipeline stage fewer, down to 1, then the error propagates; it returns the launch options it
-    launched with (what a launch template binds)."""
+    launched with (what a launch template binds) and relaunch.launch's key (None here: no compiled kernel)."""
     import triton
 
     calls = []
@@ -119,7 +119,8 @@ def test_launch_retries_with_fewer_stages_when_shared_memory_runs_out():
                 return "ran"
             return launch_
 
-    assert launch._launch(FakeKernel(fits_at=2), (1,), 0, num_stages=4, num_warps=4) == dict(num_stages=2, num_warps=4)
+    kw, key = launch._launch(FakeKernel(fits_at=2), (1,), 0, num_stages=4, num_warps=4)
+    assert (kw, key) == (dict(num_stages=2, num_warps=4), None)
     assert calls == [4, 3, 2]
     calls.clear()
     with pytest.raises(triton.runtime.errors.OutOfResources):

@@ -169,6 +169,25 @@ def test_bound_launches_with_the_bound_arguments(kern, monkeypatch):
     assert relaunch.bind(kern, args, kw, 1) is None
 
 
+def test_bind_takes_the_key_launch_returned(kern, monkeypatch):
+    """launch() returns its key (None without a fast path); bind() given it binds what it would have looked up
+    itself - the first launch of a key included, which compiled it - and still refuses with BIND off."""
+    buf = torch.empty(64)
+    x, y = buf[:16], buf[16:32]
+    args, kw = (x, 48, 0.25, None, (x, 9)), dict(BLOCK=64, num_warps=4)
+    launched = relaunch.launch(kern, (3, ), args, kw)
+    assert launched is not None and launched[0] in relaunch._COMPILED
+    bound = relaunch.bind(kern, args, kw, 1, launched)
+    looked_up = relaunch.bind(kern, args, kw, 1)
+    assert (bound.entry, bound.tail, bound.live_key) == (looked_up.entry, looked_up.tail, looked_up.live_key)
+    assert bound((3, 1, 1), (y, ))
+    assert kern.calls[-1] == ("compiled", (3, 1, 1), (y, 48, 0.25, None, (x, 9), 64, 1, False))
+    monkeypatch.setattr(relaunch, "BIND", False)
+    assert relaunch.bind(kern, args, kw, 1, launched) is None
+    monkeypatch.setattr(relaunch, "FAST_LAUNCH", False)
+    assert relaunch.launch(kern, (3, ), args, kw) is None
+
+
 # --------------------------------------------------------------------------------------------------
 # Direct launches: this module stands in for Triton 3.6's nvidia driver module (its launcher's surface)
 # --------------------------------------------------------------------------------------------------

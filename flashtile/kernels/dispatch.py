@@ -211,9 +211,9 @@ class _GluonBackward:
         if self.pre is None or not self.pre[1](self.pre[0], live):
             grid, args, kwargs = launch.preprocess_launch(*live[:4], x.cu_seqlens_q, p.batch, p.nheads, p.seqlen_q,
                                                           p.head_dim)
-            relaunch.launch(_bwd.attn_bwd_preprocess_kernel, grid, args, kwargs)
+            launched = relaunch.launch(_bwd.attn_bwd_preprocess_kernel, grid, args, kwargs)
             # (out and dq_acc are made contiguous by the callers, dout by tma_ready: the strides bound are the call's)
-            bound = relaunch.bind(_bwd.attn_bwd_preprocess_kernel, args, kwargs, len(live))
+            bound = relaunch.bind(_bwd.attn_bwd_preprocess_kernel, args, kwargs, len(live), launched)
             self.pre = None if bound is None else ((*grid, 1), bound)
         if dlse is not None:
             # a gradient arriving through the LSE output: d lse_i / d S_ij = P_ij, so dS_ij gains P_ij * dlse_i,

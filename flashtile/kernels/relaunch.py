@@ -183,17 +183,18 @@ def _lookup(kernel, args: tuple, kwargs: dict):
 def launch(kernel, grid, args: tuple, kwargs: dict):
     """kernel[grid](*args, **kwargs), through the compiled kernel directly when this key was launched before.
     args: the first parameters in order; kwargs: the rest (constexpr or not, parameters with defaults may be left
-    out) and the launch options (num_warps, num_stages, maxnreg, ...). Returns what kernel[grid] returns on the
-    slow path, None on the fast one."""
+    out) and the launch options (num_warps, num_stages, maxnreg, ...). Returns the launch's key (what bind() of the
+    same arguments looks up otherwise: pass it on), or None where there is no fast path."""
     found = _lookup(kernel, args, kwargs)
     if found is None:
-        return kernel[grid](*args, **kwargs)
+        kernel[grid](*args, **kwargs)
+        return None
     key, rest, entry = found
     if entry is None:
         compiled = kernel[grid](*args, **kwargs)
         if hasattr(compiled, "run") and not hasattr(compiled, "result") and len(_COMPILED) < _MAX_ENTRIES:
             _COMPILED[key] = compiled
-        return compiled
+        return key, rest
     g = (*grid, 1, 1)
     if _no_launch_hooks():
         # what CompiledKernel[grid](...) does, less the launch-hook metadata it builds for every launch (Triton 3.6
@@ -202,7 +203,7 @@ def launch(kernel, grid, args: tuple, kwargs: dict):
                   *args, *rest)
     else:
         entry[g[:3]](*args, *rest)
-    return None
+    return key, rest
 
 
 class Bound:
@@ -355,15 +356,21 @@ def _same_arguments(a, b) -> bool:
     return True
 
 
-def bind(kernel, args: tuple, kwargs: dict, n_live: int):
+def bind(kernel, args: tuple, kwargs: dict, n_live: int, launched=None):
     """A Bound for launches of kernel with these arguments but for args[:n_live], after launch(kernel, grid, args,
     kwargs) compiled it; None where launch() has no fast path for them (the interpreter, no CUDA device, a key not
-    compiled, BIND off). The caller vouches that nothing it binds (args[n_live:], kwargs) changes while it uses the
-    Bound."""
-    found = _lookup(kernel, args, kwargs) if BIND and _compiles(kernel) else None
-    if found is None:
+    compiled, BIND off). launched: what that launch() returned (its key, not looked up again; None: look it up).
+    The caller vouches that nothing it binds (args[n_live:], kwargs) changes while it uses the Bound."""
+    if not (BIND and _compiles(kernel)):
         return None
-    key, rest, entry = found
+    if launched is None:
+        found = _lookup(kernel, args, kwargs)
+        if found is None:
+            return None
+        key, rest, entry = found
+    else:
+        key, rest = launched
+        entry = _COMPILED.get(key)
     if entry is None:
         return None
     tail = (*args[n_live:], *rest)
@@ -394,8 +401,8 @@ class Bounds:
         bound = self.entries.get(sig)
         return bound is not None and bound(grid, live)
 
-    def bind(self, sig, kernel, args: tuple, kwargs: dict, n_live: int) -> None:
-        bound = bind(kernel, args, kwargs, n_live)
+    def bind(self, sig, kernel, args: tuple, kwargs: dict, n_live: int, launched=None) -> None:
+        bound = bind(kernel, args, kwargs, n_live, launched)
         if bound is not None:
             remember(self.entries, sig, bound)
 

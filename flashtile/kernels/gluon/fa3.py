@@ -426,9 +426,9 @@ def _launch_fwd(q, k, v, out, lse, scales, params, cfg, fp8, alibi=None, cu_seql
     sizes = (max(sq, 2) if varlen else sq, sk, batch * nheads, nheads, nheads // nheads_k)
     args = (*descs, lse, *scales, counter, out, *(lse if t is None else t for t in extras), strides, sizes,
             (score_scale, softcap_log2), (max(params.window_left, 0), max(params.window_right, 0)), flex_runtime)
-    relaunch.launch(kern.fa3_fwd_kernel, (programs, ), args, kwargs)
+    launched = relaunch.launch(kern.fa3_fwd_kernel, (programs, ), args, kwargs)
     if key is not None:
-        bound = relaunch.bind(kern.fa3_fwd_kernel, args, kwargs, _FWD_LIVE)
+        bound = relaunch.bind(kern.fa3_fwd_kernel, args, kwargs, _FWD_LIVE, launched)
         if bound is not None:
             relaunch.remember(_FWD_TEMPLATES, key, _FwdTemplate(bound, kwargs, TensorDescriptor,
                                                                 [descriptor_fields(d) for d in descs]))
@@ -637,9 +637,9 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, 
                 strides, (max(sq, 2) if varlen else sq, sk, nheads_k, nheads // nheads_k),
                 (params.softmax_scale, score_scale, softcap_log2),
                 (max(params.window_left, 0), max(params.window_right, 0)), (flex or _NO_FLEX_BWD)[0])
-    relaunch.launch(kernel, grid[:2], args, kwargs)
+    launched = relaunch.launch(kernel, grid[:2], args, kwargs)
     if key is not None and dk_out is dk and dv_out is dv:   # (not through copies: descriptors over per-call buffers)
-        bound = relaunch.bind(kernel, args, kwargs, n_live)
+        bound = relaunch.bind(kernel, args, kwargs, n_live, launched)
         if bound is not None:
             relaunch.remember(_BWD_TEMPLATES, key, _BwdTemplate(bound, kwargs, TensorDescriptor, [
                 descriptor_fields(d) for d in (*descs, dk_desc, dv_desc)], not dense))

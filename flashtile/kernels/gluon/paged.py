@@ -95,11 +95,11 @@ def decode_paged(q, k_cache, v_cache, out, lse, seqlens_k: Optional[torch.Tensor
                   HAS_SEQLENS=seqlens_k is not None, CAUSAL=params.is_causal, SPLIT=split, FUSED=fused,
                   num_warps=4)
     grid = (batch * nheads_k, n)
-    relaunch.launch(mod.paged_decode_kernel, grid, args, kwargs)
+    launched = relaunch.launch(mod.paged_decode_kernel, grid, args, kwargs)
     if split and not fused:
         combine(o_part, lse_part, out, lse, seqlen_rows=sq)
     elif key is not None:   # (a separate combine launch is not templated)
-        bound = relaunch.bind(mod.paged_decode_kernel, args, kwargs, LIVE)
+        bound = relaunch.bind(mod.paged_decode_kernel, args, kwargs, LIVE, launched)
         if bound is not None:
             relaunch.remember(_TEMPLATES, key, _Template(bound, (*grid, 1), TensorDescriptor, descriptor_fields(k_desc),
                                                          descriptor_fields(v_desc), n))

@@ -790,9 +790,9 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         HAS_BATCH_IDX=cache_batch_idx is not None, HAS_LEFTPAD=leftpad is not None, SPLIT=split, FUSED_COMBINE=fused,
         COMBINE_RG=combine_rg, COMBINE_CHUNK=combine_chunk, DOT_PREC=_dot_precision(q.dtype), PAGE_VEC=plan.page_vec,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    relaunch.launch(decode_kernel, grid, args, kwargs)
+    launched = relaunch.launch(decode_kernel, grid, args, kwargs)
     if key is not None and (not split or fused):   # (a separate combine launch is not templated)
-        bound = relaunch.bind(decode_kernel, args, kwargs, _TEMPLATE_LIVE)
+        bound = relaunch.bind(decode_kernel, args, kwargs, _TEMPLATE_LIVE, launched)
         if bound is not None:
             relaunch.remember(_TEMPLATES, key, _Template(
                 bound, grid, tuple(o_part.shape) if split else None, None if split else (o_part, lse_part),

@@ -125,12 +125,12 @@ def _order_args(params: AttnParams, head_dim: int, kernel: str, n_blocks: int, n
 def _launch(kernel, grid, *args, num_stages: int, **kwargs):
     """kernel[grid](*args, ...), retried with fewer pipeline stages when the tiles do not fit in shared memory:
     the tuned configs leave little room, and an attn_bias / attn_mask tile or a user mod's loads can push one
-    over (the compile-time check raises before anything runs, so a retry is safe)."""
+    over (the compile-time check raises before anything runs, so a retry is safe). Returns the keyword arguments
+    it launched with and relaunch.launch's key (for relaunch.bind)."""
     while True:
         try:
             kw = dict(kwargs, num_stages=num_stages)
-            relaunch.launch(kernel, grid, args, kw)
-            return kw
+            return kw, relaunch.launch(kernel, grid, args, kw)
         except triton.runtime.errors.OutOfResources:
             if num_stages <= 1:
                 raise
@@ -246,14 +246,14 @@ def flash_fwd(q, k, v, out, lse, params: AttnParams, alibi: Optional[torch.Tenso
         (nheads, nheads // nheads_k, max_sq, max_sk, head_dim), scale, window, dropout,
         pair_args(bias, batch, nheads, max_sq, max_sk), pair_args(mask, batch, nheads, max_sq, max_sk),
         sparse_args(sparse, batch, nheads, False))
-    kwargs = _launch(
+    kwargs, launched = _launch(
         _fwd.attn_fwd_kernel, grid, *args,
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, EVEN_D=block_d == head_dim, USE_TMA=use_tma,
         FOLD_SCALE=scale[0] > 0, **_order_args(params, head_dim, "fwd", *grid),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_flags(params, alibi, cu_seqlens_q, head_dim, q.dtype),
         **_flex(bias, mask, sparse, mods, "fwd", params, max_sq, max_sk))
     if memo is not None and _templated(params, bias, mask, sparse, mods):
-        bound = relaunch.bind(_fwd.attn_fwd_kernel, args, kwargs, _FWD_LIVE)
+        bound = relaunch.bind(_fwd.attn_fwd_kernel, args, kwargs, _FWD_LIVE, launched)
         if bound is not None:
             memo["triton_fwd"] = _ForwardTemplate(bound, grid, desc_k, desc_v)
 
@@ -341,17 +341,17 @@ def preprocess_launch(out, dout, delta, dq_acc, cu_seqlens_q, batch: int, nheads
 
 
 def _delta(out, dout, lse, dlse, cu_seqlens_q, batch: int, nheads: int, max_sq: int, head_dim: int):
-    """(D, (grid, args, kwargs) of its launch): D = rowsum(dO o O) (FA2 Alg. 2 line 4), lse's shape, by the
+    """(D, its launch as _remember_bwd takes it): D = rowsum(dO o O) (FA2 Alg. 2 line 4), lse's shape, by the
     preprocess kernel, less dlse where a gradient arrives through the LSE output."""
     # (lse's strides: the backward kernels read delta with them)
     delta = torch.empty_strided(lse.shape, lse.stride(), dtype=lse.dtype, device=lse.device)
     grid, args, kwargs = preprocess_launch(out, dout, delta, None, cu_seqlens_q, batch, nheads, max_sq, head_dim)
-    relaunch.launch(_bwd.attn_bwd_preprocess_kernel, grid, args, kwargs)
+    launched = relaunch.launch(_bwd.attn_bwd_preprocess_kernel, grid, args, kwargs)
     if dlse is not None:
         # a gradient arriving through the LSE output: d lse_i / d S_ij = P_ij, so dS_ij gains P_ij * dlse_i, i.e.
         # dS = P o (dP - (D - dlse)): folded into D, the kernels are unchanged
         delta.sub_(dlse)
-    return delta, (grid, args, kwargs)
+    return delta, (_bwd.attn_bwd_preprocess_kernel, grid, args, kwargs, _PRE_LIVE, launched)
 
 
 def bwd_delta(out, dout, lse, dlse=None, cu_seqlens_q=None, max_seqlen_q=None) -> torch.Tensor:
@@ -395,8 +395,7 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
             cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
             deterministic=deterministic, bias=bias, mask=mask, dbias=dbias_),
             default=bwd_config(head_dim, q.dtype, causal))
-    delta, (pre_grid, pre_args, pre_kwargs) = _delta(out, dout, lse, dlse, cu_seqlens_q, batch, nheads, max_sq,
-                                                     head_dim)
+    delta, pre = _delta(out, dout, lse, dlse, cu_seqlens_q, batch, nheads, max_sq, head_dim)
     cfg = _sparse_config(bwd_config(head_dim, q.dtype, causal, seqlen=seqlen), sparse)
     common = (lse_strides(lse), alibi_sb)
     bias_args = pair_args(bias, batch, nheads, max_sq, max_sk)
@@ -429,7 +428,7 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
     passes = ([(dict(COMPUTE_DK=False), *(cfg.dv or tiles)), (dict(COMPUTE_DV=False), *tiles)] if cfg.split_dkdv
               else [({}, *tiles)])
     record = memo is not None and _templated(params, bias, mask, sparse, mods) and dbias is None
-    launched = []   # (kernel, grid, args, kwargs) of the dK / dV launches and the dQ pass, for the template
+    launched = []   # (kernel, grid, args, kwargs, live count, key) of the dK / dV launches and the dQ pass
     for only, block_n, warps, stages in passes:
         with_ds = only.get("COMPUTE_DK", True)
         dkdv_grid = (cdiv(max_sk, block_n), batch * nheads_k)
@@ -440,19 +439,18 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
             (nheads_k, nheads // nheads_k, max_sq, max_sk, head_dim), params.softmax_scale, scale, window, dropout,
             bias_args, mask_args, pair_args(dbias, batch, nheads, max_sq, max_sk),
             sparse_args(sparse, batch, nheads, True))
-        kw = _launch(
+        kw, key = _launch(
             _bwd.attn_bwd_dkdv_kernel, dkdv_grid, *dkdv_args,
             BLOCK_M=cfg.BLOCK_M, BLOCK_N=block_n, EVEN_D=even_d, ATOMIC_DQ=atomic and with_ds, USE_TMA=use_tma,
             DQ_TMA=desc_dq is not None and with_ds,
             **_order_args(params, head_dim, "dkdv", *dkdv_grid),
             num_warps=warps, num_stages=stages, **flags, **(dbias_flags if with_ds else {}),
             **_flex(bias, mask, sparse, mods, "dkdv" if with_ds else "dq", params, max_sq, max_sk), **only)
-        launched.append((_bwd.attn_bwd_dkdv_kernel, dkdv_grid, dkdv_args, kw, _DKDV_LIVE))
+        launched.append((_bwd.attn_bwd_dkdv_kernel, dkdv_grid, dkdv_args, kw, _DKDV_LIVE, key))
     if atomic:
         dq.copy_(dq_acc)
         if record:
-            _remember_bwd(memo, (_bwd.attn_bwd_preprocess_kernel, pre_grid, pre_args, pre_kwargs, _PRE_LIVE), launched,
-                          True, (desc_q, desc_do, desc_k, desc_v, desc_dq), dout.stride())
+            _remember_bwd(memo, pre, launched, True, (desc_q, desc_do, desc_k, desc_v, desc_dq), dout.stride())
         return
     # dQ pass: query blocks of dq_rows stream key blocks of dq_keys (by default BLOCK_N and BLOCK_M: the roles swap)
     dq_grid = (cdiv(max_sq, dq_rows), batch * nheads)
@@ -461,23 +459,23 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params: AttnParams, alibi=Non
         row_strides(q), row_strides(k), row_strides(v), row_strides(dout), row_strides(dq), *common,
         (nheads, nheads // nheads_k, max_sq, max_sk, head_dim), params.softmax_scale, scale, window, dropout,
         bias_args, mask_args, sparse_args(sparse, batch, nheads, False))
-    kw = _launch(
+    kw, key = _launch(
         _bwd.attn_bwd_dq_kernel, dq_grid, *dq_args,
         BLOCK_M=dq_rows, BLOCK_N=dq_keys, EVEN_D=even_d, USE_TMA=use_tma,
         **_order_args(params, head_dim, "dq", *dq_grid),
         num_warps=dq_warps, num_stages=dq_stages, **flags, **_flex(bias, mask, sparse, mods, "dq", params, max_sq,
                                                                    max_sk))
     if record:
-        launched.append((_bwd.attn_bwd_dq_kernel, dq_grid, dq_args, kw, _DQ_LIVE))
-        _remember_bwd(memo, (_bwd.attn_bwd_preprocess_kernel, pre_grid, pre_args, pre_kwargs, _PRE_LIVE), launched,
-                      False, (desc_q, desc_do, desc_k, desc_v, desc_dq), dout.stride())
+        launched.append((_bwd.attn_bwd_dq_kernel, dq_grid, dq_args, kw, _DQ_LIVE, key))
+        _remember_bwd(memo, pre, launched, False, (desc_q, desc_do, desc_k, desc_v, desc_dq), dout.stride())
 
 
 def _remember_bwd(memo: dict, pre, launched, atomic: bool, descs, dout_stride) -> None:
-    """Keep a _BackwardTemplate in memo when every launch has a bound kernel (relaunch.bind)."""
+    """Keep a _BackwardTemplate in memo when every launch has a bound kernel (relaunch.bind). pre and each of
+    launched: (kernel, grid, args, kwargs, live argument count, relaunch.launch's key)."""
     bounds = []
-    for kernel, grid, args, kwargs, n_live in (pre, *launched):
-        bound = relaunch.bind(kernel, args, kwargs, n_live)
+    for kernel, grid, args, kwargs, n_live, key in (pre, *launched):
+        bound = relaunch.bind(kernel, args, kwargs, n_live, key)
         if bound is None:
             return
         bounds.append((bound, (*grid, 1)))

@@ -185,6 +185,6 @@ def append_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         (seqlen_new, nheads_k, head_dim, rotary_half, k_cache.shape[1] if paged else 1))
     kwargs = dict(ROTARY=rotary, INTERLEAVED=interleaved, PAGED=paged, HAS_BATCH_IDX=cache_batch_idx is not None,
                   HAS_LEFTPAD=leftpad is not None, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_R=block_r, num_warps=4)
-    relaunch.launch(append_kv_kernel, grid[:2], args, kwargs)
+    launched = relaunch.launch(append_kv_kernel, grid[:2], args, kwargs)
     if sig is not None:
-        _APPEND_BOUNDS.bind(sig, append_kv_kernel, args, kwargs, len(live))
+        _APPEND_BOUNDS.bind(sig, append_kv_kernel, args, kwargs, len(live), launched)
