@@ -148,6 +148,7 @@ _forced: List[frozenset] = []              # passes tune() is tuning now, whatev
 def _reset() -> None:
     """Forget what was read from disk (tests: the next lookup reads the file again, as a new process would)."""
     _loaded.clear()
+    _LOOKUPS.clear()
 
 
 def _read(path: str) -> Dict[str, dict]:
@@ -190,6 +191,7 @@ def _store(fingerprint: str, key: Key, entry: dict) -> None:
     old or the new file, never half of one). An unwritable directory costs a warning, not the result."""
     path = cache_path(fingerprint)
     _entries(fingerprint)[str(key)] = entry
+    _LOOKUPS.clear()
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with warnings.catch_warnings():
@@ -215,10 +217,31 @@ def _enabled_env() -> str:
     return os.environ.get("FLASHTILE_AUTOTUNE", "").strip()
 
 
+# (pass, head dim, dtype, causal, seqlen bucket, FLASHTILE_AUTOTUNE, FLASHTILE_CACHE_DIR, CUDA device) -> what
+# lookup returned: a call of a new shape (a decode step's longer cache) asks again what the last one asked; cleared
+# whenever the entries change (_store, _reset, tune's forced keys)
+_LOOKUPS: Dict[tuple, Optional[Config]] = {}
+
+
 def lookup(pass_: str, head_dim: int, dtype, causal: bool, seqlen: int) -> Optional[Config]:
     """The cached winner for the key, or None: none cached (or tuning failed for every candidate), under the
     Triton interpreter, without CUDA, or with FLASHTILE_AUTOTUNE=0."""
-    if interpreting() or (_enabled_env() == "0" and not _is_forced(pass_)):
+    if interpreting():
+        return None
+    memo = None
+    if not _forced and torch.cuda.is_available():
+        memo = (pass_, head_dim, dtype, causal, seqlen_bucket(seqlen), os.environ.get("FLASHTILE_AUTOTUNE"),
+                os.environ.get("FLASHTILE_CACHE_DIR"), torch.cuda.current_device())
+        if memo in _LOOKUPS:
+            return _LOOKUPS[memo]
+    found = _lookup(pass_, head_dim, dtype, causal, seqlen)
+    if memo is not None and len(_LOOKUPS) < 1024:
+        _LOOKUPS[memo] = found
+    return found
+
+
+def _lookup(pass_: str, head_dim: int, dtype, causal: bool, seqlen: int) -> Optional[Config]:
+    if _enabled_env() == "0" and not _is_forced(pass_):
         return None
     fp = device_fingerprint()
     if fp is None:
@@ -357,6 +380,7 @@ def tune(head_dims: Sequence[int] = (64, 128, 256), dtypes: Sequence[torch.dtype
                         if force:
                             for k in keys:
                                 _entries(fp).pop(str(k), None)
+                            _LOOKUPS.clear()
                         b, h = max(1, tokens // n), max(1, hidden // d)
                         q, k_, v = (torch.randn(b, n, h, d, device="cuda", dtype=dtype,
                                                 requires_grad="bwd" in passes) for _ in range(3))
