@@ -7,6 +7,7 @@
   per-row gather and the contiguous cache are bitwise equal and within the float64 rule;
 - launch templates: a decode loop's repeated signature launches with the slow path's arguments (stand-in kernels);
 - the Gluon paged decode: which calls it takes, and its templates (stand-in kernel, no GPU).
+- decode steps through flash_attn_func (seqlen_q = 1): dispatch sends them to the decode kernel.
 
 The merge of the splits (combine.py, and the fused merge inside the decode launch) is tests/test_combine.py; the
 flash_attn_with_kvcache feature matrix and argument checks are tests/test_kvcache.py. The oracle is
@@ -18,7 +19,7 @@ import pytest
 import torch
 
 import flashtile  # noqa: F401  (sets TRITON_INTERPRET on CPU-only machines)
-from attn_utils import DEVICE, assert_within_rule
+from attn_utils import DEVICE, Case, assert_within_rule, case_inputs, check_against_reference, flash_kwargs
 from kvcache_utils import KCase, make_problem, physical_cache, reference
 from launch_utils import StandInKernel, fast_launches, same_arguments
 from flashtile.kernels.triton import decode as _decode
@@ -436,3 +437,52 @@ def test_gluon_paged_template_launches_what_the_slow_path_does(num_splits, fused
     assert fast[1] == kern.calls[-1][1]
     same_arguments(fast[2], kern.calls[-1][2], shared=(q, k_cache, v_cache, table, seqlens))
     monkeypatch.undo()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Decode steps through flash_attn_func (one query per row): the split-KV decode kernel computes them
+
+@pytest.mark.parametrize("c", [
+    Case(2, 1, 77, 4, 2, 24, fp16, causal=True),
+    Case(1, 1, 200, 4, 1, 64, fp32, window=(50, 0), layout="transposed"),
+    Case(2, 1, 130, 4, 2, 40, bf16, causal=True, softcap=5.0, alibi="bh", layout="sliced"),
+    Case(1, 1, 96, 2, 2, 72, fp32, softmax_scale=0.3, alibi="h"),
+], ids=lambda c: c.id)
+def test_dense_decode_step_runs_the_decode_kernel(c, seed, monkeypatch):
+    """flash_attn_func with seqlen_q = 1 (a generation step over its keys) takes the decode kernel (dispatch's
+    _decode_step; its K / V size threshold off here), features included; out, lse and the gradients (whose backward
+    reads that lse) meet the float64 rule, and a repeat of the call goes the same way."""
+    from flashtile import interface
+    from flashtile.interface import dense_attention
+    from flashtile.kernels import dispatch
+
+    monkeypatch.setattr(dispatch, "DECODE_STEP_MIN_BYTES", 0)
+    monkeypatch.setattr(interface, "_DENSE", {})   # (problems, with the plans they keep, made before)
+    calls = []
+    real = dispatch.flash_decode
+    monkeypatch.setattr(dispatch, "flash_decode", lambda *a, **kw: calls.append(kw["sig"]) or real(*a, **kw))
+    q, k, v, dout, alibi = case_inputs(c)
+    out, lse, _ = dense_attention(q, k, v, **flash_kwargs(c, alibi))
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    check_against_reference(c, q, k, v, dout, alibi, out, lse, None, grads)
+    with torch.no_grad():
+        again = flashtile.flash_attn_func(q, k, v, **flash_kwargs(c, alibi))
+    assert len(calls) == 2 and calls[0] == calls[1], calls
+    assert torch.equal(again, out)
+
+
+def test_small_decode_steps_keep_the_forward_kernel(monkeypatch):
+    """Below DECODE_STEP_MIN_BYTES of K and V a decode step stays on the forward kernel (whose launch path costs less
+    host time than the decode kernel's saves there); at the threshold it moves."""
+    from flashtile import interface
+    from flashtile.kernels import dispatch
+
+    calls = []
+    real = dispatch.flash_decode
+    monkeypatch.setattr(dispatch, "flash_decode", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    q, k, v = (torch.randn(1, s, 2, 16, device=DEVICE) for s in (1, 40, 40))
+    for threshold, expected in ((2 * 40 * 2 * 16 * 4 + 1, 0), (2 * 40 * 2 * 16 * 4, 1)):
+        monkeypatch.setattr(dispatch, "DECODE_STEP_MIN_BYTES", threshold)
+        monkeypatch.setattr(interface, "_DENSE", {})
+        flashtile.flash_attn_func(q, k, v, causal=True)
+        assert len(calls) == expected

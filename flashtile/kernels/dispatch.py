@@ -8,6 +8,9 @@ paged caches of 16- or 32-key pages: paged.eligible). A Triton launch template a
 launched before the Gluon kernel is asked, so a problem the Triton kernels took keeps them while its template
 holds.
 
+A dense forward of one query per row over enough keys (a decode step of a generation loop that calls
+flash_attn_func) runs the split-KV decode kernel over them (_decode_step): it spreads the keys over the GPU.
+
 The training path (forward / backward, over an api.problem.Problem) decides once per problem: dispatch keeps a
 plan in the problem's cache (Problem.cache), and a repeated call (a training loop) checks only what may change
 between calls (the FLASHTILE_GLUON switch, fa3.disabled(), the tensors' contiguity and 16-byte alignment) before
@@ -168,16 +171,51 @@ def copies(p, q, k, v) -> tuple:
     return ()
 
 
+# K and V bytes from which a decode step runs the decode kernel: from there the kernel time it saves exceeds the
+# host time its launch path costs beyond the forward's (benchmarks/sweep_decode_step.py)
+DECODE_STEP_MIN_BYTES = 1 << 27
+
+
+def _decode_step(p, params, bias, mods) -> bool:
+    """Whether a dense forward is a decode step (one query per row over keys: a generation loop's call) that the
+    split-KV decode kernel computes, with the keys as a full cache: it splits the keys over the GPU where the
+    forward kernel runs one program per (batch, head). From DECODE_STEP_MIN_BYTES of K and V; not with attn_bias /
+    attn_mask / block masks / mods / dropout / probabilities, which the decode kernel has no part of."""
+    return (not p.varlen and p.seqlen_q == 1 and p.batch > 0 and p.seqlen_k > 0 and bias is None and mods is None
+            and not (p.mask or p.sparse_block or p.return_probs) and params.dropout_p == 0
+            and 2 * p.batch * p.seqlen_k * p.nheads_k * p.head_dim * p.dtype.itemsize >= DECODE_STEP_MIN_BYTES)
+
+
+class _DecodeStep:
+    """The decode kernel over a dense problem's k, v (_decode_step). Its launch templates are keyed per problem
+    object and strides (a problem is remembered per argument signature, strides included: this token stands for
+    it), so a generation loop repeating a shape launches its template."""
+    __slots__ = ("token", )
+
+    def __init__(self):
+        self.token = object()
+
+    def __call__(self, p, params, q, k, v, out, lse, alibi) -> None:
+        sig = (self.token, q.stride(), k.stride(), v.stride(), q.device, None if alibi is None else alibi.stride())
+        flash_decode(q, k, v, out, lse, None, params, alibi=alibi, max_seqlen_k=p.seqlen_k,
+                     seqlen_k_static=p.seqlen_k, sig=sig)
+
+
 def forward(p, params, q, k, v, out, lse, x, bias=None, mods=None) -> None:
     """out, lse of problem p (api.problem.Problem) with its call's scalars params (params.AttnParams) and extras x
     (interface.Extras)."""
     plan = p.cache.get("fwd", False)
     if plan is False:
         plan = None
-        if (_gluon_candidate(p, params) and _attends(p, q, k)
+        if _decode_step(p, params, bias, mods):
+            plan = _DecodeStep()
+        elif (_gluon_candidate(p, params) and _attends(p, q, k)
                 and fa3.supports(q, k, v, params, x.alibi, x.cu_seqlens_q)):
             plan = fa3.ForwardPlan(q, k, v, lse, params, x.alibi, x.cu_seqlens_q, p.seqlen_q, p.seqlen_k)
         p.cache["fwd"] = plan
+    if type(plan) is _DecodeStep:
+        plan(p, params, q, k, v, out, lse, x.alibi)
+        return
     if plan is not None and plan(q, k, v, out, lse, params, x.alibi, x.cu_seqlens_q, x.cu_seqlens_k):
         return
     flash_fwd(q, k, v, out, lse, params, x.alibi, x.cu_seqlens_q, x.cu_seqlens_k, p.seqlen_q, p.seqlen_k,
