@@ -226,6 +226,39 @@ def test_autotune_env_gates(cache, monkeypatch):
         assert not tuning.needs_tuning("bwd", 64, torch.float16, True, 1024, cuda)
 
 
+def test_lookup_memo_follows_the_entries_and_the_environment(cache, monkeypatch):
+    """lookup remembers its answer per key on a CUDA device (a call of another length in the same bucket does not
+    read the entries again) until the entries change (a stored winner, _reset), or FLASHTILE_AUTOTUNE, the cache
+    directory or the device differ; while tune() forces a pass nothing is remembered."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    device = [0]
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: device[0])
+    reads = []
+    real = tuning._lookup
+    monkeypatch.setattr(tuning, "_lookup", lambda *a: reads.append(a) or real(*a))
+
+    def ask(seqlen=1024):
+        return tuning.lookup("fwd", 64, torch.float16, False, seqlen)
+    assert ask() is None and len(reads) == 1
+    tuning.tune_key("fwd", 64, torch.float16, False, 1024, _fake_bench(D64_MS, failing=[D64_FWD[0]]))
+    assert ask(1000) == D64_FWD[2] and len(reads) == 2         # the stored winner cleared the memo
+    assert ask(600) == D64_FWD[2] and len(reads) == 2          # same bucket (1024): remembered
+    monkeypatch.setenv("FLASHTILE_AUTOTUNE", "0")
+    assert ask() is None and len(reads) == 3
+    monkeypatch.delenv("FLASHTILE_AUTOTUNE")
+    assert ask() == D64_FWD[2] and len(reads) == 3
+    device[0] = 1
+    assert ask() == D64_FWD[2] and len(reads) == 4
+    monkeypatch.setenv("FLASHTILE_CACHE_DIR", str(cache / "other"))
+    assert ask() is None and len(reads) == 5                   # another cache file: nothing tuned there
+    monkeypatch.setenv("FLASHTILE_CACHE_DIR", str(cache))
+    tuning._reset()
+    assert ask() == D64_FWD[2] and len(reads) == 6             # read from disk again
+    with tuning._forcing(["fwd"]):
+        ask(), ask()
+    assert len(reads) == 8
+
+
 def test_launch_configs_use_cached_winner_first(cache):
     assert launch.fwd_config(64, torch.float16, False, seqlen=3000) == Config(128, 64, 4, 3)  # table
     tuning.tune_key("fwd", 64, torch.float16, False, 3000, _fake_bench(D64_MS, failing=[D64_FWD[0]]))
