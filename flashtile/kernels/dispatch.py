@@ -187,18 +187,16 @@ def _decode_step(p, params, bias, mods) -> bool:
 
 
 class _DecodeStep:
-    """The decode kernel over a dense problem's k, v (_decode_step). Its launch templates are keyed per problem
-    object and strides (a problem is remembered per argument signature, strides included: this token stands for
-    it), so a generation loop repeating a shape launches its template."""
-    __slots__ = ("token", )
+    """The decode kernel over a dense problem's k, v (_decode_step), called as fa3.ForwardPlan is. Its launch
+    templates are keyed on this plan (one per problem, which is remembered per argument signature) and the strides,
+    so a generation loop repeating a shape launches its template."""
+    __slots__ = ()
 
-    def __init__(self):
-        self.token = object()
-
-    def __call__(self, p, params, q, k, v, out, lse, alibi) -> None:
-        sig = (self.token, q.stride(), k.stride(), v.stride(), q.device, None if alibi is None else alibi.stride())
-        flash_decode(q, k, v, out, lse, None, params, alibi=alibi, max_seqlen_k=p.seqlen_k,
-                     seqlen_k_static=p.seqlen_k, sig=sig)
+    def __call__(self, q, k, v, out, lse, params, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None) -> bool:
+        sig = (self, q.stride(), k.stride(), v.stride(), q.device, None if alibi is None else alibi.stride())
+        flash_decode(q, k, v, out, lse, None, params, alibi=alibi, max_seqlen_k=k.shape[1], seqlen_k_static=k.shape[1],
+                     sig=sig)
+        return True
 
 
 def forward(p, params, q, k, v, out, lse, x, bias=None, mods=None) -> None:
@@ -213,9 +211,6 @@ def forward(p, params, q, k, v, out, lse, x, bias=None, mods=None) -> None:
                 and fa3.supports(q, k, v, params, x.alibi, x.cu_seqlens_q)):
             plan = fa3.ForwardPlan(q, k, v, lse, params, x.alibi, x.cu_seqlens_q, p.seqlen_q, p.seqlen_k)
         p.cache["fwd"] = plan
-    if type(plan) is _DecodeStep:
-        plan(p, params, q, k, v, out, lse, x.alibi)
-        return
     if plan is not None and plan(q, k, v, out, lse, params, x.alibi, x.cu_seqlens_q, x.cu_seqlens_k):
         return
     flash_fwd(q, k, v, out, lse, params, x.alibi, x.cu_seqlens_q, x.cu_seqlens_k, p.seqlen_q, p.seqlen_k,
