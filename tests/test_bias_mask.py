@@ -9,16 +9,21 @@ import torch
 
 import flashtile
 from attn_utils import DEVICE, assert_within_rule, inputs, rand_alibi
+from flashtile.interface import dense_attention
 from flashtile.reference.dense import attention_ref
 
 fp16, fp32, bf16 = torch.float16, torch.float32, torch.bfloat16
 
 
-def _run_and_check(q, k, v, dout, dtype, *, bias=None, mask=None, ctx="", **kw):
-    """ours vs ref64 vs std for out, lse, dq, dk, dv and (when bias requires grad) dbias. Returns ours."""
+def _run_and_check(q, k, v, dout, dtype, *, bias=None, mask=None, ctx="", probs=True, **kw):
+    """ours vs ref64 vs std for out, lse, dq, dk, dv and (when bias requires grad) dbias. Returns ours. probs=False:
+    the call without return_attn_probs (interface.dense_attention, which returns the LSE without it)."""
     leaves = [q, k, v] + ([bias] if bias is not None and bias.requires_grad else [])
-    out, lse, _ = flashtile.flash_attn_func(q, k, v, attn_bias=bias, attn_mask=mask, return_attn_probs=True,
-                                            **kw)
+    if probs:
+        out, lse, _ = flashtile.flash_attn_func(q, k, v, attn_bias=bias, attn_mask=mask, return_attn_probs=True,
+                                                **kw)
+    else:
+        out, lse, _ = dense_attention(q, k, v, attn_bias=bias, attn_mask=mask, **kw)
     grads = torch.autograd.grad(out, leaves, dout)
     ref_kw = {key: kw[key] for key in ("causal", "softcap", "alibi_slopes", "window_size", "softmax_scale")
               if key in kw}
@@ -105,6 +110,30 @@ def test_bool_mask_with_causal_and_empty_rows(mask_shape, dtype, seed):
         assert torch.all(lse[:, :, 7] == float("-inf")), "a fully masked row has lse = -inf"
     for g in grads:
         assert torch.isfinite(g).all()
+
+
+@pytest.mark.parametrize("dtype,mask_shape,causal", [(fp16, (B, 1, 1, SK), True), (bf16, (1, H, 1, SK), False),
+                                                     (fp32, (B, H, 1, SK), True)], ids=["fp16", "bf16", "fp32"])
+def test_masked_decode_step_runs_the_decode_kernel(dtype, mask_shape, causal, seed, monkeypatch):
+    """One query per row under an attn_mask (a static cache's decode step: transformers' mask over the cache's slots)
+    takes the split-KV decode kernel with the mask applied per element (dispatch._decode_step), GQA rows included;
+    a (batch, head) row that sees no key outputs zeros with lse = -inf; out, lse and the gradients (the backward
+    reading the decode kernel's lse) within the float64 rule."""
+    from flashtile.kernels import dispatch
+    calls = []
+    real = dispatch.flash_decode
+    monkeypatch.setattr(dispatch, "flash_decode",
+                        lambda *a, **kw: calls.append(kw["mask"] is not None) or real(*a, **kw))
+    q, k, v, dout = inputs(B, 1, SK, H, HK, D, dtype)
+    mask = torch.rand(mask_shape, device=DEVICE) > 0.4
+    mask[0, 0] = False                                        # batch 0 (or every batch), head 0 (or all): no key
+    out, lse, _ = _run_and_check(q, k, v, dout, dtype, mask=mask, causal=causal, ctx=f"[mask {mask_shape}]",
+                                 probs=False)
+    assert calls == [True]
+    empty = mask.expand(B, H, 1, SK).any(-1).logical_not()[:, :, 0]   # (batch, head) rows without keys
+    assert empty.any()
+    assert torch.all(out.transpose(1, 2)[:, :, 0][empty] == 0)
+    assert torch.all(lse[:, :, 0][empty] == float("-inf"))
 
 
 def test_mask_and_bias_together_packed_entry_point(seed):

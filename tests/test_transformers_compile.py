@@ -127,17 +127,17 @@ def _spy(monkeypatch, calls):
             return fn(*args, **kwargs)
         return spy
     for name, seqlen_q in (("_unpadded", lambda a: a[0].shape[1]), ("_key_masked", lambda a: a[0].shape[1]),
-                           ("unpad_input", lambda a: a[0].shape[1]),
+                           ("_full_mask", lambda a: a[0].shape[1]), ("unpad_input", lambda a: a[0].shape[1]),
                            ("flash_attn_varlen_func", lambda a: None)):
         monkeypatch.setattr(ft_hf, name, wrap(name, getattr(ft_hf, name), seqlen_q))
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_static_cache_generate_matches_sdpa_without_unpadding(compiled, monkeypatch, seed):
-    """generate(cache_implementation="static") of a left-padded batch: SDPA's tokens and scores. The prefill (eager,
-    7 queries per row) unpads; the decode steps (one query per row) run the dense kernel with the padding and the
-    cache's empty slots as a key mask: eagerly, or inside transformers' compiled decoding step without a graph
-    break."""
+    """generate(cache_implementation="static") of a left-padded batch: SDPA's tokens and scores. Every step, the
+    prefill (eager, 7 queries per row) and the decode steps (one query per row), runs the dense kernel under
+    transformers' 4-D mask over the cache's slots, never unpadding: eagerly, or inside transformers' compiled
+    decoding step without a graph break and with one input shape for every step (no recompilation)."""
     ours, ref = _pair(seed)
     ours.eval()
     ref.eval()
@@ -147,6 +147,15 @@ def test_static_cache_generate_matches_sdpa_without_unpadding(compiled, monkeypa
     new = 4
     kw = dict(attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0, output_scores=True,
               return_dict_in_generate=True, cache_implementation="static")
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    built = []   # the shape of every mask the builder returns (the compiled step's input)
+
+    def builder(**kwargs):
+        mask = ft_hf.padding_mask(**kwargs)
+        built.append(None if mask is None else tuple(mask.shape))
+        return mask
+
+    monkeypatch.setitem(ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, "flashtile", builder)
     with torch.no_grad():
         expected = ref.generate(ids, disable_compile=True, **kw)
         calls = []
@@ -161,10 +170,13 @@ def test_static_cache_generate_matches_sdpa_without_unpadding(compiled, monkeypa
     for a, b in zip(got.scores, expected.scores):
         assert _rel(a, b) < RTOL
     layers = ours.config.num_hidden_layers
-    # the prefill unpads k and v (the cache sliced to the mask's 7 positions) and q, once per layer
-    prefill = [("_unpadded", 7)] + [("unpad_input", 7)] * 3 + [("flash_attn_varlen_func", None)]
-    decode = [] if compiled else [("_key_masked", 1)] * (layers * (new - 1))
-    assert calls == prefill * layers + decode
+    # the cache holds the prompt and every new token but the last: the last decode step's 2-D mask covers every slot,
+    # so that step gets the 2-D padding mask (the key-masked path) instead of the 4-D one
+    decode = [] if compiled else [("_full_mask", 1)] * (layers * (new - 2)) + [("_key_masked", 1)] * layers
+    assert calls == [("_full_mask", 7)] * layers + decode
+    # one mask shape for every decode step but the last: the compiled step records one CUDA graph for them
+    steps = [shape for shape in built[1:] if shape is not None and len(shape) == 4]
+    assert steps == [(2, 1, 1, built[0][-1])] * (new - 2), built
     if compiled:
         assert _graph_breaks() == 0, dict(counters["graph_break"])
 

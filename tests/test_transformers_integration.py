@@ -203,12 +203,49 @@ def test_packed_kwargs_and_position_ids_route_to_varlen():
         assert _rel(by_pos[:, lo:hi].double(), alone) < 1e-5
 
 
+def test_four_d_boolean_mask_is_the_whole_pattern(seed):
+    """A 4-D boolean mask (what the mask builder returns for a static cache) is the complete visibility pattern:
+    the model's causal flag and sliding window are not applied on top; a query row that sees no key is zeros.
+    Against the float64 oracle under the same mask, broadcast over heads."""
+    q, k, v = _qkv(seed, s=12)
+    g = torch.Generator().manual_seed(seed + 1)
+    mask = torch.rand(2, 1, 12, 12, generator=g) < 0.6
+    mask[1, 0, 5] = False                  # a row without keys
+    mask = mask.to(DEVICE)
+    out, _ = ft_hf.flashtile_attention_forward(_Module(), q, k, v, mask, sliding_window=3)
+    ref = attention_ref(*(t.transpose(1, 2).double() for t in (q, k, v)), attn_mask=mask)[0]
+    ref[1, 5] = 0.0
+    assert torch.equal(out[1, 5], torch.zeros_like(out[1, 5]))
+    assert _rel(out.double(), ref) < 1e-5
+
+
+def test_static_cache_mask_has_the_cache_shape():
+    """The mask builder: a 2-D mask shorter than the cache (a static cache mid-generation) becomes transformers'
+    4-D mask over every slot (the same shape at every step); one as long as the keys stays the 2-D padding mask,
+    or None without padding."""
+    mask = torch.ones(2, 5, dtype=torch.bool)   # (transformers hands the builders a boolean mask)
+    mask[0, :2] = False
+    kw = dict(batch_size=2, q_length=1, q_offset=4, kv_offset=0, device="cpu")
+    try:
+        built = ft_hf.padding_mask(kv_length=8, attention_mask=mask, **kw)
+    except TypeError:   # transformers before q_length / q_offset: cache_position instead
+        kw = dict(batch_size=2, cache_position=torch.tensor([4]), kv_offset=0, device="cpu")
+        built = ft_hf.padding_mask(kv_length=8, attention_mask=mask, **kw)
+    assert built.shape == (2, 1, 1, 8) and built.dtype == torch.bool
+    assert built[0, 0, 0].tolist() == [False, False, True, True, True, False, False, False]
+    assert built[1, 0, 0].tolist() == [True] * 5 + [False] * 3
+    assert torch.equal(ft_hf.padding_mask(kv_length=5, attention_mask=mask, **kw), mask)
+    assert ft_hf.padding_mask(kv_length=5, attention_mask=torch.ones(2, 5, dtype=torch.bool), **kw) is None
+
+
 def test_unsupported_inputs_raise():
     q, k, v = _qkv(9)
     with pytest.raises(ValueError, match="s_aux"):
         ft_hf.flashtile_attention_forward(_Module(), q, k, v, None, s_aux=torch.zeros(4))
     with pytest.raises(ValueError, match="attention_mask"):
-        ft_hf.flashtile_attention_forward(_Module(), q, k, v, torch.ones(2, 1, 20, 20, dtype=torch.bool))
+        ft_hf.flashtile_attention_forward(_Module(), q, k, v, torch.zeros(2, 1, 20, 20, device=DEVICE))
+    with pytest.raises(ValueError, match="attention_mask"):
+        ft_hf.flashtile_attention_forward(_Module(), q, k, v, torch.ones(2, 20, 20, dtype=torch.bool, device=DEVICE))
     with pytest.raises(ValueError, match="sliding_window"):
         ft_hf.flashtile_attention_forward(_Module(), q, k, v, None, sliding_window=0)
 

@@ -15,9 +15,13 @@ k/v (batch, nheads_k, seqlen_k, headdim) from the model and calls flashtile with
   Eager calls with more than one query per row (training, prefill) unpad the batch, run the varlen kernel and
   pad back (zeros at padding positions), as transformers' flash-attention path does. Decode steps (one query
   per row) and calls traced by torch.compile run the dense kernel instead, with the mask as a key mask
-  (``attn_mask``): no value is read, no shape depends on data, so a compiled model has no graph break here. A
-  static cache's slots past the mask (no token yet) are masked too; the rows of padding queries are zeros on
-  both paths.
+  (``attn_mask``): no value is read, no shape depends on data, so a compiled model has no graph break here. The
+  rows of padding queries are zeros on both paths.
+* Static cache (``cache_implementation="static"``): the mask builder returns transformers' 4-D boolean mask over
+  the cache's slots (its ``sdpa_mask``: causal, window, padding and the slots without a token yet), whose shape is
+  the same at every decode step, so transformers' compiled decoding step records one CUDA graph; the attention
+  function runs it as ``attn_mask`` with no causal flag or window on top. Any 4-D boolean mask
+  (batch or 1, 1 or heads, seqlen_q, seqlen_k) is taken that way.
 * Packed batches without padding (``DataCollatorWithFlattening``): batch 1 whose position_ids restart, or the
   ``cu_seq_lens_q/k`` + ``max_length_q/k`` kwargs, run as varlen so that sequences do not see each other.
   Under torch.compile the positions are not read while tracing: the custom ops ``flashtile::row_fwd`` /
@@ -30,7 +34,7 @@ k/v (batch, nheads_k, seqlen_k, headdim) from the model and calls flashtile with
   Triton interpreter.
 
 Not supported (raise ValueError): attention sinks (``s_aux``), additive position biases (``position_bias``),
-custom 4-D masks. ``output_attentions`` returns None weights, as with transformers' flash-attention path.
+additive (float) 4-D masks. ``output_attentions`` returns None weights, as with transformers' flash-attention path.
 """
 from __future__ import annotations
 
@@ -45,6 +49,7 @@ from ..api.checks import check_device
 from ..api.problem import values_readable
 from ..interface import NO_EXTRAS, Extras, backward, flash_attn_func, forward
 from ..kernels.dispatch import kernel_inputs
+from ..kernels.triton.decode import prepare as prepare_decode
 from ..padding import pad_input, unpad_input
 from ..varlen import flash_attn_varlen_func
 
@@ -159,6 +164,17 @@ def _key_masked(q, k, v, mask, opts: dict) -> torch.Tensor:
             visible = visible & (k_pos <= q_pos + right)
         out = flash_attn_func(q, k, v, attn_mask=visible, **dict(opts, causal=False, window_size=(-1, -1)))
     return out.masked_fill(~q_real[:, :, None, None], 0.0)
+
+
+def _full_mask(q, k, v, mask, opts: dict) -> torch.Tensor:
+    """Attention under a 4-D boolean mask (batch or 1, 1 or nheads, seqlen_q, seqlen_k), True = attend: the whole
+    visibility pattern (causal, window and padding included, as transformers' sdpa_mask builds it for a static
+    cache), so the model's causal flag and window are not applied on top. A row that sees no key is zeros. An eager
+    call (the prefill) makes the decode kernel's persistent buffers, which the decode steps of transformers'
+    compiled step (CUDA graphs) then find made."""
+    if values_readable(q):
+        prepare_decode(q.device)
+    return flash_attn_func(q, k, v, attn_mask=mask, **dict(opts, causal=False, window_size=(-1, -1)))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -292,11 +308,14 @@ def flashtile_attention_forward(
     # eager calls may read the mask and the positions; traced ones (torch.compile) take paths with static shapes
     readable = values_readable(q)
     position_ids = kwargs.get("position_ids")
-    if attention_mask is not None:
+    if attention_mask is not None and attention_mask.dim() == 4 and attention_mask.dtype == torch.bool:
+        out = _full_mask(q, k, v, attention_mask, opts)
+    elif attention_mask is not None:
         if attention_mask.dim() != 2:
-            _fail("attention_mask.dim()", attention_mask.dim(),
-                  "2: the (batch, seqlen_k) padding mask that transformers builds for attn_implementation="
-                  f"{NAME!r} (custom 4-D masks are not supported)")
+            _fail("attention_mask", f"a {attention_mask.dim()}-D {attention_mask.dtype} tensor",
+                  "the (batch, seqlen_k) padding mask that transformers builds for attn_implementation="
+                  f"{NAME!r}, or a 4-D boolean mask (batch, 1, seqlen_q, seqlen_k) (additive float masks are not "
+                  "supported)")
         if attention_mask.shape[1] < q_len:
             _fail("attention_mask.shape[1]", attention_mask.shape[1], f">= seqlen_q = {q_len} (the queries are the "
                   "mask's last positions)")
@@ -326,7 +345,16 @@ def padding_mask(*, kv_length: int, attention_mask=None, **kwargs):
     """The mask builder registered with the attention function: transformers' flash-attention mask (the 2-D
     (batch, kv_length) padding mask, None when nothing is padded). Deciding "nothing is padded" reads the mask; while
     values cannot be read (torch.compile tracing) the mask is passed on as it is instead, and the attention function
-    treats an all-ones mask like any other."""
+    treats an all-ones mask like any other.
+
+    A static cache (kv_length cache slots, more than the 2-D mask's tokens) gets transformers' 4-D boolean mask
+    instead (sdpa_mask: (batch, 1, seqlen_q, kv_length), True = attend), as SDPA does: its shape is the cache's at
+    every step, so a compiled decoding step (CUDA graphs) sees one input shape, where a 2-D mask growing by one
+    column per step made it record a graph per step."""
+    if attention_mask is not None and attention_mask.shape[1] < kv_length:
+        from transformers.masking_utils import sdpa_mask
+        return sdpa_mask(kv_length=kv_length, attention_mask=attention_mask.bool(),
+                         **dict(kwargs, allow_is_causal_skip=False))
     if attention_mask is not None and not values_readable(attention_mask):
         return attention_mask[:, -kv_length:]
     from transformers.masking_utils import flash_attention_mask

@@ -172,30 +172,40 @@ def copies(p, q, k, v) -> tuple:
 
 
 # K and V bytes from which a decode step runs the decode kernel: from there the kernel time it saves exceeds the
-# host time its launch path costs beyond the forward's (benchmarks/sweep_decode_step.py)
+# host time its launch path costs beyond the forward's (benchmarks/sweep_decode_step.py); with an attn_mask (a
+# static cache's step: transformers' mask over its slots) from DECODE_STEP_MASKED_MIN_BYTES, where the forward
+# kernel's masked tiles cost more
 DECODE_STEP_MIN_BYTES = 1 << 27
+DECODE_STEP_MASKED_MIN_BYTES = 0
 
 
 def _decode_step(p, params, bias, mods) -> bool:
     """Whether a dense forward is a decode step (one query per row over keys: a generation loop's call) that the
     split-KV decode kernel computes, with the keys as a full cache: it splits the keys over the GPU where the
-    forward kernel runs one program per (batch, head). From DECODE_STEP_MIN_BYTES of K and V; not with attn_bias /
-    attn_mask / block masks / mods / dropout / probabilities, which the decode kernel has no part of."""
+    forward kernel runs one program per (batch, head). From DECODE_STEP_MIN_BYTES of K and V
+    (DECODE_STEP_MASKED_MIN_BYTES with an attn_mask); not with attn_bias / block masks / mods / dropout /
+    probabilities, which the decode kernel has no part of."""
+    threshold = DECODE_STEP_MASKED_MIN_BYTES if p.mask else DECODE_STEP_MIN_BYTES
     return (not p.varlen and p.seqlen_q == 1 and p.batch > 0 and p.seqlen_k > 0 and bias is None and mods is None
-            and not (p.mask or p.sparse_block or p.return_probs) and params.dropout_p == 0
-            and 2 * p.batch * p.seqlen_k * p.nheads_k * p.head_dim * p.dtype.itemsize >= DECODE_STEP_MIN_BYTES)
+            and not (p.sparse_block or p.return_probs) and params.dropout_p == 0
+            and 2 * p.batch * p.seqlen_k * p.nheads_k * p.head_dim * p.dtype.itemsize >= threshold)
 
 
 class _DecodeStep:
     """The decode kernel over a dense problem's k, v (_decode_step), called as fa3.ForwardPlan is. Its launch
-    templates are keyed on this plan (one per problem, which is remembered per argument signature) and the strides,
-    so a generation loop repeating a shape launches its template."""
-    __slots__ = ()
+    templates are keyed on the problem's value (a masked call's problem is made anew per call: equal values share
+    a template) and the strides, so a generation loop repeating a shape launches its template."""
+    __slots__ = ("p", )
 
-    def __call__(self, q, k, v, out, lse, params, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None) -> bool:
-        sig = (self, q.stride(), k.stride(), v.stride(), q.device, None if alibi is None else alibi.stride())
+    def __init__(self, p):
+        self.p = p
+
+    def __call__(self, q, k, v, out, lse, params, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                 mask=None) -> bool:
+        sig = (self.p, params, q.stride(), k.stride(), v.stride(), q.device, None if alibi is None else alibi.stride(),
+               None if mask is None else (mask.shape, mask.stride()))
         flash_decode(q, k, v, out, lse, None, params, alibi=alibi, max_seqlen_k=k.shape[1], seqlen_k_static=k.shape[1],
-                     sig=sig)
+                     mask=mask, sig=sig)
         return True
 
 
@@ -206,12 +216,12 @@ def forward(p, params, q, k, v, out, lse, x, bias=None, mods=None) -> None:
     if plan is False:
         plan = None
         if _decode_step(p, params, bias, mods):
-            plan = _DecodeStep()
+            plan = _DecodeStep(p)
         elif (_gluon_candidate(p, params) and _attends(p, q, k)
                 and fa3.supports(q, k, v, params, x.alibi, x.cu_seqlens_q)):
             plan = fa3.ForwardPlan(q, k, v, lse, params, x.alibi, x.cu_seqlens_q, p.seqlen_q, p.seqlen_k)
         p.cache["fwd"] = plan
-    if plan is not None and plan(q, k, v, out, lse, params, x.alibi, x.cu_seqlens_q, x.cu_seqlens_k):
+    if plan is not None and plan(q, k, v, out, lse, params, x.alibi, x.cu_seqlens_q, x.cu_seqlens_k, x.mask):
         return
     flash_fwd(q, k, v, out, lse, params, x.alibi, x.cu_seqlens_q, x.cu_seqlens_k, p.seqlen_q, p.seqlen_k,
               bias=bias, mask=x.mask, sparse=x.sparse, mods=mods, memo=p.cache)
@@ -306,15 +316,16 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  cache_batch_idx: Optional[torch.Tensor] = None, leftpad: Optional[torch.Tensor] = None,
                  block_table: Optional[torch.Tensor] = None, alibi: Optional[torch.Tensor] = None,
                  num_splits: int = 0, max_seqlen_k: Optional[int] = None,
-                 seqlen_k_static: Optional[int] = None, seqlens_add: int = 0, sig=None) -> int:
+                 seqlen_k_static: Optional[int] = None, seqlens_add: int = 0, mask: Optional[torch.Tensor] = None,
+                 sig=None) -> int:
     """decode.flash_decode's call (its arguments and the split count it returns); paged caches whose pages hold
     16 or 32 keys go to the Gluon paged decode on Hopper where paged.eligible says it computes the call: a key
-    tile's pages are TMA boxes under one barrier."""
+    tile's pages are TMA boxes under one barrier. mask (dense decode steps): the Triton decode kernel's."""
     if sig is not None and not decode.CONFIG_OVERRIDE:
         # a signature launched before goes straight to the template that served it: the Triton decode's, else the
         # Gluon paged decode's
         n = decode.relaunch_decode(sig, q, k_cache, v_cache, out, lse, seqlens_k, cu_seqlens_q, cache_batch_idx,
-                                   leftpad, block_table, alibi)
+                                   leftpad, block_table, alibi, mask)
         if n:
             return n
         fast = _PAGED_FAST.get((sig, _capturing(q.device)))
@@ -324,7 +335,7 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
             if tpl is not None and fa3.enabled() and tpl.launch(q, k_cache, v_cache, out, lse, block_table, seqlens_k,
                                                                 lambda m: tickets(q.device, m)):
                 return n
-    if block_table is not None and q.is_cuda and not decode.CONFIG_OVERRIDE.keys() - _GLUON_OVERRIDES:
+    if block_table is not None and mask is None and q.is_cuda and not decode.CONFIG_OVERRIDE.keys() - _GLUON_OVERRIDES:
         n = _paged_decode(q, k_cache, v_cache, out, lse, seqlens_k, params, cu_seqlens_q, max_seqlen_q,
                           cache_batch_idx, leftpad, block_table, alibi, num_splits, max_seqlen_k, seqlen_k_static,
                           seqlens_add, sig)
@@ -334,7 +345,7 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                                max_seqlen_q=max_seqlen_q, cache_batch_idx=cache_batch_idx, leftpad=leftpad,
                                block_table=block_table, alibi=alibi, num_splits=num_splits,
                                max_seqlen_k=max_seqlen_k, seqlen_k_static=seqlen_k_static, seqlens_add=seqlens_add,
-                               sig=sig)
+                               mask=mask, sig=sig)
 
 
 def _paged_decode(q, k_cache, v_cache, out, lse, seqlens_k, params, cu_seqlens_q, max_seqlen_q, cache_batch_idx,

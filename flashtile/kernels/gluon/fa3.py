@@ -673,9 +673,10 @@ class ForwardPlan:
         self.key = _fwd_key(q, k, v, out, lse, params, alibi, sq, sk)
         self.tpl = None
 
-    def __call__(self, q, k, v, out, lse, params, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None) -> bool:
+    def __call__(self, q, k, v, out, lse, params, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                 mask=None) -> bool:
         """False (nothing launched) where this call cannot take the kernel: Gluon turned off, or a tensor TMA
-        cannot tile."""
+        cannot tile. mask: always None (dispatch plans this kernel only for problems without an attn_mask)."""
         if not enabled():
             return False
         tpl = self.tpl

@@ -56,9 +56,9 @@ from ..runtime import _capturing, _device_props, multiprocessors, tickets  # noq
 from . import combine as _combine
 from . import configs
 from .launch import (AttnParams, DescriptorType, _dot_precision, cdiv, descriptor_fields, interpreting, lse_strides,
-                     next_pow2, row_descriptor, row_strides)
-from .mods import (key_range, load_rows, mma, online_softmax_step, present, query_head, scores_log2, seq_bounds,
-                   to_dtype, visible)
+                     next_pow2, pair_args, row_descriptor, row_strides)
+from .mods import (bias_mask_log2, key_range, load_rows, mma, online_softmax_step, present, query_head, scores_log2,
+                   seq_bounds, to_dtype, visible)
 
 try:  # host-side TMA descriptors (triton >= 3.4; the interpreter emulates them)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -129,16 +129,18 @@ def _load_kv(desc, HEAD, rows, row, head_col, valid, offs_d, head_dim,
 @triton.jit
 def _decode_tile(acc, l_i, m_i, page, start_n, row, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
                  PAGED: tl.constexpr, PAGE_TILES: tl.constexpr, USE_TMA: tl.constexpr, FEATURES: tl.constexpr,
-                 DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_VEC: tl.constexpr):
+                 DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_VEC: tl.constexpr, HAS_MASK: tl.constexpr):
     """One step j of the inner loop (FA2 Alg. 1 lines 7-10) for the key block starting at start_n. row: what
     every step of the program reads, as decode_kernel packs it. page: this tile's block-table entry (paged
     one-page-per-tile); the next tile's is requested here and returned, so that its latency overlaps this
     tile's work instead of stalling the next tile's copy. PAGE_VEC > 0: the split's entries were loaded before
     the loop (row's pages_vec, PAGE_VEC of them from the split's first page on) and this tile's is picked out of
-    them, so no step waits on a read made by the step before."""
+    them, so no step waits on a read made by the step before. HAS_MASK: attn_mask applies to every tile (row's
+    mask_rows: each tile row's (batch, head) row of the mask, moved past the left padding), so every step's
+    softmax update is the one safe for rows without a visible key yet."""
     (q, K_head, V_head, desc_k, desc_v, BT_ROW, cb, head_col, offs_n, offs_d, qi, leftpad, seqlen_q, seqlen_k,
      stride_kp, stride_kn, stride_vp, stride_vn, page_size, head_dim, scale, slope2, window_left,
-     window_right, last_page, pages_vec, first_page) = row
+     window_right, last_page, pages_vec, first_page, mask_rows, stride_mask_m, stride_mask_n) = row
     cols = start_n + offs_n                      # key index within the sequence (after left padding)
     valid = cols < seqlen_k
     next_page = page
@@ -155,11 +157,15 @@ def _decode_tile(acc, l_i, m_i, page, start_n, row, MASKED: tl.constexpr, EVEN_D
     qk = mma(q, tl.trans(k), None, DOT_PREC)
     s, _ = scores_log2(qk, qi[:, None], cols[None, :], seqlen_q, seqlen_k, scale, slope2, FEATURES.SOFTCAP,
                        FEATURES.ALIBI)
+    if HAS_MASK:
+        s = bias_mask_log2(s, qi[:, None], cols[None, :], seqlen_q, seqlen_k, 0, 0, 0, mask_rows[:, None],
+                           stride_mask_m, stride_mask_n, False, True)
     if MASKED:
         s = tl.where(visible(qi[:, None], cols[None, :], seqlen_q, seqlen_k, window_left, window_right,
                              FEATURES.HAS_LEFT, FEATURES.HAS_RIGHT), s, float("-inf"))
     # Alg. 1 line 9: running max m_i, P~ = exp2(S - m_i), running sum l_i
-    m_i, p, alpha, l_i = online_softmax_step(m_i, l_i, s, MASKED)
+    SAFE: tl.constexpr = MASKED or HAS_MASK
+    m_i, p, alpha, l_i = online_softmax_step(m_i, l_i, s, SAFE)
     v = _load_kv(desc_v, V_head, v_rows, tile_row, head_col, valid, offs_d, head_dim, MASKED, EVEN_D, USE_TMA)
     # Alg. 1 line 10: O~ = diag(alpha) O~ + P~ V_j
     acc = acc * alpha[:, None]
@@ -170,44 +176,47 @@ def _decode_tile(acc, l_i, m_i, page, start_n, row, MASKED: tl.constexpr, EVEN_D
 @triton.jit
 def _attend_split(acc, l_i, m_i, page, row, s_lo, f_lo, f_hi, s_hi, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
                   PAGED: tl.constexpr, PAGE_TILES: tl.constexpr, USE_TMA: tl.constexpr, FEATURES: tl.constexpr,
-                  DOT_PREC: tl.constexpr, PAGE_VEC: tl.constexpr):
+                  DOT_PREC: tl.constexpr, PAGE_VEC: tl.constexpr, HAS_MASK: tl.constexpr):
     """Alg. 1 line 6: the split's key blocks, [s_lo, f_lo) masked | [f_lo, f_hi) unmasked | [f_hi, s_hi) masked.
     The three ranges are consecutive, so the block-table entry each step prefetches is the next step's; page:
     the first tile's entry (paged one-page-per-tile without PAGE_VEC; with it the steps read row's pages_vec)."""
     for start_n in range(s_lo, f_lo, BLOCK_N):
         acc, l_i, m_i, page = _decode_tile(acc, l_i, m_i, page, start_n, row, True, EVEN_D, PAGED, PAGE_TILES,
-                                           USE_TMA, FEATURES, DOT_PREC, BLOCK_N, PAGE_VEC)
+                                           USE_TMA, FEATURES, DOT_PREC, BLOCK_N, PAGE_VEC, HAS_MASK)
     for start_n in range(f_lo, f_hi, BLOCK_N):
         acc, l_i, m_i, page = _decode_tile(acc, l_i, m_i, page, start_n, row, False, EVEN_D, PAGED, PAGE_TILES,
-                                           USE_TMA, FEATURES, DOT_PREC, BLOCK_N, PAGE_VEC)
+                                           USE_TMA, FEATURES, DOT_PREC, BLOCK_N, PAGE_VEC, HAS_MASK)
     for start_n in range(f_hi, s_hi, BLOCK_N):
         acc, l_i, m_i, page = _decode_tile(acc, l_i, m_i, page, start_n, row, True, EVEN_D, PAGED, PAGE_TILES,
-                                           USE_TMA, FEATURES, DOT_PREC, BLOCK_N, PAGE_VEC)
+                                           USE_TMA, FEATURES, DOT_PREC, BLOCK_N, PAGE_VEC, HAS_MASK)
     return acc, l_i, m_i
 
 
 @triton.jit(do_not_specialize=["num_splits", "seqlen_k_static"])
 def decode_kernel(
     Q, K, V, O, LSE, O_PART, LSE_PART, SEM, desc_k, desc_v,
-    CU_SEQLENS_Q, SEQLENS_K, CACHE_BATCH_IDX, LEFTPAD, BLOCK_TABLE, ALIBI_SLOPES,
+    CU_SEQLENS_Q, SEQLENS_K, CACHE_BATCH_IDX, LEFTPAD, BLOCK_TABLE, ALIBI_SLOPES, MASK,
     q_strides, k_strides, v_strides, o_strides, lse_strides, part_strides, lse_part_strides, stride_bt_b,
-    stride_alibi_b, heads, seqlen_q_static, seqlen_k_static, head_dim, page_size, scale, window, num_splits,
+    stride_alibi_b, mask_strides, heads, seqlen_q_static, seqlen_k_static, head_dim, page_size, scale, window,
+    num_splits,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     FEATURES: tl.constexpr, PAGED: tl.constexpr, PAGE_TILES: tl.constexpr, USE_TMA: tl.constexpr,
     HAS_SEQLENS: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr, SPLIT: tl.constexpr,
     FUSED_COMBINE: tl.constexpr, COMBINE_RG: tl.constexpr, COMBINE_CHUNK: tl.constexpr,
-    DOT_PREC: tl.constexpr, PAGE_VEC: tl.constexpr = 0,
+    DOT_PREC: tl.constexpr, PAGE_VEC: tl.constexpr = 0, HAS_MASK: tl.constexpr = False,
 ):
     """One program per tile of BLOCK_M packed (query, head of the group) rows of one (batch, K/V head), per split of
     the keys; grid (row tiles, batch * nheads_k, num_splits). The tensors (each step's own; a launch template binds
     the rest): Q, O, LSE as flash_decode's q, out, lse; K, V the caches; O_PART, LSE_PART the split partials
     (SPLIT) and SEM the fused combine's ticket counters (FUSED_COMBINE); desc_k, desc_v TMA descriptors over the
-    caches (USE_TMA); CU_SEQLENS_Q, SEQLENS_K, CACHE_BATCH_IDX, LEFTPAD, BLOCK_TABLE, ALIBI_SLOPES under their
-    flags (FEATURES.VARLEN: varlen queries, HAS_SEQLENS, HAS_BATCH_IDX, HAS_LEFTPAD, PAGED, FEATURES.ALIBI);
+    caches (USE_TMA); CU_SEQLENS_Q, SEQLENS_K, CACHE_BATCH_IDX, LEFTPAD, BLOCK_TABLE, ALIBI_SLOPES, MASK under their
+    flags (FEATURES.VARLEN: varlen queries, HAS_SEQLENS, HAS_BATCH_IDX, HAS_LEFTPAD, PAGED, FEATURES.ALIBI,
+    HAS_MASK: a bool attn_mask, read as uint8, broadcastable to (batch, nheads, seqlen_q, cache positions));
     FEATURES (params.Features) as attn_fwd_kernel's but dropout. The rest:
     - q_strides, o_strides: (batch, row, head) strides; k_strides, v_strides: (cache row or page, position, head);
       lse_strides: (batch, head); part_strides: O_PART's (split, packed row, head), lse_part_strides: LSE_PART's
-      (split, packed row); stride_bt_b: BLOCK_TABLE's row stride; stride_alibi_b;
+      (split, packed row); stride_bt_b: BLOCK_TABLE's row stride; stride_alibi_b; mask_strides: MASK's (batch,
+      head, query, cache position) strides (runtime.pair_args: 0 where it broadcasts);
     - heads: (nheads_k, query heads per K/V head); seqlen_q_static: the (longest) query length; seqlen_k_static:
       added to SEQLENS_K, or every sequence's end without it; head_dim; page_size (PAGED);
     - scale: (score_scale, softcap_log2) (mods.scores_log2); window: (window_left, window_right); num_splits."""
@@ -265,6 +274,11 @@ def decode_kernel(
     # Alg. 1 line 4: load Q_i (padding rows are 0 and never stored)
     q = tl.load(Q + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < head_dim),
                 other=0.0)
+    mask_rows = 0
+    stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n = mask_strides
+    if HAS_MASK:   # each tile row's (batch, head) row of attn_mask, at cache position leftpad (key 0)
+        mask_rows = (MASK + tl.cast(b, tl.int64) * stride_mask_b + h.to(tl.int64) * stride_mask_h
+                     + tl.cast(leftpad, tl.int64) * stride_mask_n)
     slope2 = 0.0
     if FEATURES.ALIBI:
         slope2 = (tl.load(ALIBI_SLOPES + b * stride_alibi_b + h, mask=row_ok, other=0.0).to(tl.float32)
@@ -306,18 +320,18 @@ def decode_kernel(
             page = _page_entry(BT_ROW, leftpad + s_lo, page_size, last_page)
     row = (q, K_head, V_head, present(desc_k), present(desc_v), BT_ROW, cb, head_col, offs_n, offs_d, qi, leftpad,
            seqlen_q, seqlen_k, stride_kp, stride_kn, stride_vp, stride_vn, page_size, head_dim, scale, slope2,
-           window_left, window_right, last_page, pages_vec, first_page)
+           window_left, window_right, last_page, pages_vec, first_page, mask_rows, stride_mask_m, stride_mask_n)
     if PAGE_TILES and HAS_LEFTPAD:
         # a tile starts at cache position leftpad + (multiple of BLOCK_N): in one page iff leftpad is aligned
         if leftpad % BLOCK_N == 0:
             acc, l_i, m_i = _attend_split(acc, l_i, m_i, page, row, s_lo, f_lo, f_hi, s_hi, BLOCK_N, EVEN_D, PAGED,
-                                          True, USE_TMA, FEATURES, DOT_PREC, PAGE_VEC)
+                                          True, USE_TMA, FEATURES, DOT_PREC, PAGE_VEC, HAS_MASK)
         else:
             acc, l_i, m_i = _attend_split(acc, l_i, m_i, page, row, s_lo, f_lo, f_hi, s_hi, BLOCK_N, EVEN_D, PAGED,
-                                          False, False, FEATURES, DOT_PREC, 0)
+                                          False, False, FEATURES, DOT_PREC, 0, HAS_MASK)
     else:
         acc, l_i, m_i = _attend_split(acc, l_i, m_i, page, row, s_lo, f_lo, f_hi, s_hi, BLOCK_N, EVEN_D, PAGED,
-                                      PAGE_TILES, USE_TMA, FEATURES, DOT_PREC, PAGE_VEC)
+                                      PAGE_TILES, USE_TMA, FEATURES, DOT_PREC, PAGE_VEC, HAS_MASK)
 
     # Alg. 1 lines 12-13: O = O~ / l, lse2 = m + log2 l; a row that saw no key: O = 0, lse = -inf
     empty = l_i == 0.0
@@ -594,6 +608,16 @@ def _placeholder(device: torch.device, dtype: torch.dtype, dims: int) -> torch.T
     return torch.empty((1,) * dims, device=device, dtype=dtype)
 
 
+def prepare(device: torch.device) -> None:
+    """Make the decode launches' persistent device buffers (the placeholders, the ticket pool) now, in an eager call:
+    made first inside a CUDA-graph memory pool (torch.compile's mode="reduce-overhead" runs a compiled step's first
+    calls there), they would outlive the graph in its pool, which cudagraph trees refuse."""
+    if device.type == "cuda" and not _capturing(device):
+        for dtype, dims in ((torch.int32, 1), (torch.float32, 3), (torch.float32, 4)):
+            _placeholder(device, dtype, dims)
+        tickets(device, 1)
+
+
 def fuse_combine(num_splits: int, kv_bytes: int, device: torch.device) -> bool:
     """Whether a launch of num_splits > 1 splits reading kv_bytes of K/V merges them itself (FUSED_COMBINE) rather
     than by combine.py's kernel: CONFIG_OVERRIDE["fused_combine"] if set, else up to FUSED_MAX_SPLITS splits, and
@@ -630,7 +654,7 @@ def _cache_descriptor(t: torch.Tensor, block_n: int, block_d: int):
 
 # decode_kernel's first _TEMPLATE_LIVE parameters are the tensors (and TMA descriptors) a decode step changes; the
 # rest (ints, floats, groups of them, constexprs) are fixed by the problem
-_TEMPLATE_LIVE = 16
+_TEMPLATE_LIVE = 17
 # (caller's signature, plan, fused combine) -> _Template of a launch flash_decode made before
 _TEMPLATES: dict = {}
 
@@ -646,7 +670,7 @@ def _remember_fast(sig, device, key, num_splits: int) -> None:
 
 
 def relaunch_decode(sig, q, k_cache, v_cache, out, lse, seqlens_k, cu_seqlens_q=None, cache_batch_idx=None,
-                    leftpad=None, block_table=None, alibi=None) -> int:
+                    leftpad=None, block_table=None, alibi=None, mask=None) -> int:
     """The split count of a launch through the template that served signature sig before (flash_decode's
     arguments); 0 (nothing launched) where none did, CONFIG_OVERRIDE pins a launch, or the template does not take
     these tensors."""
@@ -658,7 +682,7 @@ def relaunch_decode(sig, q, k_cache, v_cache, out, lse, seqlens_k, cu_seqlens_q=
     key, n = fast
     tpl = _TEMPLATES.get(key)
     if tpl is not None and tpl.launch(q, k_cache, v_cache, out, lse, seqlens_k, cu_seqlens_q, cache_batch_idx,
-                                      leftpad, block_table, alibi):
+                                      leftpad, block_table, alibi, mask):
         return n
     return 0
 
@@ -678,7 +702,7 @@ class _Template:
     placeholder_i32: torch.Tensor
 
     def launch(self, q, k_cache, v_cache, out, lse, seqlens_k, cu_seqlens_q, cache_batch_idx, leftpad, block_table,
-               alibi) -> bool:
+               alibi, mask) -> bool:
         """The launch flash_decode's slow path makes for these tensors; False (nothing launched) where the bound
         kernel does not take them (another alignment, device, a launch hook: relaunch.Bound)."""
         device = q.device
@@ -698,7 +722,7 @@ class _Template:
             q, k_cache, v_cache, out, lse, o_part, lse_part, counters, desc_k, desc_v,
             dummy if cu_seqlens_q is None else cu_seqlens_q, dummy,
             dummy if cache_batch_idx is None else cache_batch_idx, dummy if leftpad is None else leftpad,
-            dummy if block_table is None else block_table, alibi))
+            dummy if block_table is None else block_table, alibi, None if mask is None else mask.view(torch.uint8)))
 
 
 def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
@@ -707,7 +731,8 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  cache_batch_idx: Optional[torch.Tensor] = None, leftpad: Optional[torch.Tensor] = None,
                  block_table: Optional[torch.Tensor] = None, alibi: Optional[torch.Tensor] = None,
                  num_splits: int = 0, max_seqlen_k: Optional[int] = None,
-                 seqlen_k_static: Optional[int] = None, seqlens_add: int = 0, sig=None) -> int:
+                 seqlen_k_static: Optional[int] = None, seqlens_add: int = 0, mask: Optional[torch.Tensor] = None,
+                 sig=None) -> int:
     """out[...] = attention of q over the cache; lse[...] its natural-log LSE (-inf for rows with no key).
 
     q / out: (batch, seqlen_q, nheads, d), or packed (total_q, nheads, d) with cu_seqlens_q / max_seqlen_q.
@@ -716,11 +741,15 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     block_table (batch, max_blocks) int32. seqlens_k (batch,) int32: batch element b sees cache positions
     [leftpad[b], seqlens_k[b] + seqlens_add); or seqlens_k None and seqlen_k_static: the same end position for
     every batch element (no tensor, no kernel to fill one). cache_batch_idx (batch,) int32: cache row of each batch element.
-    Inputs are already validated. Returns the number of splits used.
+    mask: a bool attn_mask broadcastable to (batch, nheads, seqlen_q, capacity) (dense q, contiguous cache; True =
+    may attend), applied with the mask rule of the attention kernels (elementwise.bias_mask_log2).
+    sig: the caller's signature of this launch (everything but the tensors' data: shapes, strides, the mask's
+    strides, the scalars): a signature launched before takes its template. Inputs are already validated. Returns
+    the number of splits used.
     """
     # a signature launched before goes straight to the template that served it
     n = relaunch_decode(sig, q, k_cache, v_cache, out, lse, seqlens_k, cu_seqlens_q, cache_batch_idx, leftpad,
-                        block_table, alibi)
+                        block_table, alibi, mask)
     if n:
         return n
     varlen = cu_seqlens_q is not None
@@ -748,7 +777,7 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     key = (sig, plan, fused) if sig is not None and not CONFIG_OVERRIDE else None
     tpl = _TEMPLATES.get(key) if key is not None else None
     if tpl is not None and tpl.launch(q, k_cache, v_cache, out, lse, seqlens_k, cu_seqlens_q, cache_batch_idx,
-                                      leftpad, block_table, alibi):
+                                      leftpad, block_table, alibi, mask):
         _remember_fast(sig, q.device, key, num_splits)
         return num_splits
     block_d = configs.block_d(head_dim)
@@ -770,16 +799,17 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     else:  # never touched: SPLIT=False compiles the partial stores away
         o_part, lse_part = _placeholder(q.device, torch.float32, 4), _placeholder(q.device, torch.float32, 3)
     grid = (plan.m_blocks, batch * nheads_k, num_splits)
+    mask_view, *mask_strides = pair_args(mask, batch, nheads, sq, k_cache.shape[1])
     args = (
         q, k_cache, v_cache, out, lse, o_part, lse_part, counters, desc_k, desc_v,
         cu_seqlens_q if varlen else dummy_i32, dummy_i32,
         cache_batch_idx if cache_batch_idx is not None else dummy_i32,
         leftpad if leftpad is not None else dummy_i32,
-        block_table if paged else dummy_i32, alibi,
+        block_table if paged else dummy_i32, alibi, mask_view,
         row_strides(q), k_cache.stride()[:3], v_cache.stride()[:3], row_strides(out), lse_strides(lse),
         o_part.stride()[:3],
         lse_part.stride()[:2], block_table.stride(0) if paged else 0,
-        0 if alibi is None or alibi.dim() == 1 else alibi.stride(0),
+        0 if alibi is None or alibi.dim() == 1 else alibi.stride(0), tuple(mask_strides),
         (nheads_k, group), sq, int(seqlens_add) if has_seqlens else int(seqlen_k_static), head_dim, k_cache.shape[1],
         params.score_args(), (params.window_left, params.window_right), num_splits)
     kwargs = dict(
@@ -789,7 +819,7 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         PAGED=paged, PAGE_TILES=paged and plan.page_tiles, USE_TMA=use_tma, HAS_SEQLENS=has_seqlens,
         HAS_BATCH_IDX=cache_batch_idx is not None, HAS_LEFTPAD=leftpad is not None, SPLIT=split, FUSED_COMBINE=fused,
         COMBINE_RG=combine_rg, COMBINE_CHUNK=combine_chunk, DOT_PREC=_dot_precision(q.dtype), PAGE_VEC=plan.page_vec,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        HAS_MASK=mask is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     launched = relaunch.launch(decode_kernel, grid, args, kwargs)
     if key is not None and (not split or fused):   # (a separate combine launch is not templated)
         bound = relaunch.bind(decode_kernel, args, kwargs, _TEMPLATE_LIVE, launched)
