@@ -350,8 +350,8 @@ def dense_attention(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                                                                                                    mask_mod)
     grad = torch.is_grad_enabled()
     n_score = usermods.n_score_tensors(mod_key)
-    p = dataclasses.replace(
-        p, bias=attn_bias is not None, mask=attn_mask is not None, sparse_block=0 if sparse is None else
+    p = p.with_features(
+        bias=attn_bias is not None, mask=attn_mask is not None, sparse_block=0 if sparse is None else
         sparse.block_size, mod_key=mod_key, bias_grad=grad and attn_bias is not None and attn_bias.requires_grad,
         mod_grad_bits=sum(1 << i for i, t in enumerate(mod_tensors[:n_score]) if grad and t.requires_grad))
     return attention(p, q, k, v, Extras(alibi_slopes, mask=attn_mask, sparse=sparse), attn_bias, tuple(mod_tensors))

@@ -315,6 +315,26 @@ def test_a_replaced_problem_has_a_cache_of_its_own():
         assert other.cache == {} and other.cache is not p.cache
 
 
+def test_featured_problems_are_kept_per_feature_values(monkeypatch):
+    """Problem.with_features: a masked / biased call's problem is one object per feature values (its plans kept
+    across the calls of a loop), another object for other values; flash_attn_func with an attn_mask hands the
+    dispatcher the same problem call after call."""
+    from flashtile.api import problem as P
+    from flashtile.kernels import dispatch
+    q, k, v = (torch.randn(2, 8, 2, 16, device=DEVICE) for _ in range(3))
+    p = P.dense(q, k, v, 0.0, None, True, (-1, -1), 0.0, None, False, False)
+    a = p.with_features(mask=True, bias=False)
+    assert a is p.with_features(mask=True, bias=False) and a.mask and not p.mask and a.cache is not p.cache
+    assert p.with_features(mask=False, bias=True) is not a
+    seen = []
+    real = dispatch.forward
+    mask = torch.rand(2, 1, 8, 8, device=DEVICE) > 0.3
+    monkeypatch.setattr(dispatch, "forward", lambda pr, *a, **kw: seen.append(pr) or real(pr, *a, **kw))
+    for _ in range(2):
+        flashtile.flash_attn_func(q, k, v, attn_mask=mask)
+    assert len(seen) == 2 and seen[0] is seen[1] and seen[0].mask
+
+
 def test_padded_problems_are_kept_per_padding(monkeypatch):
     """Problem.with_padding: the same object for the same (pad_q, pad_k), so a loop over padded packed batches keeps
     its plans; a problem of its own (cache included) per padding; the problem itself without padding to add; at

@@ -90,12 +90,23 @@ class Problem:
         pairs), so that a loop over padded packed batches keeps its plans."""
         if (pad_q, pad_k) == (self.pad_q, self.pad_k):
             return self
-        padded = self.cache.setdefault("padding", {})
-        p = padded.get((pad_q, pad_k))
+        return self._kept("padding", pad_q=pad_q, pad_k=pad_k)
+
+    def with_features(self, **fields) -> "Problem":
+        """This problem with the feature fields a call adds to its checked shapes (bias, mask, sparse_block,
+        mod_key, bias_grad, mod_grad_bits), one object per set of values (kept in this problem's cache, at most
+        MEMO_MAX), so that a loop of masked or biased calls keeps its plans."""
+        return self._kept("features", **fields)
+
+    def _kept(self, slot: str, **fields) -> "Problem":
+        """replace(self, **fields), made once per value of fields and kept in self.cache[slot]."""
+        kept = self.cache.setdefault(slot, {})
+        key = tuple(fields.items())
+        p = kept.get(key)
         if p is None:
-            if len(padded) >= MEMO_MAX:
-                padded.clear()
-            p = padded[(pad_q, pad_k)] = replace(self, pad_q=pad_q, pad_k=pad_k)
+            if len(kept) >= MEMO_MAX:
+                kept.clear()
+            p = kept[key] = replace(self, **fields)
         return p
 
     @property

@@ -193,16 +193,13 @@ def _decode_step(p, params, bias, mods) -> bool:
 
 class _DecodeStep:
     """The decode kernel over a dense problem's k, v (_decode_step), called as fa3.ForwardPlan is. Its launch
-    templates are keyed on the problem's value (a masked call's problem is made anew per call: equal values share
-    a template) and the strides, so a generation loop repeating a shape launches its template."""
-    __slots__ = ("p", )
-
-    def __init__(self, p):
-        self.p = p
+    templates are keyed on this plan (one per problem, which is remembered per argument signature) and the strides,
+    so a generation loop repeating a shape launches its template."""
+    __slots__ = ()
 
     def __call__(self, q, k, v, out, lse, params, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None,
                  mask=None) -> bool:
-        sig = (self.p, params, q.stride(), k.stride(), v.stride(), q.device, None if alibi is None else alibi.stride(),
+        sig = (self, q.stride(), k.stride(), v.stride(), q.device, None if alibi is None else alibi.stride(),
                None if mask is None else (mask.shape, mask.stride()))
         flash_decode(q, k, v, out, lse, None, params, alibi=alibi, max_seqlen_k=k.shape[1], seqlen_k_static=k.shape[1],
                      mask=mask, sig=sig)
@@ -216,7 +213,7 @@ def forward(p, params, q, k, v, out, lse, x, bias=None, mods=None) -> None:
     if plan is False:
         plan = None
         if _decode_step(p, params, bias, mods):
-            plan = _DecodeStep(p)
+            plan = _DecodeStep()
         elif (_gluon_candidate(p, params) and _attends(p, q, k)
                 and fa3.supports(q, k, v, params, x.alibi, x.cu_seqlens_q)):
             plan = fa3.ForwardPlan(q, k, v, lse, params, x.alibi, x.cu_seqlens_q, p.seqlen_q, p.seqlen_k)
