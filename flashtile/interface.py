@@ -23,7 +23,7 @@ from .api.errors import fail
 from .api.problem import Problem
 from .kernels import dispatch
 from .kernels.gluon import fa3
-from .kernels.params import SparseLists
+from .kernels.params import GradSums, SparseLists
 from .kernels.triton import launch
 
 
@@ -124,30 +124,32 @@ def forward(p: Problem, q, k, v, x: Extras = NO_EXTRAS, bias=None, mod_tensors=(
 
 
 def backward(p: Problem, dout, q, k, v, out, lse, rng_state, x: Extras = NO_EXTRAS, bias=None, mod_tensors=(),
-             dlse=None, dq_acc: Optional[torch.Tensor] = None) -> list:
+             dlse=None, sums: Optional[GradSums] = None) -> list:
     """[dq, dk, dv], then dbias (attn_bias's shape and dtype) if p.bias_grad, then the gradient of every score_mod
     captured tensor i with bit i of p.mod_grad_bits set. dlse: the gradient reaching the forward's LSE output.
-    dq_acc: a float32 tensor of q's shape that dQ is added into, in float32 (a caller summing dQ over several
-    calls, as the ring does over its steps: no dQ of its own, no conversion); dq is then None (plain problems)."""
+    sums (params.GradSums, plain problems): float32 running sums that dQ, dK and dV are added into, in float32 (a
+    caller summing the gradients over several calls, as the ring does over its steps), from sums.delta where the
+    caller computed D once; the result is then [None, None, None]."""
     params = p.params
     if rng_state is not None:
         seed, offset = (int(s) for s in rng_state.tolist())
         params = dataclasses.replace(params, seed=seed, rng_offset=offset)
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
-    if dq_acc is not None and not p.plain:
-        fail("dq_acc", "a tensor", "None for problems with attn_bias, attn_mask, block masks or mods")
+    if sums is not None:
+        if not p.plain:
+            fail("sums", "running sums", "None for problems with ALiBi, attn_bias, attn_mask, block masks or mods")
+        dispatch.backward(p, params, dout, q, k, v, out, lse, None, None, None, x, dlse=dlse, sums=sums)
+        return [None, None, None]
     if p.varlen:
-        dq = None if dq_acc is not None else _padded_output(q, p.pad_q)
+        dq = _padded_output(q, p.pad_q)
         dk, dv = _padded_output(k, p.pad_k), _padded_output(v, p.pad_k)
     else:
-        dq = None if dq_acc is not None else output_like(q)
-        dk, dv = output_like(k), output_like(v)
+        dq, dk, dv = output_like(q), output_like(k), output_like(v)
     if p.plain:
-        dispatch.backward(p, params, dout, q, k, v, out, lse, dq, dk, dv, x, dlse=dlse, dq_acc=dq_acc)
+        dispatch.backward(p, params, dout, q, k, v, out, lse, dq, dk, dv, x, dlse=dlse)
         if p.varlen:
-            if dq is not None:
-                _zero_tail(dq, p.pad_q)
+            _zero_tail(dq, p.pad_q)
             _zero_tail(dk, p.pad_k)
             _zero_tail(dv, p.pad_k)
         return [dq, dk, dv]

@@ -257,7 +257,7 @@ def binomial_5sigma(n: int, p_keep: float) -> float:
     return 5.0 * math.sqrt(n * p_keep * (1.0 - p_keep))
 
 
-def dq_acc_case(varlen: bool, dtype, device, dense=(2, 77, 90), d: int = 64):
+def sums_case(varlen: bool, dtype, device, dense=(2, 77, 90), d: int = 64):
     """A problem (dense causal GQA of (batch, seqlen_q, seqlen_k) `dense`, or varlen with a zero-length sequence
     and padding rows after the last one) with its forward run: (problem, extras, q, k, v, dout, out, lse)."""
     from flashtile import interface

@@ -90,6 +90,20 @@ def _fwd_bwd(params, b=2, sq=1024, sk=1024, h=4, hk=2, d=128, alibi=None, cu=Non
             torch.empty_like(v), params, alibi=alibi, **lens, **flex)
 
 
+def _bwd_into_sums(params, b=2, sq=1024, sk=1024, h=4, hk=2, d=128, cu=None, max_len=None):
+    """fa3.bwd adding dQ, dK and dV into float32 running sums (the ring's steps: params.GradSums)."""
+    if cu is None:
+        q, k, v = _rand(b, sq, h, d), _rand(b, sk, hk, d), _rand(b, sk, hk, d)
+        lse = torch.empty(b, h, sq)
+        lens = {}
+    else:
+        q, k, v = _rand(sq, h, d), _rand(sk, hk, d), _rand(sk, hk, d)
+        lse = torch.empty(h, sq)
+        lens = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len, max_seqlen_k=max_len)
+    fa3.bwd(torch.randn_like(q), q, k, v, lse, torch.randn_like(lse), None, torch.zeros(k.shape),
+            torch.zeros(v.shape), params, torch.zeros(q.shape), **lens)
+
+
 def _flex_fwd_bwd():
     """flashtile.flex's features through fa3.fwd / fa3.bwd: a block mask's lists with a score_mod (ALiBi's, its
     slopes wanting a gradient) and a mask_mod (document's)."""
@@ -115,6 +129,9 @@ if __name__ == "__main__":
     _fwd_bwd(CAUSAL, sq=1024, sk=1024, hk=4, cu=torch.tensor([0, 300, 1024], dtype=torch.int32), max_len=724)
     _fwd_bwd(CAUSAL, sq=512, sk=512, hk=4, bias=_rand(1, 4, 512, 512), mask=torch.rand(2, 1, 512, 512) > 0.2)
     _flex_fwd_bwd()
+    _bwd_into_sums(FULL)                                  # float32 sums: the dense kernel, d128 and d64
+    _bwd_into_sums(CAUSAL, d=64)
+    _bwd_into_sums(CAUSAL, sq=1024, sk=1024, hk=4, cu=torch.tensor([0, 300, 1024], dtype=torch.int32), max_len=724)
     for d, causal in ((128, False), (64, True)):          # the FP8 forward: e4m3 Q, K, V^T, per-block descales
         block_m, block_n = fa3.fp8_block_shape(d)
         q8, k8 = (torch.randn(2, 512, 4, d).to(torch.float8_e4m3fn) for _ in range(2))

@@ -31,7 +31,9 @@ import torch.distributed as dist
 import dataclasses
 
 from .. import interface as _interface
+from ..kernels.params import GradSums
 from ..kernels.triton.combine import merge_into
+from ..kernels.triton.launch import bwd_delta
 from ..api import checks
 from ..api import problem as P
 from ..api.errors import fail
@@ -327,8 +329,8 @@ class DenseBlocks:
     """Runs the BlockCalls of a dense plan, each on a rectangle of the (batch, seqlen_local, heads, headdim)
     shards. The ring passes (`_ring_forward` / `_ring_backward`) drive any object with this interface:
     rows(c) -> (query rows, key rows) of the local shards a call reads, forward(c, q, k, v) -> (out, lse)
-    on those rows, backward(c, dout, q, k, v, out, lse, dq_acc) -> (None, dk, dv) on those rows with dQ added
-    into dq_acc (float32, those rows of the running sum), all batch-first."""
+    on those rows, backward(c, dout, q, k, v, out, lse, sums): dQ, dK, dV added into sums (params.GradSums:
+    float32, those rows of the running sums, and D on the query rows), all batch-first."""
 
     def __init__(self, p: Problem):
         self.p = p
@@ -341,9 +343,9 @@ class DenseBlocks:
         out, lse, _, _ = _interface.forward(_block(self.p, c), q, k, v)
         return out, lse
 
-    def backward(self, c, dout, q, k, v, out, lse, dq_acc):
-        """(None, dk, dv): dQ is added into dq_acc (float32) by the kernel."""
-        return _interface.backward(_block(self.p, c), dout, q, k, v, out, lse, None, dq_acc=dq_acc)
+    def backward(self, c, dout, q, k, v, out, lse, sums):
+        """The block's dQ, dK and dV added into sums (params.GradSums over those rows, float32)."""
+        _interface.backward(_block(self.p, c), dout, q, k, v, out, lse, None, sums=sums)
 
 
 def _ring_forward(ring: _Ring, q, k, v, plans, blocks):
@@ -367,6 +369,8 @@ def _ring_forward(ring: _Ring, q, k, v, plans, blocks):
 
 def _ring_backward(ring: _Ring, dout, q, k, v, out, lse, plans, blocks):
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    # D = rowsum(dO o O) of the global output: the same rows at every step, computed once
+    delta = bwd_delta(out, dout.contiguous(), lse)
     kv = torch.stack([k, v])
     # (requests, buffer being sent, buffer being received) of the dK/dV transfer in flight; the send buffer
     # is referenced until its transfer is waited on, so its memory cannot be reused while NCCL reads it
@@ -380,10 +384,9 @@ def _ring_backward(ring: _Ring, dout, q, k, v, out, lse, plans, blocks):
             # global out and lse: P = exp(S - lse_global), D = rowsum(dO * O_global) -> exactly this
             # block's share of dQ and of the shard's dK, dV
             qs, ks = blocks.rows(c)
-            _, dk_b, dv_b = blocks.backward(c, dout[:, qs], q[:, qs], kv[0][:, ks], kv[1][:, ks], out[:, qs],
-                                            lse[:, :, qs].contiguous(), dq[:, qs])
-            dkv[0][:, ks] += dk_b
-            dkv[1][:, ks] += dv_b
+            sums = GradSums(dq[:, qs], dkv[0][:, ks], dkv[1][:, ks], delta[:, :, qs].contiguous())
+            blocks.backward(c, dout[:, qs], q[:, qs], kv[0][:, ks], kv[1][:, ks], out[:, qs],
+                            lse[:, :, qs].contiguous(), sums)
         if dkv_flight is not None:  # the shard's dK/dV accumulated by the ranks it visited before us
             _wait(dkv_flight[0])
             dkv += dkv_flight[2]

@@ -35,6 +35,7 @@ from ..api import checks
 from ..api import problem as P
 from ..api.errors import fail
 from ..api.problem import Problem
+from ..kernels.params import GradSums
 from .comm import check_device, require_process_group
 from .ring import RingFlashAttnFunc, _Ring, check_group_agrees, plan_block
 
@@ -356,10 +357,10 @@ class VarlenBlocks:
         out, lse, _, _ = _interface.forward(p, q[0], k[0], v[0], x)
         return out[None], lse[None]
 
-    def backward(self, c, dout, q, k, v, out, lse, dq_acc):
+    def backward(self, c, dout, q, k, v, out, lse, sums):
         p, x = self._call(c)
-        _, dk, dv = _interface.backward(p, dout[0], q[0], k[0], v[0], out[0], lse[0], None, x, dq_acc=dq_acc[0])
-        return None, dk[None], dv[None]
+        _interface.backward(p, dout[0], q[0], k[0], v[0], out[0], lse[0], None, x,
+                            sums=GradSums(*(t[0] for t in sums)))
 
 
 def ring_flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens, max_seqlen: int,

@@ -25,6 +25,7 @@ from triton.compiler.errors import CompilationError
 
 from . import relaunch
 from .gluon import fa3, paged
+from .params import GradSums
 from .runtime import _capturing, cdiv, tickets, tma_row_view
 from .triton import bwd as _bwd
 from .triton import combine, decode, launch
@@ -81,25 +82,30 @@ def flash_fwd(q, k, v, out, lse, params, alibi=None, cu_seqlens_q=None, cu_seqle
 def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None,
               max_seqlen_q=None, max_seqlen_k=None, deterministic=False, bias=None, mask=None, sparse=None,
               dbias=None, mods=None, dlse: Optional[torch.Tensor] = None, memo: Optional[dict] = None,
-              dq_acc: Optional[torch.Tensor] = None) -> None:
+              sums: Optional[GradSums] = None) -> None:
     """launch.flash_bwd's call: dq, dk, dv (and dbias, the mods' captured gradients); by FlashAttention-3's
     warp-specialized backward (Gluon) from the Triton preprocess kernel's D where fa3.supports(backward=True) says
     it takes the problem (not dbias), except for deterministic gradients (it adds dQ atomically); else by the Triton
-    kernels. dq_acc (float32, q's shape): dQ is added into it instead (dq is then None): the Gluon kernel adds
-    into it directly where it is contiguous, else dQ is computed and added."""
-    if dq_acc is not None:
-        if (dq_acc.is_contiguous() and not deterministic and k.numel() > 0
+    kernels. sums (params.GradSums; dq, dk, dv then None): the gradients are added into its float32 tensors instead,
+    from its delta where given: by the Gluon kernel, else computed and added."""
+    if sums is not None:
+        if (not deterministic and k.numel() > 0
                 and fa3.supports(q, k, v, params, alibi, cu_seqlens_q, bias, mask, sparse, mods, backward=True,
                                  dbias=dbias)):
-            delta = launch.bwd_delta(out, dout, lse, dlse, cu_seqlens_q, max_seqlen_q)
-            fa3.bwd(dout, q, k, v, lse, delta, None, dk, dv, params, dq_acc, alibi, cu_seqlens_q, cu_seqlens_k,
-                    max_seqlen_q, max_seqlen_k, bias, mask, sparse, mods)
+            delta = sums.delta
+            if delta is None:
+                delta = launch.bwd_delta(out, dout, lse, dlse, cu_seqlens_q, max_seqlen_q)
+            elif dlse is not None:
+                delta = delta - dlse   # (launch._delta's rule)
+            fa3.bwd(dout, q, k, v, lse, delta, None, sums.dk, sums.dv, params, sums.dq, alibi, cu_seqlens_q,
+                    cu_seqlens_k, max_seqlen_q, max_seqlen_k, bias, mask, sparse, mods)
             return
         # (varlen: rows of no sequence stay 0, so nothing is added there)
-        dq = torch.zeros_like(q) if cu_seqlens_q is not None else torch.empty_like(q)
-        flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params, alibi, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+        grads = [(torch.zeros_like if cu_seqlens_q is not None else torch.empty_like)(t) for t in (q, k, v)]
+        flash_bwd(dout, q, k, v, out, lse, *grads, params, alibi, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                   max_seqlen_k, deterministic, bias, mask, sparse, dbias, mods, dlse, memo)
-        dq_acc.add_(dq)
+        for acc, g in zip(sums[:3], grads):
+            acc.add_(g)
         return
     if launch.relaunch_bwd(memo, dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, alibi, dlse):
         return
@@ -264,13 +270,13 @@ class _GluonBackward:
 
 
 def backward(p, params, dout, q, k, v, out, lse, dq, dk, dv, x, bias=None, dbias=None, mods=None, dlse=None,
-             dq_acc=None) -> None:
-    """dq, dk, dv (and dbias, the mods' captured gradients) of problem p; see forward. dq_acc: flash_bwd's (dq
-    None)."""
-    if dq_acc is not None:
-        flash_bwd(dout, q, k, v, out, lse, None, dk, dv, params, x.alibi, x.cu_seqlens_q, x.cu_seqlens_k, p.seqlen_q,
-                  p.seqlen_k, deterministic=p.deterministic, bias=bias, mask=x.mask, sparse=x.sparse, dbias=dbias,
-                  mods=mods, dlse=dlse, memo=p.cache, dq_acc=dq_acc)
+             sums=None) -> None:
+    """dq, dk, dv (and dbias, the mods' captured gradients) of problem p; see forward. sums: flash_bwd's (dq, dk,
+    dv None)."""
+    if sums is not None:
+        flash_bwd(dout, q, k, v, out, lse, None, None, None, params, x.alibi, x.cu_seqlens_q, x.cu_seqlens_k,
+                  p.seqlen_q, p.seqlen_k, deterministic=p.deterministic, bias=bias, mask=x.mask, sparse=x.sparse,
+                  dbias=dbias, mods=mods, dlse=dlse, memo=p.cache, sums=sums)
         return
     plan = p.cache.get("bwd", False)
     if plan is False:

@@ -1,6 +1,6 @@
 """The arguments of an attention problem beside q, k, v as every kernel family reads them (Triton, Gluon, decode):
-the scalars (AttnParams), a block mask's tile lists (SparseLists) and the user mods compiled in (UserMods); the
-kernels' constexpr groups of features (Features, Flex).
+the scalars (AttnParams), a block mask's tile lists (SparseLists), the user mods compiled in (UserMods), the running
+sums a backward adds into (GradSums); the kernels' constexpr groups of features (Features, Flex).
 
 The mask is a window (left, right) aligned to the bottom-right corner (flash-attn 2.x): query i may see key j iff
 i + sk - sq - left <= j <= i + sk - sq + right, -1 meaning unbounded on that side; causal is (-1, 0). What a kernel
@@ -105,6 +105,16 @@ class SparseLists:
     q_idx: torch.Tensor
     full_q_num: torch.Tensor
     full_q_idx: torch.Tensor
+
+
+class GradSums(NamedTuple):
+    """float32 running sums a backward adds its gradients into instead of returning them (the ring's steps: each
+    shard's gradients summed over the blocks it meets, in float32): dq (q's shape), dk, dv (k's shape); delta = rowsum(dO o O) (lse's shape and strides) where the caller computed
+    it once for several calls over the same rows (the ring's steps), else None (computed per call)."""
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+    delta: Optional[torch.Tensor] = None
 
 
 @dataclass(frozen=True)

@@ -141,25 +141,35 @@ def test_gluon_switched_off_between_calls_takes_the_triton_path(seed, monkeypatc
     check_against_reference(c, q, k, v, dout, alibi, out, None, None, None)
 
 
-@pytest.mark.parametrize("case", ["dense-aligned", "dense-ragged", "varlen"])
+@pytest.mark.parametrize("case", ["dense-aligned", "dense-ragged", "varlen", "dense-sliced"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_dq_added_into_accumulator_by_the_gluon_backward_gpu(case, d, seed):
-    """backward(..., dq_acc=acc) on the Gluon kernels (the ring's steps): acc gains the dQ the plain call returns
-    (within its 16-bit rounding), twice in a row, rows of no sequence gain nothing; dK, dV equal the plain call's."""
-    from attn_utils import dq_acc_case
+def test_gradients_added_into_sums_by_the_gluon_backward_gpu(case, d, seed):
+    """backward(..., sums=GradSums) on the Gluon kernels (the ring's steps): the float32 sums gain the dQ, dK and dV
+    the plain call returns (within its 16-bit rounding), twice in a row, with D given; rows of no sequence gain
+    nothing. dense-aligned: the dense kernel (TMA reduce-adds); dense-ragged / varlen: the general one (the last
+    key rows of a sequence by pointers); dense-sliced: sums that are seqlen slices of a batch (no TMA view: added
+    from buffers)."""
+    from attn_utils import sums_case
     from flashtile import interface
-    dense = (2, 1024, 1024) if case == "dense-aligned" else (2, 300, 500)
-    p, x, q, k, v, do, out, lse = dq_acc_case(case == "varlen", bf16, "cuda", dense, d)
-    dq, dk, dv = interface.backward(p, do, q, k, v, out, lse, None, x)
-    before = torch.randn(q.shape, device="cuda")
-    acc = before.clone()
+    from flashtile.kernels.params import GradSums
+    from flashtile.kernels.triton.launch import bwd_delta
+    dense = (2, 1024, 1024) if case in ("dense-aligned", "dense-sliced") else (2, 300, 500)
+    p, x, q, k, v, do, out, lse = sums_case(case == "varlen", bf16, "cuda", dense, d)
+    grads = [g.float() for g in interface.backward(p, do, q, k, v, out, lse, None, x)]
+    delta = bwd_delta(out, do, lse, None, x.cu_seqlens_q, p.seqlen_q)
+    if case == "dense-sliced":   # the sums: rows [64, 64 + seqlen) of longer float32 tensors
+        sums = [torch.randn(t.shape[0], t.shape[1] + 128, *t.shape[2:], device="cuda")[:, 64:-64] for t in (q, k, v)]
+    else:
+        sums = [torch.randn(t.shape, device="cuda") for t in (q, k, v)]
+    before = [t.clone() for t in sums]
     for n in (1, 2):
-        _, dk2, dv2 = interface.backward(p, do, q, k, v, out, lse, None, x, dq_acc=acc)
-        assert torch.equal(dk2, dk) and torch.equal(dv2, dv)
-        err = (acc - (before + n * dq.float())).abs().max().item()
-        assert err <= n * 2 ** -7 * dq.float().abs().max().item() + 1e-5, (n, err)
+        assert interface.backward(p, do, q, k, v, out, lse, None, x, sums=GradSums(*sums, delta)) == [None] * 3
+        for name, got, b, g in zip("qkv", sums, before, grads):
+            err = (got - (b + n * g)).abs().max().item()
+            assert err <= n * 2 ** -7 * g.abs().max().item() + 1e-5, (name, n, err)
     if case == "varlen":
-        assert torch.equal(acc[161:], before[161:])
+        for got, b in zip(sums, before):
+            assert torch.equal(got[161:], b[161:])
 
 
 def test_merge_into_matches_merge_attention_gpu(seed):

@@ -49,6 +49,13 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 tma_reduce_add = getattr(tma, "async_atomic_add", None) or _tma_reduce_add
 
 
+@builtin
+def _reinterpret(smem, dtype, shape, layout, _semantic=None):
+    """smem viewed as a tile of another dtype, shape and layout (Triton 3.9: reinterpret; 3.6: _reinterpret)."""
+    view = getattr(smem, "reinterpret", None) or smem._reinterpret
+    return view(dtype, shape, layout, _semantic=_semantic)
+
+
 @gluon.jit
 def _query_block(t, n_i, i_start, hk, group, blocks=0, SPARSE_BLOCK: gl.constexpr = 0, BLOCK_M: gl.constexpr = 64):
     """Iteration t of a program -> (query head, query block index): the group's heads one after another, each
@@ -307,9 +314,57 @@ def _consumer_partition(wg: gl.constexpr, shared, TILE: gl.constexpr, CAUSAL: gl
 def _store_dkv_tma(dk, dv, dk_desc, dv_desc, q_bufs, do_bufs, qdo_empty, row, col, n_iters, sm_scale,
                    wg: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
     """dK_w (scaled) and dV_w to rows [row, +64) by TMA (stage_dkv, tma_store_dkv): one bulk store each instead of
-    4-byte stores."""
-    dk_smem, dv_smem = stage_dkv(dk, dv, q_bufs, do_bufs, qdo_empty, n_iters, sm_scale, wg, BLOCK_M, STAGES)
-    tma_store_dkv(dk_desc, dv_desc, dk_smem, dv_smem, row, col)
+    4-byte stores; into float32 descriptors (a caller's running sums) they are added instead (add_dkv)."""
+    if dk_desc.dtype == gl.float32:
+        add_dkv(dk, dv, dk_desc, dv_desc, q_bufs, do_bufs, qdo_empty, row, col, n_iters, sm_scale, wg, STAGES)
+    else:
+        dk_smem, dv_smem = stage_dkv(dk, dv, q_bufs, do_bufs, qdo_empty, n_iters, sm_scale, wg, BLOCK_M, STAGES)
+        tma_store_dkv(dk_desc, dv_desc, dk_smem, dv_smem, row, col)
+
+
+@gluon.jit
+def wait_qdo_free(qdo_empty, n_iters, STAGES: gl.constexpr):
+    """Until both warpgroups released the last STAGES Q_i / dO_i buffers (qdo_empty): after the loop, every buffer is
+    then free (the producer loads nothing more)."""
+    for k in range(gl.minimum(n_iters, STAGES)):
+        t = n_iters - 1 - k
+        mbarrier.wait(qdo_empty.index(t % STAGES), (t // STAGES) & 1)
+
+
+@gluon.jit
+def dkv_f32_stage(q_bufs, do_bufs, acc_desc, wg: gl.constexpr):
+    """Warpgroup wg's float32 (64, HEAD_D) staging tile for add_dkv, in the free Q_i buffers (warpgroup 0) or dO_i
+    buffers (warpgroup 1): one buffer where a buffer holds the tile's bytes (Br = 128 at d64), else all STAGES."""
+    if wg == 0:
+        bufs = q_bufs
+    else:
+        bufs = do_bufs
+    BUF_BYTES: gl.constexpr = bufs.shape[1] * bufs.shape[2] * bufs.dtype.primitive_bitwidth // 8
+    TILE_BYTES: gl.constexpr = acc_desc.block_type.shape[0] * acc_desc.block_type.shape[1] * 4
+    if BUF_BYTES == TILE_BYTES:
+        raw = bufs.index(0)
+    else:
+        gl.static_assert(bufs.shape[0] * BUF_BYTES == TILE_BYTES, "float32 dK / dV staging: buffer sizes")
+        raw = bufs
+    return _reinterpret(raw, gl.float32, acc_desc.block_type.shape, acc_desc.layout)
+
+
+@gluon.jit
+def add_dkv(dk, dv, dk_desc, dv_desc, q_bufs, do_bufs, qdo_empty, row, col, n_iters, sm_scale, wg: gl.constexpr,
+            STAGES: gl.constexpr):
+    """dK_w (scaled) and dV_w added into the float32 tensors of dk_desc / dv_desc (a caller's running sums: the
+    ring's steps) at rows [row, +64), one after the other through this warpgroup's float32 staging tile
+    (dkv_f32_stage), each by one TMA reduce-add: the sum stays in float32, no 16-bit partial gradient."""
+    wait_qdo_free(qdo_empty, n_iters, STAGES)
+    stage = dkv_f32_stage(q_bufs, do_bufs, dk_desc, wg)
+    stage.store(dk * sm_scale)
+    fence_async_shared()
+    tma_reduce_add(dk_desc, [row, col], stage)
+    tma.store_wait(pendings=0)   # (the reduce-add has read the tile)
+    stage.store(dv)
+    fence_async_shared()
+    tma_reduce_add(dv_desc, [row, col], stage)
+    tma.store_wait(pendings=0)
 
 
 @gluon.jit
@@ -319,9 +374,7 @@ def stage_dkv(dk, dv, q_bufs, do_bufs, qdo_empty, n_iters, sm_scale, wg: gl.cons
     STAGES of them (qdo_empty). Returns the two tiles."""
     dtype: gl.constexpr = q_bufs.dtype
     WG_N: gl.constexpr = dk.shape[0]
-    for k in range(gl.minimum(n_iters, STAGES)):
-        t = n_iters - 1 - k
-        mbarrier.wait(qdo_empty.index(t % STAGES), (t // STAGES) & 1)
+    wait_qdo_free(qdo_empty, n_iters, STAGES)
     if BLOCK_M == WG_N:   # a buffer per warpgroup
         dk_smem = q_bufs.index(wg)
         dv_smem = do_bufs.index(wg)

@@ -529,8 +529,8 @@ def _bwd_key(q, k, v, lse, dk, dv, params, alibi, sq, sk):
     """The key of a backward's launch template: what fixes every argument but the live ones (the shapes and strides
     of q, k, v fix their descriptors' geometry; dO and dQ's accumulator are contiguous)."""
     head_dim = q.shape[-1]
-    return (q.shape, k.shape, v.shape, layout(q, k, v), q.dtype, q.device, lse.stride(), dk.stride(), dv.stride(),
-            params.softmax_scale, params.window_left, params.window_right, params.softcap,
+    return (q.shape, k.shape, v.shape, layout(q, k, v), q.dtype, q.device, lse.stride(), dk.dtype, dk.stride(),
+            dv.stride(), params.softmax_scale, params.window_left, params.window_right, params.softcap,
             None if alibi is None else alibi.stride(), sq, sk, bwd_dq_tile(BWD_CONFIGS[head_dim][0], head_dim))
 
 
@@ -567,7 +567,8 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, 
     delta = rowsum(dout o out) (- dlse), both (batch, nheads, seqlen_q) or (varlen) (nheads, total_q) float32 with
     equal strides. Call only where supports(..., backward=True) said yes; dout is made contiguous here, dk / dv
     may be strided. dq_acc: a zeroed float32 accumulator of q's shape, contiguous (None: made here); dq None: dQ
-    is added into dq_acc and left there (the caller's running sum, not zeroed here; dq_acc then required). bias, mask,
+    is added into dq_acc and left there (the caller's running sum, not zeroed here; dq_acc then required). dk / dv
+    float32 (q 16-bit): dK and dV are added into them in float32 (a caller's running sums). bias, mask,
     sparse, mods: flashtile.flex's features as fwd takes them (mods.score_aux_grad: the captured tensors' gradient
     buffers)."""
     _, kern, TensorDescriptor = _kernels(_device_index(q))
@@ -580,8 +581,9 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, 
     dout = tma_ready(dout)
     assert lse.stride() == delta.stride() and lse.stride(-1) == 1
     assert dk.stride(-1) == 1 and dv.stride(-1) == 1
-    if dq_acc is None:
-        dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
+    dq_sum = None   # a caller's running sum TMA cannot tile (a slice of a batch): dQ is added into it from a buffer
+    if dq_acc is None or (dq is None and tma_row_view(dq_acc) is None):
+        dq_sum, dq_acc = dq_acc, torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     dq_tile = bwd_dq_tile(block_m, head_dim)
     grid = (-(-sk // block_n), batch * nheads_k, 1)
     flex = None
@@ -603,20 +605,20 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, 
     tpl = _BWD_TEMPLATES.get(key) if key is not None else None
     if tpl is not None and tpl.kwargs == kwargs and tpl.launch(grid, (k, v, q, dout, dq_acc, dk, dv), lse, delta,
                                                                extras):
-        if dq is not None:
-            dq.copy_(dq_acc)
+        _dq_out(dq, dq_sum, dq_acc)
         return
 
     def desc(t, rows, cols):
         return _desc(TensorDescriptor, t, rows, cols, t.dtype)
 
     # dK, dV by TMA: through a (rows, nheads_k * d) view of dk / dv where their strides allow one (e.g. slices of a
-    # packed gradient), else through a contiguous buffer copied into them
+    # packed gradient), else through a contiguous buffer copied (float32 sums: zeroed, then added) into them
+    add = dk.dtype == torch.float32
     dkv = []
     for g in (dk, dv):
         g_desc = desc(g, block_n // 2, head_dim)
         if g_desc is None:
-            g = torch.empty(g.shape, dtype=g.dtype, device=g.device)
+            g = (torch.zeros if add else torch.empty)(g.shape, dtype=g.dtype, device=g.device)
             g_desc = desc(g, block_n // 2, head_dim)
         dkv.append((g, g_desc))
     (dk_out, dk_desc), (dv_out, dv_desc) = dkv
@@ -643,11 +645,22 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, 
         if bound is not None:
             relaunch.remember(_BWD_TEMPLATES, key, _BwdTemplate(bound, kwargs, TensorDescriptor, [
                 descriptor_fields(d) for d in (*descs, dk_desc, dv_desc)], not dense))
-    if dq is not None:
-        dq.copy_(dq_acc)
+    _dq_out(dq, dq_sum, dq_acc)
     for out, grad in ((dk_out, dk), (dv_out, dv)):
         if out is not grad:
-            grad.copy_(out)
+            if add:
+                grad.add_(out)
+            else:
+                grad.copy_(out)
+
+
+def _dq_out(dq, dq_sum, dq_acc) -> None:
+    """dQ from the kernel's float32 accumulator to where bwd's caller wants it: dq (q's dtype), else added into the
+    caller's running sum where that was not the accumulator itself."""
+    if dq is not None:
+        dq.copy_(dq_acc)
+    elif dq_sum is not None:
+        dq_sum.add_(dq_acc)
 
 
 class ForwardPlan:
