@@ -91,7 +91,8 @@ def _fwd_bwd(params, b=2, sq=1024, sk=1024, h=4, hk=2, d=128, alibi=None, cu=Non
 
 
 def _bwd_into_sums(params, b=2, sq=1024, sk=1024, h=4, hk=2, d=128, cu=None, max_len=None):
-    """fa3.bwd adding dQ, dK and dV into float32 running sums (the ring's steps: params.GradSums)."""
+    """fa3.bwd as the ring's steps call it (params.GradSums): dQ added into a float32 running sum, dK and dV written
+    in float32."""
     if cu is None:
         q, k, v = _rand(b, sq, h, d), _rand(b, sk, hk, d), _rand(b, sk, hk, d)
         lse = torch.empty(b, h, sq)
@@ -129,7 +130,7 @@ if __name__ == "__main__":
     _fwd_bwd(CAUSAL, sq=1024, sk=1024, hk=4, cu=torch.tensor([0, 300, 1024], dtype=torch.int32), max_len=724)
     _fwd_bwd(CAUSAL, sq=512, sk=512, hk=4, bias=_rand(1, 4, 512, 512), mask=torch.rand(2, 1, 512, 512) > 0.2)
     _flex_fwd_bwd()
-    _bwd_into_sums(FULL)                                  # float32 sums: the dense kernel, d128 and d64
+    _bwd_into_sums(FULL)                                  # float32 dK / dV: the dense kernel, d128 and d64
     _bwd_into_sums(CAUSAL, d=64)
     _bwd_into_sums(CAUSAL, sq=1024, sk=1024, hk=4, cu=torch.tensor([0, 300, 1024], dtype=torch.int32), max_len=724)
     for d, causal in ((128, False), (64, True)):          # the FP8 forward: e4m3 Q, K, V^T, per-block descales

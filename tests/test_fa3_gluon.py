@@ -302,7 +302,7 @@ def test_host_launches_pass_the_jit():
     """fa3.fwd, fa3.bwd, fa3.fwd_fp8 and paged.decode_paged's launches (their argument tuples and constexpr groups as
     the host code builds them) go through Triton's JIT binder and compile for sm_90 with wgmmas: dense and general
     backward kernels, windows over unequal lengths, softcap with ALiBi, varlen, attn_bias with a bool mask, a block
-    mask with score_mod and mask_mod, the backward adding into float32 sums (dense d128 / d64, varlen), the FP8
+    mask with score_mod and mask_mod, the backward writing float32 dK / dV (dense d128 / d64, varlen), the FP8
     forward, the paged decode split and whole (tests/gluon_launch_check.py:
     a stand-in sm_90 driver, kernel.warmup for the launch)."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")

@@ -87,7 +87,8 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params, alibi=None, cu_seqlen
     warp-specialized backward (Gluon) from the Triton preprocess kernel's D where fa3.supports(backward=True) says
     it takes the problem (not dbias), except for deterministic gradients (it adds dQ atomically); else by the Triton
     kernels. sums (params.GradSums; dq, dk, dv then None): the gradients are added into its float32 tensors instead,
-    from its delta where given: by the Gluon kernel, else computed and added."""
+    from its delta where given: by the Gluon kernel, which adds dQ into sums.dq and writes dK, dV (in float32 with
+    sums.kv_f32) to be added, else computed in q's dtype and added."""
     if sums is not None:
         if (not deterministic and k.numel() > 0
                 and fa3.supports(q, k, v, params, alibi, cu_seqlens_q, bias, mask, sparse, mods, backward=True,
@@ -97,8 +98,13 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params, alibi=None, cu_seqlen
                 delta = launch.bwd_delta(out, dout, lse, dlse, cu_seqlens_q, max_seqlen_q)
             elif dlse is not None:
                 delta = delta - dlse   # (launch._delta's rule)
-            fa3.bwd(dout, q, k, v, lse, delta, None, sums.dk, sums.dv, params, sums.dq, alibi, cu_seqlens_q,
+            # (varlen: rows of no sequence are not written, so they add 0)
+            dk_b, dv_b = ((torch.zeros if cu_seqlens_k is not None else torch.empty)(
+                t.shape, dtype=torch.float32 if sums.kv_f32 else t.dtype, device=t.device) for t in (k, v))
+            fa3.bwd(dout, q, k, v, lse, delta, None, dk_b, dv_b, params, sums.dq, alibi, cu_seqlens_q,
                     cu_seqlens_k, max_seqlen_q, max_seqlen_k, bias, mask, sparse, mods)
+            sums.dk.add_(dk_b)
+            sums.dv.add_(dv_b)
             return
         # (varlen: rows of no sequence stay 0, so nothing is added there)
         grads = [(torch.zeros_like if cu_seqlens_q is not None else torch.empty_like)(t) for t in (q, k, v)]

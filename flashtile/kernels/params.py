@@ -110,11 +110,14 @@ class SparseLists:
 class GradSums(NamedTuple):
     """float32 running sums a backward adds its gradients into instead of returning them (the ring's steps: each
     shard's gradients summed over the blocks it meets, in float32): dq (q's shape), dk, dv (k's shape); delta = rowsum(dO o O) (lse's shape and strides) where the caller computed
-    it once for several calls over the same rows (the ring's steps), else None (computed per call)."""
+    it once for several calls over the same rows (the ring's steps), else None (computed per call); kv_f32: below."""
     dq: torch.Tensor
     dk: torch.Tensor
     dv: torch.Tensor
     delta: Optional[torch.Tensor] = None
+    # dK, dV leave the Gluon kernel in float32 (no 16-bit rounding of a partial sum), else in q's dtype before they
+    # are added (a cheaper epilogue: the varlen ring's many short key blocks, `git log -S kv_f32`)
+    kv_f32: bool = True
 
 
 @dataclass(frozen=True)

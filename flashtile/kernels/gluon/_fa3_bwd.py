@@ -314,9 +314,10 @@ def _consumer_partition(wg: gl.constexpr, shared, TILE: gl.constexpr, CAUSAL: gl
 def _store_dkv_tma(dk, dv, dk_desc, dv_desc, q_bufs, do_bufs, qdo_empty, row, col, n_iters, sm_scale,
                    wg: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
     """dK_w (scaled) and dV_w to rows [row, +64) by TMA (stage_dkv, tma_store_dkv): one bulk store each instead of
-    4-byte stores; into float32 descriptors (a caller's running sums) they are added instead (add_dkv)."""
+    4-byte stores; to float32 descriptors (gradients kept in float32: the ring's partial sums) through float32
+    staging (store_dkv_f32)."""
     if dk_desc.dtype == gl.float32:
-        add_dkv(dk, dv, dk_desc, dv_desc, q_bufs, do_bufs, qdo_empty, row, col, n_iters, sm_scale, wg, STAGES)
+        store_dkv_f32(dk, dv, dk_desc, dv_desc, q_bufs, do_bufs, qdo_empty, row, col, n_iters, sm_scale, wg, STAGES)
     else:
         dk_smem, dv_smem = stage_dkv(dk, dv, q_bufs, do_bufs, qdo_empty, n_iters, sm_scale, wg, BLOCK_M, STAGES)
         tma_store_dkv(dk_desc, dv_desc, dk_smem, dv_smem, row, col)
@@ -332,38 +333,39 @@ def wait_qdo_free(qdo_empty, n_iters, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def dkv_f32_stage(q_bufs, do_bufs, acc_desc, wg: gl.constexpr):
-    """Warpgroup wg's float32 (64, HEAD_D) staging tile for add_dkv, in the free Q_i buffers (warpgroup 0) or dO_i
-    buffers (warpgroup 1): one buffer where a buffer holds the tile's bytes (Br = 128 at d64), else all STAGES."""
+def dkv_f32_stage(q_bufs, do_bufs, out_desc, wg: gl.constexpr):
+    """Warpgroup wg's float32 (64, HEAD_D) staging tile for store_dkv_f32, in the free Q_i buffers (warpgroup 0) or
+    dO_i buffers (warpgroup 1): one buffer where a buffer holds the tile's bytes (Br = 128 at d64), else all
+    STAGES."""
     if wg == 0:
         bufs = q_bufs
     else:
         bufs = do_bufs
     BUF_BYTES: gl.constexpr = bufs.shape[1] * bufs.shape[2] * bufs.dtype.primitive_bitwidth // 8
-    TILE_BYTES: gl.constexpr = acc_desc.block_type.shape[0] * acc_desc.block_type.shape[1] * 4
+    TILE_BYTES: gl.constexpr = out_desc.block_type.shape[0] * out_desc.block_type.shape[1] * 4
     if BUF_BYTES == TILE_BYTES:
         raw = bufs.index(0)
     else:
         gl.static_assert(bufs.shape[0] * BUF_BYTES == TILE_BYTES, "float32 dK / dV staging: buffer sizes")
         raw = bufs
-    return _reinterpret(raw, gl.float32, acc_desc.block_type.shape, acc_desc.layout)
+    return _reinterpret(raw, gl.float32, out_desc.block_type.shape, out_desc.layout)
 
 
 @gluon.jit
-def add_dkv(dk, dv, dk_desc, dv_desc, q_bufs, do_bufs, qdo_empty, row, col, n_iters, sm_scale, wg: gl.constexpr,
-            STAGES: gl.constexpr):
-    """dK_w (scaled) and dV_w added into the float32 tensors of dk_desc / dv_desc (a caller's running sums: the
-    ring's steps) at rows [row, +64), one after the other through this warpgroup's float32 staging tile
-    (dkv_f32_stage), each by one TMA reduce-add: the sum stays in float32, no 16-bit partial gradient."""
+def store_dkv_f32(dk, dv, dk_desc, dv_desc, q_bufs, do_bufs, qdo_empty, row, col, n_iters, sm_scale,
+                  wg: gl.constexpr, STAGES: gl.constexpr):
+    """dK_w (scaled) and dV_w in float32 to rows [row, +64) of the tensors of dk_desc / dv_desc, one after the other
+    through this warpgroup's float32 staging tile (dkv_f32_stage: shared memory holds one per warpgroup), each by
+    one TMA store: no 16-bit rounding of a partial gradient that a caller sums."""
     wait_qdo_free(qdo_empty, n_iters, STAGES)
     stage = dkv_f32_stage(q_bufs, do_bufs, dk_desc, wg)
     stage.store(dk * sm_scale)
     fence_async_shared()
-    tma_reduce_add(dk_desc, [row, col], stage)
-    tma.store_wait(pendings=0)   # (the reduce-add has read the tile)
+    tma_store(dk_desc, [row, col], stage)
+    tma.store_wait(pendings=0)   # (the store has read the tile)
     stage.store(dv)
     fence_async_shared()
-    tma_reduce_add(dv_desc, [row, col], stage)
+    tma_store(dv_desc, [row, col], stage)
     tma.store_wait(pendings=0)
 
 

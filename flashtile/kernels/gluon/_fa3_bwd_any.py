@@ -18,7 +18,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma_wait
 
 from ._fa3_bwd import (LOG2E, _dq_product, _dq_reduce_add, _load_partition, _query_block, _store_ds,
-                       add_dkv, allocate, dkv_dq_products, invalidate, s_dp_products, skip_step, stage_dkv,
+                       allocate, dkv_dq_products, invalidate, s_dp_products, skip_step, stage_dkv, store_dkv_f32,
                        tma_store_dkv, wait_qdo_free, warpgroup_state)
 from ..elementwise import score_mod_grad
 from ._fa3_fwd import (_alibi_distance_log2, _head_tile, _scores_log2, _seq_info, _sparse_row, _user_scores,
@@ -248,20 +248,22 @@ def _consumer_partition(wg: gl.constexpr, shared, TILE: gl.constexpr, FEATURES: 
 def _store_dkv(dk, dv, dkv, q_bufs, do_bufs, qdo_empty, row, col, n_rows, n_iters, sm_scale, wg: gl.constexpr,
                BLOCK_M: gl.constexpr, STAGES: gl.constexpr, TAIL: gl.constexpr):
     """dK_w (scaled) and dV_w to rows [row, +64), staged as the dense kernel does (stage_dkv): one TMA store each,
-    or (TAIL, fewer than 64 of the rows in the sequence: n_rows) masked pointer stores (store_rows). Into float32
-    tensors (a caller's running sums) they are added instead: by TMA reduce-add (add_dkv), or the tail's rows by
-    pointers (_add_dkv_rows). dkv: the descriptors, pointers and row strides."""
+    or (TAIL, fewer than 64 of the rows in the sequence: n_rows) masked pointer stores (store_rows); float32 tensors
+    (gradients kept in float32) through float32 staging (store_dkv_f32), the tail's rows from registers
+    (_store_dkv_rows_f32). dkv: the descriptors, pointers and row strides."""
     dk_desc, dv_desc, dk_ptr, dv_ptr, stride_dk_row, stride_dv_row = dkv
     WG_N: gl.constexpr = dk.shape[0]
     HEAD_D: gl.constexpr = dk.shape[1]
     if dk_desc.dtype == gl.float32:
         if TAIL:
             if n_rows < WG_N:
-                _add_dkv_rows(dk, dv, dkv, qdo_empty, row, col, n_rows, n_iters, sm_scale, STAGES)
+                _store_dkv_rows_f32(dk, dv, dkv, qdo_empty, row, col, n_rows, n_iters, sm_scale, STAGES)
             else:
-                add_dkv(dk, dv, dk_desc, dv_desc, q_bufs, do_bufs, qdo_empty, row, col, n_iters, sm_scale, wg, STAGES)
+                store_dkv_f32(dk, dv, dk_desc, dv_desc, q_bufs, do_bufs, qdo_empty, row, col, n_iters, sm_scale,
+                              wg, STAGES)
         else:
-            add_dkv(dk, dv, dk_desc, dv_desc, q_bufs, do_bufs, qdo_empty, row, col, n_iters, sm_scale, wg, STAGES)
+            store_dkv_f32(dk, dv, dk_desc, dv_desc, q_bufs, do_bufs, qdo_empty, row, col, n_iters, sm_scale, wg,
+                          STAGES)
     else:
         dk_smem, dv_smem = stage_dkv(dk, dv, q_bufs, do_bufs, qdo_empty, n_iters, sm_scale, wg, BLOCK_M, STAGES)
         if TAIL:
@@ -275,13 +277,13 @@ def _store_dkv(dk, dv, dkv, q_bufs, do_bufs, qdo_empty, row, col, n_rows, n_iter
 
 
 @gluon.jit
-def _add_dkv_rows(dk, dv, dkv, qdo_empty, row, col, n_rows, n_iters, sm_scale, STAGES: gl.constexpr):
-    """dK_w (scaled) and dV_w added into rows row + [0, n_rows) of float32 tensors by pointers (the key rows past a
-    sequence belong to the next one, which TMA would add into): each row belongs to this program alone."""
+def _store_dkv_rows_f32(dk, dv, dkv, qdo_empty, row, col, n_rows, n_iters, sm_scale, STAGES: gl.constexpr):
+    """dK_w (scaled) and dV_w in float32 to rows row + [0, n_rows) by pointer stores from registers (the key rows
+    past a sequence belong to the next one, which a TMA store would overwrite)."""
     dk_desc, dv_desc, dk_ptr, dv_ptr, stride_dk_row, stride_dv_row = dkv
     WG_N: gl.constexpr = dk.shape[0]
     HEAD_D: gl.constexpr = dk.shape[1]
-    wait_qdo_free(qdo_empty, n_iters, STAGES)   # (as the stores: the other warpgroup's steps have ended)
+    wait_qdo_free(qdo_empty, n_iters, STAGES)   # (as the staged stores: the other warpgroup's steps have ended)
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                      instr_shape=[16, HEAD_D, 16])   # (dK_w's: warpgroup_state)
     r = gl.arange(0, WG_N, layout=gl.SliceLayout(1, layout))
@@ -289,10 +291,8 @@ def _add_dkv_rows(dk, dv, dkv, qdo_empty, row, col, n_rows, n_iters, sm_scale, S
     keep = gl.expand_dims(r < n_rows, 1) & gl.expand_dims(d < HEAD_D, 0)
     rows = gl.expand_dims((row + r).to(gl.int64), 1)
     cols = gl.expand_dims((col + d).to(gl.int64), 0)
-    k_at = dk_ptr + rows * stride_dk_row + cols
-    v_at = dv_ptr + rows * stride_dv_row + cols
-    gl.store(k_at, gl.load(k_at, mask=keep, other=0.0) + dk * sm_scale, mask=keep)
-    gl.store(v_at, gl.load(v_at, mask=keep, other=0.0) + dv, mask=keep)
+    gl.store(dk_ptr + rows * stride_dk_row + cols, dk * sm_scale, mask=keep)
+    gl.store(dv_ptr + rows * stride_dv_row + cols, dv, mask=keep)
 
 
 @gluon.jit

@@ -568,7 +568,7 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, 
     equal strides. Call only where supports(..., backward=True) said yes; dout is made contiguous here, dk / dv
     may be strided. dq_acc: a zeroed float32 accumulator of q's shape, contiguous (None: made here); dq None: dQ
     is added into dq_acc and left there (the caller's running sum, not zeroed here; dq_acc then required). dk / dv
-    float32 (q 16-bit): dK and dV are added into them in float32 (a caller's running sums). bias, mask,
+    float32 (q 16-bit): dK and dV are written in float32 (partial gradients a caller sums). bias, mask,
     sparse, mods: flashtile.flex's features as fwd takes them (mods.score_aux_grad: the captured tensors' gradient
     buffers)."""
     _, kern, TensorDescriptor = _kernels(_device_index(q))
@@ -612,13 +612,12 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, 
         return _desc(TensorDescriptor, t, rows, cols, t.dtype)
 
     # dK, dV by TMA: through a (rows, nheads_k * d) view of dk / dv where their strides allow one (e.g. slices of a
-    # packed gradient), else through a contiguous buffer copied (float32 sums: zeroed, then added) into them
-    add = dk.dtype == torch.float32
+    # packed gradient), else through a contiguous buffer copied into them
     dkv = []
     for g in (dk, dv):
         g_desc = desc(g, block_n // 2, head_dim)
         if g_desc is None:
-            g = (torch.zeros if add else torch.empty)(g.shape, dtype=g.dtype, device=g.device)
+            g = torch.empty(g.shape, dtype=g.dtype, device=g.device)
             g_desc = desc(g, block_n // 2, head_dim)
         dkv.append((g, g_desc))
     (dk_out, dk_desc), (dv_out, dv_desc) = dkv
@@ -648,10 +647,7 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, 
     _dq_out(dq, dq_sum, dq_acc)
     for out, grad in ((dk_out, dk), (dv_out, dv)):
         if out is not grad:
-            if add:
-                grad.add_(out)
-            else:
-                grad.copy_(out)
+            grad.copy_(out)
 
 
 def _dq_out(dq, dq_sum, dq_acc) -> None:
