@@ -295,12 +295,13 @@ def test_triton_templates_launch_what_the_slow_path_does(varlen, atomic, monkeyp
     assert not memo
 
 
+@pytest.mark.parametrize("fresh", [False, True])
 @pytest.mark.parametrize("with_delta", [False, True])
 @pytest.mark.parametrize("varlen", [False, True])
-def test_gradients_added_into_float32_sums(seed, varlen, with_delta):
+def test_gradients_added_into_float32_sums(seed, varlen, with_delta, fresh):
     """backward(..., sums=GradSums(dq, dk, dv[, delta])) (the ring's steps): the sums gain dQ, dK and dV in float32,
     the plain call's gradients (to their rounding), with D given or computed; rows of no sequence gain nothing; the
-    result is [None, None, None]."""
+    result is [None, None, None]. kv_fresh: dK and dV are written (every row, zeros where no sequence), dQ added."""
     from flashtile import interface
     from flashtile.kernels.params import GradSums
     from flashtile.kernels.triton.launch import bwd_delta
@@ -309,11 +310,13 @@ def test_gradients_added_into_float32_sums(seed, varlen, with_delta):
     before = [torch.randn(t.shape, device=t.device) for t in (q, k, v)]
     sums = [t.clone() for t in before]
     delta = bwd_delta(out, do, lse, None, x.cu_seqlens_q, p.seqlen_q) if with_delta else None
-    assert interface.backward(p, do, q, k, v, out, lse, None, x, sums=GradSums(*sums, delta)) == [None] * 3
-    for got, b, g in zip(sums, before, grads):
-        assert torch.allclose(got, b + g, atol=1e-5, rtol=0), f"seed={seed}"
+    got = interface.backward(p, do, q, k, v, out, lse, None, x, sums=GradSums(*sums, delta, kv_fresh=fresh))
+    assert got == [None] * 3
+    for i, (acc, b, g) in enumerate(zip(sums, before, grads)):
+        want = g if fresh and i > 0 else b + g
+        assert torch.allclose(acc, want, atol=1e-5, rtol=0), f"seed={seed}"
         if varlen:
-            assert torch.equal(got[161:], b[161:])
+            assert torch.equal(acc[161:], torch.zeros_like(b[161:]) if fresh and i > 0 else b[161:])
 
 
 def test_sums_refused_with_a_bias():

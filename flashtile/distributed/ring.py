@@ -367,6 +367,11 @@ def _ring_forward(ring: _Ring, q, k, v, plans, blocks):
     return out.to(q.dtype), lse
 
 
+def _every_row(rows: slice, n: int) -> bool:
+    """Whether a slice of a dimension of length n takes all of it."""
+    return rows.indices(n) == (0, n, 1)
+
+
 def _ring_backward(ring: _Ring, dout, q, k, v, out, lse, plans, blocks):
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     # D = rowsum(dO o O) of the global output: the same rows at every step, computed once
@@ -379,12 +384,16 @@ def _ring_backward(ring: _Ring, dout, q, k, v, out, lse, plans, blocks):
         if step + 1 < ring.world:
             kv_next = torch.empty_like(kv)
             kv_reqs = ring.shift(kv, kv_next, _TAG_KV)
-        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-        for c in plans[step]:
+        calls = plans[step]
+        # a first call over every key row writes the step's dK / dV (kv_fresh) into an unfilled accumulator
+        fresh = bool(calls) and _every_row(blocks.rows(calls[0])[1], kv.shape[2])
+        dkv = (torch.empty if fresh else torch.zeros)(kv.shape, dtype=torch.float32, device=kv.device)
+        for i, c in enumerate(calls):
             # global out and lse: P = exp(S - lse_global), D = rowsum(dO * O_global) -> exactly this
             # block's share of dQ and of the shard's dK, dV
             qs, ks = blocks.rows(c)
-            sums = GradSums(dq[:, qs], dkv[0][:, ks], dkv[1][:, ks], delta[:, :, qs].contiguous())
+            sums = GradSums(dq[:, qs], dkv[0][:, ks], dkv[1][:, ks], delta[:, :, qs].contiguous(),
+                            kv_fresh=fresh and i == 0)
             blocks.backward(c, dout[:, qs], q[:, qs], kv[0][:, ks], kv[1][:, ks], out[:, qs],
                             lse[:, :, qs].contiguous(), sums)
         if dkv_flight is not None:  # the shard's dK/dV accumulated by the ranks it visited before us

@@ -35,7 +35,6 @@ from ..api import checks
 from ..api import problem as P
 from ..api.errors import fail
 from ..api.problem import Problem
-from ..kernels.params import GradSums
 from .comm import check_device, require_process_group
 from .ring import RingFlashAttnFunc, _Ring, check_group_agrees, plan_block
 
@@ -362,7 +361,8 @@ class VarlenBlocks:
         # dK / dV through q's dtype: the float32 epilogue costs more on these blocks' many short key blocks than
         # the rounding it saves (the varlen ring's agreement is within its bound either way)
         _interface.backward(p, dout[0], q[0], k[0], v[0], out[0], lse[0], None, x,
-                            sums=GradSums(*(t[0] for t in sums[:4]), kv_f32=False))
+                            sums=sums._replace(dq=sums.dq[0], dk=sums.dk[0], dv=sums.dv[0], delta=sums.delta[0],
+                                               kv_f32=False))
 
 
 def ring_flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens, max_seqlen: int,

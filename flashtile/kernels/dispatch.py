@@ -86,9 +86,9 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params, alibi=None, cu_seqlen
     """launch.flash_bwd's call: dq, dk, dv (and dbias, the mods' captured gradients); by FlashAttention-3's
     warp-specialized backward (Gluon) from the Triton preprocess kernel's D where fa3.supports(backward=True) says
     it takes the problem (not dbias), except for deterministic gradients (it adds dQ atomically); else by the Triton
-    kernels. sums (params.GradSums; dq, dk, dv then None): the gradients are added into its float32 tensors instead,
-    from its delta where given: by the Gluon kernel, which adds dQ into sums.dq and writes dK, dV (in float32 with
-    sums.kv_f32) to be added, else computed in q's dtype and added."""
+    kernels. sums (params.GradSums; dq, dk, dv then None): the gradients go into its float32 tensors instead, from
+    its delta where given: by the Gluon kernel, which adds dQ into sums.dq and writes dK, dV (in float32 with
+    sums.kv_f32) to be added (written with sums.kv_fresh), else computed in q's dtype and added."""
     if sums is not None:
         if (not deterministic and k.numel() > 0
                 and fa3.supports(q, k, v, params, alibi, cu_seqlens_q, bias, mask, sparse, mods, backward=True,
@@ -98,20 +98,20 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params, alibi=None, cu_seqlen
                 delta = launch.bwd_delta(out, dout, lse, dlse, cu_seqlens_q, max_seqlen_q)
             elif dlse is not None:
                 delta = delta - dlse   # (launch._delta's rule)
-            # (varlen: rows of no sequence are not written, so they add 0)
-            dk_b, dv_b = ((torch.zeros if cu_seqlens_k is not None else torch.empty)(
-                t.shape, dtype=torch.float32 if sums.kv_f32 else t.dtype, device=t.device) for t in (k, v))
+            if sums.kv_fresh and sums.kv_f32 and cu_seqlens_k is None:
+                dk_b, dv_b = sums.dk, sums.dv   # (the kernel writes every key row: straight into the sums)
+            else:   # (varlen: rows of no sequence are not written, so they add 0)
+                dk_b, dv_b = ((torch.zeros if cu_seqlens_k is not None else torch.empty)(
+                    t.shape, dtype=torch.float32 if sums.kv_f32 else t.dtype, device=t.device) for t in (k, v))
             fa3.bwd(dout, q, k, v, lse, delta, None, dk_b, dv_b, params, sums.dq, alibi, cu_seqlens_q,
                     cu_seqlens_k, max_seqlen_q, max_seqlen_k, bias, mask, sparse, mods)
-            sums.dk.add_(dk_b)
-            sums.dv.add_(dv_b)
+            _into(sums, (None, dk_b, dv_b))
             return
         # (varlen: rows of no sequence stay 0, so nothing is added there)
         grads = [(torch.zeros_like if cu_seqlens_q is not None else torch.empty_like)(t) for t in (q, k, v)]
         flash_bwd(dout, q, k, v, out, lse, *grads, params, alibi, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                   max_seqlen_k, deterministic, bias, mask, sparse, dbias, mods, dlse, memo)
-        for acc, g in zip(sums[:3], grads):
-            acc.add_(g)
+        _into(sums, grads)
         return
     if launch.relaunch_bwd(memo, dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, alibi, dlse):
         return
@@ -131,6 +131,17 @@ def flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params, alibi=None, cu_seqlen
     launch.flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params, alibi, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                      max_seqlen_k, deterministic=deterministic, bias=bias, mask=mask, sparse=sparse, dbias=dbias,
                      mods=mods, dlse=dlse, memo=memo)
+
+
+def _into(sums: GradSums, grads) -> None:
+    """grads (dq, dk, dv; None: already in place) into the sums: added, dK / dV written where sums.kv_fresh."""
+    for i, (acc, g) in enumerate(zip(sums[:3], grads)):
+        if g is None or g is acc:
+            continue
+        if i > 0 and sums.kv_fresh:
+            acc.copy_(g)
+        else:
+            acc.add_(g)
 
 
 # --------------------------------------------------------------------------------------------------

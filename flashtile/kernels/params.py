@@ -109,8 +109,9 @@ class SparseLists:
 
 class GradSums(NamedTuple):
     """float32 running sums a backward adds its gradients into instead of returning them (the ring's steps: each
-    shard's gradients summed over the blocks it meets, in float32): dq (q's shape), dk, dv (k's shape); delta = rowsum(dO o O) (lse's shape and strides) where the caller computed
-    it once for several calls over the same rows (the ring's steps), else None (computed per call); kv_f32: below."""
+    shard's gradients summed over the blocks it meets, in float32): dq (q's shape), dk, dv (k's shape); delta =
+    rowsum(dO o O) (lse's shape and strides) where the caller computed it once for several calls over the same rows
+    (the ring's steps), else None (computed per call); kv_f32, kv_fresh: below."""
     dq: torch.Tensor
     dk: torch.Tensor
     dv: torch.Tensor
@@ -118,6 +119,9 @@ class GradSums(NamedTuple):
     # dK, dV leave the Gluon kernel in float32 (no 16-bit rounding of a partial sum), else in q's dtype before they
     # are added (a cheaper epilogue: the varlen ring's many short key blocks, `git log -S kv_f32`)
     kv_f32: bool = True
+    # dk / dv hold nothing yet: this call, over every one of their rows, writes dK / dV instead of adding (a ring
+    # step's first call: no zero-filled accumulator)
+    kv_fresh: bool = False
 
 
 @dataclass(frozen=True)

@@ -141,14 +141,15 @@ def test_gluon_switched_off_between_calls_takes_the_triton_path(seed, monkeypatc
     check_against_reference(c, q, k, v, dout, alibi, out, None, None, None)
 
 
+@pytest.mark.parametrize("mode", ["f32", "f32-fresh", "16bit", "16bit-fresh"])
 @pytest.mark.parametrize("case", ["dense-aligned", "dense-ragged", "varlen", "dense-sliced"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_gradients_added_into_sums_by_the_gluon_backward_gpu(case, d, seed):
+def test_gradients_added_into_sums_by_the_gluon_backward_gpu(case, d, mode, seed):
     """backward(..., sums=GradSums) on the Gluon kernels (the ring's steps): the float32 sums gain the dQ, dK and dV
     the plain call returns (within its 16-bit rounding), twice in a row, with D given; rows of no sequence gain
-    nothing. dense-aligned: the dense kernel (TMA reduce-adds); dense-ragged / varlen: the general one (the last
-    key rows of a sequence by pointers); dense-sliced: sums that are seqlen slices of a batch (no TMA view: added
-    from buffers)."""
+    nothing. dense-aligned: the dense kernel; dense-ragged / varlen: the general one (the last key rows of a
+    sequence by pointers); dense-sliced: sums that are seqlen slices of a batch (no TMA view). dK / dV leave the
+    kernel in float32 (kv_f32) or 16-bit; -fresh (kv_fresh): they are written, not added (dQ is added)."""
     from attn_utils import sums_case
     from flashtile import interface
     from flashtile.kernels.params import GradSums
@@ -162,14 +163,17 @@ def test_gradients_added_into_sums_by_the_gluon_backward_gpu(case, d, seed):
     else:
         sums = [torch.randn(t.shape, device="cuda") for t in (q, k, v)]
     before = [t.clone() for t in sums]
+    fresh = mode.endswith("fresh")
     for n in (1, 2):
-        assert interface.backward(p, do, q, k, v, out, lse, None, x, sums=GradSums(*sums, delta)) == [None] * 3
+        opts = dict(kv_f32=mode.startswith("f32"), kv_fresh=fresh)
+        assert interface.backward(p, do, q, k, v, out, lse, None, x, sums=GradSums(*sums, delta, **opts)) == [None] * 3
         for name, got, b, g in zip("qkv", sums, before, grads):
-            err = (got - (b + n * g)).abs().max().item()
+            want = g if fresh and name != "q" else b + n * g
+            err = (got - want).abs().max().item()
             assert err <= n * 2 ** -7 * g.abs().max().item() + 1e-5, (name, n, err)
     if case == "varlen":
-        for got, b in zip(sums, before):
-            assert torch.equal(got[161:], b[161:])
+        for name, got, b in zip("qkv", sums, before):
+            assert torch.equal(got[161:], torch.zeros_like(b[161:]) if fresh and name != "q" else b[161:]), name
 
 
 def test_merge_into_matches_merge_attention_gpu(seed):

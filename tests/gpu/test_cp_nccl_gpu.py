@@ -36,3 +36,4 @@ def test_every_mode_agrees_with_one_gpu_under_nccl(tmp_path):
     assert set(modes) == ({"varlen", "ring", "ulysses", "usp"} if world >= 4 else {"varlen", "ring", "ulysses"})
     for mode, row in modes.items():
         assert row["ok"], (mode, {n: row[n] for n in ("out", "dq", "dk", "dv")})
+    print("\n".join(line for line in res.stdout.splitlines() if " check " in line))   # (the figures, with -s)
