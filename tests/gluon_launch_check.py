@@ -75,16 +75,17 @@ def _rand(*shape):
     return torch.randn(*shape, dtype=BF16)
 
 
+def _tensors(b, sq, sk, h, hk, d, cu, max_len):
+    """q, k, v, lse and the varlen arguments of one problem (dense (b, s, h, d), or varlen (tokens, h, d))."""
+    if cu is None:
+        return _rand(b, sq, h, d), _rand(b, sk, hk, d), _rand(b, sk, hk, d), torch.empty(b, h, sq), {}
+    lens = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len, max_seqlen_k=max_len)
+    return _rand(sq, h, d), _rand(sk, hk, d), _rand(sk, hk, d), torch.empty(h, sq), lens
+
+
 def _fwd_bwd(params, b=2, sq=1024, sk=1024, h=4, hk=2, d=128, alibi=None, cu=None, max_len=None, **flex):
     """fa3.fwd then fa3.bwd of one problem (dense (b, s, h, d), or varlen (tokens, h, d) with cu_seqlens)."""
-    if cu is None:
-        q, k, v = _rand(b, sq, h, d), _rand(b, sk, hk, d), _rand(b, sk, hk, d)
-        lse = torch.empty(b, h, sq)
-        lens = {}
-    else:
-        q, k, v = _rand(sq, h, d), _rand(sk, hk, d), _rand(sk, hk, d)
-        lse = torch.empty(h, sq)
-        lens = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len, max_seqlen_k=max_len)
+    q, k, v, lse, lens = _tensors(b, sq, sk, h, hk, d, cu, max_len)
     fa3.fwd(q, k, v, torch.empty_like(q), lse, params, alibi, **lens, **flex)
     fa3.bwd(torch.randn_like(q), q, k, v, lse, torch.randn_like(lse), torch.empty_like(q), torch.empty_like(k),
             torch.empty_like(v), params, alibi=alibi, **lens, **flex)
@@ -93,14 +94,7 @@ def _fwd_bwd(params, b=2, sq=1024, sk=1024, h=4, hk=2, d=128, alibi=None, cu=Non
 def _bwd_into_sums(params, b=2, sq=1024, sk=1024, h=4, hk=2, d=128, cu=None, max_len=None):
     """fa3.bwd as the ring's steps call it (params.GradSums): dQ added into a float32 running sum, dK and dV written
     in float32."""
-    if cu is None:
-        q, k, v = _rand(b, sq, h, d), _rand(b, sk, hk, d), _rand(b, sk, hk, d)
-        lse = torch.empty(b, h, sq)
-        lens = {}
-    else:
-        q, k, v = _rand(sq, h, d), _rand(sk, hk, d), _rand(sk, hk, d)
-        lse = torch.empty(h, sq)
-        lens = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len, max_seqlen_k=max_len)
+    q, k, v, lse, lens = _tensors(b, sq, sk, h, hk, d, cu, max_len)
     fa3.bwd(torch.randn_like(q), q, k, v, lse, torch.randn_like(lse), None, torch.zeros(k.shape),
             torch.zeros(v.shape), params, torch.zeros(q.shape), **lens)
 

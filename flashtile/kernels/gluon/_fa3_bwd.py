@@ -18,7 +18,7 @@ of the kv head's group, GQA) through a ring of STAGES shared-memory buffers:
   its half of dQ_i (columns [w d/2, +d/2) at Br 64, rows [64 w, +64) at Br 128) and adds it to the float32 dQ
   accumulator with one TMA reduce-add.
 dK_j = scale * dK_w and dV_j are written once, after the loop, by TMA (staged in the free Q_i / dO_i buffers while
-the last dQ product runs). With PINGPONG
+the last dQ product runs; float32 outputs, partial gradients a caller sums, one tile after the other). With PINGPONG
 (fa3.BWD_PINGPONG) the consumer warpgroups take turns issuing their GEMMs, two turns per step (S and dP; dV, dK and
 dQ_{t-1}), as the forward's ping-pong. Registers: dK_w, dV_w, S and dP are 192 of the consumers' 240 per thread at
 d128, so the loop keeps nothing else of that size (ptxas spills a few scalars).
