@@ -17,7 +17,8 @@ flashtile.distributed.context_parallel_attention on a device mesh):
 
 1. Agreement (--check-tokens, default 16k; varlen: 8 documents of 1/32 .. 1/4 of it): each mode's out/dq/dk/dv,
    gathered, against one GPU in the same dtype and one GPU in float32 on the same inputs. Pass:
-   |cp - fp32| <= 2 |one GPU - fp32| + 2^-7 max|fp32| (the rule of bench_ring.py).
+   |cp - fp32| <= 2 |one GPU - fp32| + 2^-7 max|fp32| (the rule of bench_ring.py); the Markdown gives each
+   tensor's errors and their ratio CP / one GPU.
 2. One GPU: the whole problem on one GPU (every rank at once; the fastest counts; timed once for the modes that
    share it). A problem that does not fit is measured on half of it (dense: half the tokens, time scaled by N^2;
    varlen: the first half of the documents, scaled by sum L_i^2), halving again if needed, and marked
@@ -348,6 +349,18 @@ def main():
         for s in skipped:
             lines.append(f"\nskipped: {s}")
         if checks:
+            lines += ["", "Agreement on the same inputs (max |x - one GPU in float32|; ratio = CP / one GPU in "
+                      f"{a.dtype}; pass: CP <= bound = 2 x one GPU + 2^-7 max|fp32|):", "",
+                      "| mode | problem | tensor | CP | one GPU | ratio | bound | pass |",
+                      "|---|---|---|---:|---:|---:|---:|---|"]
+            for c in checks:
+                for n in ("out", "dq", "dk", "dv"):
+                    e = c[n]
+                    ratio = (f"{e['cp_vs_fp32'] / e['one_gpu_vs_fp32']:.2f}x" if e["one_gpu_vs_fp32"] > 0
+                             else "-")   # (float32 runs: one GPU is the reference itself)
+                    lines.append(f"| {c['mode']} | {c['problem']} | {n} | {e['cp_vs_fp32']:.2e} | "
+                                 f"{e['one_gpu_vs_fp32']:.2e} | {ratio} | {e['bound']:.2e} | "
+                                 f"{'yes' if e['ok'] else 'NO'} |")
             lines.append("\nagreement: " + ", ".join(f"{c['mode']} {'PASS' if c.get('ok') else 'FAIL'}"
                                                      for c in checks))
         print("\n" + "\n".join(lines))
