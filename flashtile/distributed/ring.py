@@ -376,6 +376,7 @@ def _ring_backward(ring: _Ring, dout, q, k, v, out, lse, plans, blocks):
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     # D = rowsum(dO o O) of the global output: the same rows at every step, computed once
     delta = bwd_delta(out, dout.contiguous(), lse)
+    rows_of = {}   # query rows -> their LSE and D, contiguous as the kernels read them: made once per backward
     kv = torch.stack([k, v])
     # (requests, buffer being sent, buffer being received) of the dK/dV transfer in flight; the send buffer
     # is referenced until its transfer is waited on, so its memory cannot be reused while NCCL reads it
@@ -392,10 +393,12 @@ def _ring_backward(ring: _Ring, dout, q, k, v, out, lse, plans, blocks):
             # global out and lse: P = exp(S - lse_global), D = rowsum(dO * O_global) -> exactly this
             # block's share of dQ and of the shard's dK, dV
             qs, ks = blocks.rows(c)
-            sums = GradSums(dq[:, qs], dkv[0][:, ks], dkv[1][:, ks], delta[:, :, qs].contiguous(),
-                            kv_fresh=fresh and i == 0)
-            blocks.backward(c, dout[:, qs], q[:, qs], kv[0][:, ks], kv[1][:, ks], out[:, qs],
-                            lse[:, :, qs].contiguous(), sums)
+            key = qs.indices(q.shape[1])
+            if key not in rows_of:
+                rows_of[key] = (lse[:, :, qs].contiguous(), delta[:, :, qs].contiguous())
+            lse_q, delta_q = rows_of[key]
+            sums = GradSums(dq[:, qs], dkv[0][:, ks], dkv[1][:, ks], delta_q, kv_fresh=fresh and i == 0)
+            blocks.backward(c, dout[:, qs], q[:, qs], kv[0][:, ks], kv[1][:, ks], out[:, qs], lse_q, sums)
         if dkv_flight is not None:  # the shard's dK/dV accumulated by the ranks it visited before us
             _wait(dkv_flight[0])
             dkv += dkv_flight[2]
