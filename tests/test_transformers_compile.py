@@ -145,8 +145,9 @@ def test_static_cache_generate_matches_sdpa_without_unpadding(compiled, monkeypa
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
     new = 4
-    kw = dict(attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0, output_scores=True,
-              return_dict_in_generate=True, cache_implementation="static")
+    # (eos_token_id None: every step runs, also where a greedy token of the random weights is the EOS token)
+    kw = dict(attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=None,
+              output_scores=True, return_dict_in_generate=True, cache_implementation="static")
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
     built = []   # the shape of every mask the builder returns (the compiled step's input)
 

@@ -133,8 +133,8 @@ def test_generate_left_padded_matches_sdpa(seed):
     ids = torch.randint(1, 128, (2, 12), device=DEVICE)
     mask = torch.ones_like(ids)
     mask[0, :4] = 0
-    kw = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0, output_scores=True,
-              return_dict_in_generate=True)
+    kw = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0, eos_token_id=None,
+              output_scores=True, return_dict_in_generate=True)   # (every step runs, an EOS token or not)
     a = ours.generate(ids, **kw)
     b = ref.generate(ids, **kw)
     assert torch.equal(a.sequences, b.sequences)
