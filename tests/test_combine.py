@@ -218,7 +218,9 @@ def test_ticket_counters_are_unused_slices_of_one_zeroed_pool(monkeypatch):
 def test_merge_into_is_attention_over_the_union(seed, dtype):
     """(acc, acc_lse) from keys [0, 7), (out, lse) from keys [7, 20) (out in the kernels' output dtype) ->
     attention over all 20 keys in place, through strided views of larger buffers (the ring merges row slices);
-    row 0 sees no key (stays 0 / -inf, never NaN), row 1 none of the first set, row 2 none of the second."""
+    row 0 sees no key (stays 0 / -inf, never NaN), row 1 none of the first set, row 2 none of the second. A row
+    is read only where it holds keys: NaN in the block's rows 0 and 2 and in the running row 1 changes nothing,
+    and row 2 keeps its running value bit for bit."""
     from flashtile.distributed import merge_attention
     b, s, h, d, sk, pad = 2, 40, 3, 24, 20, 5
     g = torch.Generator().manual_seed(seed)
@@ -236,7 +238,12 @@ def test_merge_into_is_attention_over_the_union(seed, dtype):
     acc, acc_lse = acc_buf[:, pad:], lse_buf[:, :, pad:]
     acc.copy_(oa)
     acc_lse.copy_(la)
-    _combine.merge_into(acc, acc_lse, ob.to(dtype), lb.float())
+    acc[:, 1] = float("nan")          # no key of the first set: never read
+    before_row2 = acc[:, 2].clone()
+    blk = ob.to(dtype)
+    blk[:, 0] = blk[:, 2] = float("nan")   # no key of the second set: never read
+    _combine.merge_into(acc, acc_lse, blk, lb.float())
+    assert torch.equal(acc[:, 2], before_row2)
     assert torch.equal(acc_buf[:, :pad], torch.full_like(acc_buf[:, :pad], 7.0))   # nothing outside the views
     assert torch.equal(lse_buf[:, :, :pad], torch.full_like(lse_buf[:, :, :pad], 7.0))
     assert not torch.isnan(acc).any() and not torch.isnan(acc_lse).any()

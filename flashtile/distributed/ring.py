@@ -403,7 +403,11 @@ def _ring_backward(ring: _Ring, dout, q, k, v, out, lse, plans, blocks):
             _wait(dkv_flight[0])
             dkv += dkv_flight[2]
         if ring.world > 1:
-            # pass it on; the transfer after the last step delivers each shard's dK/dV to its home rank
+            # pass it on; the transfer after the last step delivers each shard's dK/dV to its home rank, whole:
+            # it goes in k's dtype (the home rank would round the same float32 sum), half the bytes of the
+            # one transfer no compute hides
+            if step + 1 == ring.world:
+                dkv = dkv.to(k.dtype)
             dkv_in = torch.empty_like(dkv)
             dkv_flight = (ring.shift(dkv, dkv_in, _TAG_DKV), dkv, dkv_in)
         if step + 1 < ring.world:

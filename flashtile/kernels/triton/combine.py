@@ -123,7 +123,7 @@ def merge_into_kernel(ACC, ACC_LSE, O, LSE, acc_strides, acc_lse_strides, o_stri
     attention over two disjoint key sets (LSE natural log, -inf where a set is empty); ACC, ACC_LSE are overwritten
     with attention over their union, the online-softmax rescale of FA2 Alg. 1 line 10 applied once:
         lse = log(e^lse_a + e^lse_b),  out = e^(lse_a - lse) out_a + e^(lse_b - lse) out_b.
-    A row empty in both keeps LSE -inf and gets weights 0. *_strides: (batch, row, head) of ACC / O, (batch,
+    A row the block (O, LSE) has no key for is left as it is (read nor written). *_strides: (batch, row, head) of ACC / O, (batch,
     head) of the LSEs (rows contiguous)."""
     bh = tl.program_id(1)
     b = tl.cast(bh // nheads, tl.int64)
@@ -145,13 +145,17 @@ def merge_into_kernel(ACC, ACC_LSE, O, LSE, acc_strides, acc_lse_strides, o_stri
     inv = 1.0 / tl.where(total == 0.0, 1.0, total)
     sb, sm, sh = acc_strides
     ob, om, oh = o_strides
-    mask = row_ok[:, None] & (offs_d[None, :] < head_dim)
+    # only rows the block sees keys for change (the others: weights 1 and 0); rows of ACC that are still empty are
+    # not read (their weight is 0): a ring step over a few of the rows moves only those
+    live_b = row_ok & (lse_b != float("-inf"))
+    live_a = live_b & (lse_a != float("-inf"))
+    col_ok = (offs_d < head_dim)[None, :]
     acc_ptrs = ACC + b * sb + h * sh + r64[:, None] * sm + offs_d[None, :]
-    o = tl.load(O + b * ob + h * oh + r64[:, None] * om + offs_d[None, :], mask=mask, other=0.0)
-    acc = tl.load(acc_ptrs, mask=mask, other=0.0)
+    o = tl.load(O + b * ob + h * oh + r64[:, None] * om + offs_d[None, :], mask=live_b[:, None] & col_ok, other=0.0)
+    acc = tl.load(acc_ptrs, mask=live_a[:, None] & col_ok, other=0.0)
     out = acc * (w_a * inv)[:, None] + to_dtype(o, tl.float32) * (w_b * inv)[:, None]
-    tl.store(acc_ptrs, out, mask=mask)
-    tl.store(ACC_LSE + b * sab + h * sah + r64, lse, mask=row_ok)
+    tl.store(acc_ptrs, out, mask=live_b[:, None] & col_ok)
+    tl.store(ACC_LSE + b * sab + h * sah + r64, lse, mask=live_b)
 
 
 def merge_into(acc: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
