@@ -219,8 +219,8 @@ def test_merge_into_is_attention_over_the_union(seed, dtype):
     """(acc, acc_lse) from keys [0, 7), (out, lse) from keys [7, 20) (out in the kernels' output dtype) ->
     attention over all 20 keys in place, through strided views of larger buffers (the ring merges row slices);
     row 0 sees no key (stays 0 / -inf, never NaN), row 1 none of the first set, row 2 none of the second. A row
-    is read only where it holds keys: NaN in the block's rows 0 and 2 and in the running row 1 changes nothing,
-    and row 2 keeps its running value bit for bit."""
+    is read only where it holds keys: NaN in the block's rows 0 and 2 and in the running rows 0 and 1 changes
+    nothing, and row 2 keeps its running value bit for bit."""
     from flashtile.distributed import merge_attention
     b, s, h, d, sk, pad = 2, 40, 3, 24, 20, 5
     g = torch.Generator().manual_seed(seed)
@@ -238,7 +238,7 @@ def test_merge_into_is_attention_over_the_union(seed, dtype):
     acc, acc_lse = acc_buf[:, pad:], lse_buf[:, :, pad:]
     acc.copy_(oa)
     acc_lse.copy_(la)
-    acc[:, 1] = float("nan")          # no key of the first set: never read
+    acc[:, 0] = acc[:, 1] = float("nan")   # no key of the first set: never read (row 0 is written 0)
     before_row2 = acc[:, 2].clone()
     blk = ob.to(dtype)
     blk[:, 0] = blk[:, 2] = float("nan")   # no key of the second set: never read

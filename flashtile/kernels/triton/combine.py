@@ -123,7 +123,8 @@ def merge_into_kernel(ACC, ACC_LSE, O, LSE, acc_strides, acc_lse_strides, o_stri
     attention over two disjoint key sets (LSE natural log, -inf where a set is empty); ACC, ACC_LSE are overwritten
     with attention over their union, the online-softmax rescale of FA2 Alg. 1 line 10 applied once:
         lse = log(e^lse_a + e^lse_b),  out = e^(lse_a - lse) out_a + e^(lse_b - lse) out_b.
-    A row the block (O, LSE) has no key for is left as it is (read nor written). *_strides: (batch, row, head) of ACC / O, (batch,
+    A row empty in both gets 0 and LSE -inf; a row the block has no key for is otherwise left as it is, and the
+    rows of a side without keys are not read (they may hold anything). *_strides: (batch, row, head) of ACC / O, (batch,
     head) of the LSEs (rows contiguous)."""
     bh = tl.program_id(1)
     b = tl.cast(bh // nheads, tl.int64)
@@ -145,17 +146,18 @@ def merge_into_kernel(ACC, ACC_LSE, O, LSE, acc_strides, acc_lse_strides, o_stri
     inv = 1.0 / tl.where(total == 0.0, 1.0, total)
     sb, sm, sh = acc_strides
     ob, om, oh = o_strides
-    # only rows the block sees keys for change (the others: weights 1 and 0); rows of ACC that are still empty are
-    # not read (their weight is 0): a ring step over a few of the rows moves only those
+    # a row is read only where its weight is not 0, and written only where it changes: where the block has keys,
+    # or where the running row is empty (then 0 / -inf, the rule's value for a row empty in both). A ring step whose
+    # calls cover some of the rows moves only those.
+    empty_a = row_ok & (lse_a == float("-inf"))
     live_b = row_ok & (lse_b != float("-inf"))
-    live_a = live_b & (lse_a != float("-inf"))
     col_ok = (offs_d < head_dim)[None, :]
     acc_ptrs = ACC + b * sb + h * sh + r64[:, None] * sm + offs_d[None, :]
     o = tl.load(O + b * ob + h * oh + r64[:, None] * om + offs_d[None, :], mask=live_b[:, None] & col_ok, other=0.0)
-    acc = tl.load(acc_ptrs, mask=live_a[:, None] & col_ok, other=0.0)
+    acc = tl.load(acc_ptrs, mask=(live_b & ~empty_a)[:, None] & col_ok, other=0.0)
     out = acc * (w_a * inv)[:, None] + to_dtype(o, tl.float32) * (w_b * inv)[:, None]
-    tl.store(acc_ptrs, out, mask=live_b[:, None] & col_ok)
-    tl.store(ACC_LSE + b * sab + h * sah + r64, lse, mask=live_b)
+    tl.store(acc_ptrs, out, mask=(live_b | empty_a)[:, None] & col_ok)
+    tl.store(ACC_LSE + b * sab + h * sah + r64, lse, mask=live_b | empty_a)
 
 
 def merge_into(acc: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
