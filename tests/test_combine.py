@@ -1,6 +1,6 @@
-"""Merging partial attention results (flashtile/kernels/triton/combine.py). The ring's merge_into against one
-softmax in float64 over the union of two key sets (rows empty in one set or in both, 16-bit block outputs,
-strided views). Flash-decoding's merge of the split partials: combine_splits on its own
+"""Merging partial attention results (flashtile/kernels/triton/combine.py). The ring's merge_parts against one
+softmax in float64 over the union of three key sets (a part over some rows only, rows empty in one set or in all,
+16-bit parts and outputs, strided views). Flash-decoding's merge of the split partials: combine_splits on its own
 against one softmax in float64 (dense and packed layouts, one merge step or several, empty splits, rows without
 keys) and its chunk rule; the merge fused into the decode launch (the last split of each tile, by ticket counter:
 runtime.tickets) against combine.py's kernel, and the rules that pick one or the other (decode.fuse_combine,
@@ -212,46 +212,60 @@ def test_ticket_counters_are_unused_slices_of_one_zeroed_pool(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# merge_into: the ring's in-place merge of a block's result into the running one
+# merge_parts: the ring's merge of its blocks' results, once
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_merge_into_is_attention_over_the_union(seed, dtype):
-    """(acc, acc_lse) from keys [0, 7), (out, lse) from keys [7, 20) (out in the kernels' output dtype) ->
-    attention over all 20 keys in place, through strided views of larger buffers (the ring merges row slices);
-    row 0 sees no key (stays 0 / -inf, never NaN), row 1 none of the first set, row 2 none of the second. A row
-    is read only where it holds keys: NaN in the block's rows 0 and 2 and in the running rows 0 and 1 changes
-    nothing, and row 2 keeps its running value bit for bit."""
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("part_dtype", [torch.float32, torch.bfloat16])
+def test_merge_parts_is_attention_over_the_union(seed, part_dtype, out_dtype):
+    """Three parts over keys [0, 7), [7, 20), [20, 30), the third for output rows [10, 35) only (its rows are
+    views of a larger buffer: strided), the parts in the kernels' output dtype -> attention over all 30 keys,
+    written once into views of larger buffers. Row 0 sees no key (0 / -inf, never NaN), row 1 none of the first
+    set, row 2 none of the second; a part's row without keys is never read (NaN there changes nothing); the
+    output is written in every row (it starts as 7.0). merge_attention, the readable rule, twice gives the same."""
     from flashtile.distributed import merge_attention
-    b, s, h, d, sk, pad = 2, 40, 3, 24, 20, 5
+    b, s, h, d, sk, pad = 2, 40, 3, 24, 30, 5
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(b, n, h, d, generator=g, dtype=torch.float64) for n in (s, sk, sk))
     mask = torch.rand(s, sk, generator=g) < 0.5
     mask[0] = False
     mask[1, :7] = False
-    mask[2, 7:] = False
+    mask[2, 7:20] = False
     mask[3] = True
+    mask[:10, 20:] = mask[35:, 20:] = False   # the third part's keys reach rows [10, 35) only
     ref, ref_lse, _ = attention_ref(q, k, v, attn_mask=mask)
-    oa, la, _ = attention_ref(q, k[:, :7], v[:, :7], attn_mask=mask[:, :7])
-    ob, lb, _ = attention_ref(q, k[:, 7:], v[:, 7:], attn_mask=mask[:, 7:])
-    acc_buf = torch.full((b, s + pad, h, d), 7.0, dtype=fp32)
+    parts, pieces = [], []
+    for k0, k1, r0, r1 in ((0, 7, 0, s), (7, 20, 0, s), (20, 30, 10, 35)):
+        o, lse, _ = attention_ref(q[:, r0:r1], k[:, k0:k1], v[:, k0:k1], attn_mask=mask[r0:r1, k0:k1])
+        pieces.append((o.float(), lse.float()))
+        buf = torch.full((b, r1 - r0, h + 1, d), float("nan"), dtype=part_dtype)[:, :, 1:]   # strided rows
+        buf.copy_(o)
+        buf[lse.transpose(1, 2) == float("-inf")] = float("nan")   # rows without keys: never read
+        parts.append((r0, buf, lse.float()))
+    out_buf = torch.full((b, s + pad, h, d), 7.0, dtype=out_dtype)
     lse_buf = torch.full((b, h, s + pad), 7.0, dtype=fp32)
-    acc, acc_lse = acc_buf[:, pad:], lse_buf[:, :, pad:]
-    acc.copy_(oa)
-    acc_lse.copy_(la)
-    acc[:, 0] = acc[:, 1] = float("nan")   # no key of the first set: never read (row 0 is written 0)
-    before_row2 = acc[:, 2].clone()
-    blk = ob.to(dtype)
-    blk[:, 0] = blk[:, 2] = float("nan")   # no key of the second set: never read
-    _combine.merge_into(acc, acc_lse, blk, lb.float())
-    assert torch.equal(acc[:, 2], before_row2)
-    assert torch.equal(acc_buf[:, :pad], torch.full_like(acc_buf[:, :pad], 7.0))   # nothing outside the views
+    out, lse = out_buf[:, pad:], lse_buf[:, :, pad:]
+    _combine.merge_parts(parts, out, lse)
+    assert torch.equal(out_buf[:, :pad], torch.full_like(out_buf[:, :pad], 7.0))   # nothing outside the views
     assert torch.equal(lse_buf[:, :, :pad], torch.full_like(lse_buf[:, :, :pad], 7.0))
-    assert not torch.isnan(acc).any() and not torch.isnan(acc_lse).any()
-    assert torch.equal(acc[:, 0], torch.zeros_like(acc[:, 0]))
-    assert torch.equal(acc_lse[:, :, 0], torch.full_like(acc_lse[:, :, 0], float("-inf")))
-    tol = 1e-5 if dtype == fp32 else 1e-2
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert torch.equal(out[:, 0], torch.zeros_like(out[:, 0]))
+    assert torch.equal(lse[:, :, 0], torch.full_like(lse[:, :, 0], float("-inf")))
+    tol = 1e-5 if part_dtype == out_dtype == fp32 else 2e-2
     finite = torch.isfinite(ref_lse)
-    assert torch.allclose(acc_lse[finite].double(), ref_lse[finite], atol=1e-5, rtol=0), f"seed={seed}"
-    assert torch.allclose(acc.double(), ref, atol=tol, rtol=0), f"seed={seed}"
-    mo, ml = merge_attention(oa.float(), la.float(), ob.to(dtype), lb.float())   # the readable rule, same result
-    assert torch.allclose(acc, mo, atol=1e-6, rtol=0) and torch.allclose(acc_lse[finite], ml[finite], atol=1e-6)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert torch.allclose(lse[finite].double(), ref_lse[finite], atol=1e-5, rtol=0), f"seed={seed}"
+    assert torch.allclose(out.double(), ref, atol=tol, rtol=0), f"seed={seed}"
+    (oa, la), (ob, lb), (oc, lc) = pieces
+    mo, ml = merge_attention(oa, la, ob, lb)
+    mo[:, 10:35], ml[:, :, 10:35] = merge_attention(mo[:, 10:35], ml[:, :, 10:35], oc, lc)
+    if part_dtype == out_dtype == fp32:
+        assert torch.allclose(out, mo, atol=1e-6, rtol=0) and torch.allclose(lse[finite], ml[finite], atol=1e-6)
+
+
+def test_merge_parts_names_a_bad_part_count():
+    out, lse = torch.zeros(1, 4, 1, 16), torch.zeros(1, 1, 4)
+    with pytest.raises(ValueError, match="parts"):
+        _combine.merge_parts([], out, lse)
+    part = (0, torch.zeros(1, 4, 1, 16), torch.zeros(1, 1, 4))
+    with pytest.raises(ValueError, match="parts"):
+        _combine.merge_parts([part] * (_combine.MAX_PARTS + 1), out, lse)

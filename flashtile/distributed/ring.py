@@ -32,7 +32,7 @@ import dataclasses
 
 from .. import interface as _interface
 from ..kernels.params import GradSums
-from ..kernels.triton.combine import merge_into
+from ..kernels.triton.combine import merge_parts
 from ..kernels.triton.launch import bwd_delta
 from ..api import checks
 from ..api import problem as P
@@ -348,10 +348,14 @@ class DenseBlocks:
         _interface.backward(_block(self.p, c), dout, q, k, v, out, lse, None, sums=sums)
 
 
-def _ring_forward(ring: _Ring, q, k, v, plans, blocks):
-    b, s, h, d = q.shape
-    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    lse = torch.full((b, h, s), -_INF, dtype=torch.float32, device=q.device)
+# block results the forward holds: a fifth folds them into one float32 part (merge_parts), so a ring of up to this
+# many single-call steps merges every block once, in q's dtype, at the end
+_PARTS_HELD = 4
+
+
+def _ring_forward(ring, q, k, v, plans, blocks):
+    s = q.shape[1]
+    parts = []   # (first row, out, lse) of each call's block: merged by the online-softmax rule (merge_attention's)
     kv = torch.stack([k, v])
     for step in range(ring.world):
         if step + 1 < ring.world:
@@ -360,11 +364,32 @@ def _ring_forward(ring: _Ring, q, k, v, plans, blocks):
         for c in plans[step]:
             qs, ks = blocks.rows(c)
             blk_out, blk_lse = blocks.forward(c, q[:, qs], kv[0][:, ks], kv[1][:, ks])
-            merge_into(out[:, qs], lse[:, :, qs], blk_out, blk_lse)   # merge_attention's rule, in place
+            parts.append((qs.indices(s)[0], blk_out, blk_lse))
+            if len(parts) == _PARTS_HELD + 1:   # fold them into one float32 part
+                parts = [(0, *_merged(parts, q.shape, torch.float32, q.device))]
         if step + 1 < ring.world:
             _wait(reqs)
             kv = kv_next
-    return out.to(q.dtype), lse
+    out, lse = _merged(parts, q.shape, q.dtype, q.device)
+    return out, lse
+
+
+def _merged(parts, shape, dtype, device):
+    """(out, lse) of the merged parts, out of `dtype`: written into the first part where it spans every row in that
+    dtype (merge_parts reads a row of every part before it writes that row), else into new tensors."""
+    b, s, h, _ = shape
+    if parts and parts[0][1].shape == shape and parts[0][1].dtype == dtype and parts[0][1].is_contiguous() \
+            and parts[0][2].shape == (b, h, s) and parts[0][2].is_contiguous():
+        out, lse = parts[0][1], parts[0][2]
+    else:
+        out = torch.empty(shape, dtype=dtype, device=device)
+        lse = torch.empty((b, h, s), dtype=torch.float32, device=device)
+    if parts:
+        merge_parts(parts, out, lse)
+    else:   # every key masked from every query of this rank
+        out.zero_()
+        lse.fill_(-_INF)
+    return out, lse
 
 
 def _every_row(rows: slice, n: int) -> bool:

@@ -176,17 +176,36 @@ def test_gradients_added_into_sums_by_the_gluon_backward_gpu(case, d, mode, seed
             assert torch.equal(got[161:], torch.zeros_like(b[161:]) if fresh and name != "q" else b[161:]), name
 
 
-def test_merge_into_matches_merge_attention_gpu(seed):
-    """The ring's in-place merge (combine.merge_into) on the GPU against the readable rule (merge_attention)."""
+@pytest.mark.parametrize("n", [1, 4, 8])
+def test_merge_parts_matches_merge_attention_gpu(seed, n):
+    """The ring's merge (combine.merge_parts) of n parts on the GPU, compiled and through relaunch's fast path
+    (launched twice), against the readable rule (merge_attention) applied part by part: bf16 parts, every other
+    part over rows [100, 900) only, rows empty in some parts or all (their part rows hold NaN: never read), the
+    output in bf16 and in float32."""
     from flashtile.distributed import merge_attention
-    from flashtile.kernels.triton.combine import merge_into
+    from flashtile.kernels.triton.combine import merge_parts
     b, s, h, d = 2, 1000, 8, 128
-    oa = torch.randn(b, s, h, d, device="cuda")
-    ob = torch.randn(b, s, h, d, device="cuda").to(bf16)
-    la, lb = (torch.randn(b, h, s, device="cuda") * 4 for _ in range(2))
-    la[:, :, :10] = float("-inf")
-    lb[:, :, 5:15] = float("-inf")
-    mo, ml = merge_attention(oa, la, ob, lb)
-    merge_into(oa, la, ob, lb)
-    assert torch.allclose(oa, mo, atol=1e-5, rtol=1e-5) and torch.equal(torch.isinf(la), torch.isinf(ml))
-    assert torch.allclose(la[torch.isfinite(ml)], ml[torch.isfinite(ml)], atol=1e-5)
+    parts = []
+    mo = torch.zeros(b, s, h, d, device="cuda")
+    ml = torch.full((b, h, s), float("-inf"), device="cuda")
+    for i in range(n):
+        r0, r1 = (100, 900) if i % 2 else (0, s)
+        o = torch.randn(b, r1 - r0, h, d, device="cuda").to(bf16)
+        lse = torch.randn(b, h, r1 - r0, device="cuda") * 4
+        lse[:, :, :10] = float("-inf")
+        lse[:, :, 5 + i:15 + i] = float("-inf")
+        o[lse.transpose(1, 2) == float("-inf")] = float("nan")
+        parts.append((r0, o, lse))
+        part = torch.nan_to_num(o.float(), nan=0.0)
+        mo[:, r0:r1], ml[:, :, r0:r1] = merge_attention(mo[:, r0:r1], ml[:, :, r0:r1], part, lse)
+    for out_dtype in (bf16, torch.float32):
+        for _ in range(2):
+            out = torch.full((b, s, h, d), 7.0, device="cuda", dtype=out_dtype)
+            lse = torch.full((b, h, s), 7.0, device="cuda")
+            merge_parts(parts, out, lse)
+            torch.cuda.synchronize()
+            assert not torch.isnan(out).any() and torch.equal(torch.isinf(lse), torch.isinf(ml)), n
+            fin = torch.isfinite(ml)
+            assert torch.allclose(lse[fin], ml[fin], atol=1e-5), n
+            tol = 1e-5 if out_dtype == torch.float32 else 1e-2
+            assert torch.allclose(out.float(), mo, atol=tol, rtol=tol), (n, out_dtype)

@@ -1,5 +1,5 @@
 """Merging partial attention results: flash-decoding's combine step (the per-split partial results of decode.py
-into O and LSE), and the ring's merge of one block's result into the running one (merge_into).
+into O and LSE), and the ring's merge of its blocks' results (merge_parts).
 
 Split s of a query row produced O_s (normalised over its keys) and lse2_s = log2 sum_j exp2(S_j) over its keys.
 Over all splits, lse2 = log2 sum_s exp2(lse2_s) and O = sum_s exp2(lse2_s - lse2) O_s: FA2's inner loop once
@@ -117,58 +117,65 @@ LOG2E = tl.constexpr(params.LOG2E)
 
 
 @triton.jit
-def merge_into_kernel(ACC, ACC_LSE, O, LSE, acc_strides, acc_lse_strides, o_strides, lse_strides, nheads, seqlen,
-                      head_dim, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Grid (cdiv(seqlen, ROWS), batch * nheads): ROWS rows of one (batch, head). (ACC, ACC_LSE) and (O, LSE) are
-    attention over two disjoint key sets (LSE natural log, -inf where a set is empty); ACC, ACC_LSE are overwritten
-    with attention over their union, the online-softmax rescale of FA2 Alg. 1 line 10 applied once:
-        lse = log(e^lse_a + e^lse_b),  out = e^(lse_a - lse) out_a + e^(lse_b - lse) out_b.
-    A row empty in both gets 0 and LSE -inf; a row the block has no key for is otherwise left as it is, and the
-    rows of a side without keys are not read (they may hold anything). *_strides: (batch, row, head) of ACC / O, (batch,
-    head) of the LSEs (rows contiguous)."""
+def merge_parts_kernel(O, LSE, out_strides, lse_strides, PO, PL, part_strides, part_rows, nheads, seqlen, head_dim,
+                       N: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Grid (cdiv(seqlen, ROWS), batch * nheads): ROWS rows of one (batch, head). Part i (PO[i], PL[i]) is
+    attention over its own key set for rows part_rows[i] = (r0, r1) of the output (its row j is output row r0 + j),
+    the key sets disjoint; rows outside a part have no key of it. The merge is FA2's inner loop once more with the
+    parts as the keys (as merge_splits does for decode's splits): part i is a key whose score is lse_i and whose
+    value row is O_i, Alg. 1 lines 9-10 one part at a time, then lines 12-13. A part's row is read only where it
+    has keys (lse_i > -inf: its O row may hold anything else); rows no part has a key for get O = 0, LSE = -inf.
+    out_strides: (batch, row, head) of O; lse_strides: (batch, head) of LSE (rows contiguous); part_strides[i]:
+    (batch, row, head) of PO[i] then (batch, head) of PL[i]."""
     bh = tl.program_id(1)
     b = tl.cast(bh // nheads, tl.int64)
     h = tl.cast(bh % nheads, tl.int64)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = rows < seqlen
-    r64 = rows.to(tl.int64)
-    sab, sah = acc_lse_strides
-    slb, slh = lse_strides
-    lse_a = tl.load(ACC_LSE + b * sab + h * sah + r64, mask=row_ok, other=float("-inf"))
-    lse_b = tl.load(LSE + b * slb + h * slh + r64, mask=row_ok, other=float("-inf"))
-    m = tl.maximum(lse_a, lse_b)
-    m = tl.where(m == float("-inf"), 0.0, m)   # both empty: weights exp(-inf) = 0, not NaN
-    w_a = tl.math.exp2((lse_a - m) * LOG2E)
-    w_b = tl.math.exp2((lse_b - m) * LOG2E)
-    total = w_a + w_b
-    lse = tl.where(total == 0.0, float("-inf"), m + tl.log(tl.where(total == 0.0, 1.0, total)))
-    inv = 1.0 / tl.where(total == 0.0, 1.0, total)
-    sb, sm, sh = acc_strides
-    ob, om, oh = o_strides
-    # a row is read only where its weight is not 0, and written only where it changes: where the block has keys,
-    # or where the running row is empty (then 0 / -inf, the rule's value for a row empty in both). A ring step whose
-    # calls cover some of the rows moves only those.
-    empty_a = row_ok & (lse_a == float("-inf"))
-    live_b = row_ok & (lse_b != float("-inf"))
     col_ok = (offs_d < head_dim)[None, :]
-    acc_ptrs = ACC + b * sb + h * sh + r64[:, None] * sm + offs_d[None, :]
-    o = tl.load(O + b * ob + h * oh + r64[:, None] * om + offs_d[None, :], mask=live_b[:, None] & col_ok, other=0.0)
-    acc = tl.load(acc_ptrs, mask=(live_b & ~empty_a)[:, None] & col_ok, other=0.0)
-    out = acc * (w_a * inv)[:, None] + to_dtype(o, tl.float32) * (w_b * inv)[:, None]
-    tl.store(acc_ptrs, out, mask=(live_b | empty_a)[:, None] & col_ok)
-    tl.store(ACC_LSE + b * sab + h * sah + r64, lse, mask=live_b | empty_a)
+    m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+    for i in tl.static_range(N):
+        r0, r1 = part_rows[i]
+        sb, sm, sh, slb, slh = part_strides[i]
+        inside = row_ok & (rows >= r0) & (rows < r1)
+        j = (rows - r0).to(tl.int64)
+        lse_i = tl.load(PL[i] + b * slb + h * slh + j, mask=inside, other=float("-inf"))
+        live = lse_i != float("-inf")
+        o_i = tl.load(PO[i] + b * sb + h * sh + j[:, None] * sm + offs_d[None, :], mask=live[:, None] & col_ok,
+                      other=0.0)
+        # Alg. 1 lines 9-10 with part i as the one key of each row: score lse_i (log2 units), value O_i
+        m_i, p, alpha, l_i = online_softmax_step(m_i, l_i, (lse_i * LOG2E)[:, None], True)
+        acc = acc * alpha[:, None] + p * to_dtype(o_i, tl.float32)
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
+    ob, om, oh = out_strides
+    lb, lh = lse_strides
+    store_rows(O, LSE, acc / l_safe[:, None], lse, b, rows, h, row_ok, offs_d, head_dim, ob, om, oh, lb, lh)
 
 
-def merge_into(acc: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
-    """(acc, acc_lse) <- the merge of attention (acc, acc_lse) with attention (out, lse) over a disjoint key set,
-    in place, one pass over each tensor. acc: (batch, seqlen, nheads, d) float32, out: the same shape in any float
-    dtype (views with a contiguous last dim); acc_lse, lse: (batch, nheads, seqlen) float32 natural log with
-    contiguous rows."""
-    b, s, h, d = acc.shape
+# parts one launch merges (a ring of W ranks gives W parts: its forward keeps up to this many before it merges)
+MAX_PARTS = 8
+
+
+def merge_parts(parts, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """out, lse <- attention over the union of the parts' disjoint key sets, one pass: each part's rows read once
+    where they have keys, out and lse written once (every row). parts: up to MAX_PARTS tuples (r0, o, o_lse): o
+    (batch, r1 - r0, nheads, d) in any float dtype with a contiguous last dim, o_lse (batch, nheads, r1 - r0)
+    float32 natural log (-inf where the part has no key; its o row is then not read) with contiguous rows, for
+    output rows [r0, r1). out: (batch, seqlen, nheads, d), any float dtype (the merge runs in float32 and rounds
+    once); lse: (batch, nheads, seqlen) float32 with contiguous rows."""
+    b, s, h, d = out.shape
+    if not 1 <= len(parts) <= MAX_PARTS:
+        raise ValueError(f"merge_parts: {len(parts)} parts (expected 1..{MAX_PARTS})")
     if b * s * h == 0:
         return
     rows = 32
-    relaunch.launch(merge_into_kernel, (triton.cdiv(s, rows), b * h), (
-        acc, acc_lse, out, lse, acc.stride()[:3], acc_lse.stride()[:2], out.stride()[:3], lse.stride()[:2], h, s,
-        d), dict(ROWS=rows, BLOCK_D=max(16, next_pow2(d)), num_warps=4))
+    relaunch.launch(merge_parts_kernel, (triton.cdiv(s, rows), b * h), (
+        out, lse, out.stride()[:3], lse.stride()[:2], tuple(o for _, o, _ in parts), tuple(l for _, _, l in parts),
+        tuple((*o.stride()[:3], *l.stride()[:2]) for _, o, l in parts),
+        tuple((r0, r0 + o.shape[1]) for r0, o, _ in parts), h, s, d), dict(
+        N=len(parts), ROWS=rows, BLOCK_D=max(16, next_pow2(d)), num_warps=4))
