@@ -353,7 +353,7 @@ class DenseBlocks:
 _PARTS_HELD = 4
 
 
-def _ring_forward(ring, q, k, v, plans, blocks):
+def _ring_forward(ring: _Ring, q, k, v, plans, blocks):
     s = q.shape[1]
     parts = []   # (first row, out, lse) of each call's block: merged by the online-softmax rule (merge_attention's)
     kv = torch.stack([k, v])
@@ -370,8 +370,7 @@ def _ring_forward(ring, q, k, v, plans, blocks):
         if step + 1 < ring.world:
             _wait(reqs)
             kv = kv_next
-    out, lse = _merged(parts, q.shape, q.dtype, q.device)
-    return out, lse
+    return _merged(parts, q.shape, q.dtype, q.device)
 
 
 def _merged(parts, shape, dtype, device):

@@ -157,7 +157,7 @@ def merge_parts_kernel(O, LSE, out_strides, lse_strides, PO, PL, part_strides, p
     store_rows(O, LSE, acc / l_safe[:, None], lse, b, rows, h, row_ok, offs_d, head_dim, ob, om, oh, lb, lh)
 
 
-# parts one launch merges (a ring of W ranks gives W parts: its forward keeps up to this many before it merges)
+# parts one launch merges at most (the ring's forward merges up to five at once)
 MAX_PARTS = 8
 
 
