@@ -323,27 +323,32 @@ def test_merge_attention_is_exact_and_empty_rows_stay_zero(seed):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("pieces", [3, 7])
+@pytest.mark.parametrize("pieces", [1, 3, 7])
 def test_forward_merges_every_block_once(seed, dtype, pieces):
     """The ring's forward on one rank with a plan of many calls: keys cut into column ranges, the last range also
-    cut by rows (two parts covering some rows each). 3 calls: one merge, written into the first block (it spans
-    every row); 7: the first five folded into a float32 part, then the final merge. Against the float64 oracle
-    within the flash-attn rule (the same call in one piece is the rule's standard)."""
+    cut by rows (two parts covering some rows each). 1 call: its block is the result, bit for bit flash_attn_func's;
+    3 calls: one merge, written into the first block (it spans every row); 7: the first five folded into a float32
+    part, then the final merge. Against the float64 oracle within the flash-attn rule (the same call in one piece
+    is the rule's standard)."""
     from flashtile.api import problem as P
     from flashtile.api.problem import Problem
     from flashtile.distributed.ring import BlockCall, DenseBlocks, _Ring, _ring_forward
     b, s, h, d = 2, 40, 2, 16
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(b, s, h, d, generator=g).to(dtype) for _ in range(3))
-    cols = [0, 20, 40] if pieces == 3 else [0, 6, 12, 18, 24, 30, 40]
-    calls = [BlockCall(0, s, k0, k1, -1, -1) for k0, k1 in zip(cols[:-2], cols[1:-1])]
-    calls += [BlockCall(0, 17, cols[-2], cols[-1], -1, -1), BlockCall(17, s, cols[-2], cols[-1], -1, -1)]
+    calls = [BlockCall(0, s, 0, s, -1, -1)]
+    if pieces > 1:
+        cols = [0, 20, 40] if pieces == 3 else [0, 6, 12, 18, 24, 30, 40]
+        calls = [BlockCall(0, s, k0, k1, -1, -1) for k0, k1 in zip(cols[:-2], cols[1:-1])]
+        calls += [BlockCall(0, 17, cols[-2], cols[-1], -1, -1), BlockCall(17, s, cols[-2], cols[-1], -1, -1)]
     params = P.attn_params(d, s, s, 0.0, None, False, (-1, -1), 0.0)
     p = Problem(P.DENSE, b, s, s, h, h, d, dtype, params)
     out, lse = _ring_forward(_Ring(None, 0, 1, 0, 0), q, k, v, [tuple(calls)], DenseBlocks(p))
     ref, ref_lse, _ = attention_ref(q.double(), k.double(), v.double())
-    std = flash_attn_func(q, k, v)
+    std, std_lse, _ = flash_attn_func(q, k, v, return_attn_probs=True)
     assert out.dtype == dtype and lse.dtype == torch.float32
+    if pieces == 1:
+        assert torch.equal(out, std) and torch.equal(lse, std_lse)
     assert_within_rule("out", out, ref, std, dtype, f"seed={seed} pieces={pieces}")
     assert torch.allclose(lse.double(), ref_lse, atol=1e-4, rtol=0), f"seed={seed}"
 

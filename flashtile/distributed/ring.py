@@ -375,11 +375,14 @@ def _ring_forward(ring: _Ring, q, k, v, plans, blocks):
 
 def _merged(parts, shape, dtype, device):
     """(out, lse) of the merged parts, out of `dtype`: written into the first part where it spans every row in that
-    dtype (merge_parts reads a row of every part before it writes that row), else into new tensors."""
+    dtype (merge_parts reads a row of every part before it writes that row), which is the result when it is the only
+    part; else into new tensors."""
     b, s, h, _ = shape
     if parts and parts[0][1].shape == shape and parts[0][1].dtype == dtype and parts[0][1].is_contiguous() \
             and parts[0][2].shape == (b, h, s) and parts[0][2].is_contiguous():
         out, lse = parts[0][1], parts[0][2]
+        if len(parts) == 1:
+            return out, lse
     else:
         out = torch.empty(shape, dtype=dtype, device=device)
         lse = torch.empty((b, h, s), dtype=torch.float32, device=device)
