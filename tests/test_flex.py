@@ -14,6 +14,7 @@ tests/gpu/test_mods_gpu.py scales this up. Budget: well under 90 s on 2 cores.
 """
 import pytest
 import torch
+import triton
 
 import flashtile
 from attn_utils import DEVICE, inputs as _inputs
@@ -267,6 +268,39 @@ def test_document_block_mask_with_window_flag(seed):
     q, k, v, dout = _inputs(1, s, s, 2, 2, 32, fp32)
     run_and_check(q, k, v, dout, fp32, "[document + window (10, 0)]", block_mask=bm, window_size=(10, 0),
                   mask_fn=t_document(ids))
+
+
+@triton.jit
+def _keep_all(b, h, q_idx, kv_idx, aux):
+    return (q_idx >= 0) & (kv_idx >= 0)
+
+
+def test_mods_equal_but_for_their_tensors_share_one_key(seed):
+    """A training loop builds document_mask over each batch's ids: the mods register under one key (one problem,
+    one plan and launch template per shape), the registry keeps none of their tensors, and each call computes
+    with its own ids (float64 reference); mods whose other captured values differ (a window, an int against a
+    float) get keys of their own."""
+    import gc
+    import weakref
+    s = 48
+    q, k, v, dout = _inputs(1, s, s, 2, 2, 16, fp32)
+    keys = []
+    for cut in (20, 31):
+        ids = torch.tensor([0] * cut + [1] * (s - cut), dtype=torch.int32, device=DEVICE)
+        mod = document_mask(ids)
+        key, tensors = usermods.register(None, mod)
+        assert tensors == [ids]
+        keys.append(key)
+        run_and_check(q, k, v, dout, fp32, f"[document cut {cut}]", mask_mod=mod, mask_fn=t_document(ids))
+    assert keys[0] == keys[1]
+    held = weakref.ref(ids)
+    del ids, mod, tensors
+    gc.collect()
+    assert held() is None, "the registry keeps a captured tensor alive"
+    windows = [usermods.register(None, sliding_window_mask(w))[0] for w in (8, 16, 8)]
+    assert windows[0] == windows[2] != windows[1]
+    ints_floats = [usermods.register(None, MaskMod(_keep_all, captured=(c, )))[0] for c in (1, 1.0)]
+    assert ints_floats[0] != ints_floats[1]
 
 
 def test_no_mods_equals_flash_attn_func_and_return_types(seed):

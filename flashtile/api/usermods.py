@@ -4,15 +4,36 @@ tensors travel as op inputs, so autograd sees them. A leaf of the API: masks.py,
 from __future__ import annotations
 
 import itertools
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
 from ..kernels.params import UserMods
 
+# key -> (score_mod's, mask_mod's) _Static; a pair's _Static values -> its key
 _REGISTRY: Dict[int, tuple] = {}
-_KEYS: Dict[Tuple[int, int], int] = {}
+_KEYS: Dict[tuple, int] = {}
 _NEXT = itertools.count(1)
+TENSOR = "<captured tensor>"   # a captured tensor's place in a _Static's captured values (the op's input there)
+
+
+class _Static(NamedTuple):
+    """What of a ScoreMod / MaskMod the kernels compile in or take as values: its functions and captured values,
+    the captured tensors' places marked TENSOR (they are the op's inputs); each value with its type (Triton
+    specializes an int and a float apart; 1 == 1.0 as keys)."""
+    fn: object
+    grad_fn: object
+    captured_grad_fn: object
+    captured: tuple
+    types: tuple
+
+
+def _static(mod) -> Optional[_Static]:
+    if mod is None:
+        return None
+    captured = tuple(TENSOR if isinstance(c, torch.Tensor) else c for c in mod.captured)
+    return _Static(mod.fn, getattr(mod, "grad_fn", None), getattr(mod, "captured_grad_fn", None), captured,
+                   tuple(map(type, captured)))
 
 
 def captured_tensors(mod) -> List[torch.Tensor]:
@@ -20,23 +41,25 @@ def captured_tensors(mod) -> List[torch.Tensor]:
 
 
 def register(score_mod, mask_mod) -> Tuple[int, List[torch.Tensor]]:
-    """(key, captured tensors: score_mod's, then mask_mod's) for the custom ops; the pair is kept alive here."""
-    ids = (id(score_mod), id(mask_mod))
-    key = _KEYS.get(ids)
-    if key is None or _REGISTRY[key] != (score_mod, mask_mod):
-        key = next(_NEXT)
-        _KEYS[ids] = key
-        _REGISTRY[key] = (score_mod, mask_mod)
+    """(key, captured tensors: score_mod's, then mask_mod's) for the custom ops. Mods equal but for their captured
+    tensors (e.g. document_mask over each batch's document ids) share a key, and so a problem, its plans and
+    launch templates; the registry holds no tensor."""
+    static = (_static(score_mod), _static(mask_mod))
+    key = _KEYS.get(static)
+    if key is None:
+        key = _KEYS[static] = next(_NEXT)
+        _REGISTRY[key] = static
     return key, captured_tensors(score_mod) + captured_tensors(mask_mod)
 
 
-def aux(mod, tensors: List[torch.Tensor], start: int) -> Tuple[Optional[tuple], int]:
-    """mod.captured with its tensors replaced by tensors[start:] (the op's own inputs); None if nothing."""
+def aux(mod: Optional[_Static], tensors: List[torch.Tensor], start: int) -> Tuple[Optional[tuple], int]:
+    """A registered mod's captured values with its tensors' places filled from tensors[start:] (the op's own
+    inputs); None if nothing."""
     if mod is None or not mod.captured:
         return None, start
     out = []
     for c in mod.captured:
-        if isinstance(c, torch.Tensor):
+        if c is TENSOR:
             out.append(tensors[start])
             start += 1
         else:
@@ -59,7 +82,7 @@ def user_mods(key: int, tensors: List[torch.Tensor], grad_buffers: Optional[List
         buffers = iter(grad_buffers)
         aux_grad = []
         for c, a in zip(score_mod.captured, score_aux):
-            aux_grad.append(next(buffers) if isinstance(c, torch.Tensor) else a)
+            aux_grad.append(next(buffers) if c is TENSOR else a)
         aux_grad = tuple(aux_grad)
     if score_mod is None:
         return UserMods(mask_mod=mask_mod.fn if mask_mod else None, mask_aux=mask_aux)
@@ -69,4 +92,4 @@ def user_mods(key: int, tensors: List[torch.Tensor], grad_buffers: Optional[List
 
 def n_score_tensors(key: int) -> int:
     """How many of the op's mod tensors are the score_mod's (they come first)."""
-    return len(captured_tensors(_REGISTRY[key][0])) if key else 0
+    return _REGISTRY[key][0].captured.count(TENSOR) if key and _REGISTRY[key][0] is not None else 0
