@@ -166,9 +166,11 @@ def test_mods_gluon_cannot_compile_run_on_triton(monkeypatch, seed):
         tried.append(1)
         raise CompilationError(None, None, "a tile without a layout")
 
-    q, k, v = (torch.randn(1, 48, 2, 32, requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(1, 48, 2, 128, requires_grad=True) for _ in range(3))
     ref = flashtile.flash_attn_func(q.detach(), k.detach(), v.detach())
     monkeypatch.setattr(fa3, "supports", lambda *a, **kw: True)
+    monkeypatch.setattr(fa3, "_device_index", lambda t: 0)   # (the plans' grid, made on the CPU here)
+    monkeypatch.setattr(fa3, "_sm_count", lambda index: 132)
     monkeypatch.setattr(fa3, "fwd", fails)
     monkeypatch.setattr(fa3, "bwd", fails)
     monkeypatch.setattr(dispatch, "_TRITON_MODS", set())

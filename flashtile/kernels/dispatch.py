@@ -43,21 +43,20 @@ def _mods_key(mods):
     return (mods.score_mod, mods.score_grad, mods.score_captured_grad, mods.mask_mod)
 
 
-def _gluon_flex(run, mods) -> bool:
-    """run() (a Gluon launch) -> True; False without launching where the mods are known not to compile for Gluon,
-    or fail to now (the Triton kernels then run the call: nothing was written)."""
+def _gluon_flex(run, mods, *args) -> bool:
+    """run(*args) (a Gluon launch, or a plan's call answering whether it launched) -> True unless it answered False;
+    False without launching where the mods are known not to compile for Gluon, or fail to now (the Triton kernels
+    then run the call: nothing was written)."""
     if mods is None:
-        run()
-        return True
+        return run(*args) is not False
     key = _mods_key(mods)
     if key in _TRITON_MODS:
         return False
     try:
-        run()
+        return run(*args) is not False
     except CompilationError:
         _TRITON_MODS.add(key)
         return False
-    return True
 
 
 def flash_fwd(q, k, v, out, lse, params, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
@@ -148,8 +147,8 @@ def _into(sums: GradSums, grads) -> None:
 # The training path: a plan per problem
 # --------------------------------------------------------------------------------------------------
 def _gluon_candidate(p, params) -> bool:
-    """The problem's features allow the FA3 kernels' plans (their shapes are checked by fa3.supports): no bias,
-    bool mask, block mask, mods or dropout."""
+    """The problem is plain for the FA3 kernels (their shapes are checked by fa3.supports): no bias, bool mask,
+    block mask, mods or dropout."""
     return not (p.bias or p.mask or p.sparse_block or p.mod_key) and params.dropout_p == 0
 
 
@@ -220,8 +219,8 @@ class _DecodeStep:
     so a generation loop repeating a shape launches its template."""
     __slots__ = ()
 
-    def __call__(self, q, k, v, out, lse, params, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                 mask=None) -> bool:
+    def __call__(self, q, k, v, out, lse, params, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None, mask=None,
+                 bias=None, sparse=None, mods=None) -> bool:
         sig = (self, q.stride(), k.stride(), v.stride(), q.device, None if alibi is None else alibi.stride(),
                None if mask is None else (mask.shape, mask.stride()))
         flash_decode(q, k, v, out, lse, None, params, alibi=alibi, max_seqlen_k=k.shape[1], seqlen_k_static=k.shape[1],
@@ -235,13 +234,17 @@ def forward(p, params, q, k, v, out, lse, x, bias=None, mods=None) -> None:
     plan = p.cache.get("fwd", False)
     if plan is False:
         plan = None
+        features = (bias, x.mask, x.sparse, mods)
         if _decode_step(p, params, bias, mods):
             plan = _DecodeStep()
-        elif (_gluon_candidate(p, params) and _attends(p, q, k)
-                and fa3.supports(q, k, v, params, x.alibi, x.cu_seqlens_q)):
-            plan = fa3.ForwardPlan(q, k, v, lse, params, x.alibi, x.cu_seqlens_q, p.seqlen_q, p.seqlen_k)
+        elif (params.dropout_p == 0 and _attends(p, q, k)
+                and fa3.supports(q, k, v, params, x.alibi, x.cu_seqlens_q, *features)):
+            # (flashtile.flex's features: their tensors are the plan's per call, and the mods may not compile for
+            # Gluon: _gluon_flex below)
+            plan = fa3.ForwardPlan(q, k, v, lse, params, x.alibi, x.cu_seqlens_q, p.seqlen_q, p.seqlen_k, features)
         p.cache["fwd"] = plan
-    if plan is not None and plan(q, k, v, out, lse, params, x.alibi, x.cu_seqlens_q, x.cu_seqlens_k, x.mask):
+    if plan is not None and _gluon_flex(plan, mods, q, k, v, out, lse, params, x.alibi, x.cu_seqlens_q,
+                                        x.cu_seqlens_k, x.mask, bias, x.sparse, mods):
         return
     flash_fwd(q, k, v, out, lse, params, x.alibi, x.cu_seqlens_q, x.cu_seqlens_k, p.seqlen_q, p.seqlen_k,
               bias=bias, mask=x.mask, sparse=x.sparse, mods=mods, memo=p.cache)
@@ -251,18 +254,22 @@ class _GluonBackward:
     """The Gluon backward of one problem, dense or varlen: D = rowsum(dO o O) by the Triton preprocess kernel, which
     also zeroes the float32 dQ accumulator (a varlen problem whose packed rows may belong to no sequence gets a
     zero-filled one instead: the preprocess reaches only sequences' rows), then fa3's kernel (fa3.BackwardPlan),
-    then dQ converted."""
+    then dQ converted. features: (bias, mask, sparse, mods) of a problem with flashtile.flex's features (as
+    fa3.ForwardPlan's), whose tensors each call passes."""
     __slots__ = ("fa3", "pre", "p")
 
-    def __init__(self, p, q, k, v, lse, params, x):
+    def __init__(self, p, q, k, v, lse, params, x, features=None):
         dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (k, v))   # (as backward's)
-        self.fa3 = fa3.BackwardPlan(q, k, v, lse, dk, dv, params, x.alibi, x.cu_seqlens_q, p.seqlen_q, p.seqlen_k)
+        self.fa3 = fa3.BackwardPlan(q, k, v, lse, dk, dv, params, x.alibi, x.cu_seqlens_q, p.seqlen_q, p.seqlen_k,
+                                    features)
         self.p, self.pre = p, None
 
-    def __call__(self, dout, q, k, v, out, lse, dq, dk, dv, params, dlse, x) -> bool:
+    def __call__(self, dout, q, k, v, out, lse, dq, dk, dv, params, dlse, x, bias=None, mods=None) -> bool:
         """False (nothing launched) where this call cannot take the plan (Gluon off, q, k, v of other strides than the
-        plan's or not 16-byte aligned, or the outputs not contiguous and aligned)."""
-        if not (fa3.enabled() and self.fa3.takes(q, k, v) and fa3.tma_aligned(out, dq, dk, dv)):
+        plan's or not 16-byte aligned, the outputs not contiguous and aligned, or a block mask the kernel does not
+        take: fa3.sparse_ok)."""
+        if not (fa3.enabled() and self.fa3.takes(q, k, v) and fa3.tma_aligned(out, dq, dk, dv)
+                and fa3.sparse_ok(q, k, x.sparse)):
             return False
         p = self.p
         dout = fa3.tma_ready(dout)
@@ -282,7 +289,8 @@ class _GluonBackward:
             # a gradient arriving through the LSE output: d lse_i / d S_ij = P_ij, so dS_ij gains P_ij * dlse_i,
             # i.e. dS = P o (dP - (D - dlse)): folded into D, the kernels are unchanged
             delta.sub_(dlse)
-        self.fa3(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc, x.alibi, x.cu_seqlens_q, x.cu_seqlens_k)
+        self.fa3(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc, x.alibi, x.cu_seqlens_q, x.cu_seqlens_k,
+                 bias, x.mask, x.sparse, mods)
         return True
 
 
@@ -298,11 +306,12 @@ def backward(p, params, dout, q, k, v, out, lse, dq, dk, dv, x, bias=None, dbias
     plan = p.cache.get("bwd", False)
     if plan is False:
         plan = None
-        if (_gluon_candidate(p, params) and _attends(p, q, k) and not p.deterministic and out.is_contiguous()
-                and fa3.supports(q, k, v, params, x.alibi, x.cu_seqlens_q, backward=True)):
-            plan = _GluonBackward(p, q, k, v, lse, params, x)
+        features = (bias, x.mask, x.sparse, mods)
+        if (params.dropout_p == 0 and _attends(p, q, k) and not p.deterministic and out.is_contiguous()
+                and fa3.supports(q, k, v, params, x.alibi, x.cu_seqlens_q, *features, backward=True, dbias=dbias)):
+            plan = _GluonBackward(p, q, k, v, lse, params, x, features)
         p.cache["bwd"] = plan
-    if plan is not None and plan(dout, q, k, v, out, lse, dq, dk, dv, params, dlse, x):
+    if plan is not None and _gluon_flex(plan, mods, dout, q, k, v, out, lse, dq, dk, dv, params, dlse, x, bias, mods):
         return
     flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, params, x.alibi, x.cu_seqlens_q, x.cu_seqlens_k, p.seqlen_q,
               p.seqlen_k, deterministic=p.deterministic, bias=bias, mask=x.mask, sparse=x.sparse, dbias=dbias,

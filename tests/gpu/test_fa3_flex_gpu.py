@@ -173,3 +173,33 @@ def test_gluon_bias_and_bool_mask_broadcast_gpu(seed, gluon_calls):
     assert (out[0, 50:70] == 0).all() and torch.isneginf(lse[0, :, 50:70]).all()
     _same_as_triton(lambda: flashtile.flash_attn_func(q, k, v, attn_bias=bias, attn_mask=mask,
                                                       return_attn_probs=True)[:2], out, lse, bf16, "[bias + mask]")
+
+
+def test_flex_launch_templates_take_each_calls_tensors_gpu(seed, gluon_calls):
+    """A repeated flex problem launches its templates (fa3.fwd / fa3.bwd run once, at the first call), which take
+    each call's block mask lists, captured tensors, attn_bias and attn_mask: the second call, with other tensors of
+    the same shapes, matches the Triton kernels on its own inputs."""
+    b, s, h, d = 2, 1536, 4, 128   # (a shape no other test uses: its first call makes the templates)
+    q, k, v, dout = inputs(b, s, s, h, h, d, bf16, DEV)
+    for n, gen_seed in enumerate((11, 12)):
+        ids = _doc_ids(b, s, 3 + n, gen_seed)
+        bm = create_block_mask(document_mask(ids), b, None, s, s, device=DEV)
+
+        def doc(bm=bm):
+            return flex_attention(q, k, v, block_mask=bm, return_lse=True)
+        out, lse = doc()
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        assert gluon_calls == {"fwd": 1, "bwd": 1}, f"call {n}: {gluon_calls}"
+        _same_as_triton(doc, out.detach(), lse.detach(), bf16, f"[document call {n}]")
+        _grads_as_triton(lambda: doc()[0], (q, k, v), dout, grads, bf16, f"[document call {n}]")
+    for n in range(2):
+        bias = torch.randn(b, 1, s, s, device=DEV, dtype=bf16) * (n + 1)
+        mask = torch.rand(1, h, s, s, device=DEV) > 0.2 + 0.3 * n
+
+        def biased(bias=bias, mask=mask):
+            return flashtile.flash_attn_func(q, k, v, attn_bias=bias, attn_mask=mask, return_attn_probs=True)[:2]
+        out, lse = biased()
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        assert gluon_calls == {"fwd": 2, "bwd": 2}, f"bias call {n}: {gluon_calls}"
+        _same_as_triton(biased, out.detach(), lse.detach(), bf16, f"[bias + mask call {n}]")
+        _grads_as_triton(lambda: biased()[0], (q, k, v), dout, grads, bf16, f"[bias + mask call {n}]")

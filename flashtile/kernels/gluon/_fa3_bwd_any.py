@@ -297,7 +297,7 @@ def _store_dkv_rows_f32(dk, dv, dkv, qdo_empty, row, col, n_rows, n_iters, sm_sc
 
 @gluon.jit
 def fa3_bwd_any_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr, dk_desc, dv_desc, dk_ptr, dv_ptr,
-                       cu_seqlens_q, cu_seqlens_k, alibi_ptr, strides, sizes, scales, window, flex,
+                       cu_seqlens_q, cu_seqlens_k, alibi_ptr, flex, strides, sizes, scales, window,
                        TILE: gl.constexpr, P_LAYOUT: gl.constexpr, FEATURES: gl.constexpr, FLEX: gl.constexpr,
                        num_warps: gl.constexpr):
     """Grid (cdiv(seqlen_k, BLOCK_N), batch * nheads_k); TILE (fa3.BwdTile): HEAD_D, BLOCK_N = 2 x 64 key rows (one
@@ -311,10 +311,11 @@ def fa3_bwd_any_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_
     query block past its sequence adds exact zeros there. lse, delta: (batch, nheads, seqlen_q) or (VARLEN,
     stride_lse_b = 0) (nheads, total_q) fp32 with the same strides. P_LAYOUT: the shared layout of a (BLOCK_M,
     BLOCK_N / 2) tile of q's dtype (a warpgroup's P or dS). The argument groups:
+    - flex: (bias_t, mask_t, sparse, score_aux, mask_aux, score_aux_grad, order_ptr) (after the live tensors, as
+      fa3_fwd_kernel's);
     - strides: (stride_lse_b, stride_lse_h, stride_dk_row, stride_dv_row, stride_alibi_b);
     - sizes: (seqlen_q, seqlen_k, nheads_k, group); scales: (sm_scale = softmax_scale, qk_scale, softcap_log2);
-      window: (window_left, window_right);
-    - flex: (bias_t, mask_t, sparse, score_aux, mask_aux, score_aux_grad, order_ptr).
+      window: (window_left, window_right).
     FEATURES as fa3_fwd_kernel's (HAS_LEFT / HAS_RIGHT windows, SOFTCAP, ALIBI, TAIL: a sequence may end inside
     a block; qk_scale and softcap_log2 as there); SKIP: a query block may see none of a warpgroup's keys (else
     every step computes); EMPTY: a query row may have no key or lie past its sequence.

@@ -762,7 +762,7 @@ def _v_operand(v_bufs, i, FP8: gl.constexpr):
 
 @gluon.jit
 def fa3_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, counter_ptr,
-                   out_ptr, cu_seqlens_q, cu_seqlens_k, alibi_ptr, strides, sizes, scales, window, flex,
+                   out_ptr, cu_seqlens_q, cu_seqlens_k, alibi_ptr, flex, strides, sizes, scales, window,
                    TILE: gl.constexpr, FEATURES: gl.constexpr, FLEX: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                    num_warps: gl.constexpr):
     """Persistent: G programs (at most one per SM) share the cdiv(seqlen_q, NUM_WG * BLOCK_M) output tiles of each
@@ -774,10 +774,11 @@ def fa3_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_scale_ptr, k_scale
     or BLOCK_N, HEAD_D); rows = batch * seqlen (dense) or tokens (VARLEN: sequence b's are cu_seqlens[b] ..
     cu_seqlens[b + 1], seqlen_q / seqlen_k the longest, seqlen_q >= 2). lse: (batch, nheads, seqlen_q) or (VARLEN,
     stride_lse_b = 0) (nheads, total_q), fp32, natural log. The argument groups:
+    - flex: (bias_t, mask_t, sparse, score_aux, mask_aux) of flashtile.flex's features (below): tensors a call
+      changes, so it follows the live tensors (a launch template of a flex problem takes it per call);
     - strides: (stride_lse_b, stride_lse_h, stride_o_row, stride_alibi_b);
     - sizes: (seqlen_q, seqlen_k, n_bh, nheads, group = query heads per K/V head);
-    - scales: (qk_scale, softcap_log2); window: (window_left, window_right);
-    - flex: (bias_t, mask_t, sparse, score_aux, mask_aux) of flashtile.flex's features (below).
+    - scales: (qk_scale, softcap_log2); window: (window_left, window_right).
     The problem's FEATURES (params.Features; constexpr, so a problem without them compiles none of their code):
     - HAS_LEFT / HAS_RIGHT: a window (window_left / window_right keys around each row's bottom-right diagonal;
       causal is right = 0) - _key_blocks;

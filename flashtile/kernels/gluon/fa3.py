@@ -152,7 +152,7 @@ def eligible(q, k, v, params, alibi=None, cu_seqlens_q=None, bias=None, mask=Non
         if (q.dim() != 4 or q.shape[-1] not in FLEX_HEAD_DIMS or dbias is not None
                 or (sparse is not None and sparse.block_size % 128)):
             return False
-        if backward and sparse is not None and q.shape[2] != k.shape[2] and sparse.q_num.shape[1] != 1:
+        if backward and not sparse_ok(q, k, sparse):
             return False
     if not params.softmax_scale > 0:   # the kernel takes max(S) * scale for max(S * scale), and masks with -inf
         return False
@@ -167,6 +167,12 @@ def eligible(q, k, v, params, alibi=None, cu_seqlens_q=None, bias=None, mask=Non
     if alibi is not None and not (alibi.dtype == torch.float32 and alibi.stride(-1) == 1):
         return False
     return not layout or tma_viewable(q, k, v)
+
+
+def sparse_ok(q, k, sparse) -> bool:
+    """Whether the backward takes this block mask (None: no block mask): one list per group of query heads that
+    share a KV head (a program reads its group's first list)."""
+    return sparse is None or q.shape[2] == k.shape[2] or sparse.q_num.shape[1] == 1
 
 
 def supports(q, k, v, params, *args, **kwargs) -> bool:
@@ -238,7 +244,7 @@ def fwd(q, k, v, out, lse, params, alibi=None, cu_seqlens_q=None, cu_seqlens_k=N
     sq = max_seqlen_q if varlen else q.shape[1]
     sk = max_seqlen_k if varlen else k.shape[1]
     flex = None
-    if bias is not None or mask is not None or sparse is not None or mods is not None:
+    if has_flex(bias, mask, sparse, mods):
         flex = flex_args(lse, q.shape[0], q.shape[2], sq, sk, bias, mask, sparse, mods)
     cfg = fwd_config(q.shape[-1], sq, params.has_right, alibi is not None)
     _launch_fwd(q, k, v, out, lse, (lse, lse, lse), params, cfg, False, alibi, cu_seqlens_q, cu_seqlens_k, sq, sk,
@@ -257,22 +263,34 @@ _NO_FLEX_BWD = ((*_NO_FLEX[0], _NO_AUX, 0), _NO_FLEX[1])
 
 def flex_args(lse, batch: int, nheads: int, sq: int, sk: int, bias=None, mask=None, sparse=None, mods=None,
               backward: bool = False):
-    """(fa3_fwd_kernel's runtime group flex: bias_t, mask_t, sparse, score_aux, mask_aux; its constexpr FLEX) of
-    flashtile.flex's features (fwd's), placeholders for the absent ones; backward: fa3_bwd_any_kernel's (the
-    block mask's transposed lists, score_aux_grad added; SCORE_GRAD, SCORE_CAPTURED_GRAD)."""
+    """(flex_runtime(...), flex_consts(...)) of flashtile.flex's features."""
+    return (flex_runtime(lse, batch, nheads, sq, sk, bias, mask, sparse, mods, backward),
+            flex_consts(bias, mask, sparse, mods, backward))
+
+
+def flex_runtime(lse, batch: int, nheads: int, sq: int, sk: int, bias=None, mask=None, sparse=None, mods=None,
+                 backward: bool = False) -> tuple:
+    """fa3_fwd_kernel's runtime group flex (bias_t, mask_t, sparse, score_aux, mask_aux) of flashtile.flex's
+    features, placeholders for the absent ones; backward: fa3_bwd_any_kernel's (the block mask's transposed lists,
+    score_aux_grad added; the programs' order is bwd_flex's)."""
     def pair(t):
         return _NO_PAIR if t is None else pair_args(t, batch, nheads, sq, sk)
     lists = _NO_LISTS if sparse is None else sparse_args(sparse, batch, nheads, backward)
     score_aux = mods.score_aux if mods is not None and mods.score_aux is not None else _NO_AUX
     mask_aux = mods.mask_aux if mods is not None and mods.mask_aux is not None else _NO_AUX
-    consts = Flex(HAS_BIAS=bias is not None, HAS_MASK=mask is not None,
-                  SPARSE_BLOCK=0 if sparse is None else sparse.block_size,
-                  **({} if mods is None else mods.flex_fields("dkdv" if backward else "fwd")))
     runtime = (pair(bias), pair(mask), lists, score_aux, mask_aux)
     if backward:
         aux_grad = mods.score_aux_grad if mods is not None and mods.score_aux_grad is not None else score_aux
         runtime += (aux_grad, )
-    return runtime, consts
+    return runtime
+
+
+def flex_consts(bias=None, mask=None, sparse=None, mods=None, backward: bool = False) -> Flex:
+    """The constexpr FLEX of flashtile.flex's features (the forward's; backward: fa3_bwd_any_kernel's, with
+    SCORE_GRAD and SCORE_CAPTURED_GRAD)."""
+    return Flex(HAS_BIAS=bias is not None, HAS_MASK=mask is not None,
+                SPARSE_BLOCK=0 if sparse is None else sparse.block_size,
+                **({} if mods is None else mods.flex_fields("dkdv" if backward else "fwd")))
 
 
 def longest_first(sparse, batch: int, nheads: int, nheads_k: int, sk: int, block_n: int) -> torch.Tensor:
@@ -305,6 +323,19 @@ def _order(sparse, batch: int, nheads: int, nheads_k: int, sk: int, block_n: int
     return order
 
 
+def bwd_flex(lse, batch: int, nheads: int, nheads_k: int, sq: int, sk: int, block_n: int, bias=None, mask=None,
+             sparse=None, mods=None) -> tuple:
+    """fa3_bwd_any_kernel's flex group of flashtile.flex's features: flex_runtime's with the programs' order
+    (longest_first, kept per block mask) last."""
+    order = 0 if sparse is None else _order(sparse, batch, nheads, nheads_k, sk, block_n)
+    return (*flex_runtime(lse, batch, nheads, sq, sk, bias, mask, sparse, mods, backward=True), order)
+
+
+def has_flex(bias=None, mask=None, sparse=None, mods=None) -> bool:
+    """Whether a problem has any of flashtile.flex's features."""
+    return not (bias is None and mask is None and sparse is None and mods is None)
+
+
 def fwd_features(params, varlen: bool, alibi, sq: int, sk: int, block_n: int, flex: bool = False,
                  sparse: bool = False) -> Features:
     """fa3_fwd_kernel's FEATURES for a problem (its docstring says what each compiles in); flex: the problem has
@@ -334,11 +365,12 @@ def fwd_config(head_dim: int, seqlen_q: int, causal: bool, alibi: bool = False):
 
 
 # fa3_fwd_kernel's first _FWD_LIVE parameters are the descriptors and tensors a call changes (q, k, v, out, lse, the
-# descales, the tile counter, out's pointer, cu_seqlens, the ALiBi slopes); the rest are sizes, strides and scalars,
-# fixed by the problem
+# descales, the tile counter, out's pointer, cu_seqlens, the ALiBi slopes), then the flex group (live in the template
+# of a problem with flashtile.flex's features: its tensors change per call; bound, as placeholders, otherwise); the
+# rest are sizes, strides and scalars, fixed by the problem
 _FWD_LIVE = 13
-# (q / k / v shapes, dtype, device, lse strides, the scalars, ALiBi's shape, the longest lengths) -> _FwdTemplate of
-# a bf16 / fp16 launch seen before
+# (q / k / v shapes, dtype, device, lse strides, the scalars, ALiBi's shape, the longest lengths, FLEX) -> _FwdTemplate
+# of a bf16 / fp16 launch seen before
 _FWD_TEMPLATES: dict = {}
 
 
@@ -353,16 +385,18 @@ class _FwdTemplate:
         self.bound, self.kwargs = bound, kwargs
         self.descs = [DescriptorType(cls, f) for f in fields]
 
-    def launch(self, grid, q, k, v, out, lse, scales, counter, extras) -> bool:
-        """extras: (cu_seqlens_q, cu_seqlens_k, alibi), None where absent."""
+    def launch(self, grid, q, k, v, out, lse, scales, counter, extras, flex=None) -> bool:
+        """extras: (cu_seqlens_q, cu_seqlens_k, alibi), None where absent; flex: flex_args' runtime group of a
+        template bound with it live (None: bound)."""
         d = self.descs
         descs = (d[0](q), d[1](k), d[2](v), d[3](out))
         if None in descs:
             return False
         cu_q, cu_k, alibi = extras
+        live = (*descs, lse, *scales, counter, out, lse if cu_q is None else cu_q, lse if cu_k is None else cu_k,
+                lse if alibi is None else alibi)
         # (the descriptors have the bound ones' class, block and layout and the base dtype of the key's q)
-        return self.bound(grid, (*descs, lse, *scales, counter, out, lse if cu_q is None else cu_q,
-                                 lse if cu_k is None else cu_k, lse if alibi is None else alibi), trusted=4)
+        return self.bound(grid, live if flex is None else (*live, flex), trusted=4)
 
 
 def layout(*ts) -> tuple:
@@ -371,12 +405,13 @@ def layout(*ts) -> tuple:
     return tuple(t.stride() for t in ts)
 
 
-def _fwd_key(q, k, v, out, lse, params, alibi, sq, sk):
+def _fwd_key(q, k, v, out, lse, params, alibi, sq, sk, flex=None):
     """The key of a forward's launch template: what fixes every argument but the live ones (the shapes and strides of
-    q, k, v and out fix their descriptors' geometry)."""
+    q, k, v and out fix their descriptors' geometry); flex: the constexpr FLEX of a problem with flashtile.flex's
+    features (its runtime group is live)."""
     return (q.shape, k.shape, v.shape, layout(q, k, v, out), q.dtype, q.device, lse.stride(), params.softmax_scale,
             params.window_left, params.window_right, params.softcap, None if alibi is None else alibi.stride(), sq,
-            sk)
+            sk, flex)
 
 
 def _launch_fwd(q, k, v, out, lse, scales, params, cfg, fp8, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None,
@@ -403,11 +438,11 @@ def _launch_fwd(q, k, v, out, lse, scales, params, cfg, fp8, alibi=None, cu_seql
                   FLEX=flex_consts, **_regs(head_dim, fp8, num_wg))
     counter = tickets(q.device, 1)
     extras = (cu_seqlens_q, cu_seqlens_k, alibi)
-    # (flex's tensors are not live arguments of a template: a problem with them launches the full way)
-    key = None if fp8 or flex is not None else _fwd_key(q, k, v, out, lse, params, alibi, sq, sk)
+    live_flex = None if flex is None else flex_runtime   # (a flex problem's template takes its tensors per call)
+    key = None if fp8 else _fwd_key(q, k, v, out, lse, params, alibi, sq, sk, None if flex is None else flex_consts)
     tpl = _FWD_TEMPLATES.get(key) if key is not None else None
     if tpl is not None and tpl.kwargs == kwargs and tpl.launch((programs, 1, 1), q, k, v, out, lse, scales, counter,
-                                                               extras):
+                                                               extras, live_flex):
         return
 
     def desc(t, rows):
@@ -424,11 +459,11 @@ def _launch_fwd(q, k, v, out, lse, scales, params, cfg, fp8, alibi=None, cu_seql
     score_scale, softcap_log2 = params.score_args()
     strides = (*lse_strides, tma_row_view(out).stride(0), 0 if alibi is None or alibi.dim() == 1 else alibi.stride(0))
     sizes = (max(sq, 2) if varlen else sq, sk, batch * nheads, nheads, nheads // nheads_k)
-    args = (*descs, lse, *scales, counter, out, *(lse if t is None else t for t in extras), strides, sizes,
-            (score_scale, softcap_log2), (max(params.window_left, 0), max(params.window_right, 0)), flex_runtime)
+    args = (*descs, lse, *scales, counter, out, *(lse if t is None else t for t in extras), flex_runtime, strides,
+            sizes, (score_scale, softcap_log2), (max(params.window_left, 0), max(params.window_right, 0)))
     launched = relaunch.launch(kern.fa3_fwd_kernel, (programs, ), args, kwargs)
     if key is not None:
-        bound = relaunch.bind(kern.fa3_fwd_kernel, args, kwargs, _FWD_LIVE, launched)
+        bound = relaunch.bind(kern.fa3_fwd_kernel, args, kwargs, _FWD_LIVE + (live_flex is not None), launched)
         if bound is not None:
             relaunch.remember(_FWD_TEMPLATES, key, _FwdTemplate(bound, kwargs, TensorDescriptor,
                                                                 [descriptor_fields(d) for d in descs]))
@@ -496,7 +531,8 @@ def bwd_dq_tile(block_m: int, head_dim: int):
 
 # the backward kernels' first parameters that a call changes: fa3_bwd_kernel's _BWD_LIVE (k, v, q, dO, the dQ
 # accumulator, lse, delta, dK and dV), fa3_bwd_any_kernel's _BWD_LIVE + 5 (dK's and dV's pointers, cu_seqlens, the ALiBi
-# slopes); the rest are sizes, strides and scalars, fixed by the problem
+# slopes), then its flex group (live for a problem with flashtile.flex's features, as the forward's); the rest are
+# sizes, strides and scalars, fixed by the problem
 _BWD_LIVE = 9
 # (shapes, dtype, device, lse / dK / dV strides, the scalars, ALiBi's strides, the longest lengths, dQ tile) ->
 # _BwdTemplate of a backward launch seen before
@@ -512,9 +548,9 @@ class _BwdTemplate(_FwdTemplate):
         super().__init__(bound, kwargs, cls, fields)
         self.any = any_kernel
 
-    def launch(self, grid, tensors, lse, delta, extras) -> bool:
+    def launch(self, grid, tensors, lse, delta, extras, flex=None) -> bool:
         """tensors: (k, v, q, dO, dQ accumulator, dK, dV); extras: (cu_seqlens_q, cu_seqlens_k, alibi), None where
-        absent."""
+        absent; flex: the flex group of a template bound with it live (None: bound)."""
         descs = [d(t) for d, t in zip(self.descs, tensors)]
         if None in descs:
             return False
@@ -522,16 +558,19 @@ class _BwdTemplate(_FwdTemplate):
         live = (*descs[:5], lse, delta, *descs[5:])
         if self.any:
             live += (*tensors[5:], *(lse if t is None else t for t in extras))
+        if flex is not None:
+            live += (flex, )
         return self.bound(grid, live, trusted=5)
 
 
-def _bwd_key(q, k, v, lse, dk, dv, params, alibi, sq, sk):
+def _bwd_key(q, k, v, lse, dk, dv, params, alibi, sq, sk, flex=None):
     """The key of a backward's launch template: what fixes every argument but the live ones (the shapes and strides
-    of q, k, v fix their descriptors' geometry; dO and dQ's accumulator are contiguous)."""
+    of q, k, v fix their descriptors' geometry; dO and dQ's accumulator are contiguous); flex: the constexpr FLEX
+    of a problem with flashtile.flex's features."""
     head_dim = q.shape[-1]
     return (q.shape, k.shape, v.shape, layout(q, k, v), q.dtype, q.device, lse.stride(), dk.dtype, dk.stride(),
             dv.stride(), params.softmax_scale, params.window_left, params.window_right, params.softcap,
-            None if alibi is None else alibi.stride(), sq, sk, bwd_dq_tile(BWD_CONFIGS[head_dim][0], head_dim))
+            None if alibi is None else alibi.stride(), sq, sk, bwd_dq_tile(BWD_CONFIGS[head_dim][0], head_dim), flex)
 
 
 def dense_bwd(q, k, params, alibi, varlen: bool, flex: bool = False) -> bool:
@@ -587,10 +626,9 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, 
     dq_tile = bwd_dq_tile(block_m, head_dim)
     grid = (-(-sk // block_n), batch * nheads_k, 1)
     flex = None
-    if bias is not None or mask is not None or sparse is not None or mods is not None:
-        runtime, consts = flex_args(lse, batch, nheads, sq, sk, bias, mask, sparse, mods, backward=True)
-        order = 0 if sparse is None else _order(sparse, batch, nheads, nheads_k, sk, block_n)
-        flex = ((*runtime, order), consts)
+    if has_flex(bias, mask, sparse, mods):
+        flex = (bwd_flex(lse, batch, nheads, nheads_k, sq, sk, block_n, bias, mask, sparse, mods),
+                flex_consts(bias, mask, sparse, mods, backward=True))
     dense = dense_bwd(q, k, params, alibi, varlen, flex is not None)
     tile = BwdTile(head_dim, block_m, block_n, stages, BWD_PINGPONG.get((head_dim, params.has_right), False))
     kwargs = dict(TILE=tile, P_LAYOUT=_smem_layout(block_m, block_n // 2, q.dtype), num_warps=4, maxnreg=MAXNREG)
@@ -600,11 +638,11 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, 
         kwargs.update(FEATURES=bwd_features(params, varlen, alibi, sq, sk, block_m, block_n, flex is not None,
                                             sparse is not None), FLEX=(flex or _NO_FLEX_BWD)[1])
     extras = (cu_seqlens_q, cu_seqlens_k, alibi)
-    # (flex's tensors are not live arguments of a template: a problem with them launches the full way)
-    key = None if flex is not None else _bwd_key(q, k, v, lse, dk, dv, params, alibi, sq, sk)
-    tpl = _BWD_TEMPLATES.get(key) if key is not None else None
+    live_flex = None if flex is None else flex[0]   # (a flex problem's template takes its tensors per call)
+    key = _bwd_key(q, k, v, lse, dk, dv, params, alibi, sq, sk, None if flex is None else flex[1])
+    tpl = _BWD_TEMPLATES.get(key)
     if tpl is not None and tpl.kwargs == kwargs and tpl.launch(grid, (k, v, q, dout, dq_acc, dk, dv), lse, delta,
-                                                               extras):
+                                                               extras, live_flex):
         _dq_out(dq, dq_sum, dq_acc)
         return
 
@@ -635,11 +673,12 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, 
         strides = (*lse_strides, tma_row_view(dk_out).stride(0), tma_row_view(dv_out).stride(0),
                    0 if alibi is None or alibi.dim() == 1 else alibi.stride(0))
         args = (*descs, lse, delta, dk_desc, dv_desc, dk_out, dv_out, *(lse if t is None else t for t in extras),
-                strides, (max(sq, 2) if varlen else sq, sk, nheads_k, nheads // nheads_k),
+                (flex or _NO_FLEX_BWD)[0], strides, (max(sq, 2) if varlen else sq, sk, nheads_k, nheads // nheads_k),
                 (params.softmax_scale, score_scale, softcap_log2),
-                (max(params.window_left, 0), max(params.window_right, 0)), (flex or _NO_FLEX_BWD)[0])
+                (max(params.window_left, 0), max(params.window_right, 0)))
+        n_live += live_flex is not None
     launched = relaunch.launch(kernel, grid[:2], args, kwargs)
-    if key is not None and dk_out is dk and dv_out is dv:   # (not through copies: descriptors over per-call buffers)
+    if dk_out is dk and dv_out is dv:   # (not through copies: descriptors over per-call buffers)
         bound = relaunch.bind(kernel, args, kwargs, n_live, launched)
         if bound is not None:
             relaunch.remember(_BWD_TEMPLATES, key, _BwdTemplate(bound, kwargs, TensorDescriptor, [
@@ -664,10 +703,12 @@ class ForwardPlan:
     again (a training loop): what fwd() derives from the problem is derived once, and a call launches the
     template fwd() left (_FwdTemplate), checking only the config it was made with (benchmark sweeps change the
     tables) and the strides of q, k, v and out (their descriptors' geometry). Call only where supports() said yes
-    for tensors of these shapes."""
-    __slots__ = ("key", "cfg", "grid", "tpl", "sizes", "layout")
+    for tensors of these shapes. A dense problem with flashtile.flex's features (features: its (bias, mask,
+    sparse, mods), as supports() took them) passes its tensors to each call, which the template takes live."""
+    __slots__ = ("key", "cfg", "grid", "tpl", "sizes", "layout", "flex")
 
-    def __init__(self, q, k, v, lse, params, alibi=None, cu_seqlens_q=None, max_seqlen_q=None, max_seqlen_k=None):
+    def __init__(self, q, k, v, lse, params, alibi=None, cu_seqlens_q=None, max_seqlen_q=None, max_seqlen_k=None,
+                 features=None):
         varlen = cu_seqlens_q is not None
         head_dim = q.shape[-1]
         sq = max_seqlen_q if varlen else q.shape[1]
@@ -679,24 +720,27 @@ class ForwardPlan:
         self.grid = (min(n_tiles, _sm_count(_device_index(q))) if PERSISTENT else n_tiles, 1, 1)
         out = torch.empty(q.shape, device="meta")   # (the output the callers make: contiguous)
         self.layout = layout(q, k, v, out)
-        self.key = _fwd_key(q, k, v, out, lse, params, alibi, sq, sk)
+        self.flex = None if features is None or not has_flex(*features) else flex_consts(*features)
+        self.key = _fwd_key(q, k, v, out, lse, params, alibi, sq, sk, self.flex)
         self.tpl = None
 
-    def __call__(self, q, k, v, out, lse, params, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                 mask=None) -> bool:
+    def __call__(self, q, k, v, out, lse, params, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None, mask=None,
+                 bias=None, sparse=None, mods=None) -> bool:
         """False (nothing launched) where this call cannot take the kernel: Gluon turned off, or a tensor TMA
-        cannot tile. mask: always None (dispatch plans this kernel only for problems without an attn_mask)."""
+        cannot tile. mask, bias, sparse, mods: the flex features of a plan made with them (else None)."""
         if not enabled():
             return False
         tpl = self.tpl
+        flex = None if self.flex is None else flex_runtime(lse, q.shape[0], q.shape[2], *self.sizes, bias, mask,
+                                                           sparse, mods)
         if (tpl is not None and layout(q, k, v, out) == self.layout
                 and self.cfg == fwd_config(q.shape[-1], self.sizes[0], params.has_right, alibi is not None)
                 and tpl.launch(self.grid, q, k, v, out, lse, (lse, lse, lse), tickets(q.device, 1),
-                               (cu_seqlens_q, cu_seqlens_k, alibi))):
+                               (cu_seqlens_q, cu_seqlens_k, alibi), flex)):
             return True
         if not tma_viewable(q, k, v, out):
             return False
-        fwd(q, k, v, out, lse, params, alibi, cu_seqlens_q, cu_seqlens_k, *self.sizes)
+        fwd(q, k, v, out, lse, params, alibi, cu_seqlens_q, cu_seqlens_k, *self.sizes, bias, mask, sparse, mods)
         self.tpl = _FWD_TEMPLATES.get(self.key)
         return True
 
@@ -704,11 +748,11 @@ class ForwardPlan:
 class BackwardPlan:
     """bwd() of one problem (dense or varlen) called again and again: the template bwd() left (_BwdTemplate) is
     launched directly, with the config it was made with checked. Call only where supports(..., backward=True) said
-    yes and takes(q, k, v), with contiguous dK and dV."""
-    __slots__ = ("key", "grid", "tpl", "cfg", "sizes", "layout")
+    yes and takes(q, k, v), with contiguous dK and dV. features: as ForwardPlan's."""
+    __slots__ = ("key", "grid", "tpl", "cfg", "sizes", "layout", "flex")
 
     def __init__(self, q, k, v, lse, dk, dv, params, alibi=None, cu_seqlens_q=None, max_seqlen_q=None,
-                 max_seqlen_k=None):
+                 max_seqlen_k=None, features=None):
         varlen = cu_seqlens_q is not None
         batch, head_dim = cu_seqlens_q.shape[0] - 1 if varlen else q.shape[0], q.shape[-1]
         self.sizes = (max_seqlen_q, max_seqlen_k) if varlen else (q.shape[1], k.shape[1])
@@ -716,7 +760,8 @@ class BackwardPlan:
         block_m, block_n, _ = self.cfg[0]
         self.grid = (-(-self.sizes[1] // block_n), batch * k.shape[-2], 1)
         self.layout = layout(q, k, v)
-        self.key = _bwd_key(q, k, v, lse, dk, dv, params, alibi, *self.sizes)
+        self.flex = None if features is None or not has_flex(*features) else flex_consts(*features, backward=True)
+        self.key = _bwd_key(q, k, v, lse, dk, dv, params, alibi, *self.sizes, self.flex)
         self.tpl = None
 
     def takes(self, q, k, v) -> bool:
@@ -724,15 +769,21 @@ class BackwardPlan:
         return layout(q, k, v) == self.layout and aligned_bases(q, k, v)
 
     def __call__(self, dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc, alibi=None, cu_seqlens_q=None,
-                 cu_seqlens_k=None) -> None:
-        """dq_acc: zeroed, float32, q's shape, contiguous; dq is filled from it here. dout contiguous and aligned."""
+                 cu_seqlens_k=None, bias=None, mask=None, sparse=None, mods=None) -> None:
+        """dq_acc: zeroed, float32, q's shape, contiguous; dq is filled from it here. dout contiguous and aligned.
+        bias, mask, sparse, mods: the flex features of a plan made with them (else None)."""
         tpl = self.tpl
         head_dim = q.shape[-1]
+        flex = None
+        if self.flex is not None:
+            flex = bwd_flex(lse, q.shape[0], q.shape[2], k.shape[2], *self.sizes, self.cfg[0][1], bias, mask, sparse,
+                            mods)
         if (tpl is not None
                 and self.cfg == (BWD_CONFIGS[head_dim], BWD_PINGPONG.get((head_dim, params.has_right), False))
                 and tpl.launch(self.grid, (k, v, q, dout, dq_acc, dk, dv), lse, delta,
-                               (cu_seqlens_q, cu_seqlens_k, alibi))):
+                               (cu_seqlens_q, cu_seqlens_k, alibi), flex)):
             dq.copy_(dq_acc)
             return
-        bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc, alibi, cu_seqlens_q, cu_seqlens_k, *self.sizes)
+        bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc, alibi, cu_seqlens_q, cu_seqlens_k, *self.sizes,
+            bias, mask, sparse, mods)
         self.tpl = _BWD_TEMPLATES.get(self.key)
