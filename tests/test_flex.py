@@ -279,7 +279,7 @@ def test_mods_equal_but_for_their_tensors_share_one_key(seed):
     """A training loop builds document_mask over each batch's ids: the mods register under one key (one problem,
     one plan and launch template per shape), the registry keeps none of their tensors, and each call computes
     with its own ids (float64 reference); mods whose other captured values differ (a window, an int against a
-    float) get keys of their own."""
+    float, -0.0 against 0.0) get keys of their own, and a NaN value one key."""
     import gc
     import weakref
     s = 48
@@ -299,8 +299,10 @@ def test_mods_equal_but_for_their_tensors_share_one_key(seed):
     assert held() is None, "the registry keeps a captured tensor alive"
     windows = [usermods.register(None, sliding_window_mask(w))[0] for w in (8, 16, 8)]
     assert windows[0] == windows[2] != windows[1]
-    ints_floats = [usermods.register(None, MaskMod(_keep_all, captured=(c, )))[0] for c in (1, 1.0)]
-    assert ints_floats[0] != ints_floats[1]
+    values = [usermods.register(None, MaskMod(_keep_all, captured=(c, )))[0]
+              for c in (1, 1.0, 0.0, -0.0, float("nan"), float("nan"))]
+    assert len(set(values[:4])) == 4                       # an int and a float apart, -0.0 and 0.0 apart
+    assert values[4] == values[5]                           # a NaN value is one key, not one per call
 
 
 def test_no_mods_equals_flash_attn_func_and_return_types(seed):

@@ -10,7 +10,7 @@ import torch
 
 from ..kernels.params import UserMods
 
-# key -> (score_mod's, mask_mod's) _Static; a pair's _Static values -> its key
+# key -> (score_mod's, mask_mod's) _Static; a pair's _key -> its key
 _REGISTRY: Dict[int, tuple] = {}
 _KEYS: Dict[tuple, int] = {}
 _NEXT = itertools.count(1)
@@ -19,21 +19,26 @@ TENSOR = "<captured tensor>"   # a captured tensor's place in a _Static's captur
 
 class _Static(NamedTuple):
     """What of a ScoreMod / MaskMod the kernels compile in or take as values: its functions and captured values,
-    the captured tensors' places marked TENSOR (they are the op's inputs); each value with its type (Triton
-    specializes an int and a float apart; 1 == 1.0 as keys)."""
+    the captured tensors' places marked TENSOR (they are the op's inputs). Its key (_key) spells each value
+    exactly: an int and a float apart (Triton specializes them apart; 1 == 1.0 as keys), a float by its bits
+    (-0.0 is not 0.0, and a NaN equals itself)."""
     fn: object
     grad_fn: object
     captured_grad_fn: object
     captured: tuple
-    types: tuple
 
 
 def _static(mod) -> Optional[_Static]:
     if mod is None:
         return None
-    captured = tuple(TENSOR if isinstance(c, torch.Tensor) else c for c in mod.captured)
-    return _Static(mod.fn, getattr(mod, "grad_fn", None), getattr(mod, "captured_grad_fn", None), captured,
-                   tuple(map(type, captured)))
+    return _Static(mod.fn, getattr(mod, "grad_fn", None), getattr(mod, "captured_grad_fn", None),
+                   tuple(TENSOR if isinstance(c, torch.Tensor) else c for c in mod.captured))
+
+
+def _key(static: Optional[_Static]):
+    if static is None:
+        return None
+    return (*static[:3], tuple(c.hex() if type(c) is float else (type(c), c) for c in static.captured))
 
 
 def captured_tensors(mod) -> List[torch.Tensor]:
@@ -45,9 +50,10 @@ def register(score_mod, mask_mod) -> Tuple[int, List[torch.Tensor]]:
     tensors (e.g. document_mask over each batch's document ids) share a key, and so a problem, its plans and
     launch templates; the registry holds no tensor."""
     static = (_static(score_mod), _static(mask_mod))
-    key = _KEYS.get(static)
+    sig = (_key(static[0]), _key(static[1]))
+    key = _KEYS.get(sig)
     if key is None:
-        key = _KEYS[static] = next(_NEXT)
+        key = _KEYS[sig] = next(_NEXT)
         _REGISTRY[key] = static
     return key, captured_tensors(score_mod) + captured_tensors(mask_mod)
 
