@@ -19,9 +19,7 @@ TENSOR = "<captured tensor>"   # a captured tensor's place in a _Static's captur
 
 class _Static(NamedTuple):
     """What of a ScoreMod / MaskMod the kernels compile in or take as values: its functions and captured values,
-    the captured tensors' places marked TENSOR (they are the op's inputs). Its key (_key) spells each value
-    exactly: an int and a float apart (Triton specializes them apart; 1 == 1.0 as keys), a float by its bits
-    (-0.0 is not 0.0, and a NaN equals itself)."""
+    the captured tensors' places marked TENSOR (they are the op's inputs)."""
     fn: object
     grad_fn: object
     captured_grad_fn: object
@@ -35,10 +33,15 @@ def _static(mod) -> Optional[_Static]:
                    tuple(TENSOR if isinstance(c, torch.Tensor) else c for c in mod.captured))
 
 
-def _key(static: Optional[_Static]):
-    if static is None:
+def _key(mod):
+    """A mod's _Static spelled exactly, without building it (register's lookup, every call): an int and a float
+    apart (Triton specializes them apart; 1 == 1.0 as keys), a float by its bits (-0.0 is not 0.0, and a NaN
+    equals itself)."""
+    if mod is None:
         return None
-    return (*static[:3], tuple(c.hex() if type(c) is float else (type(c), c) for c in static.captured))
+    return (mod.fn, getattr(mod, "grad_fn", None), getattr(mod, "captured_grad_fn", None),
+            tuple(TENSOR if isinstance(c, torch.Tensor) else c.hex() if type(c) is float else (type(c), c)
+                  for c in mod.captured))
 
 
 def captured_tensors(mod) -> List[torch.Tensor]:
@@ -49,12 +52,11 @@ def register(score_mod, mask_mod) -> Tuple[int, List[torch.Tensor]]:
     """(key, captured tensors: score_mod's, then mask_mod's) for the custom ops. Mods equal but for their captured
     tensors (e.g. document_mask over each batch's document ids) share a key, and so a problem, its plans and
     launch templates; the registry holds no tensor."""
-    static = (_static(score_mod), _static(mask_mod))
-    sig = (_key(static[0]), _key(static[1]))
+    sig = (_key(score_mod), _key(mask_mod))
     key = _KEYS.get(sig)
     if key is None:
         key = _KEYS[sig] = next(_NEXT)
-        _REGISTRY[key] = static
+        _REGISTRY[key] = (_static(score_mod), _static(mask_mod))
     return key, captured_tensors(score_mod) + captured_tensors(mask_mod)
 
 
