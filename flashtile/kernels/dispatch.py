@@ -26,7 +26,7 @@ from triton.compiler.errors import CompilationError
 from . import relaunch
 from .gluon import fa3, paged
 from .params import GradSums
-from .runtime import _capturing, cdiv, tickets, tma_row_view
+from .runtime import _capturing, cdiv, tickets, tma_row_view, workspace
 from .triton import bwd as _bwd
 from .triton import combine, decode, launch
 
@@ -256,13 +256,28 @@ class _GluonBackward:
     zero-filled one instead: the preprocess reaches only sequences' rows), then fa3's kernel (fa3.BackwardPlan),
     then dQ converted. features: (bias, mask, sparse, mods) of a problem with flashtile.flex's features (as
     fa3.ForwardPlan's), whose tensors each call passes."""
-    __slots__ = ("fa3", "pre", "p")
+    __slots__ = ("fa3", "pre", "p", "scratch")
 
     def __init__(self, p, q, k, v, lse, params, x, features=None):
         dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (k, v))   # (as backward's)
         self.fa3 = fa3.BackwardPlan(q, k, v, lse, dk, dv, params, x.alibi, x.cu_seqlens_q, p.seqlen_q, p.seqlen_k,
                                     features)
-        self.p, self.pre = p, None
+        self.p, self.pre, self.scratch = p, None, None
+
+    def _scratch(self, q, lse) -> tuple:
+        """(D like lse, dQ's float32 accumulator like q, contiguous): views of the stream's workspace (kept while
+        it stays the stream's: the backward runs on autograd's device thread, where each allocation costs host
+        time), else allocated (dQ's zero-filled where packed rows may belong to no sequence)."""
+        if self.p.padded_q:
+            return torch.empty_like(lse), torch.zeros(q.shape, device=q.device, dtype=torch.float32)
+        n_acc = -(-q.numel() // 32) * 32   # (D's offset, 128-byte aligned)
+        ws = workspace(q.device, n_acc + lse.numel()) if lse.is_contiguous() else None   # (D has lse's strides)
+        if ws is None:
+            return torch.empty_like(lse), torch.empty(q.shape, device=q.device, dtype=torch.float32)
+        kept = self.scratch
+        if kept is None or kept[0] is not ws:
+            kept = self.scratch = (ws, ws[n_acc:n_acc + lse.numel()].view(lse.shape), ws[:q.numel()].view(q.shape))
+        return kept[1], kept[2]
 
     def __call__(self, dout, q, k, v, out, lse, dq, dk, dv, params, dlse, x, bias=None, mods=None) -> bool:
         """False (nothing launched) where this call cannot take the plan (Gluon off, q, k, v of other strides than the
@@ -273,8 +288,7 @@ class _GluonBackward:
             return False
         p = self.p
         dout = fa3.tma_ready(dout)
-        delta = torch.empty_like(lse)
-        dq_acc = (torch.zeros if p.padded_q else torch.empty)(q.shape, device=q.device, dtype=torch.float32)
+        delta, dq_acc = self._scratch(q, lse)
         # the preprocess kernel's live arguments: out, dout, delta, dQ's accumulator (None where zero-filled here)
         # and, varlen, cu_seqlens_q
         live = (out, dout, delta, None if p.padded_q else dq_acc, *((x.cu_seqlens_q, ) if p.varlen else ()))

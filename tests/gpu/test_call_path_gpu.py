@@ -209,3 +209,49 @@ def test_merge_parts_matches_merge_attention_gpu(seed, n):
             assert torch.allclose(lse[fin], ml[fin], atol=1e-5), n
             tol = 1e-5 if out_dtype == torch.float32 else 1e-2
             assert torch.allclose(out.float(), mo, atol=tol, rtol=tol), (n, out_dtype)
+
+
+def test_backward_scratch_from_the_streams_workspace(seed, monkeypatch):
+    """The Gluon backward's D and dQ accumulator are views of the current stream's workspace (runtime.workspace),
+    which its plan keeps while the buffer stays the stream's: repeated training calls, calls on a second stream
+    (a buffer of its own), a larger problem growing the buffer between calls of a smaller one, each match the
+    float64 reference. No workspace while a CUDA graph is captured, nor above WORKSPACE_MAX_BYTES."""
+    from flashtile.kernels import dispatch, relaunch, runtime
+    plans = []
+    real = dispatch._GluonBackward.__call__
+    monkeypatch.setattr(dispatch._GluonBackward, "__call__", lambda self, *a: plans.append(self) or real(self, *a))
+
+    def train(c):
+        q, k, v, dout, alibi = case_inputs(c)
+        out, lse, _ = flashtile.flash_attn_func(q, k, v, return_attn_probs=True, **flash_kwargs(c, alibi))
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        check_against_reference(c, q, k, v, dout, alibi, out, lse, None, grads)
+        return plans[-1]
+
+    def buffer():
+        return runtime._WORKSPACES[(torch.cuda.current_device(), relaunch.raw_stream(torch.cuda.current_device()))]
+
+    small, large = Case(2, 512, 512, 8, 8, 128, bf16, causal=True), Case(2, 2048, 2048, 8, 8, 128, bf16)
+    for _ in range(2):
+        plan = train(small)
+        assert plan.scratch is not None and plan.scratch[0] is buffer()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        plan = train(small)
+        assert plan.scratch[0] is buffer()
+        side_buffer = buffer()
+    torch.cuda.current_stream().wait_stream(side)
+    assert side_buffer is not runtime._WORKSPACES[(torch.cuda.current_device(), relaunch.raw_stream(
+        torch.cuda.current_device()))]
+    train(large)
+    plan = train(small)
+    assert plan.scratch[0] is buffer() and buffer().numel() >= 2 * 2048 * 8 * 128
+    assert runtime.workspace(torch.device("cuda"), runtime.WORKSPACE_MAX_BYTES // 4 + 1) is None
+    x = torch.zeros(16, device="cuda")
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        x.add_(1)
+        assert runtime.workspace(x.device, 16) is None
+    torch.cuda.current_stream().wait_stream(stream)
