@@ -179,17 +179,17 @@ def _op_tensors(x: Extras, bias, mod_tensors) -> list:
     return [*_flat(x), bias, *mod_tensors]
 
 
-def _from_op(q, k, tensors, ints, floats):
+def _from_op(q, k, v, tensors, ints, floats):
     flat, bias, mods = tensors[:12], tensors[12], tensors[13:]
     cu_q = flat[1]
-    p = Problem.unpack(q, k, ints, floats, q.shape[0] if cu_q is None else cu_q.shape[0] - 1)
+    p = Problem.unpack(q, k, ints, floats, q.shape[0] if cu_q is None else cu_q.shape[0] - 1, v)
     return p, _unflat(p, flat), bias, mods
 
 
 @torch.library.custom_op("flashtile::fwd", mutates_args=(), device_types=None)
 def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: List[Optional[torch.Tensor]],
             ints: List[int], floats: List[float]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    p, x, bias, mods = _from_op(q, k, tensors, ints, floats)
+    p, x, bias, mods = _from_op(q, k, v, tensors, ints, floats)
     q, k, v = dispatch.kernel_inputs(p, q, k, v)   # (the traced Function passed them as they are)
     out, lse, rng_state, probs = forward(p, q, k, v, x, bias, mods)
     if rng_state is None:
@@ -201,7 +201,7 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: List[Opt
 
 @_fwd_op.register_fake
 def _(q, k, v, tensors, ints, floats):
-    p, x, _, _ = _from_op(q, k, tensors, ints, floats)
+    p, x, _, _ = _from_op(q, k, v, tensors, ints, floats)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = q.new_empty(lse_shape(p, q), dtype=torch.float32)
     rng_state = torch.empty(2, dtype=torch.int64)
@@ -216,14 +216,14 @@ def _(q, k, v, tensors, ints, floats):
 def _bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
             lse: torch.Tensor, rng_state: torch.Tensor, tensors: List[Optional[torch.Tensor]], ints: List[int],
             floats: List[float], dlse: Optional[torch.Tensor]) -> List[torch.Tensor]:
-    p, x, bias, mods = _from_op(q, k, tensors, ints, floats)
+    p, x, bias, mods = _from_op(q, k, v, tensors, ints, floats)
     q, k, v = dispatch.kernel_inputs(p, q, k, v)   # (the forward's copies are not kept: made again)
     return backward(p, dout, q, k, v, out, lse, rng_state if p.params.dropout_p > 0 else None, x, bias, mods, dlse)
 
 
 @_bwd_op.register_fake
 def _(dout, q, k, v, out, lse, rng_state, tensors, ints, floats, dlse):
-    p, _, bias, mods = _from_op(q, k, tensors, ints, floats)
+    p, _, bias, mods = _from_op(q, k, v, tensors, ints, floats)
     grads = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v)]
     if p.bias_grad:
         grads.append(bias.new_empty(bias.shape))

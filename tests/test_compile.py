@@ -52,6 +52,30 @@ def test_compiled_fwd_bwd_equals_eager(backend, seed):
         torch.testing.assert_close(a, b_, rtol=1e-3, atol=1e-3, msg=lambda s, n=name: f"{n}: {s}")
 
 
+def test_compiled_steps_share_one_problem(seed, monkeypatch):
+    """A compiled graph calls the custom ops with the same arguments step after step: every step's forward and
+    backward get one Problem (Problem.unpack's memo), so the plans dispatch keeps in it serve each step as they serve
+    eager calls; inputs of other strides (a recompiled graph) get a Problem of their own. Each step matches the
+    float64 reference."""
+    from flashtile import interface
+    seen = []
+    for name in ("forward", "backward"):
+        real = getattr(interface, name)
+        monkeypatch.setattr(interface, name, lambda p, *a, _n=name, _f=real, **kw: seen.append((_n, p)) or _f(p, *a, **kw))
+    c = Case(2, 48, 48, 4, 2, 32, fp16, causal=True)
+    compiled = torch.compile(AttnBlock(causal=True), backend="aot_eager", fullgraph=True)
+    for layout in ("contig", "contig", "contig", "transposed"):
+        cl = Case(c.b, c.sq, c.sk, c.h, c.hk, c.d, c.dtype, causal=True, layout=layout)
+        q, k, v, dout, _ = case_inputs(cl)
+        out = compiled(q, k, v)
+        grads = torch.autograd.grad(out, (q, k, v), dout / 2.0)   # (the block doubles the attention output)
+        check_against_reference(cl, q, k, v, dout, None, (out + 1.0) / 2.0, None, None, grads)
+    assert [n for n, _ in seen] == ["forward", "backward"] * 4
+    problems = [p for _, p in seen]
+    assert all(p is problems[0] for p in problems[:6])
+    assert problems[6] is not problems[0] and problems[7] is problems[6]
+
+
 def test_explain_reports_no_graph_break(seed):
     c = Case(1, 32, 32, 2, 1, 24, fp32)
     q, k, v, _, _ = case_inputs(c)

@@ -125,7 +125,14 @@ class Problem:
         return ints, [p.softmax_scale, p.softcap, p.dropout_p]
 
     @classmethod
-    def unpack(cls, q: torch.Tensor, k: torch.Tensor, ints, floats, batch: int) -> "Problem":
+    def unpack(cls, q: torch.Tensor, k: torch.Tensor, ints, floats, batch: int, v=None) -> "Problem":
+        """The Problem that pack() gave these lists, for q, k (and v) of these shapes and strides: one object per
+        such call (memoised), so that the plans a problem keeps (Problem.cache) serve the ops' calls as they serve
+        eager ones (a compiled graph calls the ops with the same arguments step after step)."""
+        return memoised(_UNPACKED, (tuple(ints), tuple(floats), batch, q, k, v), cls._unpack)
+
+    @classmethod
+    def _unpack(cls, ints, floats, batch, q, k, v) -> "Problem":
         varlen, left, right, *rest = ints
         fields = dict(zip(cls._INTS, rest))
         for name in ("alibi", "deterministic", "return_probs", "bias", "mask", "bias_grad"):
@@ -148,6 +155,7 @@ def signature(args) -> tuple:
 
 
 MEMO_MAX = 1024   # entries per memo
+_UNPACKED: dict = {}   # Problem.unpack's memo
 
 
 def memoised(cache: dict, args: tuple, check, keep=None):
