@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import List, NamedTuple, Optional, Tuple
+from typing import NamedTuple, Optional
 
 import torch
 from torch.utils import _python_dispatch
@@ -186,21 +186,28 @@ def _from_op(q, k, v, tensors, ints, floats):
     return p, _unflat(p, flat), bias, mods
 
 
-@torch.library.custom_op("flashtile::fwd", mutates_args=(), device_types=None)
-def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: List[Optional[torch.Tensor]],
-            ints: List[int], floats: List[float]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    p, x, bias, mods = _from_op(q, k, v, tensors, ints, floats)
-    q, k, v = dispatch.kernel_inputs(p, q, k, v)   # (the traced Function passed them as they are)
-    out, lse, rng_state, probs = forward(p, q, k, v, x, bias, mods)
-    if rng_state is None:
-        rng_state = torch.zeros(2, dtype=torch.int64)
-    if probs is None:
-        probs = q.new_empty(0, dtype=torch.float32)
-    return out, lse, rng_state, probs
+# The ops are defined with torch.library's low-level API: torch.library.custom_op's Python layers around an op (its
+# autograd and backend wrappers, a redispatch, an output-alias check) cost more host time per call than the dispatch
+# itself, and a compiled model calls the ops once per attention layer and step. They are functional (every output is
+# a new tensor), implemented for CPU and CUDA tensors, with fake implementations for torch.compile and FakeTensorMode.
+_LIB = torch.library.Library("flashtile", "FRAGMENT")
 
 
-@_fwd_op.register_fake
-def _(q, k, v, tensors, ints, floats):
+def _op(schema: str, fake):
+    """Decorator: defines flashtile::<schema>, implemented by the decorated function, with the fake implementation
+    `fake`."""
+    name = schema.split("(", 1)[0]
+
+    def define(impl):
+        _LIB.define(schema, tags=(torch.Tag.pt2_compliant_tag, ))
+        for key in ("CPU", "CUDA"):
+            _LIB.impl(name, impl, key)
+        torch.library.register_fake(f"flashtile::{name}", fake, lib=_LIB)
+        return impl
+    return define
+
+
+def _fwd_fake(q, k, v, tensors, ints, floats):
     p, x, _, _ = _from_op(q, k, v, tensors, ints, floats)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = q.new_empty(lse_shape(p, q), dtype=torch.float32)
@@ -212,17 +219,20 @@ def _(q, k, v, tensors, ints, floats):
     return out, lse, rng_state, probs
 
 
-@torch.library.custom_op("flashtile::bwd", mutates_args=(), device_types=None)
-def _bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-            lse: torch.Tensor, rng_state: torch.Tensor, tensors: List[Optional[torch.Tensor]], ints: List[int],
-            floats: List[float], dlse: Optional[torch.Tensor]) -> List[torch.Tensor]:
+@_op("fwd(Tensor q, Tensor k, Tensor v, Tensor?[] tensors, int[] ints, float[] floats) -> (Tensor, Tensor, Tensor, "
+     "Tensor)", _fwd_fake)
+def _fwd_op(q, k, v, tensors, ints, floats):
     p, x, bias, mods = _from_op(q, k, v, tensors, ints, floats)
-    q, k, v = dispatch.kernel_inputs(p, q, k, v)   # (the forward's copies are not kept: made again)
-    return backward(p, dout, q, k, v, out, lse, rng_state if p.params.dropout_p > 0 else None, x, bias, mods, dlse)
+    q, k, v = dispatch.kernel_inputs(p, q, k, v)   # (the traced Function passed them as they are)
+    out, lse, rng_state, probs = forward(p, q, k, v, x, bias, mods)
+    if rng_state is None:
+        rng_state = torch.zeros(2, dtype=torch.int64)
+    if probs is None:
+        probs = q.new_empty(0, dtype=torch.float32)
+    return out, lse, rng_state, probs
 
 
-@_bwd_op.register_fake
-def _(dout, q, k, v, out, lse, rng_state, tensors, ints, floats, dlse):
+def _bwd_fake(dout, q, k, v, out, lse, rng_state, tensors, ints, floats, dlse):
     p, _, bias, mods = _from_op(q, k, v, tensors, ints, floats)
     grads = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v)]
     if p.bias_grad:
@@ -230,6 +240,14 @@ def _(dout, q, k, v, out, lse, rng_state, tensors, ints, floats, dlse):
     grads.extend(torch.empty_like(t) for i, t in enumerate(mods[:usermods.n_score_tensors(p.mod_key)])
                  if p.mod_grad_bits >> i & 1)
     return grads
+
+
+@_op("bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor rng_state, Tensor?[] tensors, "
+     "int[] ints, float[] floats, Tensor? dlse) -> Tensor[]", _bwd_fake)
+def _bwd_op(dout, q, k, v, out, lse, rng_state, tensors, ints, floats, dlse):
+    p, x, bias, mods = _from_op(q, k, v, tensors, ints, floats)
+    q, k, v = dispatch.kernel_inputs(p, q, k, v)   # (the forward's copies are not kept: made again)
+    return backward(p, dout, q, k, v, out, lse, rng_state if p.params.dropout_p > 0 else None, x, bias, mods, dlse)
 
 
 def _eager(q: torch.Tensor) -> bool:

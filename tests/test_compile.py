@@ -175,3 +175,25 @@ def test_dispatch_modes_see_the_ops_and_eager_calls_skip_them(seed):
     assert torch.equal(out, out_m)
     for a, b in zip(eager, moded):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("features", ["plain", "bias-grad"])
+def test_ops_pass_torch_library_opcheck(features, seed):
+    """flashtile::fwd and flashtile::bwd, defined with torch.library's low-level API, pass torch.library.opcheck:
+    schema (functional: no output aliases an input), autograd registration, fake implementations and AOT dispatch,
+    the backward with attn_bias's gradient among its outputs too."""
+    from flashtile import interface
+    q, k, v = (torch.randn(1, 32, 2, 16, device=DEVICE) for _ in range(3))
+    bias = torch.randn(1, 1, 32, 32, device=DEVICE) if features == "bias-grad" else None
+    p = interface._dense_problem(q, k, v, 0.0, None, True, (-1, -1), 0.0, None, False, False)[0]
+    if bias is not None:
+        p = p.with_features(bias=True, bias_grad=True)
+    ints, floats = p.pack()
+    tensors = interface._op_tensors(interface.NO_EXTRAS, bias, ())
+    result = torch.library.opcheck(torch.ops.flashtile.fwd.default, (q, k, v, tensors, ints, floats))
+    assert all(r == "SUCCESS" for r in result.values()), result
+    out, lse, rng_state, _ = torch.ops.flashtile.fwd(q, k, v, tensors, ints, floats)
+    args = (torch.randn_like(out), q, k, v, out, lse, rng_state, tensors, ints, floats, None)
+    result = torch.library.opcheck(torch.ops.flashtile.bwd.default, args)
+    assert all(r == "SUCCESS" for r in result.values()), result
+    assert len(torch.ops.flashtile.bwd(*args)) == (4 if bias is not None else 3)
