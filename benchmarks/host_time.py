@@ -9,6 +9,7 @@ median of `rounds` rounds, the pair's two calls interleaved round by round. Rows
   and the demo's b2 n2048 h16 d128 causal (where the GPU time is about the host time: both appear in the table);
 - fwd: the training forward alone (inputs requiring grad), and the inference forward (torch.no_grad);
 - varlen: flash_attn_varlen_func fwd+bwd of 4 packed sequences of 128 (h4 d128) against SDPA on the padded batch;
+- compiled: the train rows and the inference forward inside torch.compile'd functions (flashtile's custom ops);
 - decode: flash_attn_with_kvcache at batch 1, seqlen_q 1, nheads 32 / 8, d128, 4k cache (value checks off as a
   serving loop would have them): int and tensor cache_seqlens, paged (pages of 256 and 16), with an appended token;
   against cuDNN SDPA on the same (contiguous) cache.
@@ -64,6 +65,32 @@ def train_pairs():
         with torch.no_grad():
             F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
     pairs.append(("fwd (inference) b1 n128 h4 d128 causal", ft_inf, sd_inf))
+    return pairs
+
+
+def compiled_pairs():
+    """The training call and the inference forward inside torch.compile'd functions (the default backend): what a
+    compiled model's attention layer costs per call (flashtile through its custom ops)."""
+    @torch.compile(fullgraph=True, dynamic=False)   # (a graph per shape, as a model of fixed shapes gets)
+    def ft_c(q, k, v):
+        return flashtile.flash_attn_func(q, k, v, causal=True)
+
+    @torch.compile(fullgraph=True, dynamic=False)
+    def sd_c(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    pairs = []
+    for b, n, h in ((1, 128, 4), (2, 2048, 16)):
+        q, k, v = (_t(b, n, h, 128, grad=True) for _ in range(3))
+        do = torch.randn_like(q)
+        qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
+        dot = do.transpose(1, 2)
+        pairs.append((f"compiled train b{b} n{n} h{h} d128 causal",
+                      lambda q=q, k=k, v=v, do=do: ft_c(q, k, v).backward(do),
+                      lambda qt=qt, kt=kt, vt=vt, dot=dot: sd_c(qt, kt, vt).backward(dot)))
+    q, k, v = (_t(1, 128, 4, 128) for _ in range(3))
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    pairs.append(("compiled fwd (inference) b1 n128 h4 d128 causal", lambda: ft_c(q, k, v), lambda: sd_c(qt, kt, vt)))
     return pairs
 
 
@@ -141,7 +168,7 @@ def main():
     args = ap.parse_args()
     _problem.CHECK_VALUES = False
     torch.manual_seed(0)
-    pairs = train_pairs() + varlen_pairs() + decode_pairs()
+    pairs = train_pairs() + varlen_pairs() + compiled_pairs() + decode_pairs()
     if args.only:
         pairs = [p for p in pairs if any(s in p[0] for s in args.only.split(","))]
     rows = []
