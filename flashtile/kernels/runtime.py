@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 from typing import Optional
 
 import torch
@@ -172,7 +173,7 @@ def tickets(device: torch.device, n: int) -> torch.Tensor:
     return t
 
 
-# (device index, stream) -> float32 scratch buffer of launches on that stream (workspace)
+# (device index, stream, host thread) -> float32 scratch buffer of that thread's launches on that stream (workspace)
 _WORKSPACES: dict = {}
 # the largest scratch workspace() keeps per stream: above it a call allocates its own (its kernels then take longer
 # than an allocation's host time)
@@ -180,20 +181,21 @@ WORKSPACE_MAX_BYTES = 1 << 26
 
 
 def workspace(device: torch.device, numel: int) -> Optional[torch.Tensor]:
-    """A float32 buffer of at least numel elements, kept for launches on the current stream of the CUDA `device`,
-    for scratch a call writes before it reads and drops before it returns (the Gluon backward's D and dQ
-    accumulator): launches on one stream run in order, so consecutive calls may share it, and a call saves the
-    allocation's host time. None (the caller allocates its own) above WORKSPACE_MAX_BYTES and while a CUDA graph is
-    captured (a graph would keep the buffer's address, which a later, larger buffer replaces). A buffer grows by at
-    least twice its size; views of a replaced one keep it alive until dropped."""
+    """A float32 buffer of at least numel elements, kept for this host thread's launches on the current stream of
+    the CUDA `device`, for scratch a call writes before it reads and drops before it returns (the Gluon backward's D
+    and dQ accumulator): one thread's launches on one stream run in the order issued, so its consecutive calls may
+    share the buffer, and a call saves the allocation's host time (autograd runs every backward of a device on one
+    thread). None (the caller allocates its own) above WORKSPACE_MAX_BYTES and while a CUDA graph is captured (a graph
+    would keep the buffer's address, which a later, larger buffer replaces). A buffer grows by at least twice its
+    size, up to the limit; views of a replaced one keep it alive until dropped."""
     if numel * 4 > WORKSPACE_MAX_BYTES or torch.cuda.is_current_stream_capturing():
         return None
     index = device.index if device.index is not None else relaunch.current_device()
-    key = (index, relaunch.raw_stream(index))
+    key = (index, relaunch.raw_stream(index), threading.get_ident())
     buf = _WORKSPACES.get(key)
     if buf is None or buf.numel() < numel:
-        buf = torch.empty(max(numel, 2 * buf.numel() if buf is not None else 0), dtype=torch.float32, device=device)
-        _WORKSPACES[key] = buf
+        size = min(max(numel, 2 * buf.numel() if buf is not None else 0), WORKSPACE_MAX_BYTES // 4)
+        buf = relaunch.remember(_WORKSPACES, key, torch.empty(size, dtype=torch.float32, device=device), 64)
     return buf
 
 

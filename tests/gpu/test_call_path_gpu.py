@@ -212,10 +212,12 @@ def test_merge_parts_matches_merge_attention_gpu(seed, n):
 
 
 def test_backward_scratch_from_the_streams_workspace(seed, monkeypatch):
-    """The Gluon backward's D and dQ accumulator are views of the current stream's workspace (runtime.workspace),
-    which its plan keeps while the buffer stays the stream's: repeated training calls, calls on a second stream
-    (a buffer of its own), a larger problem growing the buffer between calls of a smaller one, each match the
-    float64 reference. No workspace while a CUDA graph is captured, nor above WORKSPACE_MAX_BYTES."""
+    """The Gluon backward's D and dQ accumulator are views of a workspace per (stream, host thread)
+    (runtime.workspace), which its plan keeps while the buffer stays the stream's: repeated training calls, calls on
+    a second stream (a buffer of its own), a larger problem growing the buffer between calls of a smaller one, each
+    match the float64 reference. Another host thread gets a buffer of its own; none while a CUDA graph is captured,
+    nor above WORKSPACE_MAX_BYTES."""
+    import threading
     from flashtile.kernels import dispatch, relaunch, runtime
     plans = []
     real = dispatch._GluonBackward.__call__
@@ -228,25 +230,30 @@ def test_backward_scratch_from_the_streams_workspace(seed, monkeypatch):
         check_against_reference(c, q, k, v, dout, alibi, out, lse, None, grads)
         return plans[-1]
 
-    def buffer():
-        return runtime._WORKSPACES[(torch.cuda.current_device(), relaunch.raw_stream(torch.cuda.current_device()))]
+    def buffers():   # (the backward runs on autograd's device thread: the buffers of this stream, any thread)
+        dev = torch.cuda.current_device()
+        return [b for key, b in runtime._WORKSPACES.items() if key[:2] == (dev, relaunch.raw_stream(dev))]
 
     small, large = Case(2, 512, 512, 8, 8, 128, bf16, causal=True), Case(2, 2048, 2048, 8, 8, 128, bf16)
     for _ in range(2):
         plan = train(small)
-        assert plan.scratch is not None and plan.scratch[0] is buffer()
+        assert plan.scratch is not None and any(plan.scratch[0] is b for b in buffers())
+    main_buffers = buffers()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         plan = train(small)
-        assert plan.scratch[0] is buffer()
-        side_buffer = buffer()
+        assert any(plan.scratch[0] is b for b in buffers())
+        assert not any(plan.scratch[0] is b for b in main_buffers)
     torch.cuda.current_stream().wait_stream(side)
-    assert side_buffer is not runtime._WORKSPACES[(torch.cuda.current_device(), relaunch.raw_stream(
-        torch.cuda.current_device()))]
     train(large)
     plan = train(small)
-    assert plan.scratch[0] is buffer() and buffer().numel() >= 2 * 2048 * 8 * 128
+    assert any(plan.scratch[0] is b for b in buffers()) and plan.scratch[0].numel() >= 2 * 2048 * 8 * 128
+    mine, theirs = runtime.workspace(torch.device("cuda"), 16), []
+    worker = threading.Thread(target=lambda: theirs.append(runtime.workspace(torch.device("cuda"), 16)))
+    worker.start()
+    worker.join()
+    assert mine is runtime.workspace(torch.device("cuda"), 16) and theirs[0] is not mine
     assert runtime.workspace(torch.device("cuda"), runtime.WORKSPACE_MAX_BYTES // 4 + 1) is None
     x = torch.zeros(16, device="cuda")
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
