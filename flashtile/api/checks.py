@@ -128,6 +128,6 @@ def cu_seqlens(name: str, cu, device, batch: int | None = None) -> int:
 
 def check_device(t: torch.Tensor) -> None:
     """CPU tensors need the Triton interpreter, which must be on before flashtile is imported."""
-    if t.device.type == "cpu" and not interpreting():
+    if not t.is_cuda and t.device.type == "cpu" and not interpreting():
         fail("q.device", t.device, "a CUDA device, or CPU tensors with the Triton interpreter enabled before "
              "flashtile is imported: set TRITON_INTERPRET=1 (flashtile sets it itself when no CUDA device is present)")

@@ -203,7 +203,11 @@ def number(name: str, value, expected: str = "a finite float"):
 def contiguous_last(*ts):
     """The tensors with a contiguous last dimension (the kernels read rows of head_dim elements): one with another
     stride is copied, as flash-attn does (maybe_contiguous)."""
-    return tuple(t.contiguous() if isinstance(t, torch.Tensor) and t.dim() and t.stride(-1) != 1 else t for t in ts)
+    for t in ts:   # (the common case, every last dimension contiguous, returns the tensors as they are)
+        if isinstance(t, torch.Tensor) and t.dim() and t.stride(-1) != 1:
+            return tuple(t.contiguous() if isinstance(t, torch.Tensor) and t.dim() and t.stride(-1) != 1 else t
+                         for t in ts)
+    return ts
 
 
 # --------------------------------------------------------------------------------------------------
