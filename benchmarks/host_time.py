@@ -38,56 +38,52 @@ def _t(*shape, grad=False):
     return torch.randn(*shape, device="cuda", dtype=DT, requires_grad=grad)
 
 
-def train_pairs():
+def _flash(q, k, v):
+    return flashtile.flash_attn_func(q, k, v, causal=True)
+
+
+def _sdpa(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def _train_rows(prefix: str, attn, sdpa) -> list:
+    """Training-call rows (forward + backward in one call) at b1 n128 h4 and the demo's b2 n2048 h16, d128:
+    attn(q, k, v) on (b, n, h, d) tensors against sdpa on the same memory seen as (b, h, n, d)."""
     pairs = []
     for b, n, h in ((1, 128, 4), (2, 2048, 16)):
         q, k, v = (_t(b, n, h, 128, grad=True) for _ in range(3))
         do = torch.randn_like(q)
         qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
         dot = do.transpose(1, 2)
+        pairs.append((f"{prefix}train b{b} n{n} h{h} d128 causal",
+                      lambda q=q, k=k, v=v, do=do: attn(q, k, v).backward(do),
+                      lambda qt=qt, kt=kt, vt=vt, dot=dot: sdpa(qt, kt, vt).backward(dot)))
+    return pairs
 
-        def ft(q=q, k=k, v=v, do=do):
-            flashtile.flash_attn_func(q, k, v, causal=True).backward(do)
 
-        def sd(qt=qt, kt=kt, vt=vt, dot=dot):
-            F.scaled_dot_product_attention(qt, kt, vt, is_causal=True).backward(dot)
-        pairs.append((f"train b{b} n{n} h{h} d128 causal", ft, sd))
+def train_pairs():
+    pairs = _train_rows("", _flash, _sdpa)
     q, k, v = (_t(1, 128, 4, 128, grad=True) for _ in range(3))
     qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
-    pairs.append(("fwd (training) b1 n128 h4 d128 causal", lambda: flashtile.flash_attn_func(q, k, v, causal=True),
-                  lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)))
+    pairs.append(("fwd (training) b1 n128 h4 d128 causal", lambda: _flash(q, k, v), lambda: _sdpa(qt, kt, vt)))
 
     def ft_inf():
         with torch.no_grad():
-            flashtile.flash_attn_func(q, k, v, causal=True)
+            _flash(q, k, v)
 
     def sd_inf():
         with torch.no_grad():
-            F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+            _sdpa(qt, kt, vt)
     pairs.append(("fwd (inference) b1 n128 h4 d128 causal", ft_inf, sd_inf))
     return pairs
 
 
 def compiled_pairs():
-    """The training call and the inference forward inside torch.compile'd functions (the default backend): what a
-    compiled model's attention layer costs per call (flashtile through its custom ops)."""
-    @torch.compile(fullgraph=True, dynamic=False)   # (a graph per shape, as a model of fixed shapes gets)
-    def ft_c(q, k, v):
-        return flashtile.flash_attn_func(q, k, v, causal=True)
-
-    @torch.compile(fullgraph=True, dynamic=False)
-    def sd_c(q, k, v):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-    pairs = []
-    for b, n, h in ((1, 128, 4), (2, 2048, 16)):
-        q, k, v = (_t(b, n, h, 128, grad=True) for _ in range(3))
-        do = torch.randn_like(q)
-        qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
-        dot = do.transpose(1, 2)
-        pairs.append((f"compiled train b{b} n{n} h{h} d128 causal",
-                      lambda q=q, k=k, v=v, do=do: ft_c(q, k, v).backward(do),
-                      lambda qt=qt, kt=kt, vt=vt, dot=dot: sd_c(qt, kt, vt).backward(dot)))
+    """The training rows and the inference forward inside torch.compile'd functions (the default backend): what a
+    compiled model's attention layer costs per call (flashtile through its custom ops). A graph per shape
+    (dynamic=False), as a model of fixed shapes gets."""
+    ft_c, sd_c = (torch.compile(fn, fullgraph=True, dynamic=False) for fn in (_flash, _sdpa))
+    pairs = _train_rows("compiled ", ft_c, sd_c)
     q, k, v = (_t(1, 128, 4, 128) for _ in range(3))
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
     pairs.append(("compiled fwd (inference) b1 n128 h4 d128 causal", lambda: ft_c(q, k, v), lambda: sd_c(qt, kt, vt)))
