@@ -203,11 +203,10 @@ def number(name: str, value, expected: str = "a finite float"):
 def contiguous_last(*ts):
     """The tensors with a contiguous last dimension (the kernels read rows of head_dim elements): one with another
     stride is copied, as flash-attn does (maybe_contiguous)."""
-    for t in ts:   # (the common case, every last dimension contiguous, returns the tensors as they are)
-        if isinstance(t, torch.Tensor) and t.dim() and t.stride(-1) != 1:
-            return tuple(t.contiguous() if isinstance(t, torch.Tensor) and t.dim() and t.stride(-1) != 1 else t
-                         for t in ts)
-    return ts
+    strided = [isinstance(t, torch.Tensor) and t.dim() and t.stride(-1) != 1 for t in ts]
+    if not any(strided):   # (the common case: the tensors as they are)
+        return ts
+    return tuple(t.contiguous() if s else t for t, s in zip(ts, strided))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -188,7 +188,7 @@ def workspace(device: torch.device, numel: int) -> Optional[torch.Tensor]:
     thread). None (the caller allocates its own) above WORKSPACE_MAX_BYTES and while a CUDA graph is captured (a graph
     would keep the buffer's address, which a later, larger buffer replaces). A buffer grows by at least twice its
     size, up to the limit; views of a replaced one keep it alive until dropped."""
-    if numel * 4 > WORKSPACE_MAX_BYTES or torch.cuda.is_current_stream_capturing():
+    if numel * 4 > WORKSPACE_MAX_BYTES or _capturing(device):
         return None
     index = device.index if device.index is not None else relaunch.current_device()
     key = (index, relaunch.raw_stream(index), threading.get_ident())
