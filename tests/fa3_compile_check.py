@@ -142,11 +142,16 @@ def compile_fp8(head_dim: int, causal: bool, out_dtype: torch.dtype):
 
 
 def compile_bwd(head_dim: int, causal: bool, dtype: torch.dtype, features=()):
-    """The backward as fa3.bwd launches it (tiles from fa3.BWD_CONFIGS, dQ tile as fa3.bwd chooses it, dK / dV
-    stored by TMA): the dense kernel, or with `features` (FEATURES but guard) fa3_bwd_any_kernel with those flags on;
-    causal: HAS_RIGHT."""
-    block_m, block_n, stages = fa3.BWD_CONFIGS[head_dim]
+    """The backward as fa3.bwd launches it (tiles and turns from fa3.bwd_config, dQ tile as fa3.bwd chooses it, dK /
+    dV stored by TMA): the dense kernel, or with `features` (FEATURES but guard) fa3_bwd_any_kernel with those flags
+    on; causal: HAS_RIGHT."""
     b, s, h = 2, 1024, 4
+    # (the problem's mask rule, softcap and ALiBi as the features name them: they pick the general kernel's tiles)
+    params = AttnParams(softmax_scale=0.1, window_left=64 if "left" in features else -1,
+                        window_right=0 if causal or "right" in features else -1,
+                        softcap=30.0 if "softcap" in features else 0.0)
+    alibi = torch.zeros(h) if "alibi" in features else None
+    (block_m, block_n, stages), pingpong = fa3.bwd_config(head_dim, params, alibi, not features)
     t = torch.randn(b * s, h * head_dim, dtype=dtype)
     dq = torch.zeros(b * s, h * head_dim)
     lse = torch.empty(b, h, s)
@@ -155,7 +160,7 @@ def compile_bwd(head_dim: int, causal: bool, dtype: torch.dtype, features=()):
                    q_desc=_desc(t, block_m, head_dim), do_desc=_desc(t, block_m, head_dim),
                    dq_desc=_desc(dq, *dq_tile), lse_ptr=lse, delta_ptr=lse,
                    dk_desc=_desc(t, block_n // 2, head_dim), dv_desc=_desc(t, block_n // 2, head_dim))
-    tile = fa3.BwdTile(head_dim, block_m, block_n, stages, fa3.BWD_PINGPONG.get((head_dim, causal), False))
+    tile = fa3.BwdTile(head_dim, block_m, block_n, stages, pingpong)
     consts = dict(TILE=tile, P_LAYOUT=fa3._smem_layout(block_m, block_n // 2, dtype), num_warps=4)
     if not features:
         runtime.update(lse_strides=(lse.stride(0), lse.stride(1)), sizes=(s, s, h, 1), scales=(0.1, 0.1))
@@ -167,8 +172,6 @@ def compile_bwd(head_dim: int, causal: bool, dtype: torch.dtype, features=()):
                    scales=(0.1, 0.1, 0.5), window=(64, 0))
     flags = {_FLAGS[f]: f in features for f in FEATURES if f != "guard"}
     flags["HAS_RIGHT"] = flags["HAS_RIGHT"] or causal
-    params = AttnParams(softmax_scale=0.1, window_left=64 if flags["HAS_LEFT"] else -1,
-                        window_right=0 if flags["HAS_RIGHT"] else -1)
     flex_rt, flex_consts, sparse = _flex_runtime(lse, features, b, h, s, backward=True)
     runtime["flex"] = (*flex_rt, torch.zeros(16, dtype=torch.int32))   # (order_ptr last)
     flex = any(f in FLEX for f in features)

@@ -358,6 +358,39 @@ def test_bwd_launch_follows_the_tables(d, causal, monkeypatch):
         assert dk_out.base.data_ptr() == grads[1].data_ptr() and dv_out.base.data_ptr() == grads[2].data_ptr()
 
 
+@pytest.mark.parametrize("d", sorted(fa3.BWD_CONFIGS))
+def test_general_bwd_launch_takes_its_own_tiles(d, monkeypatch):
+    """fa3_bwd_any_kernel launches a problem with a mask rule, softcap or ALiBi with BWD_ANY_CONFIGS' tiles where
+    the table has the head dim (at d64 Br = 64, whose tiles leave those terms room in registers), one with sequence
+    ends only (lengths its tiles do not divide) and the dense kernel with BWD_CONFIGS'; the dQ tile and the
+    descriptors of Q / dO follow Br. BackwardPlan asks the same rule."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    kernels = type("kernels", (), {"fa3_bwd_kernel": object(), "fa3_bwd_any_kernel": object()})
+    monkeypatch.setattr(fa3, "_kernels", lambda index: (None, kernels, _FakeDescriptor))
+    monkeypatch.setattr(fa3, "_device_index", lambda t: 0)
+    monkeypatch.setattr(fa3, "_BWD_TEMPLATES", {})
+    launches = []
+    monkeypatch.setattr(fa3.relaunch, "launch", lambda *launch_args: launches.append(launch_args))
+    window = AttnParams(softmax_scale=0.1, window_left=100, window_right=0)
+    for params, sq, kernel, table in ((window, 1000, kernels.fa3_bwd_any_kernel, fa3.BWD_ANY_CONFIGS),
+                                      (FULL, 1000, kernels.fa3_bwd_any_kernel, {}),
+                                      (CAUSAL, 1024, kernels.fa3_bwd_kernel, {})):
+        q, k, v = _qkv(b=2, sq=sq, sk=sq, h=4, hk=2, d=d)
+        lse = torch.randn(2, 4, sq)
+        launches.clear()
+        fa3.bwd(torch.randn_like(q), q, k, v, lse, torch.randn_like(lse), *[torch.empty_like(t) for t in (q, k, v)],
+                params)
+        (launched, grid, args, kw), = launches
+        block_m, block_n, stages = table.get(d, fa3.BWD_CONFIGS[d])
+        tile = kw["TILE"]
+        assert launched is kernel and (tile.BLOCK_M, tile.BLOCK_N, tile.STAGES) == (block_m, block_n, stages)
+        assert tile.PINGPONG is fa3.BWD_PINGPONG.get((d, params.has_right), False)
+        assert args[2].block_shape == [block_m, d] and args[3].block_shape == [block_m, d]   # Q_i, dO_i
+        assert args[4].block_shape == list(fa3.bwd_dq_tile(block_m, d))
+        plan = fa3.BackwardPlan(q, k, v, lse, k, v, params)
+        assert plan.cfg == ((block_m, block_n, stages), tile.PINGPONG) and plan.grid == (-(-sq // block_n), 4, 1)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_launch_templates_pass_what_the_slow_path_passes(causal, monkeypatch):
     """A repeated forward / backward of one problem launches through its template (relaunch.Bound; the descriptors
@@ -430,10 +463,10 @@ def test_launch_template_keys_hold_the_layout():
     out = torch.empty(2, 256, 4, 128, dtype=bf16)
     assert (fa3._fwd_key(*contiguous, out, lse, params, None, 256, 256)
             != fa3._fwd_key(*packed, out, lse, params, None, 256, 256))
-    assert (fa3._bwd_key(*contiguous, lse, dk, dv, params, None, 256, 256)
-            != fa3._bwd_key(*packed, lse, dk, dv, params, None, 256, 256))
-    assert fa3._bwd_key(*packed, lse, dk, dv, params, None, 256, 256) == fa3._bwd_key(
-        *torch.empty(2, 256, 3, 4, 128, dtype=bf16).unbind(2), lse, dk, dv, params, None, 256, 256)
+    assert (fa3._bwd_key(*contiguous, lse, dk, dv, params, None, 256, 256, 64)
+            != fa3._bwd_key(*packed, lse, dk, dv, params, None, 256, 256, 64))
+    assert fa3._bwd_key(*packed, lse, dk, dv, params, None, 256, 256, 64) == fa3._bwd_key(
+        *torch.empty(2, 256, 3, 4, 128, dtype=bf16).unbind(2), lse, dk, dv, params, None, 256, 256, 64)
     plan = fa3.BackwardPlan(*packed, lse, dk, dv, params)
     assert plan.layout == fa3.layout(*packed) != fa3.layout(*contiguous)
     assert plan.takes(*torch.empty(2, 256, 3, 4, 128, dtype=bf16).unbind(2)) and not plan.takes(*contiguous)

@@ -147,20 +147,21 @@ def _products(t, q_start, c0, hidden, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, 
         cols = c0 + gl.arange(0, WG_N, layout=gl.SliceLayout(0, s_layout))
         s2, tanh = _scores_log2(sc, score, 0, SOFTCAP, False)
         if ALIBI:
-            s2 = _alibi_distance_log2(s2, q_idx, cols, len_q, len_k, score[2])
+            s2 = _alibi_distance_log2(s2, q_idx, c0, gl.arange(0, WG_N, layout=gl.SliceLayout(0, s_layout)), len_q,
+                                      len_k, score[2])
         s2, s_in = _user_scores(s2, q_idx, cols, len_q, len_k, user, partial, FLEX)
         p = gl.exp2(s2 - gl.expand_dims(lse2, 1))
     elif SOFTCAP or ALIBI:
         s2, tanh = _scores_log2(sc, score, 0, SOFTCAP, False)
         if ALIBI:
-            s2 = _alibi_distance_log2(s2, q_idx, c0 + gl.arange(0, WG_N, layout=gl.SliceLayout(0, s_layout)), len_q,
+            s2 = _alibi_distance_log2(s2, q_idx, c0, gl.arange(0, WG_N, layout=gl.SliceLayout(0, s_layout)), len_q,
                                       len_k, score[2])
         p = gl.exp2(s2 - gl.expand_dims(lse2, 1))
     else:   # (one FMA per element)
         p = gl.exp2(sc * qk_scale - gl.expand_dims(lse2, 1))
     if MASKED:
         if hidden:
-            p = _visible(p, q_idx, c0 + gl.arange(0, WG_N, layout=gl.SliceLayout(0, s_layout)), len_q, len_k,
+            p = _visible(p, q_idx, c0, gl.arange(0, WG_N, layout=gl.SliceLayout(0, s_layout)), len_q, len_k,
                          window, FEATURES, 0.0)
     # P through shared memory: dV's A operand is P^T (keys x queries), a transposed read of the tile
     p_smem.store(p.to(dtype))

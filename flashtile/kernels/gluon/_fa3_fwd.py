@@ -196,18 +196,20 @@ def _user_scores(s, rows, cols, len_q, len_k, user, partial, FLEX: gl.constexpr)
 
 
 @gluon.jit
-def _visible(s, rows, cols, len_q, len_k, window, FEATURES: gl.constexpr, fill: gl.constexpr = float("-inf")):
+def _visible(s, rows, col0, offs, len_q, len_k, window, FEATURES: gl.constexpr, fill: gl.constexpr = float("-inf")):
     """The mask rule per element (_key_blocks'): s with `fill` (S: -inf, P: 0) where query rows[i] does not see key
-    cols[j] (FEATURES.TAIL: keys past len_k as well; without it every block ends within the sequence)."""
+    col0 + offs[j] (FEATURES.TAIL: keys past len_k as well; without it every block ends within the sequence). The
+    bounds are taken per row relative to col0 and compared with the tile's key offsets: no tile of key indices is
+    made (its registers are the backward's accumulators')."""
     window_left, window_right = window
-    diag = gl.expand_dims(rows + (len_k - len_q), 1)
-    keys = gl.expand_dims(cols, 0)
+    diag = gl.expand_dims(rows + (len_k - len_q) - col0, 1)   # each row's diagonal key, as an offset from col0
+    keys = gl.expand_dims(offs, 0)
     if FEATURES.HAS_RIGHT:
         s = gl.where(keys <= diag + window_right, s, fill)
     if FEATURES.HAS_LEFT:
         s = gl.where(keys >= diag - window_left, s, fill)
     if FEATURES.TAIL:
-        s = gl.where(keys < len_k, s, fill)
+        s = gl.where(keys < len_k - col0, s, fill)
     return s
 
 
@@ -238,10 +240,12 @@ def _scores_log2(s, score, alibi, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr):
 
 
 @gluon.jit
-def _alibi_distance_log2(s, rows, cols, len_q, len_k, slope_log2):
-    """s - slope log2(e) |i + len_k - len_q - j| from the query and key indices: the backward's ALiBi (there the
-    fold of _alibi_log2, its terms beside the backward's tiles, measured no faster over 2k-16k, full and causal)."""
-    dist = gl.expand_dims(rows + (len_k - len_q), 1) - gl.expand_dims(cols, 0)
+def _alibi_distance_log2(s, rows, col0, offs, len_q, len_k, slope_log2):
+    """s - slope log2(e) |i + len_k - len_q - j| for query rows i and keys j = col0 + offs: the backward's ALiBi,
+    the distance taken from each row's diagonal key as an offset from col0 (as _visible's bounds). (Two float terms
+    s - |r_i - c_j| measured slower without a mask; the fold of _alibi_log2, its terms beside the backward's tiles,
+    no faster.)"""
+    dist = gl.expand_dims(rows + (len_k - len_q) - col0, 1) - gl.expand_dims(offs, 0)
     dist = gl.where(dist < 0, -dist, dist)
     return s - slope_log2 * dist.to(gl.float32)
 
@@ -376,7 +380,8 @@ def _online_softmax(s, m_i, l_i, qk_scale, masked, rows, cols, mask, user, parti
     block (one some of the warpgroup's rows do not see whole: _key_blocks) gets -inf where the mask rule hides a
     key (_visible). FEATURES.GUARD: a row may have seen no key yet (m = -inf); its exponentials are taken against 0
     instead of NaN, so it adds nothing. Without GUARD the warpgroup's first block has a visible key in every row.
-    mask = (len_q, len_k, (left, right), score), rows / cols the block's query and key indices in the sequence.
+    mask = (len_q, len_k, (left, right), score), rows the block's query indices in the sequence, cols = (col0,
+    offs) its keys' (col0 + offs).
     FP8: P~ = exp2(S * scale - m_new + log2 448) fills e4m3's range [0, 448] for the P V product; l carries the
     same factor, so it cancels in O = acc / l (the LSE subtracts it). flashtile.flex's features (`user` and
     `partial`: _user_scores) apply after softcap / ALiBi; SCORED then includes a bias or score_mod.
@@ -389,11 +394,12 @@ def _online_softmax(s, m_i, l_i, qk_scale, masked, rows, cols, mask, user, parti
         s, _ = _scores_log2(s, score, alibi, FEATURES.SOFTCAP, FEATURES.ALIBI)
         if FEATURES.ALIBI and FLEX.SCORE_MOD is not None:   # (it reads the true score)
             s = s - gl.expand_dims(alibi[0], 1)
+    col0, offs = cols
     if FLEX.SCORE_MOD is not None or FLEX.MASK_MOD is not None or FLEX.HAS_BIAS or FLEX.HAS_MASK:
-        s, _ = _user_scores(s, rows, cols, len_q, len_k, user, partial, FLEX)
+        s, _ = _user_scores(s, rows, col0 + offs, len_q, len_k, user, partial, FLEX)
     if MASKED:   # (a problem without a mask compiles none of it)
         if masked:
-            s = _visible(s, rows, cols, len_q, len_k, window, FEATURES)
+            s = _visible(s, rows, col0, offs, len_q, len_k, window, FEATURES)
     if SCORED:
         m_new = gl.maximum(m_i, gl.max(s, 1))
     else:
@@ -602,8 +608,10 @@ def _consumer_tile(wg: gl.constexpr, q_smem, q_empty, k_bufs, v_bufs, o_bufs, k_
     alibi = 0
     if FEATURES.ALIBI:
         alibi = _alibi_terms(score[2], rows_from0, kb * BLOCK_N, key_cols, diag0)
-    p, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, scale_j, masked, q_rows, kb * BLOCK_N + key_cols, mask, user,
-                                         partial, alibi, FP8, SCORED, FEATURES, FLEX)
+    # (the key indices whole, col0 = 0: ptxas allocates the ALiBi variant's registers better so than from the
+    # block's first key and offsets, which the backward takes)
+    p, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, scale_j, masked, q_rows, (0, kb * BLOCK_N + key_cols), mask,
+                                         user, partial, alibi, FP8, SCORED, FEATURES, FLEX)
     p = _p_operand(p, dtype, p_layout, BLOCK_M, BLOCK_N, FP8)
     for j in range(mine_lo + 1, mine_hi):
         cur = (c + j) % TILE.STAGES
@@ -634,8 +642,9 @@ def _consumer_tile(wg: gl.constexpr, q_smem, q_empty, k_bufs, v_bufs, o_bufs, k_
         alibi_j = 0   # (not `alibi`: a name assigned before the loop would be carried across it)
         if FEATURES.ALIBI:
             alibi_j = _alibi_terms(score[2], rows_from0, kb * BLOCK_N, key_cols, diag0)
-        p_next, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, scale_j, masked, q_rows, kb * BLOCK_N + key_cols,
-                                                  mask, user, partial, alibi_j, FP8, SCORED, FEATURES, FLEX)
+        cols = (0, kb * BLOCK_N + key_cols)
+        p_next, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, scale_j, masked, q_rows, cols, mask, user, partial,
+                                                  alibi_j, FP8, SCORED, FEATURES, FLEX)
         if FP8:   # (the wait cannot carry 8-bit registers; the e4m3 P~ is a temporary of this turn)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, ))
         else:

@@ -68,6 +68,11 @@ FLEX_HEAD_DIMS = (128, )
 # head_dim -> (Br, Bc, stages) of the backward: a program owns Bc = 2 x 64 keys (one half per consumer
 # warpgroup, dK / dV in registers) and streams Br query rows per step through `stages` (Q_i, dO_i) buffers
 BWD_CONFIGS = {64: (128, 128, 2), 128: (64, 128, 2)}
+# head_dim -> fa3_bwd_any_kernel's (Br, Bc, stages) for a problem with a mask rule (causal, windows), softcap or
+# ALiBi where not BWD_CONFIGS': at d64 their terms do not fit beside Br = 128's S, dP, dK and dV in the consumers'
+# registers (ptxas spills), Br = 64's do; without them (sequence ends only) Br = 128 stays the faster (same-run A/B
+# on an H200: `git log -S BWD_ANY_CONFIGS`)
+BWD_ANY_CONFIGS = {64: (64, 128, 3)}
 # (head_dim, causal) -> whether the backward's consumer warpgroups take turns issuing their GEMMs (S, dP; then dV,
 # dK, dQ), as the forward's ping-pong (same-run A/Bs on an H200: `git log -S BWD_PINGPONG`)
 BWD_PINGPONG = {(64, True): True}
@@ -523,6 +528,17 @@ def fwd_fp8(q8, k8, vt8, q_scale, k_scale, v_scale, out, lse, softmax_scale: flo
                 (num_wg, block_n, stages, FP8_PINGPONG[head_dim][causal]), True)
 
 
+def bwd_config(head_dim: int, params, alibi, dense: bool):
+    """((Br, Bc, stages), ping-pong) of the backward kernel that takes a problem: fa3_bwd_kernel's (dense: the
+    problems dense_bwd names) from BWD_CONFIGS; fa3_bwd_any_kernel's from BWD_ANY_CONFIGS where it has the head dim
+    and the problem a mask rule, softcap or ALiBi, else BWD_CONFIGS too."""
+    scored = params.has_left or params.has_right or params.softcap > 0 or alibi is not None
+    tiles = BWD_CONFIGS[head_dim]
+    if scored and not dense:
+        tiles = BWD_ANY_CONFIGS.get(head_dim, tiles)
+    return tiles, BWD_PINGPONG.get((head_dim, params.has_right), False)
+
+
 def bwd_dq_tile(block_m: int, head_dim: int):
     """The dQ tile a consumer warpgroup of the backward adds: half the rows of dQ_i when Br = 128, else half the
     columns."""
@@ -563,14 +579,13 @@ class _BwdTemplate(_FwdTemplate):
         return self.bound(grid, live, trusted=5)
 
 
-def _bwd_key(q, k, v, lse, dk, dv, params, alibi, sq, sk, flex=None):
+def _bwd_key(q, k, v, lse, dk, dv, params, alibi, sq, sk, block_m: int, flex=None):
     """The key of a backward's launch template: what fixes every argument but the live ones (the shapes and strides
-    of q, k, v fix their descriptors' geometry; dO and dQ's accumulator are contiguous); flex: the constexpr FLEX
-    of a problem with flashtile.flex's features."""
-    head_dim = q.shape[-1]
+    of q, k, v fix their descriptors' geometry; dO and dQ's accumulator are contiguous); block_m: the kernel's Br
+    (its dQ tile); flex: the constexpr FLEX of a problem with flashtile.flex's features."""
     return (q.shape, k.shape, v.shape, layout(q, k, v), q.dtype, q.device, lse.stride(), dk.dtype, dk.stride(),
             dv.stride(), params.softmax_scale, params.window_left, params.window_right, params.softcap,
-            None if alibi is None else alibi.stride(), sq, sk, bwd_dq_tile(BWD_CONFIGS[head_dim][0], head_dim), flex)
+            None if alibi is None else alibi.stride(), sq, sk, bwd_dq_tile(block_m, q.shape[-1]), flex)
 
 
 def dense_bwd(q, k, params, alibi, varlen: bool, flex: bool = False) -> bool:
@@ -616,7 +631,9 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, 
     sq = max_seqlen_q if varlen else q.shape[1]
     sk = max_seqlen_k if varlen else k.shape[1]
     nheads, head_dim, nheads_k = q.shape[-2], q.shape[-1], k.shape[-2]
-    block_m, block_n, stages = BWD_CONFIGS[head_dim]
+    with_flex = has_flex(bias, mask, sparse, mods)
+    dense = dense_bwd(q, k, params, alibi, varlen, with_flex)
+    (block_m, block_n, stages), pingpong = bwd_config(head_dim, params, alibi, dense)
     dout = tma_ready(dout)
     assert lse.stride() == delta.stride() and lse.stride(-1) == 1
     assert dk.stride(-1) == 1 and dv.stride(-1) == 1
@@ -626,11 +643,10 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, 
     dq_tile = bwd_dq_tile(block_m, head_dim)
     grid = (-(-sk // block_n), batch * nheads_k, 1)
     flex = None
-    if has_flex(bias, mask, sparse, mods):
+    if with_flex:
         flex = (bwd_flex(lse, batch, nheads, nheads_k, sq, sk, block_n, bias, mask, sparse, mods),
                 flex_consts(bias, mask, sparse, mods, backward=True))
-    dense = dense_bwd(q, k, params, alibi, varlen, flex is not None)
-    tile = BwdTile(head_dim, block_m, block_n, stages, BWD_PINGPONG.get((head_dim, params.has_right), False))
+    tile = BwdTile(head_dim, block_m, block_n, stages, pingpong)
     kwargs = dict(TILE=tile, P_LAYOUT=_smem_layout(block_m, block_n // 2, q.dtype), num_warps=4, maxnreg=MAXNREG)
     if dense:
         kwargs["CAUSAL"] = params.is_causal
@@ -639,7 +655,7 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, 
                                             sparse is not None), FLEX=(flex or _NO_FLEX_BWD)[1])
     extras = (cu_seqlens_q, cu_seqlens_k, alibi)
     live_flex = None if flex is None else flex[0]   # (a flex problem's template takes its tensors per call)
-    key = _bwd_key(q, k, v, lse, dk, dv, params, alibi, sq, sk, None if flex is None else flex[1])
+    key = _bwd_key(q, k, v, lse, dk, dv, params, alibi, sq, sk, block_m, None if flex is None else flex[1])
     tpl = _BWD_TEMPLATES.get(key)
     if tpl is not None and tpl.kwargs == kwargs and tpl.launch(grid, (k, v, q, dout, dq_acc, dk, dv), lse, delta,
                                                                extras, live_flex):
@@ -749,19 +765,21 @@ class BackwardPlan:
     """bwd() of one problem (dense or varlen) called again and again: the template bwd() left (_BwdTemplate) is
     launched directly, with the config it was made with checked. Call only where supports(..., backward=True) said
     yes and takes(q, k, v), with contiguous dK and dV. features: as ForwardPlan's."""
-    __slots__ = ("key", "grid", "tpl", "cfg", "sizes", "layout", "flex")
+    __slots__ = ("key", "grid", "tpl", "cfg", "sizes", "layout", "flex", "dense")
 
     def __init__(self, q, k, v, lse, dk, dv, params, alibi=None, cu_seqlens_q=None, max_seqlen_q=None,
                  max_seqlen_k=None, features=None):
         varlen = cu_seqlens_q is not None
         batch, head_dim = cu_seqlens_q.shape[0] - 1 if varlen else q.shape[0], q.shape[-1]
         self.sizes = (max_seqlen_q, max_seqlen_k) if varlen else (q.shape[1], k.shape[1])
-        self.cfg = (BWD_CONFIGS[head_dim], BWD_PINGPONG.get((head_dim, params.has_right), False))
+        flex = features is not None and has_flex(*features)
+        self.dense = dense_bwd(q, k, params, alibi, varlen, flex)
+        self.cfg = bwd_config(head_dim, params, alibi, self.dense)
         block_m, block_n, _ = self.cfg[0]
         self.grid = (-(-self.sizes[1] // block_n), batch * k.shape[-2], 1)
         self.layout = layout(q, k, v)
-        self.flex = None if features is None or not has_flex(*features) else flex_consts(*features, backward=True)
-        self.key = _bwd_key(q, k, v, lse, dk, dv, params, alibi, *self.sizes, self.flex)
+        self.flex = flex_consts(*features, backward=True) if flex else None
+        self.key = _bwd_key(q, k, v, lse, dk, dv, params, alibi, *self.sizes, block_m, self.flex)
         self.tpl = None
 
     def takes(self, q, k, v) -> bool:
@@ -779,7 +797,7 @@ class BackwardPlan:
             flex = bwd_flex(lse, q.shape[0], q.shape[2], k.shape[2], *self.sizes, self.cfg[0][1], bias, mask, sparse,
                             mods)
         if (tpl is not None
-                and self.cfg == (BWD_CONFIGS[head_dim], BWD_PINGPONG.get((head_dim, params.has_right), False))
+                and self.cfg == bwd_config(head_dim, params, alibi, self.dense)
                 and tpl.launch(self.grid, (k, v, q, dout, dq_acc, dk, dv), lse, delta,
                                (cu_seqlens_q, cu_seqlens_k, alibi), flex)):
             dq.copy_(dq_acc)
