@@ -57,7 +57,9 @@ _count = [0]
 def _warmup(kernel, grid, args, kwargs):
     compiled = kernel.warmup(*args, grid=grid, **kwargs)
     name = kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__
-    print(f"ok {_count[0]} {name} wgmma={compiled.asm['ptx'].count('wgmma.mma_async')}", flush=True)
+    tile = kwargs.get("TILE")
+    shape = f" tile={tile.HEAD_D}x{tile.BLOCK_M}" if hasattr(tile, "BLOCK_M") else ""   # (head dim x Br)
+    print(f"ok {_count[0]} {name} wgmma={compiled.asm['ptx'].count('wgmma.mma_async')}{shape}", flush=True)
     if os.environ.get("PTX_DIR"):   # (the PTX of each launch, for comparing two trees)
         with open(os.path.join(os.environ["PTX_DIR"], f"{_count[0]:02d}_{name}.ptx"), "w") as f:
             f.write(compiled.asm["ptx"])
@@ -122,6 +124,7 @@ if __name__ == "__main__":
     _fwd_bwd(AttnParams(softmax_scale=0.1, window_left=100, window_right=20), sq=1000, sk=1100)   # the general one
     _fwd_bwd(AttnParams(softmax_scale=0.1, softcap=30.0), alibi=torch.rand(4))
     _fwd_bwd(CAUSAL, sq=1024, sk=1024, hk=4, cu=torch.tensor([0, 300, 1024], dtype=torch.int32), max_len=724)
+    _fwd_bwd(CAUSAL, sq=1024, sk=1024, hk=4, d=64, cu=torch.tensor([0, 300, 1024], dtype=torch.int32), max_len=724)
     _fwd_bwd(CAUSAL, sq=512, sk=512, hk=4, bias=_rand(1, 4, 512, 512), mask=torch.rand(2, 1, 512, 512) > 0.2)
     _flex_fwd_bwd()
     _bwd_into_sums(FULL)                                  # float32 dK / dV: the dense kernel, d128 and d64
