@@ -130,6 +130,8 @@ if __name__ == "__main__":
     _bwd_into_sums(FULL)                                  # float32 dK / dV: the dense kernel, d128 and d64
     _bwd_into_sums(CAUSAL, d=64)
     _bwd_into_sums(CAUSAL, sq=1024, sk=1024, hk=4, cu=torch.tensor([0, 300, 1024], dtype=torch.int32), max_len=724)
+    _bwd_into_sums(CAUSAL, sq=1024, sk=1024, hk=4, d=64, cu=torch.tensor([0, 300, 1024], dtype=torch.int32),
+                   max_len=724)   # (the general kernel at d64 with float32 dK / dV: BWD_CONFIGS' tiles)
     for d, causal in ((128, False), (64, True)):          # the FP8 forward: e4m3 Q, K, V^T, per-block descales
         block_m, block_n = fa3.fp8_block_shape(d)
         q8, k8 = (torch.randn(2, 512, 4, d).to(torch.float8_e4m3fn) for _ in range(2))

@@ -304,7 +304,8 @@ def test_host_launches_pass_the_jit(tmp_path):
     """fa3.fwd, fa3.bwd, fa3.fwd_fp8 and paged.decode_paged's launches (their argument tuples and constexpr groups as
     the host code builds them) go through Triton's JIT binder and compile for sm_90 with wgmmas: dense and general
     backward kernels, windows over unequal lengths, softcap with ALiBi, varlen (d128 and d64), attn_bias with a bool
-    mask, a block mask with score_mod and mask_mod, the backward writing float32 dK / dV (dense d128 / d64, varlen),
+    mask, a block mask with score_mod and mask_mod, the backward writing float32 dK / dV (dense d128 / d64, varlen
+    d128 / d64),
     the FP8 forward, the paged decode split and whole (tests/gluon_launch_check.py: a stand-in sm_90 driver,
     kernel.warmup for the launch). The general backward at d64 (Br = 64: fa3.BWD_ANY_CONFIGS) assembles without
     register spills (ptxas -v, where Triton has its ptxas)."""
@@ -315,9 +316,9 @@ def test_host_launches_pass_the_jit(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     lines = [ln.split() for ln in res.stdout.splitlines() if ln.startswith("ok ")]
     kernels = [ln[2] for ln in lines]
-    assert res.stdout.splitlines()[-1] == f"done {len(lines)}" and len(lines) == 23, res.stdout
+    assert res.stdout.splitlines()[-1] == f"done {len(lines)}" and len(lines) == 24, res.stdout
     assert kernels.count("fa3_fwd_kernel") == 10 and kernels.count("paged_decode_kernel") == 2, kernels
-    assert kernels.count("fa3_bwd_kernel") == 4 and kernels.count("fa3_bwd_any_kernel") == 7, kernels
+    assert kernels.count("fa3_bwd_kernel") == 4 and kernels.count("fa3_bwd_any_kernel") == 8, kernels
     assert all(int(ln[3].split("=")[1]) > 0 for ln in lines), res.stdout
     general_d64 = [int(ln[1]) for ln in lines if ln[2] == "fa3_bwd_any_kernel" and "tile=64x64" in ln]
     assert general_d64, res.stdout
@@ -403,6 +404,13 @@ def test_general_bwd_launch_takes_its_own_tiles(d, monkeypatch):
         assert args[4].block_shape == list(fa3.bwd_dq_tile(block_m, d))
         plan = fa3.BackwardPlan(q, k, v, lse, k, v, params)
         assert plan.cfg == ((block_m, block_n, stages), tile.PINGPONG) and plan.grid == (-(-sq // block_n), 4, 1)
+        # float32 dK / dV (a ring step's partial sums): staged in the Q_i / dO_i buffers, BWD_CONFIGS' tiles
+        launches.clear()
+        fa3.bwd(torch.randn_like(q), q, k, v, lse, torch.randn_like(lse), torch.empty_like(q),
+                torch.empty(k.shape), torch.empty(v.shape), params)
+        (_, _, _, kw), = launches
+        assert (kw["TILE"].BLOCK_M, kw["TILE"].BLOCK_N, kw["TILE"].STAGES) == fa3.BWD_CONFIGS[d]
+        assert fa3.BackwardPlan(q, k, v, lse, torch.empty(k.shape), v, params).cfg[0] == fa3.BWD_CONFIGS[d]
 
 
 @pytest.mark.parametrize("causal", [False, True])

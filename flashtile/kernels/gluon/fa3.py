@@ -528,13 +528,15 @@ def fwd_fp8(q8, k8, vt8, q_scale, k_scale, v_scale, out, lse, softmax_scale: flo
                 (num_wg, block_n, stages, FP8_PINGPONG[head_dim][causal]), True)
 
 
-def bwd_config(head_dim: int, params, alibi, dense: bool):
+def bwd_config(head_dim: int, params, alibi, dense: bool, grads_f32: bool = False):
     """((Br, Bc, stages), ping-pong) of the backward kernel that takes a problem: fa3_bwd_kernel's (dense: the
     problems dense_bwd names) from BWD_CONFIGS; fa3_bwd_any_kernel's from BWD_ANY_CONFIGS where it has the head dim
-    and the problem a mask rule, softcap or ALiBi, else BWD_CONFIGS too."""
+    and the problem a mask rule, softcap or ALiBi, else BWD_CONFIGS too. grads_f32: dK and dV written in float32
+    (partial sums of a 16-bit problem, dk.dtype != q.dtype): their tiles are staged in the Q_i / dO_i buffers,
+    which BWD_CONFIGS' tiles size for them (store_dkv_f32), so they keep BWD_CONFIGS'."""
     scored = params.has_left or params.has_right or params.softcap > 0 or alibi is not None
     tiles = BWD_CONFIGS[head_dim]
-    if scored and not dense:
+    if scored and not dense and not grads_f32:
         tiles = BWD_ANY_CONFIGS.get(head_dim, tiles)
     return tiles, BWD_PINGPONG.get((head_dim, params.has_right), False)
 
@@ -633,7 +635,7 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, 
     nheads, head_dim, nheads_k = q.shape[-2], q.shape[-1], k.shape[-2]
     with_flex = has_flex(bias, mask, sparse, mods)
     dense = dense_bwd(q, k, params, alibi, varlen, with_flex)
-    (block_m, block_n, stages), pingpong = bwd_config(head_dim, params, alibi, dense)
+    (block_m, block_n, stages), pingpong = bwd_config(head_dim, params, alibi, dense, dk.dtype != q.dtype)
     dout = tma_ready(dout)
     assert lse.stride() == delta.stride() and lse.stride(-1) == 1
     assert dk.stride(-1) == 1 and dv.stride(-1) == 1
@@ -765,7 +767,7 @@ class BackwardPlan:
     """bwd() of one problem (dense or varlen) called again and again: the template bwd() left (_BwdTemplate) is
     launched directly, with the config it was made with checked. Call only where supports(..., backward=True) said
     yes and takes(q, k, v), with contiguous dK and dV. features: as ForwardPlan's."""
-    __slots__ = ("key", "grid", "tpl", "cfg", "sizes", "layout", "flex", "dense")
+    __slots__ = ("key", "grid", "tpl", "cfg", "sizes", "layout", "flex", "dense", "grads_f32")
 
     def __init__(self, q, k, v, lse, dk, dv, params, alibi=None, cu_seqlens_q=None, max_seqlen_q=None,
                  max_seqlen_k=None, features=None):
@@ -774,7 +776,8 @@ class BackwardPlan:
         self.sizes = (max_seqlen_q, max_seqlen_k) if varlen else (q.shape[1], k.shape[1])
         flex = features is not None and has_flex(*features)
         self.dense = dense_bwd(q, k, params, alibi, varlen, flex)
-        self.cfg = bwd_config(head_dim, params, alibi, self.dense)
+        self.grads_f32 = dk.dtype != q.dtype   # (float32 partial sums of a 16-bit problem)
+        self.cfg = bwd_config(head_dim, params, alibi, self.dense, self.grads_f32)
         block_m, block_n, _ = self.cfg[0]
         self.grid = (-(-self.sizes[1] // block_n), batch * k.shape[-2], 1)
         self.layout = layout(q, k, v)
@@ -797,7 +800,7 @@ class BackwardPlan:
             flex = bwd_flex(lse, q.shape[0], q.shape[2], k.shape[2], *self.sizes, self.cfg[0][1], bias, mask, sparse,
                             mods)
         if (tpl is not None
-                and self.cfg == bwd_config(head_dim, params, alibi, self.dense)
+                and self.cfg == bwd_config(head_dim, params, alibi, self.dense, self.grads_f32)
                 and tpl.launch(self.grid, (k, v, q, dout, dq_acc, dk, dv), lse, delta,
                                (cu_seqlens_q, cu_seqlens_k, alibi), flex)):
             dq.copy_(dq_acc)
