@@ -8,7 +8,7 @@ gradient:
 ref64 is ``attention_ref(upcast=True)`` (float64 ground truth) and std is ``attention_ref(upcast=False)``:
 standard attention in the inputs' dtype (matmuls in that dtype, softmax in float32). "Twice as wrong as the
 textbook implementation in the same precision" is the bar. eps only matters where std happens to be almost
-exact (tiny problems, seqlen_k = 1, ...); see ``tolerance_eps`` for the values and why.
+exact (tiny problems, seqlen_k = 1, ...); see ``flashtile.reference.dense.EPS_REL`` for the values and why.
 """
 from __future__ import annotations
 
@@ -18,25 +18,9 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from flashtile.reference.dense import attention_ref, visible_mask
+from flashtile.reference.dense import EPS_REL, attention_ref, tolerance_eps, visible_mask  # noqa: F401
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-# eps of the rule, relative to max(1, max|ref64|) of the compared quantity.
-# - float16 / bfloat16: one unit in the last place at magnitude 1 (2**-10, 2**-7). The kernel rounds its
-#   float32 accumulator to the output dtype once, and std rounds independently: the two roundings may land one
-#   ulp apart even when std's own error is (by luck) zero.
-# - float32: 1e-5, about 80 ulps at magnitude 1. The kernels compute exp as exp2 of log2(e)-pre-scaled scores
-#   and tanh (softcap) through a sigmoid; these add errors of order 2**-23 * |score| * softcap that std
-#   (torch.exp / torch.tanh) does not share, plus a different (blocked) summation order; on the CPU the
-#   interpreter's float32 dot products are numpy's. A real bug moves results by O(1e-2) or more.
-EPS_REL = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7, torch.float32: 1e-5}
-
-
-def tolerance_eps(dtype: torch.dtype, ref64: torch.Tensor) -> float:
-    finite = ref64[torch.isfinite(ref64)]
-    scale = max(1.0, finite.abs().max().item()) if finite.numel() else 1.0
-    return EPS_REL[dtype] * scale
 
 
 def assert_within_rule(name: str, ours: torch.Tensor, ref64: torch.Tensor, std: torch.Tensor,

@@ -16,6 +16,25 @@ import math
 
 import torch
 
+# eps of the flash-attn tolerance rule, max |ours - ref64| <= 2 max |std - ref64| + eps (ref64: attention_ref in
+# float64; std: attention_ref(upcast=False), standard attention in the inputs' dtype), relative to max(1, max|ref64|)
+# of the compared quantity. eps only matters where std happens to be almost exact (tiny problems, seqlen_k = 1):
+# - float16 / bfloat16: one unit in the last place at magnitude 1 (2**-10, 2**-7). The kernel rounds its
+#   float32 accumulator to the output dtype once, and std rounds independently: the two roundings may land one
+#   ulp apart even when std's own error is (by luck) zero.
+# - float32: 1e-5, about 80 ulps at magnitude 1. The kernels compute exp as exp2 of log2(e)-pre-scaled scores
+#   and tanh (softcap) through a sigmoid; these add errors of order 2**-23 * |score| * softcap that std
+#   (torch.exp / torch.tanh) does not share, plus a different (blocked) summation order; on the CPU the
+#   interpreter's float32 dot products are numpy's. A real bug moves results by O(1e-2) or more.
+EPS_REL = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7, torch.float32: 1e-5}
+
+
+def tolerance_eps(dtype: torch.dtype, ref64: torch.Tensor) -> float:
+    """eps of the tolerance rule (EPS_REL) for a quantity whose float64 reference is ref64, inputs of `dtype`."""
+    finite = ref64[torch.isfinite(ref64)]
+    scale = max(1.0, finite.abs().max().item()) if finite.numel() else 1.0
+    return EPS_REL[dtype] * scale
+
 
 def visible_mask(seqlen_q: int, seqlen_k: int, window_size=(-1, -1), causal: bool = False,
                  device=None) -> torch.Tensor:
