@@ -196,13 +196,20 @@ def _user_scores(s, rows, cols, len_q, len_k, user, partial, FLEX: gl.constexpr)
 
 
 @gluon.jit
+def _diagonal(rows, col0, len_q, len_k):
+    """Each query row's diagonal key (i + len_k - len_q: causal and windows are aligned bottom-right) as an offset
+    from a tile's first key col0: the bounds of the mask rule (_visible) and ALiBi's distances are taken from it."""
+    return rows + (len_k - len_q) - col0
+
+
+@gluon.jit
 def _visible(s, rows, col0, offs, len_q, len_k, window, FEATURES: gl.constexpr, fill: gl.constexpr = float("-inf")):
     """The mask rule per element (_key_blocks'): s with `fill` (S: -inf, P: 0) where query rows[i] does not see key
     col0 + offs[j] (FEATURES.TAIL: keys past len_k as well; without it every block ends within the sequence). The
     bounds are taken per row relative to col0 and compared with the tile's key offsets: no tile of key indices is
     made (its registers are the backward's accumulators')."""
     window_left, window_right = window
-    diag = gl.expand_dims(rows + (len_k - len_q) - col0, 1)   # each row's diagonal key, as an offset from col0
+    diag = gl.expand_dims(_diagonal(rows, col0, len_q, len_k), 1)
     keys = gl.expand_dims(offs, 0)
     if FEATURES.HAS_RIGHT:
         s = gl.where(keys <= diag + window_right, s, fill)
@@ -242,10 +249,10 @@ def _scores_log2(s, score, alibi, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr):
 @gluon.jit
 def _alibi_distance_log2(s, rows, col0, offs, len_q, len_k, slope_log2):
     """s - slope log2(e) |i + len_k - len_q - j| for query rows i and keys j = col0 + offs: the backward's ALiBi,
-    the distance taken from each row's diagonal key as an offset from col0 (as _visible's bounds). (Two float terms
-    s - |r_i - c_j| measured slower without a mask; the fold of _alibi_log2, its terms beside the backward's tiles,
-    no faster.)"""
-    dist = gl.expand_dims(rows + (len_k - len_q) - col0, 1) - gl.expand_dims(offs, 0)
+    the distance taken from each row's diagonal key as an offset from col0 (_diagonal, as _visible's bounds). (Two
+    float terms s - |r_i - c_j| measured slower without a mask; the fold of _alibi_log2, its terms beside the
+    backward's tiles, no faster.)"""
+    dist = gl.expand_dims(_diagonal(rows, col0, len_q, len_k), 1) - gl.expand_dims(offs, 0)
     dist = gl.where(dist < 0, -dist, dist)
     return s - slope_log2 * dist.to(gl.float32)
 
