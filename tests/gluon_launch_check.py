@@ -59,6 +59,8 @@ def _warmup(kernel, grid, args, kwargs):
     name = kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__
     tile = kwargs.get("TILE")
     shape = f" tile={tile.HEAD_D}x{tile.BLOCK_M}" if hasattr(tile, "BLOCK_M") else ""   # (head dim x Br)
+    if kwargs.get("SPLIT", 1) > 1:   # (programs per KV head of the dense backward)
+        shape += f" split={kwargs['SPLIT']}"
     print(f"ok {_count[0]} {name} wgmma={compiled.asm['ptx'].count('wgmma.mma_async')}{shape}", flush=True)
     if os.environ.get("PTX_DIR"):   # (the PTX of each launch, for comparing two trees)
         with open(os.path.join(os.environ["PTX_DIR"], f"{_count[0]:02d}_{name}.ptx"), "w") as f:
@@ -121,6 +123,9 @@ def _flex_fwd_bwd():
 if __name__ == "__main__":
     _fwd_bwd(FULL)                                        # the dense backward kernel
     _fwd_bwd(CAUSAL, d=64)
+    min_work, fa3.GQA_SPLIT_MIN_WORK = fa3.GQA_SPLIT_MIN_WORK, 0
+    _fwd_bwd(CAUSAL, h=8, hk=2)   # GQA, the group's heads split over programs adding dK, dV in float32
+    fa3.GQA_SPLIT_MIN_WORK = min_work
     _fwd_bwd(AttnParams(softmax_scale=0.1, window_left=100, window_right=20), sq=1000, sk=1100)   # the general one
     _fwd_bwd(AttnParams(softmax_scale=0.1, softcap=30.0), alibi=torch.rand(4))
     _fwd_bwd(CAUSAL, sq=1024, sk=1024, hk=4, cu=torch.tensor([0, 300, 1024], dtype=torch.int32), max_len=724)

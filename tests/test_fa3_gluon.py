@@ -305,7 +305,7 @@ def test_host_launches_pass_the_jit(tmp_path):
     the host code builds them) go through Triton's JIT binder and compile for sm_90 with wgmmas: dense and general
     backward kernels, windows over unequal lengths, softcap with ALiBi, varlen (d128 and d64), attn_bias with a bool
     mask, a block mask with score_mod and mask_mod, the backward writing float32 dK / dV (dense d128 / d64, varlen
-    d128 / d64),
+    d128 / d64), GQA with a group's heads split over programs adding dK / dV by TMA reduce-add,
     the FP8 forward, the paged decode split and whole (tests/gluon_launch_check.py: a stand-in sm_90 driver,
     kernel.warmup for the launch). The general backward at d64 (Br = 64: fa3.BWD_ANY_CONFIGS) assembles without
     register spills (ptxas -v, where Triton has its ptxas)."""
@@ -316,9 +316,10 @@ def test_host_launches_pass_the_jit(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     lines = [ln.split() for ln in res.stdout.splitlines() if ln.startswith("ok ")]
     kernels = [ln[2] for ln in lines]
-    assert res.stdout.splitlines()[-1] == f"done {len(lines)}" and len(lines) == 24, res.stdout
-    assert kernels.count("fa3_fwd_kernel") == 10 and kernels.count("paged_decode_kernel") == 2, kernels
-    assert kernels.count("fa3_bwd_kernel") == 4 and kernels.count("fa3_bwd_any_kernel") == 8, kernels
+    assert res.stdout.splitlines()[-1] == f"done {len(lines)}" and len(lines) == 26, res.stdout
+    assert kernels.count("fa3_fwd_kernel") == 11 and kernels.count("paged_decode_kernel") == 2, kernels
+    assert kernels.count("fa3_bwd_kernel") == 5 and kernels.count("fa3_bwd_any_kernel") == 8, kernels
+    assert [ln[-1] for ln in lines if ln[-1].startswith("split=")] == ["split=4"], res.stdout
     assert all(int(ln[3].split("=")[1]) > 0 for ln in lines), res.stdout
     general_d64 = [int(ln[1]) for ln in lines if ln[2] == "fa3_bwd_any_kernel" and "tile=64x64" in ln]
     assert general_d64, res.stdout
@@ -537,3 +538,29 @@ def test_disabled_context_nests():
             assert not fa3.enabled()
         assert not fa3.enabled()
     assert fa3.enabled()
+
+
+def test_gqa_backward_split_rule(monkeypatch):
+    """fa3.bwd_split: a group's query heads are split over programs where batch x KV heads x key blocks is under
+    GQA_SPLIT_PROGRAMS_PER_SM per SM, by the least divisor of the group that reaches it (else the whole group);
+    not for MHA, the general kernel, float32 partial sums or little work."""
+    monkeypatch.setattr(fa3, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(fa3, "_device_index", lambda t: 0)
+
+    def split(b, s, h, hk, d, causal=True, dense=True, grads_f32=False):
+        q, k = (torch.empty(b, s, n, d, device="meta") for n in (h, hk))
+        params = AttnParams(softmax_scale=0.1, window_right=0 if causal else -1)
+        return fa3.bwd_split(q, k, params, dense, grads_f32, s, s)
+
+    target = fa3.GQA_SPLIT_PROGRAMS_PER_SM * 132
+    assert split(2, 4096, 16, 1, 128) == 16                       # MQA: 64 programs, the whole group
+    assert split(2, 4096, 16, 1, 128, causal=False) == 16
+    programs = 8 * 8192 // fa3.BWD_CONFIGS[128][1]             # b1 8k, 8 KV heads
+    assert split(1, 8192, 32, 8, 128) == next(s for s in (1, 2, 4) if programs * s >= target or s == 4)
+    assert split(4, 8192, 32, 8, 64) == (1 if 4 * programs >= target else 2)
+    assert split(1, 2048, 32, 8, 64) == 1                          # under GQA_SPLIT_MIN_WORK
+    assert split(2, 4096, 16, 16, 128) == 1                        # MHA
+    assert split(2, 4096, 16, 1, 128, dense=False) == 1            # the general kernel
+    assert split(2, 4096, 16, 1, 128, grads_f32=True) == 1         # a ring step's float32 sums
+    monkeypatch.setattr(fa3, "GQA_SPLIT", 2)
+    assert split(2, 4096, 16, 1, 128) == 2 and split(1, 8192, 32, 8, 128) == 2

@@ -10,6 +10,7 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
     pytest.skip("Hopper-only tests", allow_module_level=True)
 
 import flashtile  # noqa: E402
+from flashtile import interface  # noqa: E402
 from flashtile.kernels.gluon import fa3  # noqa: E402
 from flashtile.kernels import dispatch  # noqa: E402
 from flashtile.kernels.triton import launch  # noqa: E402
@@ -101,6 +102,31 @@ def test_fa3_backward_matches_reference_gpu(c: Case, seed, monkeypatch):
     (q, k, v, dout, alibi), out, lse, grads, _, calls = _run(c, monkeypatch)
     assert calls == {"fwd": int(fa3.eligible(q, k, v, _params(c))), "bwd": 1}, calls
     check_against_reference(c, q, k, v, dout, alibi, out, lse, None, grads)
+
+
+SPLIT_CASES = [   # causal GQA / MQA on the dense backward kernel
+    Case(2, 1024, 1024, 8, 2, 64, bf16, causal=True),
+    Case(1, 2048, 2048, 16, 2, 128, fp16, causal=True),
+    Case(2, 512, 512, 8, 1, 128, bf16, causal=True),
+]
+
+
+@pytest.mark.parametrize("split", [0, 2])
+@pytest.mark.parametrize("c", SPLIT_CASES, ids=lambda c: c.id)
+def test_fa3_backward_split_group_gpu(c: Case, split, seed, monkeypatch):
+    """A KV head's query heads split over programs that add dK, dV into float32 accumulators (fa3.GQA_SPLIT: 0 = the
+    rule's split, here the whole group (these problems fill no GPU), 2 = two; the size threshold lowered so these
+    problems take it): outputs poisoned (tests/conftest.py), gradients against float64, on the first call and on
+    the plan's repeat call."""
+    monkeypatch.setattr(fa3, "GQA_SPLIT_MIN_WORK", 0)
+    monkeypatch.setattr(fa3, "GQA_SPLIT", split)
+    monkeypatch.setattr(interface, "_DENSE", {})   # (problems, and their plans, made under these settings)
+    q, k = (torch.empty(c.b, c.sq, n, c.d, device="cuda") for n in (c.h, c.hk))
+    assert fa3.bwd_split(q, k, _params(c), True, False, c.sq, c.sk) == (split or c.h // c.hk)
+    for repeat in range(2):   # (the repeat: the plan's launch template)
+        (q, k, v, dout, alibi), out, lse, grads, _, calls = _run(c, monkeypatch)
+        assert calls["bwd"] == 1 - repeat, calls
+        check_against_reference(c, q, k, v, dout, alibi, out, lse, None, grads)
 
 
 # (head_dim, (num_wg, Bc, stages), ping-pong) not shipped today: three consumer warpgroups (Br = 192), whose last

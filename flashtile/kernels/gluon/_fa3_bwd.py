@@ -277,10 +277,11 @@ def warpgroup_state(wg: gl.constexpr, k_smem, v_smem, p_bufs, dq_bufs, dq_desc, 
 
 
 @gluon.jit
-def _consumer_partition(wg: gl.constexpr, shared, TILE: gl.constexpr, CAUSAL: gl.constexpr):
+def _consumer_partition(wg: gl.constexpr, shared, TILE: gl.constexpr, CAUSAL: gl.constexpr, ADD_DKV: gl.constexpr):
     """Consumer warpgroup `wg`: key rows [wg * 64, wg * 64 + 64) of the program's block through every query block
     (per query head of the group), then its rows of dK_j, dV_j (Algorithm 2 line 22). `shared`: the buffers,
-    barriers, descriptors and scalars it uses (as the kernel names them)."""
+    barriers, descriptors and scalars it uses (as the kernel names them); hk, group there: the program's query heads
+    [hk * group, +group). ADD_DKV: dK_j, dV_j added into float32 accumulators (the kernel's SPLIT)."""
     (k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, qdo_ready, qdo_empty, ds_ready, ds_free, turns,
      dq_desc, lse_ptr, delta_ptr, stride_lse_b, stride_lse_h, dk_desc, dv_desc, kv_row, kv_col, b, kv_start, q_row0,
      n_iters, n_i, i_start, hk, group, sm_scale, qk_scale) = shared
@@ -304,7 +305,7 @@ def _consumer_partition(wg: gl.constexpr, shared, TILE: gl.constexpr, CAUSAL: gl
     # the last query block's dQ, issued first: by TMA, dK_j and dV_j (line 22) are staged and stored while it runs
     dq_tok = _dq_product(ds_bufs, ds_ready, k_smem, dq_init, n_iters - 1, wg, WG_N, BLOCK_M)
     _store_dkv_tma(dk, dv, dk_desc, dv_desc, q_bufs, do_bufs, qdo_empty, kv_row + wg * WG_N, kv_col, n_iters,
-                   sm_scale, wg, BLOCK_M, TILE.STAGES)
+                   sm_scale, wg, BLOCK_M, TILE.STAGES, ADD_DKV)
     dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, ))
     _dq_reduce_add(dq_desc, dq_smem, dq * sm_scale, dq_row, dq_col)
     tma.store_wait(pendings=0)
@@ -312,12 +313,13 @@ def _consumer_partition(wg: gl.constexpr, shared, TILE: gl.constexpr, CAUSAL: gl
 
 @gluon.jit
 def _store_dkv_tma(dk, dv, dk_desc, dv_desc, q_bufs, do_bufs, qdo_empty, row, col, n_iters, sm_scale,
-                   wg: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+                   wg: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, ADD: gl.constexpr = False):
     """dK_w (scaled) and dV_w to rows [row, +64) by TMA (stage_dkv, tma_store_dkv): one bulk store each instead of
     4-byte stores; to float32 descriptors (gradients kept in float32: the ring's partial sums) through float32
-    staging (store_dkv_f32)."""
+    staging (store_dkv_f32; ADD: added into them by TMA reduce-add)."""
     if dk_desc.dtype == gl.float32:
-        store_dkv_f32(dk, dv, dk_desc, dv_desc, q_bufs, do_bufs, qdo_empty, row, col, n_iters, sm_scale, wg, STAGES)
+        store_dkv_f32(dk, dv, dk_desc, dv_desc, q_bufs, do_bufs, qdo_empty, row, col, n_iters, sm_scale, wg, STAGES,
+                      ADD)
     else:
         dk_smem, dv_smem = stage_dkv(dk, dv, q_bufs, do_bufs, qdo_empty, n_iters, sm_scale, wg, BLOCK_M, STAGES)
         tma_store_dkv(dk_desc, dv_desc, dk_smem, dv_smem, row, col)
@@ -353,19 +355,26 @@ def dkv_f32_stage(q_bufs, do_bufs, out_desc, wg: gl.constexpr):
 
 @gluon.jit
 def store_dkv_f32(dk, dv, dk_desc, dv_desc, q_bufs, do_bufs, qdo_empty, row, col, n_iters, sm_scale,
-                  wg: gl.constexpr, STAGES: gl.constexpr):
+                  wg: gl.constexpr, STAGES: gl.constexpr, ADD: gl.constexpr = False):
     """dK_w (scaled) and dV_w in float32 to rows [row, +64) of the tensors of dk_desc / dv_desc, one after the other
     through this warpgroup's float32 staging tile (dkv_f32_stage: shared memory holds one per warpgroup), each by
-    one TMA store: no 16-bit rounding of a partial gradient that a caller sums."""
+    one TMA store (ADD: reduce-add): no 16-bit rounding of a partial gradient that a caller (or the kernel's other
+    programs) sums."""
     wait_qdo_free(qdo_empty, n_iters, STAGES)
     stage = dkv_f32_stage(q_bufs, do_bufs, dk_desc, wg)
     stage.store(dk * sm_scale)
     fence_async_shared()
-    tma_store(dk_desc, [row, col], stage)
+    if ADD:
+        tma_reduce_add(dk_desc, [row, col], stage)
+    else:
+        tma_store(dk_desc, [row, col], stage)
     tma.store_wait(pendings=0)   # (the store has read the tile)
     stage.store(dv)
     fence_async_shared()
-    tma_store(dv_desc, [row, col], stage)
+    if ADD:
+        tma_reduce_add(dv_desc, [row, col], stage)
+    else:
+        tma_store(dv_desc, [row, col], stage)
     tma.store_wait(pendings=0)
 
 
@@ -445,7 +454,8 @@ def invalidate(barriers, STAGES: gl.constexpr):
 
 @gluon.jit
 def fa3_bwd_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr, dk_desc, dv_desc, lse_strides, sizes,
-                   scales, TILE: gl.constexpr, P_LAYOUT: gl.constexpr, CAUSAL: gl.constexpr, num_warps: gl.constexpr):
+                   scales, TILE: gl.constexpr, P_LAYOUT: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr,
+                   num_warps: gl.constexpr):
     """Grid (seqlen_k / BLOCK_N, batch * nheads_k); TILE (fa3.BwdTile): HEAD_D, BLOCK_N = 2 x 64 key rows (one
     64-row half per consumer warpgroup, num_warps = 4), BLOCK_M query rows per step, STAGES, PINGPONG.
     The argument groups: lse_strides (stride_lse_b, stride_lse_h), sizes (seqlen_q, seqlen_k, nheads_k, group),
@@ -457,7 +467,11 @@ def fa3_bwd_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr,
     the rows of dQ_i), else (BLOCK_M, HEAD_D / 2) (half the columns).
     lse, delta: (batch, nheads, seqlen_q) fp32 with the same strides. P_LAYOUT: the shared layout of a
     (BLOCK_M, BLOCK_N / 2) tile of q's dtype (a warpgroup's P or dS). seqlen_q % BLOCK_M == 0 and
-    seqlen_k % BLOCK_N == 0 (the host checks); causal only with seqlen_q == seqlen_k."""
+    seqlen_k % BLOCK_N == 0 (the host checks); causal only with seqlen_q == seqlen_k.
+    SPLIT > 1 (GQA): a KV head's query heads are shared by SPLIT programs (grid (seqlen_k / BLOCK_N, batch * nheads_k
+    * SPLIT)), each adding its dK_j, dV_j into zeroed float32 accumulators (dk_desc / dv_desc) by TMA reduce-add: a
+    causal key block's program then runs group / SPLIT heads, not the whole group (the longest programs, started
+    last, would end the launch alone)."""
     stride_lse_b, stride_lse_h = lse_strides
     seqlen_q, seqlen_k, nheads_k, group = sizes
     sm_scale, qk_scale = scales
@@ -469,8 +483,16 @@ def fa3_bwd_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr,
     # every head's second... measured slower)
     pid_n = gl.program_id(0)
     bh = gl.program_id(1)
+    heads = group          # the query heads this program runs: [hq * heads, +heads)
+    if SPLIT > 1:
+        part = bh % SPLIT
+        bh = bh // SPLIT
+        heads = group // SPLIT
     b = bh // nheads_k
     hk = bh % nheads_k
+    hq = hk
+    if SPLIT > 1:
+        hq = hk * SPLIT + part
     kv_start = pid_n * BLOCK_N
     kv_row = b * seqlen_k + kv_start
     q_row0 = b * seqlen_q
@@ -479,7 +501,7 @@ def fa3_bwd_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr,
     if CAUSAL:   # query blocks entirely above the diagonal see none of this block's keys
         i_start = kv_start // BLOCK_M
     n_i = n_qblocks - i_start
-    n_iters = n_i * group
+    n_iters = n_i * heads
 
     buffers, barriers = allocate(k_desc, v_desc, q_desc, do_desc, dq_desc, BLOCK_M, BLOCK_N, HEAD_D, STAGES, P_LAYOUT)
     k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs = buffers
@@ -487,12 +509,12 @@ def fa3_bwd_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr,
 
     shared = (k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, qdo_ready, qdo_empty, ds_ready,
               ds_free, turns, dq_desc, lse_ptr, delta_ptr, stride_lse_b, stride_lse_h, dk_desc, dv_desc, kv_row,
-              hk * HEAD_D, b, kv_start, q_row0, n_iters, n_i, i_start, hk, group, sm_scale, qk_scale)
+              hk * HEAD_D, b, kv_start, q_row0, n_iters, n_i, i_start, hq, heads, sm_scale, qk_scale)
     gl.warp_specialize([
-        (_consumer_partition, (0, shared, TILE, CAUSAL)),
-        (_consumer_partition, (1, shared, TILE, CAUSAL)),
+        (_consumer_partition, (0, shared, TILE, CAUSAL, SPLIT > 1)),
+        (_consumer_partition, (1, shared, TILE, CAUSAL, SPLIT > 1)),
         (_load_partition, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, qdo_ready,
-                           qdo_empty, kv_row, hk * HEAD_D, q_row0, n_iters, n_i, i_start, hk, group, BLOCK_M,
+                           qdo_empty, kv_row, hk * HEAD_D, q_row0, n_iters, n_i, i_start, hq, heads, BLOCK_M,
                            HEAD_D, STAGES)),
     ], [4, 1], [240, 24])
 

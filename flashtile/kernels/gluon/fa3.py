@@ -76,6 +76,16 @@ BWD_ANY_CONFIGS = {64: (64, 128, 3)}
 # (head_dim, causal) -> whether the backward's consumer warpgroups take turns issuing their GEMMs (S, dP; then dV,
 # dK, dQ), as the forward's ping-pong (same-run A/Bs on an H200: `git log -S BWD_PINGPONG`)
 BWD_PINGPONG = {(64, True): True}
+# GQA / MQA on the dense backward kernel: a program per (KV head, key block) runs the group's query heads, and where
+# batch x nheads_k x key blocks is under GQA_SPLIT_PROGRAMS_PER_SM programs per SM the programs are too few and too
+# long to balance over the SMs (MQA at batch 2, 4k: 64 programs on 132 SMs): the group's heads are then split over
+# SPLIT programs (fa3_bwd_kernel's SPLIT: the least divisor of the group that reaches that count, else the group),
+# which add their dK_j, dV_j into float32 accumulators. From GQA_SPLIT_MIN_WORK (batch x nheads x seqlen_q x
+# seqlen_k x head_dim): below, the accumulators' fill and conversion cost more host time than the split saves GPU
+# time. Same-run A/Bs on an H200: `git log -S GQA_SPLIT_PROGRAMS_PER_SM`. GQA_SPLIT (tests, sweeps): a fixed SPLIT.
+GQA_SPLIT_PROGRAMS_PER_SM = 8
+GQA_SPLIT_MIN_WORK = 1 << 36
+GQA_SPLIT = 0
 
 
 class FwdTile(NamedTuple):
@@ -541,6 +551,35 @@ def bwd_config(head_dim: int, params, alibi, dense: bool, grads_f32: bool = Fals
     return tiles, BWD_PINGPONG.get((head_dim, params.has_right), False)
 
 
+def bwd_split(q, k, params, dense: bool, grads_f32: bool, sq: int, sk: int) -> int:
+    """fa3_bwd_kernel's SPLIT for a problem (GQA_SPLIT_PROGRAMS_PER_SM's rule), 1 where none: not the dense
+    kernel, no group, float32 dK / dV (a caller's partial sums, written, not added), or little work."""
+    nheads, nheads_k, batch = q.shape[-2], k.shape[-2], q.shape[0]
+    group = nheads // nheads_k
+    if (not dense or group == 1 or grads_f32
+            or batch * nheads * sq * sk * q.shape[-1] < GQA_SPLIT_MIN_WORK):
+        return 1
+    if GQA_SPLIT:
+        return GQA_SPLIT if group % GQA_SPLIT == 0 else 1
+    programs = batch * nheads_k * -(-sk // BWD_CONFIGS[q.shape[-1]][1])
+    target = GQA_SPLIT_PROGRAMS_PER_SM * _sm_count(_device_index(q))
+    return next(s for s in range(1, group + 1) if group % s == 0 and (programs * s >= target or s == group))
+
+
+def _dkv_targets(dk, dv, split: int) -> tuple:
+    """What the backward kernel writes dK, dV into: dk, dv, or (SPLIT > 1) float32 accumulators, zeroed, that its
+    programs add into (_dkv_out converts them)."""
+    if split == 1:
+        return dk, dv
+    return tuple(torch.zeros(t.shape, device=t.device, dtype=torch.float32) for t in (dk, dv))
+
+
+def _dkv_out(dk, dv, targets) -> None:
+    if targets[0] is not dk:
+        dk.copy_(targets[0])
+        dv.copy_(targets[1])
+
+
 def bwd_dq_tile(block_m: int, head_dim: int):
     """The dQ tile a consumer warpgroup of the backward adds: half the rows of dQ_i when Br = 128, else half the
     columns."""
@@ -581,13 +620,13 @@ class _BwdTemplate(_FwdTemplate):
         return self.bound(grid, live, trusted=5)
 
 
-def _bwd_key(q, k, v, lse, dk, dv, params, alibi, sq, sk, block_m: int, flex=None):
+def _bwd_key(q, k, v, lse, dk, dv, params, alibi, sq, sk, block_m: int, flex=None, split: int = 1):
     """The key of a backward's launch template: what fixes every argument but the live ones (the shapes and strides
     of q, k, v fix their descriptors' geometry; dO and dQ's accumulator are contiguous); block_m: the kernel's Br
-    (its dQ tile); flex: the constexpr FLEX of a problem with flashtile.flex's features."""
+    (its dQ tile); flex: the constexpr FLEX of a problem with flashtile.flex's features; split: bwd_split's."""
     return (q.shape, k.shape, v.shape, layout(q, k, v), q.dtype, q.device, lse.stride(), dk.dtype, dk.stride(),
             dv.stride(), params.softmax_scale, params.window_left, params.window_right, params.softcap,
-            None if alibi is None else alibi.stride(), sq, sk, bwd_dq_tile(block_m, q.shape[-1]), flex)
+            None if alibi is None else alibi.stride(), sq, sk, bwd_dq_tile(block_m, q.shape[-1]), flex, split)
 
 
 def dense_bwd(q, k, params, alibi, varlen: bool, flex: bool = False) -> bool:
@@ -624,7 +663,9 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, 
     equal strides. Call only where supports(..., backward=True) said yes; dout is made contiguous here, dk / dv
     may be strided. dq_acc: a zeroed float32 accumulator of q's shape, contiguous (None: made here); dq None: dQ
     is added into dq_acc and left there (the caller's running sum, not zeroed here; dq_acc then required). dk / dv
-    float32 (q 16-bit): dK and dV are written in float32 (partial gradients a caller sums). bias, mask,
+    float32 (q 16-bit): dK and dV are written in float32 (partial gradients a caller sums); else a GQA problem
+    whose programs are too few splits each group over programs (bwd_split), adding dK, dV into float32
+    accumulators converted into dk, dv. bias, mask,
     sparse, mods: flashtile.flex's features as fwd takes them (mods.score_aux_grad: the captured tensors' gradient
     buffers)."""
     _, kern, TensorDescriptor = _kernels(_device_index(q))
@@ -636,6 +677,9 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, 
     with_flex = has_flex(bias, mask, sparse, mods)
     dense = dense_bwd(q, k, params, alibi, varlen, with_flex)
     (block_m, block_n, stages), pingpong = bwd_config(head_dim, params, alibi, dense, dk.dtype != q.dtype)
+    split = bwd_split(q, k, params, dense, dk.dtype != q.dtype, sq, sk)
+    grads = (dk, dv)
+    dk, dv = _dkv_targets(dk, dv, split)
     dout = tma_ready(dout)
     assert lse.stride() == delta.stride() and lse.stride(-1) == 1
     assert dk.stride(-1) == 1 and dv.stride(-1) == 1
@@ -643,7 +687,7 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, 
     if dq_acc is None or (dq is None and tma_row_view(dq_acc) is None):
         dq_sum, dq_acc = dq_acc, torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     dq_tile = bwd_dq_tile(block_m, head_dim)
-    grid = (-(-sk // block_n), batch * nheads_k, 1)
+    grid = (-(-sk // block_n), batch * nheads_k * split, 1)
     flex = None
     if with_flex:
         flex = (bwd_flex(lse, batch, nheads, nheads_k, sq, sk, block_n, bias, mask, sparse, mods),
@@ -651,17 +695,18 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, 
     tile = BwdTile(head_dim, block_m, block_n, stages, pingpong)
     kwargs = dict(TILE=tile, P_LAYOUT=_smem_layout(block_m, block_n // 2, q.dtype), num_warps=4, maxnreg=MAXNREG)
     if dense:
-        kwargs["CAUSAL"] = params.is_causal
+        kwargs.update(CAUSAL=params.is_causal, SPLIT=split)
     else:
         kwargs.update(FEATURES=bwd_features(params, varlen, alibi, sq, sk, block_m, block_n, flex is not None,
                                             sparse is not None), FLEX=(flex or _NO_FLEX_BWD)[1])
     extras = (cu_seqlens_q, cu_seqlens_k, alibi)
     live_flex = None if flex is None else flex[0]   # (a flex problem's template takes its tensors per call)
-    key = _bwd_key(q, k, v, lse, dk, dv, params, alibi, sq, sk, block_m, None if flex is None else flex[1])
+    key = _bwd_key(q, k, v, lse, dk, dv, params, alibi, sq, sk, block_m, None if flex is None else flex[1], split)
     tpl = _BWD_TEMPLATES.get(key)
     if tpl is not None and tpl.kwargs == kwargs and tpl.launch(grid, (k, v, q, dout, dq_acc, dk, dv), lse, delta,
                                                                extras, live_flex):
         _dq_out(dq, dq_sum, dq_acc)
+        _dkv_out(*grads, (dk, dv))
         return
 
     def desc(t, rows, cols):
@@ -705,6 +750,7 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, 
     for out, grad in ((dk_out, dk), (dv_out, dv)):
         if out is not grad:
             grad.copy_(out)
+    _dkv_out(*grads, (dk, dv))
 
 
 def _dq_out(dq, dq_sum, dq_acc) -> None:
@@ -767,7 +813,7 @@ class BackwardPlan:
     """bwd() of one problem (dense or varlen) called again and again: the template bwd() left (_BwdTemplate) is
     launched directly, with the config it was made with checked. Call only where supports(..., backward=True) said
     yes and takes(q, k, v), with contiguous dK and dV. features: as ForwardPlan's."""
-    __slots__ = ("key", "grid", "tpl", "cfg", "sizes", "layout", "flex", "dense", "grads_f32")
+    __slots__ = ("key", "grid", "tpl", "cfg", "sizes", "layout", "flex", "dense", "grads_f32", "split")
 
     def __init__(self, q, k, v, lse, dk, dv, params, alibi=None, cu_seqlens_q=None, max_seqlen_q=None,
                  max_seqlen_k=None, features=None):
@@ -779,10 +825,13 @@ class BackwardPlan:
         self.grads_f32 = dk.dtype != q.dtype   # (float32 partial sums of a 16-bit problem)
         self.cfg = bwd_config(head_dim, params, alibi, self.dense, self.grads_f32)
         block_m, block_n, _ = self.cfg[0]
-        self.grid = (-(-self.sizes[1] // block_n), batch * k.shape[-2], 1)
+        self.split = bwd_split(q, k, params, self.dense, self.grads_f32, *self.sizes)
+        self.grid = (-(-self.sizes[1] // block_n), batch * k.shape[-2] * self.split, 1)
         self.layout = layout(q, k, v)
         self.flex = flex_consts(*features, backward=True) if flex else None
-        self.key = _bwd_key(q, k, v, lse, dk, dv, params, alibi, *self.sizes, block_m, self.flex)
+        if self.split > 1:   # (the key of bwd()'s launch: over the float32 accumulators)
+            dk, dv = (torch.empty(t.shape, device="meta", dtype=torch.float32) for t in (dk, dv))
+        self.key = _bwd_key(q, k, v, lse, dk, dv, params, alibi, *self.sizes, block_m, self.flex, self.split)
         self.tpl = None
 
     def takes(self, q, k, v) -> bool:
@@ -799,12 +848,13 @@ class BackwardPlan:
         if self.flex is not None:
             flex = bwd_flex(lse, q.shape[0], q.shape[2], k.shape[2], *self.sizes, self.cfg[0][1], bias, mask, sparse,
                             mods)
-        if (tpl is not None
-                and self.cfg == bwd_config(head_dim, params, alibi, self.dense, self.grads_f32)
-                and tpl.launch(self.grid, (k, v, q, dout, dq_acc, dk, dv), lse, delta,
-                               (cu_seqlens_q, cu_seqlens_k, alibi), flex)):
-            dq.copy_(dq_acc)
-            return
+        if tpl is not None and self.cfg == bwd_config(head_dim, params, alibi, self.dense, self.grads_f32):
+            targets = _dkv_targets(dk, dv, self.split)
+            if tpl.launch(self.grid, (k, v, q, dout, dq_acc, *targets), lse, delta, (cu_seqlens_q, cu_seqlens_k, alibi),
+                          flex):
+                dq.copy_(dq_acc)
+                _dkv_out(dk, dv, targets)
+                return
         bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc, alibi, cu_seqlens_q, cu_seqlens_k, *self.sizes,
             bias, mask, sparse, mods)
         self.tpl = _BWD_TEMPLATES.get(self.key)
