@@ -130,6 +130,8 @@ if __name__ == "__main__":
     _fwd_bwd(AttnParams(softmax_scale=0.1, softcap=30.0), alibi=torch.rand(4))
     _fwd_bwd(CAUSAL, sq=1024, sk=1024, hk=4, cu=torch.tensor([0, 300, 1024], dtype=torch.int32), max_len=724)
     _fwd_bwd(CAUSAL, sq=1024, sk=1024, hk=4, d=64, cu=torch.tensor([0, 300, 1024], dtype=torch.int32), max_len=724)
+    # varlen without a mask rule at d128: every step bounds its keys, no skip path (fa3.BWD_TAIL_EVERY_STEP)
+    _fwd_bwd(FULL, sq=1024, sk=1024, hk=4, cu=torch.tensor([0, 300, 1024], dtype=torch.int32), max_len=724)
     _fwd_bwd(CAUSAL, sq=512, sk=512, hk=4, bias=_rand(1, 4, 512, 512), mask=torch.rand(2, 1, 512, 512) > 0.2)
     _flex_fwd_bwd()
     _bwd_into_sums(FULL)                                  # float32 dK / dV: the dense kernel, d128 and d64

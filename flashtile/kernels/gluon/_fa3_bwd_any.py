@@ -75,7 +75,6 @@ def _step(t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs, p_
     BLOCK_M: gl.constexpr = TILE.BLOCK_M
     STAGES: gl.constexpr = TILE.STAGES
     TAIL: gl.constexpr = FEATURES.TAIL
-    MASKED: gl.constexpr = FEATURES.HAS_LEFT or FEATURES.HAS_RIGHT or TAIL
     WG_N: gl.constexpr = k_w.shape[0]
     # this warpgroup's dQ tile: rows [wg * 64, +64) when Br = 128, else columns [wg * d/2, +d/2)
     DQ_M: gl.constexpr = dq_init.shape[0]
@@ -100,11 +99,13 @@ def _step(t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs, p_
     rows = (q_idx, lse2, delta)
     mbarrier.wait(qdo_ready.index(s), (t // STAGES) & 1)
     skip = False     # (constexpr False unless SKIP: a step then always computes)
-    hidden = False   # (constexpr False without a mask rule: P is never masked by it)
-    if MASKED:
+    hidden = False   # (constexpr False without a mask rule or sequence ends: P is never masked)
+    if FEATURES.HAS_LEFT or FEATURES.HAS_RIGHT or FEATURES.SKIP:
         none, hidden = _tile_mask(q_start, BLOCK_M, c0, WG_N, len_q, len_k, window, FEATURES)
         if FEATURES.SKIP:
             skip = none
+    elif TAIL:   # sequence ends only, no skip path (fa3.BWD_TAIL_EVERY_STEP): every step bounds its keys
+        hidden = True
     if skip:
         skip_step(t, ds_bufs, ds_ready, ds_free, k_smem, dq_init, dq_desc, dq_smem, dq_row, dq_col, sm_scale, turns, wg,
                   s_layout, BLOCK_M, WG_N, TILE.PINGPONG)

@@ -73,6 +73,11 @@ BWD_CONFIGS = {64: (128, 128, 2), 128: (64, 128, 2)}
 # registers (ptxas spills), Br = 64's do; without them (sequence ends only) Br = 128 stays the faster (same-run A/B
 # on an H200: `git log -S BWD_ANY_CONFIGS`)
 BWD_ANY_CONFIGS = {64: (64, 128, 3)}
+# head dims at which fa3_bwd_any_kernel, for a varlen problem without a mask rule (sequence ends only), bounds the
+# keys of every step and skips none (a step past a sequence's keys computes P = 0): the skip path's branch costs
+# registers that the bound's one compare per column does not. Faster at d128, slower at d64 and for unaligned dense
+# lengths (same-run A/B on an H200: `git log -S BWD_TAIL_EVERY_STEP`)
+BWD_TAIL_EVERY_STEP = (128, )
 # (head_dim, causal) -> whether the backward's consumer warpgroups take turns issuing their GEMMs (S, dP; then dV,
 # dK, dQ), as the forward's ping-pong (same-run A/Bs on an H200: `git log -S BWD_PINGPONG`)
 BWD_PINGPONG = {(64, True): True}
@@ -641,17 +646,21 @@ def dense_bwd(q, k, params, alibi, varlen: bool, flex: bool = False) -> bool:
 
 
 def bwd_features(params, varlen: bool, alibi, sq: int, sk: int, block_m: int, block_n: int, flex: bool = False,
-                 sparse: bool = False) -> Features:
+                 sparse: bool = False, head_dim: int = 0) -> Features:
     """fa3_bwd_any_kernel's FEATURES for a problem (its docstring and fa3_fwd_kernel's say what each compiles
     in).
     SKIP: a query block may see none of a consumer warpgroup's 64 keys - a left window, a sequence's end, or a right
-    window other than causal over equal lengths with Br <= 64 (with Br 128, aligned causal blocks always see some).
+    window other than causal over equal lengths with Br <= 64 (with Br 128, aligned causal blocks always see some);
+    not for sequence ends alone where BWD_TAIL_EVERY_STEP has the head dim of a varlen problem (the kernel then
+    bounds every step's keys).
     flex: flashtile.flex's features (rows may see no key), sparse: a block mask (steps past the rows: TAIL)."""
     has_left, has_right = params.has_left, params.has_right
     tail = varlen or sq % block_m != 0 or sk % block_n != 0 or sparse
     aligned_causal = params.lower_triangular and sq == sk and block_m > block_n // 2
+    every_step = varlen and not (has_left or has_right or sparse) and head_dim in BWD_TAIL_EVERY_STEP
     return Features(VARLEN=varlen, HAS_LEFT=has_left, HAS_RIGHT=has_right, SOFTCAP=params.softcap > 0,
-                    ALIBI=alibi is not None, TAIL=tail, SKIP=has_left or tail or (has_right and not aligned_causal),
+                    ALIBI=alibi is not None, TAIL=tail,
+                    SKIP=has_left or (tail and not every_step) or (has_right and not aligned_causal),
                     EMPTY=rows_may_see_no_key(params, varlen, sq, sk, flex) or tail)
 
 
@@ -698,7 +707,7 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, 
         kwargs.update(CAUSAL=params.is_causal, SPLIT=split)
     else:
         kwargs.update(FEATURES=bwd_features(params, varlen, alibi, sq, sk, block_m, block_n, flex is not None,
-                                            sparse is not None), FLEX=(flex or _NO_FLEX_BWD)[1])
+                                            sparse is not None, head_dim), FLEX=(flex or _NO_FLEX_BWD)[1])
     extras = (cu_seqlens_q, cu_seqlens_k, alibi)
     live_flex = None if flex is None else flex[0]   # (a flex problem's template takes its tensors per call)
     key = _bwd_key(q, k, v, lse, dk, dv, params, alibi, sq, sk, block_m, None if flex is None else flex[1], split)
