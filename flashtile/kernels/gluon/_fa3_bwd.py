@@ -468,10 +468,10 @@ def fa3_bwd_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr,
     lse, delta: (batch, nheads, seqlen_q) fp32 with the same strides. P_LAYOUT: the shared layout of a
     (BLOCK_M, BLOCK_N / 2) tile of q's dtype (a warpgroup's P or dS). seqlen_q % BLOCK_M == 0 and
     seqlen_k % BLOCK_N == 0 (the host checks); causal only with seqlen_q == seqlen_k.
-    SPLIT > 1 (GQA): a KV head's query heads are shared by SPLIT programs (grid (seqlen_k / BLOCK_N, batch * nheads_k
-    * SPLIT)), each adding its dK_j, dV_j into zeroed float32 accumulators (dk_desc / dv_desc) by TMA reduce-add: a
-    causal key block's program then runs group / SPLIT heads, not the whole group (the longest programs, started
-    last, would end the launch alone)."""
+    SPLIT > 1 (GQA / MQA): a KV head's query heads are shared by SPLIT programs (grid (seqlen_k / BLOCK_N, batch *
+    nheads_k * SPLIT)), each running group / SPLIT of them and adding its dK_j, dV_j into zeroed float32
+    accumulators (dk_desc / dv_desc) by TMA reduce-add: more, shorter programs where batch x nheads_k x key blocks
+    are too few to balance over the SMs (fa3.bwd_split)."""
     stride_lse_b, stride_lse_h = lse_strides
     seqlen_q, seqlen_k, nheads_k, group = sizes
     sm_scale, qk_scale = scales
