@@ -20,6 +20,8 @@ several values sweep). Rows, by the names --rows takes:
                                   batch row (and a last, shorter one where L does not divide seqlen); the batch's
                                   documents go through flash_attn_varlen_func as one packed (tokens, heads, d) tensor
   alibi, alibi-causal             ALiBi with the geometric slopes of the heads (flashtile.bench.measure.alibi_slopes), float32
+  gqa-G, gqa-G-causal             G query heads per K / V head (--groups, default 4 and 16; with 16 heads, 16
+                                  is MQA)
 Masks follow flash-attn: key j is visible from query i iff i + sk - sq - left <= j <= i + sk - sq + right, -1 =
 unbounded; causal sets right = 0.
 Providers (--providers):
@@ -92,9 +94,10 @@ class Row:
     alibi: bool = False
     unaligned: bool = False
     doc_len: Optional[int] = None      # varlen rows: tokens per document
+    group: int = 1                     # query heads per K / V head (GQA rows)
 
 
-def build_rows(softcap: float, windows, doc_lens) -> List[Row]:
+def build_rows(softcap: float, windows, doc_lens, groups=()) -> List[Row]:
     """The rows of the table, in its order (names as in the module docstring)."""
     rows = []
     for name, kw in (("dense", {}), ("unaligned", dict(unaligned=True)), ("softcap", dict(softcap=softcap))):
@@ -103,6 +106,8 @@ def build_rows(softcap: float, windows, doc_lens) -> List[Row]:
     for n in doc_lens:
         rows += [Row(f"varlen-{n}", doc_len=n), Row(f"varlen-{n}-causal", causal=True, doc_len=n)]
     rows += [Row("alibi", alibi=True), Row("alibi-causal", causal=True, alibi=True)]
+    for g in groups:
+        rows += [Row(f"gqa-{g}", group=g), Row(f"gqa-{g}-causal", causal=True, group=g)]
     return rows
 
 
@@ -120,6 +125,11 @@ class Point:
     def length(self) -> int:
         """Tokens per batch row of the input (seqlen, less the offset on the unaligned rows)."""
         return self.seqlen - self.unaligned_offset if self.row.unaligned else self.seqlen
+
+    @property
+    def nheads_k(self) -> int:
+        """K / V heads: nheads over the row's group."""
+        return self.nheads // self.row.group
 
     @property
     def doc_lens(self) -> Optional[List[int]]:
@@ -154,12 +164,16 @@ class Point:
             return f"softcap {r.softcap:g}{causal}"
         if r.alibi:
             return f"ALiBi {self.length}{causal}"
+        if r.group > 1:
+            kind = "MQA" if self.nheads_k == 1 else "GQA"
+            return f"{kind} {self.nheads} / {self.nheads_k} heads {self.length}{causal}"
         return f"dense {self.length}{causal}" + (" (unaligned)" if r.unaligned else "")
 
 
 @dataclasses.dataclass
 class Inputs:
-    """q, k, v, do: (batch, length, heads, d), or (batch * length, heads, d) packed for varlen rows; cu_seqlens:
+    """q, k, v, do: (batch, length, heads, d) (k, v: nheads_k heads), or (batch * length, heads, d) packed for
+    varlen rows; cu_seqlens:
     int32 (documents + 1,) over the packed batch (varlen rows) or None; slopes: float32 (heads,) (ALiBi rows) or
     None."""
     tensors: tuple
@@ -172,6 +186,10 @@ def make_inputs(point: Point, dtype, device, seed: int) -> Inputs:
     """Fresh N(0, 1) inputs of the point, drawn as measure.random_inputs does (the same numbers on any device)."""
     b, h, n, d = point.batch, point.nheads, point.length, point.headdim
     tensors = measure.random_inputs(b, h, n, d, dtype, device, seed)
+    if point.row.group > 1:   # (K and V: their first nheads_k heads)
+        q, k, v, do = tensors
+        k, v = (x.detach()[:, :, :point.nheads_k].contiguous().requires_grad_(x.requires_grad) for x in (k, v))
+        tensors = (q, k, v, do)
     cu, mx = None, None
     if point.doc_lens is not None:
         tensors = tuple(x.view(b * n, h, d) for x in tensors)
@@ -254,6 +272,8 @@ def oracle_error(out: torch.Tensor, point: Point, inp: Inputs) -> float:
     q, k, v, _ = (x.detach() for x in inp.tensors)
     if out.shape != q.shape:            # a wrong shape is wrong, not a crash
         return math.nan
+    if k.shape[-2] != q.shape[-2]:      # GQA: each query head against its K / V head
+        k, v = (x.repeat_interleave(q.shape[-2] // k.shape[-2], dim=-2) for x in (k, v))
     if inp.cu_seqlens is None:
         return dense_oracle_error(out, q, k, v, point.row, inp.slopes)
     cu = inp.cu_seqlens.tolist()
@@ -287,7 +307,8 @@ def point_record(point: Point, dtype, seed: int) -> dict:
     """The fields every record of the point carries."""
     r = point.row
     return {"row": r.name, "label": point.label(), "headdim": point.headdim, "seqlen": point.seqlen,
-            "length": point.length, "batch": point.batch, "nheads": point.nheads, "causal": r.causal,
+            "length": point.length, "batch": point.batch, "nheads": point.nheads, "nheads_k": point.nheads_k,
+            "causal": r.causal,
             "window": list(r.window), "softcap": r.softcap, "alibi": r.alibi, "doc_lens": point.doc_lens,
             "dtype": DTYPE_NAMES[dtype], "seed": seed, "pairs": point.pairs()}
 
@@ -495,6 +516,8 @@ def parser() -> argparse.ArgumentParser:
                     help="LEFT:RIGHT window rows (default 4096:0,1024:1024)")
     ap.add_argument("--doc-lens", type=positive_ints, default=[2048, 1024],
                     help="document lengths of the varlen rows (default 2048,1024)")
+    ap.add_argument("--groups", type=positive_ints, default=[4, 16],
+                    help="query heads per K / V head of the GQA rows (default 4,16); each must divide --nheads")
     ap.add_argument("--unaligned-offset", type=int, default=192,
                     help="the unaligned rows run seqlen minus this many tokens (default 192)")
     ap.add_argument("--device", default=None, help="cuda (default when present) or cpu")
@@ -513,6 +536,7 @@ def settings_of(args, rows: List[Row], providers, dtype, device) -> dict:
             "dtype": DTYPE_NAMES[dtype], "modes": list(args.mode), "providers": providers,
             "rows": [r.name for r in rows], "row_definitions": [dataclasses.asdict(r) for r in rows],
             "softcap": args.softcap, "windows": [list(w) for w in args.windows], "doc_lens": args.doc_lens,
+            "groups": args.groups,
             "unaligned_offset": args.unaligned_offset, "device": str(device), "seed": args.seed,
             "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms, "budget_s": args.budget_s,
             "timer": measure.TIMER_DESCRIPTION[torch.device(device).type], "tolerance": measure.TOLERANCE[dtype],
@@ -536,7 +560,7 @@ def main(argv=None) -> int:
     dtype = DTYPES.get(args.dtype) or getattr(torch, args.dtype)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     providers = [p.strip().lower() for p in args.providers.split(",") if p.strip()]
-    all_rows = build_rows(args.softcap, args.windows, args.doc_lens)
+    all_rows = build_rows(args.softcap, args.windows, args.doc_lens, args.groups)
     by_name = {r.name: r for r in all_rows}
     problems = []
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -546,6 +570,8 @@ def main(argv=None) -> int:
     problems += [f"--providers: unknown {p!r} (known: {', '.join(PROVIDER_NAMES)})" for p in providers
                  if p not in PROVIDER_NAMES]
     problems += [f"--rows: unknown {r!r} (known: {', '.join(by_name)})" for r in args.rows or [] if r not in by_name]
+    problems += [f"--groups {g}: expected a divisor of --nheads {args.nheads}" for g in args.groups
+                 if args.nheads % g]
     if not 0 <= args.unaligned_offset < min(args.seqlen):
         problems.append(f"--unaligned-offset {args.unaligned_offset}: expected 0 <= offset < the shortest --seqlen")
     if problems or not providers:

@@ -16,10 +16,11 @@ from flashtile.bench import measure
 
 # One batch row of 128 tokens, 2 heads of 32, float32, one warm-up call and one timed call per point.
 TINY = ["--device", "cpu", "--seqlen", "128", "--headdim", "32", "--batch", "1", "--nheads", "2", "--dtype", "fp32",
-        "--unaligned-offset", "24", "--windows", "32:0,16:16", "--doc-lens", "64,48", "--warmup-ms", "0.001",
-        "--rep-ms", "0.001"]
+        "--unaligned-offset", "24", "--windows", "32:0,16:16", "--doc-lens", "64,48", "--groups", "2", "--warmup-ms",
+        "0.001", "--rep-ms", "0.001"]
 ROWS = ["dense", "dense-causal", "unaligned", "unaligned-causal", "softcap", "softcap-causal", "window-32-0",
-        "window-16-16", "varlen-64", "varlen-64-causal", "varlen-48", "varlen-48-causal", "alibi", "alibi-causal"]
+        "window-16-16", "varlen-64", "varlen-64-causal", "varlen-48", "varlen-48-causal", "alibi", "alibi-causal",
+        "gqa-2", "gqa-2-causal"]
 
 
 @pytest.fixture(scope="module")
@@ -50,10 +51,11 @@ def test_visible_pairs_is_the_brute_force_count():
 
 
 def test_points_count_pairs_per_document_and_flops_per_mode(bench):
-    rows = {r.name: r for r in bench.build_rows(30.0, [(4096, 0), (1024, 1024)], [2048, 1024])}
+    rows = {r.name: r for r in bench.build_rows(30.0, [(4096, 0), (1024, 1024)], [2048, 1024], [4, 16])}
     assert list(rows) == ["dense", "dense-causal", "unaligned", "unaligned-causal", "softcap", "softcap-causal",
                           "window-4096-0", "window-1024-1024", "varlen-2048", "varlen-2048-causal", "varlen-1024",
-                          "varlen-1024-causal", "alibi", "alibi-causal"]
+                          "varlen-1024-causal", "alibi", "alibi-causal", "gqa-4", "gqa-4-causal", "gqa-16",
+                          "gqa-16-causal"]
 
     def point(name, seqlen=8192):
         return bench.Point(rows[name], 128, seqlen, 2, 16, 192)
@@ -64,6 +66,9 @@ def test_points_count_pairs_per_document_and_flops_per_mode(bench):
     assert point("softcap").label() == "softcap 30"
     assert point("window-4096-0").label() == "window (4096, 0)"
     assert point("alibi-causal").label() == "ALiBi 8192 causal"
+    assert point("gqa-4-causal").label() == "GQA 16 / 4 heads 8192 causal" and point("gqa-4").nheads_k == 4
+    assert point("gqa-16").label() == "MQA 16 / 1 heads 8192" and point("dense").nheads_k == 16
+    assert point("gqa-4").pairs() == point("dense").pairs()             # (FLOPs count the query heads)
     assert point("varlen-2048").doc_lens == [2048] * 4 and point("varlen-2048").label() == "varlen 4 docs x 2048"
     assert point("varlen-1024-causal").label() == "varlen 8 docs x 1024 causal"
     assert point("varlen-2048", 16384).doc_lens == [2048] * 8           # the documents scale with --seqlen
@@ -130,6 +135,7 @@ def test_cpu_run_records_every_requested_row(bench, tmp_path, capsys):
             assert r["status"] == "skipped" and r["reason"].startswith("unavailable: ") and r["ms"] is None
     assert recs[("varlen-48", "flashtile", "fwd")]["doc_lens"] == [48, 48, 32]
     assert recs[("unaligned", "flashtile", "fwd")]["length"] == 104
+    assert recs[("gqa-2", "flashtile", "fwd")]["nheads_k"] == 1 and recs[("dense", "flashtile", "fwd")]["nheads_k"] == 2
     printed = capsys.readouterr().out
     assert printed.rstrip().endswith("|") and "flashtile / FA4" in printed   # the TFLOP/s tables come last
 
@@ -147,25 +153,27 @@ def test_cpu_run_times_backward_and_training(bench, tmp_path):
 
 def test_peers_are_checked_against_flashtile_and_timed_beside_it(bench, tmp_path, monkeypatch):
     """FA4 and cuDNN stood in for by torch SDPA on the CPU, FA4's in flash-attn's layout and cuDNN's in PyTorch's:
-    every output and gradient is compared with flashtile's, and the ratios are filled in."""
+    every output and gradient is compared with flashtile's (dK, dV of a GQA row with its K / V heads), and the ratios
+    are filled in."""
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def fake_fa4(point, inp, device, dtype):
-        return lambda q, k, v: sdpa(*(x.transpose(1, 2) for x in (q, k, v)), is_causal=point.row.causal
-                                    ).transpose(1, 2)
+        return lambda q, k, v: sdpa(*(x.transpose(1, 2) for x in (q, k, v)), is_causal=point.row.causal,
+                                    enable_gqa=True).transpose(1, 2)
 
     def fake_cudnn(point, inp, device, dtype):
-        return lambda q, k, v: sdpa(q, k, v, is_causal=point.row.causal)
+        return lambda q, k, v: sdpa(q, k, v, is_causal=point.row.causal, enable_gqa=True)
 
     monkeypatch.setitem(bench.CALLS, "fa4", (fake_fa4, "bshd"))
     monkeypatch.setitem(bench.CALLS, "cudnn", (fake_cudnn, "bhsd"))
     ready = {"available": True, "reason": None, "description": "", "importable": True, "layout": ""}
     monkeypatch.setattr(bench, "available_providers", lambda device, dtype, registry: {p: ready for p in registry})
-    code, result, md = _run(bench, tmp_path, ["--mode", "fwd", "train", "--rows", "unaligned-causal"])
+    code, result, md = _run(bench, tmp_path, ["--mode", "fwd", "train", "--rows", "unaligned-causal", "gqa-2-causal"])
     assert code == 0
-    recs = {(r["provider"], r["mode"]): r for r in result["results"]}
-    assert set(recs) == {(p, m) for p in ("flashtile", "fa4", "cudnn") for m in ("fwd", "train")}
-    for (provider, mode), r in recs.items():
+    recs = {(r["row"], r["provider"], r["mode"]): r for r in result["results"]}
+    assert set(recs) == {(row, p, m) for row in ("unaligned-causal", "gqa-2-causal")
+                         for p in ("flashtile", "fa4", "cudnn") for m in ("fwd", "train")}
+    for (row, provider, mode), r in recs.items():
         assert r["status"] == "ok" and math.isfinite(r["tflops"]), r
         names = {"out_vs_reference"} | ({"out_vs_flashtile", "dq_vs_flashtile", "dk_vs_flashtile",
                                          "dv_vs_flashtile"} if provider != "flashtile" else set())

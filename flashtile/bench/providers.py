@@ -205,9 +205,9 @@ def _sdpa(backend_name: str) -> Factory:
         if backend is None:
             raise ProviderUnavailable(f"torch {torch.__version__} has no SDPBackend.{backend_name}")
 
-        def attn(q, k, v, causal):
+        def attn(q, k, v, causal):   # ((batch, heads, seqlen, d); k, v may have fewer heads: GQA)
             with sdpa_kernel([backend]):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1])
 
         return attn
 
