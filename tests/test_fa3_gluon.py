@@ -375,6 +375,31 @@ def test_bwd_launch_follows_the_tables(d, causal, monkeypatch):
 
 
 @pytest.mark.parametrize("d", sorted(fa3.BWD_CONFIGS))
+def test_split_bwd_launch_adds_into_float32_accumulators(d, monkeypatch):
+    """A split GQA backward (fa3.bwd_split) launches SPLIT programs per (batch, kv head) with dK / dV descriptors
+    over float32 accumulators, zeroed, which are copied into the caller's dk, dv after the launch (here the launch
+    writes nothing: the poisoned dk, dv come back as the accumulators' zeros)."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    kernels = type("kernels", (), {"fa3_bwd_kernel": object()})
+    monkeypatch.setattr(fa3, "_kernels", lambda index: (None, kernels, _FakeDescriptor))
+    monkeypatch.setattr(fa3, "_device_index", lambda t: 0)
+    monkeypatch.setattr(fa3, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(fa3, "GQA_SPLIT_MIN_WORK", 0)
+    launches = []
+    monkeypatch.setattr(fa3.relaunch, "launch", lambda *launch_args: launches.append(launch_args))
+    q, k, v = _qkv(b=2, sq=1024, sk=1024, h=4, hk=2, d=d)
+    lse = torch.randn(2, 4, 1024)
+    dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
+    fa3.bwd(torch.randn_like(q), q, k, v, lse, torch.randn_like(lse), dq, dk, dv, CAUSAL)
+    (kernel, grid, args, kw), = launches
+    block_n = fa3.BWD_CONFIGS[d][1]
+    assert kw["SPLIT"] == 2 and grid == (1024 // block_n, 2 * 2 * 2)
+    dk_acc, dv_acc = args[7].base, args[8].base
+    assert dk_acc.dtype == torch.float32 and dk_acc.numel() == k.numel() and dk_acc.data_ptr() != dk.data_ptr()
+    assert torch.equal(dk, torch.zeros_like(dk)) and torch.equal(dv, torch.zeros_like(dv))
+
+
+@pytest.mark.parametrize("d", sorted(fa3.BWD_CONFIGS))
 def test_general_bwd_launch_takes_its_own_tiles(d, monkeypatch):
     """fa3_bwd_any_kernel launches a problem with a mask rule, softcap or ALiBi with BWD_ANY_CONFIGS' tiles where
     the table has the head dim (at d64 Br = 64, whose tiles leave those terms room in registers), one with sequence

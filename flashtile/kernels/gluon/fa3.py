@@ -573,16 +573,18 @@ def bwd_split(q, k, params, dense: bool, grads_f32: bool, sq: int, sk: int) -> i
 
 def _dkv_targets(dk, dv, split: int) -> tuple:
     """What the backward kernel writes dK, dV into: dk, dv, or (SPLIT > 1) float32 accumulators, zeroed, that its
-    programs add into (_dkv_out converts them)."""
+    programs add into (_dkv_out copies them into dk, dv)."""
     if split == 1:
         return dk, dv
     return tuple(torch.zeros(t.shape, device=t.device, dtype=torch.float32) for t in (dk, dv))
 
 
-def _dkv_out(dk, dv, targets) -> None:
-    if targets[0] is not dk:
-        dk.copy_(targets[0])
-        dv.copy_(targets[1])
+def _dkv_out(grads, written) -> None:
+    """dK, dV from where the kernel wrote them (a split's float32 accumulators, or buffers TMA can tile) into the
+    caller's grads, where those differ."""
+    for out, grad in zip(written, grads):
+        if out is not grad:
+            grad.copy_(out)
 
 
 def bwd_dq_tile(block_m: int, head_dim: int):
@@ -715,7 +717,7 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, 
     if tpl is not None and tpl.kwargs == kwargs and tpl.launch(grid, (k, v, q, dout, dq_acc, dk, dv), lse, delta,
                                                                extras, live_flex):
         _dq_out(dq, dq_sum, dq_acc)
-        _dkv_out(*grads, (dk, dv))
+        _dkv_out(grads, (dk, dv))
         return
 
     def desc(t, rows, cols):
@@ -756,10 +758,7 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, 
             relaunch.remember(_BWD_TEMPLATES, key, _BwdTemplate(bound, kwargs, TensorDescriptor, [
                 descriptor_fields(d) for d in (*descs, dk_desc, dv_desc)], not dense))
     _dq_out(dq, dq_sum, dq_acc)
-    for out, grad in ((dk_out, dk), (dv_out, dv)):
-        if out is not grad:
-            grad.copy_(out)
-    _dkv_out(*grads, (dk, dv))
+    _dkv_out(grads, (dk_out, dv_out))
 
 
 def _dq_out(dq, dq_sum, dq_acc) -> None:
@@ -862,7 +861,7 @@ class BackwardPlan:
             if tpl.launch(self.grid, (k, v, q, dout, dq_acc, *targets), lse, delta, (cu_seqlens_q, cu_seqlens_k, alibi),
                           flex):
                 dq.copy_(dq_acc)
-                _dkv_out(dk, dv, targets)
+                _dkv_out((dk, dv), targets)
                 return
         bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc, alibi, cu_seqlens_q, cu_seqlens_k, *self.sizes,
             bias, mask, sparse, mods)
