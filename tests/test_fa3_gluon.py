@@ -307,8 +307,8 @@ def test_host_launches_pass_the_jit(tmp_path):
     bounded every step), attn_bias with a bool mask, a block mask with score_mod and mask_mod, the backward writing
     float32 dK / dV (dense d128 / d64, varlen d128 / d64), GQA with a group's heads split over programs adding dK /
     dV by TMA reduce-add, the FP8 forward, the paged decode split and whole (tests/gluon_launch_check.py: a stand-in
-    sm_90 driver, kernel.warmup for the launch). The general backward at d64 (Br = 64: fa3.BWD_ANY_CONFIGS) assembles without
-    register spills (ptxas -v, where Triton has its ptxas)."""
+    sm_90 driver, kernel.warmup for the launch). The general backward at d64 (Br = 64: fa3.BWD_ANY_CONFIGS)
+    assembles without register spills (ptxas -v, where Triton has its ptxas)."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT), PTX_DIR=str(tmp_path))
     res = subprocess.run([sys.executable, str(ROOT / "tests" / "gluon_launch_check.py")], env=env,
@@ -575,7 +575,7 @@ def test_gqa_backward_split_rule(monkeypatch):
     def split(b, s, h, hk, d, causal=True, dense=True, grads_f32=False):
         q, k = (torch.empty(b, s, n, d, device="meta") for n in (h, hk))
         params = AttnParams(softmax_scale=0.1, window_right=0 if causal else -1)
-        return fa3.bwd_split(q, k, params, dense, grads_f32, s, s)
+        return fa3.bwd_split(q, k, params, dense, grads_f32, s, s, fa3.BWD_CONFIGS[d][1])
 
     target = fa3.GQA_SPLIT_PROGRAMS_PER_SM * 132
     assert split(2, 4096, 16, 1, 128) == 16                       # MQA: 64 programs, the whole group

@@ -122,7 +122,7 @@ def test_fa3_backward_split_group_gpu(c: Case, split, seed, monkeypatch):
     monkeypatch.setattr(fa3, "GQA_SPLIT", split)
     monkeypatch.setattr(interface, "_DENSE", {})   # (problems, and their plans, made under these settings)
     q, k = (torch.empty(c.b, c.sq, n, c.d, device="cuda") for n in (c.h, c.hk))
-    assert fa3.bwd_split(q, k, _params(c), True, False, c.sq, c.sk) == (split or c.h // c.hk)
+    assert fa3.bwd_split(q, k, _params(c), True, False, c.sq, c.sk, fa3.BWD_CONFIGS[c.d][1]) == (split or c.h // c.hk)
     for repeat in range(2):   # (the repeat: the plan's launch template)
         (q, k, v, dout, alibi), out, lse, grads, _, calls = _run(c, monkeypatch)
         assert calls["bwd"] == 1 - repeat, calls

@@ -556,9 +556,10 @@ def bwd_config(head_dim: int, params, alibi, dense: bool, grads_f32: bool = Fals
     return tiles, BWD_PINGPONG.get((head_dim, params.has_right), False)
 
 
-def bwd_split(q, k, params, dense: bool, grads_f32: bool, sq: int, sk: int) -> int:
-    """fa3_bwd_kernel's SPLIT for a problem (GQA_SPLIT_PROGRAMS_PER_SM's rule), 1 where none: not the dense
-    kernel, no group, float32 dK / dV (a caller's partial sums, written, not added), or little work."""
+def bwd_split(q, k, params, dense: bool, grads_f32: bool, sq: int, sk: int, block_n: int) -> int:
+    """fa3_bwd_kernel's SPLIT for a problem on key tiles of block_n (GQA_SPLIT_PROGRAMS_PER_SM's rule), 1 where
+    none: not the dense kernel, no group, float32 dK / dV (a caller's partial sums, written, not added), or little
+    work."""
     nheads, nheads_k, batch = q.shape[-2], k.shape[-2], q.shape[0]
     group = nheads // nheads_k
     if (not dense or group == 1 or grads_f32
@@ -566,7 +567,7 @@ def bwd_split(q, k, params, dense: bool, grads_f32: bool, sq: int, sk: int) -> i
         return 1
     if GQA_SPLIT:
         return GQA_SPLIT if group % GQA_SPLIT == 0 else 1
-    programs = batch * nheads_k * -(-sk // BWD_CONFIGS[q.shape[-1]][1])
+    programs = batch * nheads_k * -(-sk // block_n)
     target = GQA_SPLIT_PROGRAMS_PER_SM * _sm_count(_device_index(q))
     return next(s for s in range(1, group + 1) if group % s == 0 and (programs * s >= target or s == group))
 
@@ -688,7 +689,7 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, 
     with_flex = has_flex(bias, mask, sparse, mods)
     dense = dense_bwd(q, k, params, alibi, varlen, with_flex)
     (block_m, block_n, stages), pingpong = bwd_config(head_dim, params, alibi, dense, dk.dtype != q.dtype)
-    split = bwd_split(q, k, params, dense, dk.dtype != q.dtype, sq, sk)
+    split = bwd_split(q, k, params, dense, dk.dtype != q.dtype, sq, sk, block_n)
     grads = (dk, dv)
     dk, dv = _dkv_targets(dk, dv, split)
     dout = tma_ready(dout)
@@ -833,7 +834,7 @@ class BackwardPlan:
         self.grads_f32 = dk.dtype != q.dtype   # (float32 partial sums of a 16-bit problem)
         self.cfg = bwd_config(head_dim, params, alibi, self.dense, self.grads_f32)
         block_m, block_n, _ = self.cfg[0]
-        self.split = bwd_split(q, k, params, self.dense, self.grads_f32, *self.sizes)
+        self.split = bwd_split(q, k, params, self.dense, self.grads_f32, *self.sizes, block_n)
         self.grid = (-(-self.sizes[1] // block_n), batch * k.shape[-2] * self.split, 1)
         self.layout = layout(q, k, v)
         self.flex = flex_consts(*features, backward=True) if flex else None
