@@ -118,6 +118,34 @@ VARLEN_CASES = [
 ]
 
 
+try:
+    from hypothesis import HealthCheck, given, settings, strategies as st
+except ImportError:  # the GPU machine may lack hypothesis
+    given = None
+
+if given is not None:
+    @settings(max_examples=8, deadline=None, derandomize=False,
+              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+    @given(lens=st.lists(st.tuples(st.integers(0, 45), st.integers(0, 45)), min_size=1, max_size=3),
+           hk=st.integers(1, 2), group=st.sampled_from([1, 2]), d=st.sampled_from([8, 24, 40, 64]),
+           dtype=st.sampled_from([fp16, bf16, fp32]), causal=st.booleans(), left=st.integers(-1, 30),
+           right=st.integers(-1, 30), softcap=st.sampled_from([0.0, 3.0]), alibi=st.sampled_from([None, "h", "bh"]),
+           data_seed=st.integers(0, 2 ** 31 - 1))
+    def test_varlen_random_configs(lens, hk, group, d, dtype, causal, left, right, softcap, alibi, data_seed):
+        """Random packed batches (zero-length sequences included) with random features: forward and gradients
+        against the per-sequence float64 oracle (no dropout: test_gradients_random_configs says why)."""
+        if not any(a for a, _ in lens) or not any(b for _, b in lens):
+            lens = lens + [(3, 4)]   # (a batch of no query or no key at all: its own tests)
+        torch.manual_seed(data_seed)
+        c = VCase(tuple(a for a, _ in lens), tuple(b for _, b in lens), hk * group, hk, d, dtype, causal=causal,
+                  window=(left, right), softcap=softcap, alibi=alibi)
+        q, k, v, dout, alibi_t = packed_inputs(c)
+        out, lse, _ = flash_attn_varlen_func(q, k, v, cu(c.lens_q), cu(c.lens_k), max(c.lens_q), max(c.lens_k),
+                                             causal=causal, window_size=c.window, softcap=softcap,
+                                             alibi_slopes=alibi_t, return_attn_probs=True)
+        check_varlen(c, q, k, v, dout, alibi_t, out, lse, torch.autograd.grad(out, (q, k, v), dout))
+
+
 @pytest.mark.parametrize("c", VARLEN_CASES, ids=lambda c: c.id)
 def test_varlen_fwd_bwd_matches_per_sequence_reference(c: VCase, seed):
     q, k, v, dout, alibi = packed_inputs(c)
