@@ -20,6 +20,18 @@ import torch
 
 from flashtile.reference.dense import EPS_REL, attention_ref, tolerance_eps, visible_mask  # noqa: F401
 
+try:   # (property sweeps; the GPU machine may lack hypothesis: `given` is then None and the sweeps are not defined)
+    from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: F401
+except ImportError:
+    given = st = None
+
+
+def sweep(examples: int):
+    """hypothesis settings of a property sweep over small random problems: `examples` of them, no deadline (the
+    interpreter's first call compiles), fresh ones each run (a failure prints its example, seed included)."""
+    return settings(max_examples=examples, deadline=None, derandomize=False,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 

@@ -16,8 +16,8 @@ import torch
 
 import flashtile
 from attn_utils import (DEVICE, Case, assert_within_rule, binomial_5sigma, case_inputs, check_against_reference,
-                        empty_rows, flash_kwargs, keep_mask_from_s_dmask, rand_alibi, rand_tensor,
-                        reference_fwd_bwd, ref_kwargs, visible)
+                        empty_rows, flash_kwargs, given, keep_mask_from_s_dmask, rand_alibi, rand_tensor,
+                        reference_fwd_bwd, ref_kwargs, st, sweep, visible)
 
 ON_GPU = DEVICE == "cuda"
 fp16, fp32, bf16 = torch.float16, torch.float32, torch.bfloat16
@@ -331,14 +331,8 @@ def test_dropout_mask_same_with_and_without_probs(seed):
 # ---------------------------------------------------------------------------------------------------------
 # Property-based sweep over small random configurations (forward and lse only: cheap on the interpreter).
 
-try:
-    from hypothesis import HealthCheck, given, settings, strategies as st
-except ImportError:  # the GPU machine may lack hypothesis
-    given = None
-
 if given is not None:
-    @settings(max_examples=12, deadline=None, derandomize=False,
-              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+    @sweep(12)
     @given(b=st.integers(1, 2), sq=st.integers(1, 70), sk=st.integers(1, 70), hk=st.integers(1, 2),
            group=st.sampled_from([1, 2, 3]), d=st.sampled_from([8, 16, 24, 33, 40, 64]),
            dtype=st.sampled_from([fp16, fp32]), causal=st.booleans(),
@@ -354,8 +348,7 @@ if given is not None:
             out, lse, _ = flashtile.flash_attn_func(q, k, v, **flash_kwargs(c, alibi_t, return_attn_probs=True))
         check_against_reference(c, q, k, v, dout, alibi_t, out, lse, None, None)
 
-    @settings(max_examples=8, deadline=None, derandomize=False,
-              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+    @sweep(8)
     @given(b=st.integers(1, 2), sq=st.integers(1, 70), sk=st.integers(1, 70), hk=st.integers(1, 2),
            group=st.sampled_from([1, 2]), d=st.sampled_from([8, 24, 40, 64]),
            dtype=st.sampled_from([fp16, bf16, fp32]), causal=st.booleans(), left=st.integers(-1, 40),

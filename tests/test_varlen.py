@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import flashtile  # noqa: F401  (sets TRITON_INTERPRET on CPU-only machines)
-from attn_utils import DEVICE, Features, assert_within_rule, rand_alibi, reference_fwd_bwd
+from attn_utils import DEVICE, Features, assert_within_rule, given, rand_alibi, reference_fwd_bwd, st, sweep
 from flashtile.padding import index_first_axis, index_put_first_axis, pad_input, unpad_input
 from flashtile.reference.dense import attention_ref
 from flashtile.varlen import (flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,
@@ -118,14 +118,8 @@ VARLEN_CASES = [
 ]
 
 
-try:
-    from hypothesis import HealthCheck, given, settings, strategies as st
-except ImportError:  # the GPU machine may lack hypothesis
-    given = None
-
 if given is not None:
-    @settings(max_examples=8, deadline=None, derandomize=False,
-              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+    @sweep(8)
     @given(lens=st.lists(st.tuples(st.integers(0, 45), st.integers(0, 45)), min_size=1, max_size=3),
            hk=st.integers(1, 2), group=st.sampled_from([1, 2]), d=st.sampled_from([8, 24, 40, 64]),
            dtype=st.sampled_from([fp16, bf16, fp32]), causal=st.booleans(), left=st.integers(-1, 30),
