@@ -173,9 +173,8 @@ class Point:
 @dataclasses.dataclass
 class Inputs:
     """q, k, v, do: (batch, length, heads, d) (k, v: nheads_k heads), or (batch * length, heads, d) packed for
-    varlen rows; cu_seqlens:
-    int32 (documents + 1,) over the packed batch (varlen rows) or None; slopes: float32 (heads,) (ALiBi rows) or
-    None."""
+    varlen rows; cu_seqlens: int32 (documents + 1,) over the packed batch (varlen rows) or None; slopes: float32
+    (heads,) (ALiBi rows) or None."""
     tensors: tuple
     cu_seqlens: Optional[torch.Tensor]
     max_seqlen: Optional[int]
@@ -308,9 +307,8 @@ def point_record(point: Point, dtype, seed: int) -> dict:
     r = point.row
     return {"row": r.name, "label": point.label(), "headdim": point.headdim, "seqlen": point.seqlen,
             "length": point.length, "batch": point.batch, "nheads": point.nheads, "nheads_k": point.nheads_k,
-            "causal": r.causal,
-            "window": list(r.window), "softcap": r.softcap, "alibi": r.alibi, "doc_lens": point.doc_lens,
-            "dtype": DTYPE_NAMES[dtype], "seed": seed, "pairs": point.pairs()}
+            "causal": r.causal, "window": list(r.window), "softcap": r.softcap, "alibi": r.alibi,
+            "doc_lens": point.doc_lens, "dtype": DTYPE_NAMES[dtype], "seed": seed, "pairs": point.pairs()}
 
 
 def skipped_records(point: Point, providers, modes, dtype, seed: int, reason: str) -> List[dict]:
@@ -536,8 +534,7 @@ def settings_of(args, rows: List[Row], providers, dtype, device) -> dict:
             "dtype": DTYPE_NAMES[dtype], "modes": list(args.mode), "providers": providers,
             "rows": [r.name for r in rows], "row_definitions": [dataclasses.asdict(r) for r in rows],
             "softcap": args.softcap, "windows": [list(w) for w in args.windows], "doc_lens": args.doc_lens,
-            "groups": args.groups,
-            "unaligned_offset": args.unaligned_offset, "device": str(device), "seed": args.seed,
+            "groups": args.groups, "unaligned_offset": args.unaligned_offset, "device": str(device), "seed": args.seed,
             "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms, "budget_s": args.budget_s,
             "timer": measure.TIMER_DESCRIPTION[torch.device(device).type], "tolerance": measure.TOLERANCE[dtype],
             "timed": {"fwd": "attn(q, k, v), q, k, v requiring grad",

@@ -677,9 +677,8 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, 
     is added into dq_acc and left there (the caller's running sum, not zeroed here; dq_acc then required). dk / dv
     float32 (q 16-bit): dK and dV are written in float32 (partial gradients a caller sums); else a GQA problem
     whose programs are too few splits each group over programs (bwd_split), adding dK, dV into float32
-    accumulators converted into dk, dv. bias, mask,
-    sparse, mods: flashtile.flex's features as fwd takes them (mods.score_aux_grad: the captured tensors' gradient
-    buffers)."""
+    accumulators converted into dk, dv. bias, mask, sparse, mods: flashtile.flex's features as fwd takes them
+    (mods.score_aux_grad: the captured tensors' gradient buffers)."""
     _, kern, TensorDescriptor = _kernels(_device_index(q))
     varlen = cu_seqlens_q is not None
     batch = cu_seqlens_q.shape[0] - 1 if varlen else q.shape[0]
