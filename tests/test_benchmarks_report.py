@@ -110,13 +110,15 @@ def test_a_results_file_missing_from_its_readme_is_refused(gen, tmp_path):
         gen.build(copy)
 
 
-H100 = "NVIDIA H100 80GB HBM3"
+H200 = "NVIDIA H200"
 
 
-def _features_table(text, gpu=H100):
-    """(header cells, {input label: cells}) of the feature benchmark's table of one GPU in a BENCHMARKS.md text."""
+def _features_table(text, gpu=H200):
+    """(header cells, {input label: cells}) of the first table (the first head dim) of the feature benchmark's section
+    of one GPU in a BENCHMARKS.md text."""
     section = text.split(f"## Inputs models send (feature benchmark), {gpu}")[1].split("\n## ")[0]
-    rows = [line[2:-2].split(" | ") for line in section.splitlines() if line.startswith("| ")]
+    table = section.split("\n| input |")[1].split("\n\n")[0]
+    rows = [line[2:-2].split(" | ") for line in ("| input |" + table).splitlines() if line.startswith("| ")]
     return rows[0], {cells[0]: cells for cells in rows[1:]}
 
 
@@ -132,20 +134,21 @@ def test_the_feature_benchmark_section_follows_its_json(gen, tmp_path):
     shows as -, and a row no longer below FA4 in forward + backward leaves the known misses."""
     copy = tmp_path / "benchmarks" / "results"
     shutil.copytree(RESULTS, copy)
-    path = copy / "h100" / "features-d128.json"
+    path = copy / "h200" / "features-8k.json"
     data = json.loads(path.read_text())
-    recs = {(r["row"], r["mode"], r["provider"]): r for r in data["results"]}
+    first = [r for r in data["results"] if r["headdim"] == data["settings"]["headdims"][0]]   # the first table's
+    recs = {(r["row"], r["mode"], r["provider"]): r for r in first}
     dense = recs[("dense", "train", "flashtile")]["label"]
     before, _, _ = gen.build(copy)
     header, rows = _features_table(before)
-    assert list(rows) == list(dict.fromkeys(r["label"] for r in data["results"]))
+    assert list(rows) == list(dict.fromkeys(r["label"] for r in first))
     fwd_cudnn = header.index("/ cuDNN")
     train = header.index("fwd + bwd: flashtile TFLOP/s")
     train_fa4 = train + header[train:].index("/ FA4")
     alibi = recs[("alibi", "fwd", "fa4")]
     assert alibi["status"] == "skipped" and rows[alibi["label"]][header.index("FA4")] == "-"
     assert rows[dense][fwd_cudnn] != "-"
-    assert f"{dense}: " in _misses_of(before, H100)
+    assert f"{dense}: " in _misses_of(before, H200)
 
     value = recs[("dense", "train", "flashtile")]["tflops"] = 2 * recs[("dense", "train", "fa4")]["tflops"]
     recs[("dense", "fwd", "cudnn")].update(status="skipped", reason="unsupported: a test", ms=None, tflops=None)
@@ -154,4 +157,4 @@ def test_the_feature_benchmark_section_follows_its_json(gen, tmp_path):
     _, rows = _features_table(after)
     assert rows[dense][train] == f"{value:.0f}" and rows[dense][train_fa4] == "2.00"
     assert rows[dense][header.index("cuDNN")] == "-" and rows[dense][fwd_cudnn] == "-"
-    assert f"{dense}: " not in _misses_of(after, H100)
+    assert f"{dense}: " not in _misses_of(after, H200)
