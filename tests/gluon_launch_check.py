@@ -61,6 +61,8 @@ def _warmup(kernel, grid, args, kwargs):
     shape = f" tile={tile.HEAD_D}x{tile.BLOCK_M}" if hasattr(tile, "BLOCK_M") else ""   # (head dim x Br)
     if kwargs.get("SPLIT", 1) > 1:   # (programs per KV head of the dense backward)
         shape += f" split={kwargs['SPLIT']}"
+    if kwargs.get("COUNTERS"):        # (the dense backward's step counters: fa3.BWD_GQA_COUNTERS)
+        shape += " counters"
     print(f"ok {_count[0]} {name} wgmma={compiled.asm['ptx'].count('wgmma.mma_async')}{shape}", flush=True)
     if os.environ.get("PTX_DIR"):   # (the PTX of each launch, for comparing two trees)
         with open(os.path.join(os.environ["PTX_DIR"], f"{_count[0]:02d}_{name}.ptx"), "w") as f:

@@ -306,7 +306,8 @@ def test_host_launches_pass_the_jit(tmp_path):
     backward kernels, windows over unequal lengths, softcap with ALiBi, varlen (d128 and d64 causal; d128 full: keys
     bounded every step), attn_bias with a bool mask, a block mask with score_mod and mask_mod, the backward writing
     float32 dK / dV (dense d128 / d64, varlen d128 / d64), GQA with a group's heads split over programs adding dK /
-    dV by TMA reduce-add, the FP8 forward, the paged decode split and whole (tests/gluon_launch_check.py: a stand-in
+    dV by TMA reduce-add, GQA at d64 with the dense backward's step counters (fa3.BWD_GQA_COUNTERS), the FP8
+    forward, the paged decode split and whole (tests/gluon_launch_check.py: a stand-in
     sm_90 driver, kernel.warmup for the launch). The general backward at d64 (Br = 64: fa3.BWD_ANY_CONFIGS)
     assembles without register spills (ptxas -v, where Triton has its ptxas)."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
@@ -320,6 +321,10 @@ def test_host_launches_pass_the_jit(tmp_path):
     assert kernels.count("fa3_fwd_kernel") == 12 and kernels.count("paged_decode_kernel") == 2, kernels
     assert kernels.count("fa3_bwd_kernel") == 5 and kernels.count("fa3_bwd_any_kernel") == 9, kernels
     assert [ln[-1] for ln in lines if ln[-1].startswith("split=")] == ["split=4"], res.stdout
+    # the dense backward's step counters: GQA at d64 (head dim x Br 64 x 128), not d128
+    assert [ln[4:] for ln in lines if ln[2] == "fa3_bwd_kernel"] == [
+        ["tile=128x64"], ["tile=64x128", "counters"], ["tile=128x64", "split=4"], ["tile=128x64"],
+        ["tile=64x128", "counters"]], res.stdout
     assert all(int(ln[3].split("=")[1]) > 0 for ln in lines), res.stdout
     general_d64 = [int(ln[1]) for ln in lines if ln[2] == "fa3_bwd_any_kernel" and "tile=64x64" in ln]
     assert general_d64, res.stdout

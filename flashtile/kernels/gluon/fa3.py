@@ -91,6 +91,12 @@ BWD_PINGPONG = {(64, True): True}
 GQA_SPLIT_PROGRAMS_PER_SM = 8
 GQA_SPLIT_MIN_WORK = 1 << 36
 GQA_SPLIT = 0
+# head dims at which the dense backward kernel's consumers, for GQA / MQA (a program runs more than one query head),
+# carry each step's (query head, query block) over from the previous step instead of dividing it out of the step's
+# index (fa3_bwd_kernel's COUNTERS): ptxas schedules the loop differently either way; the counters were faster for
+# GQA at d64 only, and slower for MHA, which keeps the division (same-run A/B on an H200: `git log -S
+# BWD_GQA_COUNTERS`)
+BWD_GQA_COUNTERS = (64, )
 
 
 class FwdTile(NamedTuple):
@@ -706,7 +712,8 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, 
     tile = BwdTile(head_dim, block_m, block_n, stages, pingpong)
     kwargs = dict(TILE=tile, P_LAYOUT=_smem_layout(block_m, block_n // 2, q.dtype), num_warps=4, maxnreg=MAXNREG)
     if dense:
-        kwargs.update(CAUSAL=params.is_causal, SPLIT=split)
+        kwargs.update(CAUSAL=params.is_causal, SPLIT=split,
+                      COUNTERS=head_dim in BWD_GQA_COUNTERS and nheads // nheads_k // split > 1)
     else:
         kwargs.update(FEATURES=bwd_features(params, varlen, alibi, sq, sk, block_m, block_n, flex is not None,
                                             sparse is not None, head_dim), FLEX=(flex or _NO_FLEX_BWD)[1])
