@@ -207,16 +207,20 @@ def _visible(s, rows, col0, offs, len_q, len_k, window, FEATURES: gl.constexpr, 
     """The mask rule per element (_key_blocks'): s with `fill` (S: -inf, P: 0) where query rows[i] does not see key
     col0 + offs[j] (FEATURES.TAIL: keys past len_k as well; without it every block ends within the sequence). The
     bounds are taken per row relative to col0 and compared with the tile's key offsets: no tile of key indices is
-    made (its registers are the backward's accumulators')."""
+    made (its registers are the backward's accumulators'); the right window's bound and the sequence's end are one
+    bound per row, one compare per element."""
     window_left, window_right = window
-    diag = gl.expand_dims(_diagonal(rows, col0, len_q, len_k), 1)
+    diag = _diagonal(rows, col0, len_q, len_k)
     keys = gl.expand_dims(offs, 0)
     if FEATURES.HAS_RIGHT:
-        s = gl.where(keys <= diag + window_right, s, fill)
-    if FEATURES.HAS_LEFT:
-        s = gl.where(keys >= diag - window_left, s, fill)
-    if FEATURES.TAIL:
+        last = diag + window_right
+        if FEATURES.TAIL:
+            last = gl.minimum(last, len_k - col0 - 1)
+        s = gl.where(keys <= gl.expand_dims(last, 1), s, fill)
+    elif FEATURES.TAIL:
         s = gl.where(keys < len_k - col0, s, fill)
+    if FEATURES.HAS_LEFT:
+        s = gl.where(keys >= gl.expand_dims(diag - window_left, 1), s, fill)
     return s
 
 
