@@ -63,6 +63,8 @@ def _warmup(kernel, grid, args, kwargs):
         shape += f" split={kwargs['SPLIT']}"
     if kwargs.get("COUNTERS"):        # (the dense backward's step counters: fa3.BWD_GQA_COUNTERS)
         shape += " counters"
+    if getattr(kwargs.get("FEATURES"), "SAME_SEQS", False):   # (one cu_seqlens for queries and keys: BWD_SAME_SEQS)
+        shape += " same"
     print(f"ok {_count[0]} {name} wgmma={compiled.asm['ptx'].count('wgmma.mma_async')}{shape}", flush=True)
     if os.environ.get("PTX_DIR"):   # (the PTX of each launch, for comparing two trees)
         with open(os.path.join(os.environ["PTX_DIR"], f"{_count[0]:02d}_{name}.ptx"), "w") as f:

@@ -306,7 +306,8 @@ def test_host_launches_pass_the_jit(tmp_path):
     backward kernels, windows over unequal lengths, softcap with ALiBi, varlen (d128 and d64 causal; d128 full: keys
     bounded every step), attn_bias with a bool mask, a block mask with score_mod and mask_mod, the backward writing
     float32 dK / dV (dense d128 / d64, varlen d128 / d64), GQA with a group's heads split over programs adding dK /
-    dV by TMA reduce-add, GQA at d64 with the dense backward's step counters (fa3.BWD_GQA_COUNTERS), the FP8
+    dV by TMA reduce-add, GQA at d64 with the dense backward's step counters (fa3.BWD_GQA_COUNTERS), varlen at d128
+    with one cu_seqlens for queries and keys (fa3.BWD_SAME_SEQS), the FP8
     forward, the paged decode split and whole (tests/gluon_launch_check.py: a stand-in
     sm_90 driver, kernel.warmup for the launch). The general backward at d64 (Br = 64: fa3.BWD_ANY_CONFIGS)
     assembles without register spills (ptxas -v, where Triton has its ptxas)."""
@@ -325,6 +326,9 @@ def test_host_launches_pass_the_jit(tmp_path):
     assert [ln[4:] for ln in lines if ln[2] == "fa3_bwd_kernel"] == [
         ["tile=128x64"], ["tile=64x128", "counters"], ["tile=128x64", "split=4"], ["tile=128x64"],
         ["tile=64x128", "counters"]], res.stdout
+    # one cu_seqlens for queries and keys (the launch check's varlen problems): SAME_SEQS at d128 (BWD_SAME_SEQS)
+    assert [ln[0:2] + ln[4:] for ln in lines if ln[-1] == "same"] == [
+        ["ok", "11", "tile=128x64", "same"], ["ok", "15", "tile=128x64", "same"], ["ok", "22", "tile=128x64", "same"]]
     assert all(int(ln[3].split("=")[1]) > 0 for ln in lines), res.stdout
     general_d64 = [int(ln[1]) for ln in lines if ln[2] == "fa3_bwd_any_kernel" and "tile=64x64" in ln]
     assert general_d64, res.stdout
@@ -442,6 +446,40 @@ def test_general_bwd_launch_takes_its_own_tiles(d, monkeypatch):
         (_, _, _, kw), = launches
         assert (kw["TILE"].BLOCK_M, kw["TILE"].BLOCK_N, kw["TILE"].STAGES) == fa3.BWD_CONFIGS[d]
         assert fa3.BackwardPlan(q, k, v, lse, torch.empty(k.shape), v, params).cfg[0] == fa3.BWD_CONFIGS[d]
+
+
+def test_varlen_backward_with_one_cu_seqlens(monkeypatch):
+    """A varlen backward whose queries and keys share one cu_seqlens tensor (the same object or a view of its memory)
+    compiles SAME_SEQS in at the head dims of fa3.BWD_SAME_SEQS (one row offset and length per sequence); an equal
+    copy, other lengths or a dense problem do not, and the launch templates and BackwardPlan's keys tell them apart
+    (a template made for one cu_seqlens would read only the keys' lengths)."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    kernels = type("kernels", (), {"fa3_bwd_kernel": object(), "fa3_bwd_any_kernel": object()})
+    monkeypatch.setattr(fa3, "_kernels", lambda index: (None, kernels, _FakeDescriptor))
+    monkeypatch.setattr(fa3, "_device_index", lambda t: 0)
+    monkeypatch.setattr(fa3, "_BWD_TEMPLATES", {})
+    launches = []
+    monkeypatch.setattr(fa3.relaunch, "launch", lambda *launch_args: launches.append(launch_args))
+    cu = torch.tensor([0, 300, 1024, 2048], dtype=torch.int32)
+    assert fa3.one_cu_seqlens(cu, cu) and fa3.one_cu_seqlens(cu, cu[:]) and not fa3.one_cu_seqlens(cu, cu.clone())
+    assert not fa3.one_cu_seqlens(cu, cu[:3]) and not fa3.one_cu_seqlens(None, None)
+    for d in sorted(fa3.BWD_CONFIGS):
+        q, k, v = (t[0] for t in _qkv(b=1, sq=2048, sk=2048, h=4, hk=2, d=d))
+        lse = torch.randn(4, 2048)
+        for cu_k, same in ((cu, True), (cu[:], True), (cu.clone(), False)):
+            launches.clear()
+            fa3.bwd(torch.randn_like(q), q, k, v, lse, torch.randn_like(lse),
+                    *[torch.empty_like(t) for t in (q, k, v)], CAUSAL, None, None, cu, cu_k, 1024, 1024)
+            (launched, _, _, kw), = launches
+            assert launched is kernels.fa3_bwd_any_kernel
+            assert kw["FEATURES"].SAME_SEQS is (same and d in fa3.BWD_SAME_SEQS), (d, same)
+        plan = fa3.BackwardPlan(q, k, v, lse, k, v, CAUSAL, None, cu, 1024, 1024)
+        assert plan.keys[0] != plan.keys[1] and plan.tpls == [None, None]
+    q, k, v = _qkv(b=2, sq=1000, sk=1000, h=4, hk=2, d=128)   # dense, lengths the tiles do not divide
+    launches.clear()
+    fa3.bwd(torch.randn_like(q), q, k, v, torch.randn(2, 4, 1000), torch.randn(2, 4, 1000),
+            *[torch.empty_like(t) for t in (q, k, v)], CAUSAL)
+    assert launches[0][3]["FEATURES"].SAME_SEQS is False
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -203,6 +203,39 @@ def test_packed_kwargs_and_position_ids_route_to_varlen():
         assert _rel(by_pos[:, lo:hi].double(), alone) < 1e-5
 
 
+def test_self_attention_varlen_calls_share_one_cu_seqlens(monkeypatch, seed):
+    """A padded batch whose queries are every position of the mask (training) is unpadded once, the queries with
+    the keys' indices: flash_attn_varlen_func gets one cu_seqlens tensor for both (the kernels then keep one length
+    per sequence), and each row's real tokens equal attention over them alone (the padding's rows zeros);
+    cu_seq_lens_q / _k kwargs passed as one tensor stay one tensor after the int32 conversion."""
+    calls = []
+    real = ft_hf.flash_attn_varlen_func
+
+    def recorded(*args, **kw):
+        calls.append(args[3:5])
+        return real(*args, **kw)
+    monkeypatch.setattr(ft_hf, "flash_attn_varlen_func", recorded)
+    q, k, v = _qkv(seed, s=12)
+    mask = torch.ones(2, 12, dtype=torch.long, device=DEVICE)
+    mask[0, 9:] = 0                                   # row 0: 9 real tokens, right padding
+    mask[1, :4] = 0                                   # row 1: 8 real tokens, left padding
+    out, _ = ft_hf.flashtile_attention_forward(_Module(), q, k, v, mask)
+    (cu_q, cu_k), = calls
+    assert cu_q is cu_k and cu_q.tolist() == [0, 9, 17]
+    for b, (lo, hi) in enumerate(((0, 9), (4, 12))):
+        alone = attention_ref(*(t[b:b + 1, :, lo:hi].transpose(1, 2).double() for t in (q, k, v)), causal=True)[0]
+        assert _rel(out[b:b + 1, lo:hi].double(), alone) < 1e-5
+        pad = [i for i in range(12) if not lo <= i < hi]
+        assert torch.equal(out[b, pad], torch.zeros_like(out[b, pad]))
+    calls.clear()
+    cu = torch.tensor([0, 8, 20], dtype=torch.int64, device=DEVICE)   # (transformers' dtype: converted here)
+    q1, k1, v1 = _qkv(seed, b=1)
+    ft_hf.flashtile_attention_forward(_Module(), q1, k1, v1, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                                      max_length_q=12, max_length_k=12)
+    (cu_q, cu_k), = calls
+    assert cu_q is cu_k and cu_q.dtype == torch.int32
+
+
 def test_four_d_boolean_mask_is_the_whole_pattern(seed):
     """A 4-D boolean mask (what the mask builder returns for a static cache) is the complete visibility pattern:
     the model's causal flag and sliding window are not applied on top; a query row that sees no key is zeros.

@@ -50,7 +50,7 @@ from ..api.problem import values_readable
 from ..interface import NO_EXTRAS, Extras, backward, flash_attn_func, forward
 from ..kernels.dispatch import kernel_inputs
 from ..kernels.triton.decode import prepare as prepare_decode
-from ..padding import pad_input, unpad_input
+from ..padding import index_first_axis, pad_input, unpad_input
 from ..varlen import flash_attn_varlen_func
 
 NAME = "flashtile"
@@ -130,13 +130,18 @@ def _unpadded(q, k, v, mask, opts: dict) -> torch.Tensor:
     """Attention of a padded batch through the varlen kernel: the tokens of mask (b, m) unpadded, the output padded
     back (zeros at padding positions). The queries are the last sq positions of the mask (a cache holds the earlier
     ones; transformers assumes the same: left padding during generation). Reads the mask (host synchronisation)
-    and makes tensors whose shapes depend on it."""
+    and makes tensors whose shapes depend on it. Where the queries are every position of the mask (training,
+    prefill without a cache) they are unpadded with the keys' indices and share their cu_seqlens (one tensor: the
+    kernels then keep one length per sequence), and the mask is read once."""
     batch, q_len = q.shape[:2]
     if k.shape[1] > mask.shape[1]:  # static cache: keys past the mask are unused slots
         k, v = k[:, :mask.shape[1]], v[:, :mask.shape[1]]
-    k_un, _, cu_k, max_k, _ = unpad_input(k, mask)
-    v_un, _, _, _, _ = unpad_input(v, mask)
-    q_un, idx_q, cu_q, max_q, _ = unpad_input(q, mask[:, -q_len:])
+    k_un, idx_k, cu_k, max_k, _ = unpad_input(k, mask)
+    v_un = index_first_axis(v.reshape(-1, *v.shape[2:]), idx_k)
+    if q_len == mask.shape[1]:
+        q_un, idx_q, cu_q, max_q = index_first_axis(q.reshape(-1, *q.shape[2:]), idx_k), idx_k, cu_k, max_k
+    else:
+        q_un, idx_q, cu_q, max_q, _ = unpad_input(q, mask[:, -q_len:])
     out = flash_attn_varlen_func(q_un, k_un, v_un, cu_q, cu_k, max_q, max_k, **opts)
     return pad_input(out, idx_q, batch, q_len)
 
@@ -327,8 +332,9 @@ def flashtile_attention_forward(
         else:
             out = _key_masked(q, k, v, mask, opts)
     elif all(kwargs.get(n) is not None for n in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")):
-        out = _varlen_rows(q, k, v, kwargs["cu_seq_lens_q"].to(torch.int32), kwargs["cu_seq_lens_k"].to(torch.int32),
-                           int(kwargs["max_length_q"]), int(kwargs["max_length_k"]), opts)
+        cu_q = kwargs["cu_seq_lens_q"].to(torch.int32)   # (one tensor for both stays one: kernels keep one length)
+        cu_k = cu_q if kwargs["cu_seq_lens_k"] is kwargs["cu_seq_lens_q"] else kwargs["cu_seq_lens_k"].to(torch.int32)
+        out = _varlen_rows(q, k, v, cu_q, cu_k, int(kwargs["max_length_q"]), int(kwargs["max_length_k"]), opts)
     elif not readable and _packable(position_ids, batch, q_len, kv_len):
         out = _traced_row(q, k, v, position_ids, opts)
     elif _is_packed(position_ids, batch, q_len, kv_len):

@@ -77,6 +77,7 @@ class Features(NamedTuple):
     SKIP: bool = False        # backward: a query block may see none of a consumer warpgroup's keys
     EMPTY: bool = False       # backward: a row may have seen no key (L = -inf)
     DROPOUT: bool = False     # dropout on P (the Triton kernels; the Gluon kernels take none)
+    SAME_SEQS: bool = False   # VARLEN: queries and keys are the same sequences (one cu_seqlens tensor)
 
 
 class Flex(NamedTuple):

@@ -186,3 +186,38 @@ def test_gluon_backward_writes_only_its_rows_gpu(d, seed):
     assert torch.isnan(dk[end:]).all() and torch.isnan(dv[end:]).all()
     first = lens_k[0]
     assert (dk[first:first + lens_k[1]] == 0).all() and (dv[first:first + lens_k[1]] == 0).all()   # no queries
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (-1, -1)), (False, (200, 0))])
+def test_gluon_varlen_one_cu_seqlens_gpu(d, causal, window, seed, monkeypatch):
+    """Queries and keys that share one cu_seqlens tensor (the usual packed self-attention call; SAME_SEQS at
+    fa3.BWD_SAME_SEQS' head dims): random lengths with a zero-length sequence and ends inside tiles, against
+    float64; the same call with an equal copy as cu_seqlens_k (SAME_SEQS off) gives the same gradients; repeated
+    calls alternating the two launch each one's template (BackwardPlan keeps both) with this call's tensors."""
+    lens = tuple(int(n) for n in torch.randint(1, 700, (5, ))) + (0, 1024)
+    c = VCase(lens, lens, 8, 2, d, bf16, causal=causal, window=window)
+    seen = []
+    real = fa3.bwd_features
+    monkeypatch.setattr(fa3, "bwd_features", lambda *a, **kw: seen.append(real(*a, **kw)) or seen[-1])
+    q, k, v, dout, alibi = packed_inputs(c)
+    cq = cu(lens)
+    kw = dict(causal=causal, window_size=window)
+    out, lse, _ = flash_attn_varlen_func(q, k, v, cq, cq, max(lens), max(lens), **kw, return_attn_probs=True)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert [f.SAME_SEQS for f in seen] == [d in fa3.BWD_SAME_SEQS], seen
+    check_varlen(c, q, k, v, dout, alibi, out, lse, grads)
+    for cu_k in (cq.clone(), cq, cq.clone()):
+        again = torch.autograd.grad(flash_attn_varlen_func(q, k, v, cq, cu_k, max(lens), max(lens), **kw), (q, k, v),
+                                    dout)
+        for name, g, r in zip(("dq", "dk", "dv"), again, grads):
+            torch.testing.assert_close(g.float(), r.float(), rtol=0, atol=1e-2 * r.abs().max().item(),
+                                       msg=lambda m: f"{name}: {m}")
+    other = cu(lens[::-1])   # other lengths, the same shape: a template of the first call must not be reused
+    g_other = torch.autograd.grad(flash_attn_varlen_func(q, k, v, other, other, max(lens), max(lens), **kw),
+                                  (q, k, v), dout)
+    with fa3.disabled():
+        g_ref = torch.autograd.grad(flash_attn_varlen_func(q, k, v, other, other, max(lens), max(lens), **kw),
+                                    (q, k, v), dout)
+    for name, g, r in zip(("dq", "dk", "dv"), g_other, g_ref):
+        _agree(name, g, r, bf16)

@@ -346,7 +346,8 @@ def fa3_bwd_any_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_
         bh = pair // gl.num_programs(0)
     b = bh // nheads_k
     hk = bh % nheads_k
-    q_row0, k_row0, len_q, len_k = _seq_info(b, (cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k), FEATURES.VARLEN)
+    q_row0, k_row0, len_q, len_k = _seq_info(b, (cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k), FEATURES.VARLEN,
+                                             FEATURES.SAME_SEQS)
     kv_start = pid_n * BLOCK_N
     if FEATURES.VARLEN:   # (the grid counts the longest sequence's key blocks)
         if kv_start >= len_k:

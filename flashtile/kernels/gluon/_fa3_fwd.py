@@ -67,15 +67,23 @@ def _tile_coords(tile, n_m, nheads, LONGEST_FIRST: gl.constexpr):
 
 
 @gluon.jit
-def _seq_info(b, seq, VARLEN: gl.constexpr):
+def _seq_info(b, seq, VARLEN: gl.constexpr, SAME_SEQS: gl.constexpr = False):
     """Sequence b's first query row and first key row in the 2-D (rows, heads x d) views the descriptors tile, and
-    its lengths: dense, the batch's seqlen_q / seqlen_k; VARLEN, from cu_seqlens (packed tokens)."""
+    its lengths: dense, the batch's seqlen_q / seqlen_k; VARLEN, from cu_seqlens (packed tokens); SAME_SEQS (the
+    queries and keys are the same sequences: cu_seqlens_q is cu_seqlens_k), one row offset and one length, which
+    the kernel then keeps in one register each."""
     cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k = seq
     if VARLEN:
-        q_row0 = gl.load(cu_seqlens_q + b)
-        k_row0 = gl.load(cu_seqlens_k + b)
-        len_q = gl.load(cu_seqlens_q + b + 1) - q_row0
-        len_k = gl.load(cu_seqlens_k + b + 1) - k_row0
+        if SAME_SEQS:
+            k_row0 = gl.load(cu_seqlens_k + b)
+            len_k = gl.load(cu_seqlens_k + b + 1) - k_row0
+            q_row0 = k_row0
+            len_q = len_k
+        else:
+            q_row0 = gl.load(cu_seqlens_q + b)
+            k_row0 = gl.load(cu_seqlens_k + b)
+            len_q = gl.load(cu_seqlens_q + b + 1) - q_row0
+            len_k = gl.load(cu_seqlens_k + b + 1) - k_row0
     else:
         q_row0 = b * seqlen_q
         k_row0 = b * seqlen_k

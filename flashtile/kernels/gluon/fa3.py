@@ -78,6 +78,11 @@ BWD_ANY_CONFIGS = {64: (64, 128, 3)}
 # registers that the bound's one compare per column does not. Faster at d128, slower at d64 and for unaligned dense
 # lengths (same-run A/B on an H200: `git log -S BWD_TAIL_EVERY_STEP`)
 BWD_TAIL_EVERY_STEP = (128, )
+# head dims at which fa3_bwd_any_kernel, for a varlen problem whose queries and keys are the same sequences (one
+# cu_seqlens tensor for both: one_cu_seqlens), keeps one row offset and one length per sequence (SAME_SEQS): two
+# registers fewer than separate ones, which at d128 is where the consumers spill. Faster at d128, slower at d64
+# (same-run A/B on an H200: `git log -S BWD_SAME_SEQS`)
+BWD_SAME_SEQS = (128, )
 # (head_dim, causal) -> whether the backward's consumer warpgroups take turns issuing their GEMMs (S, dP; then dV,
 # dK, dQ), as the forward's ping-pong (same-run A/Bs on an H200: `git log -S BWD_PINGPONG`)
 BWD_PINGPONG = {(64, True): True}
@@ -634,13 +639,15 @@ class _BwdTemplate(_FwdTemplate):
         return self.bound(grid, live, trusted=5)
 
 
-def _bwd_key(q, k, v, lse, dk, dv, params, alibi, sq, sk, block_m: int, flex=None, split: int = 1):
+def _bwd_key(q, k, v, lse, dk, dv, params, alibi, sq, sk, block_m: int, flex=None, split: int = 1,
+             same: bool = False):
     """The key of a backward's launch template: what fixes every argument but the live ones (the shapes and strides
     of q, k, v fix their descriptors' geometry; dO and dQ's accumulator are contiguous); block_m: the kernel's Br
-    (its dQ tile); flex: the constexpr FLEX of a problem with flashtile.flex's features; split: bwd_split's."""
+    (its dQ tile); flex: the constexpr FLEX of a problem with flashtile.flex's features; split: bwd_split's; same:
+    one_cu_seqlens()'s."""
     return (q.shape, k.shape, v.shape, layout(q, k, v), q.dtype, q.device, lse.stride(), dk.dtype, dk.stride(),
             dv.stride(), params.softmax_scale, params.window_left, params.window_right, params.softcap,
-            None if alibi is None else alibi.stride(), sq, sk, bwd_dq_tile(block_m, q.shape[-1]), flex, split)
+            None if alibi is None else alibi.stride(), sq, sk, bwd_dq_tile(block_m, q.shape[-1]), flex, split, same)
 
 
 def dense_bwd(q, k, params, alibi, varlen: bool, flex: bool = False) -> bool:
@@ -655,14 +662,15 @@ def dense_bwd(q, k, params, alibi, varlen: bool, flex: bool = False) -> bool:
 
 
 def bwd_features(params, varlen: bool, alibi, sq: int, sk: int, block_m: int, block_n: int, flex: bool = False,
-                 sparse: bool = False, head_dim: int = 0) -> Features:
+                 sparse: bool = False, head_dim: int = 0, same_seqs: bool = False) -> Features:
     """fa3_bwd_any_kernel's FEATURES for a problem (its docstring and fa3_fwd_kernel's say what each compiles
     in).
     SKIP: a query block may see none of a consumer warpgroup's 64 keys - a left window, a sequence's end, or a right
     window other than causal over equal lengths with Br <= 64 (with Br 128, aligned causal blocks always see some);
     not for sequence ends alone where BWD_TAIL_EVERY_STEP has the head dim of a varlen problem (the kernel then
     bounds every step's keys).
-    flex: flashtile.flex's features (rows may see no key), sparse: a block mask (steps past the rows: TAIL)."""
+    flex: flashtile.flex's features (rows may see no key), sparse: a block mask (steps past the rows: TAIL).
+    same_seqs: one_cu_seqlens() of the varlen problem; SAME_SEQS where BWD_SAME_SEQS has the head dim."""
     has_left, has_right = params.has_left, params.has_right
     tail = varlen or sq % block_m != 0 or sk % block_n != 0 or sparse
     aligned_causal = params.lower_triangular and sq == sk and block_m > block_n // 2
@@ -670,7 +678,18 @@ def bwd_features(params, varlen: bool, alibi, sq: int, sk: int, block_m: int, bl
     return Features(VARLEN=varlen, HAS_LEFT=has_left, HAS_RIGHT=has_right, SOFTCAP=params.softcap > 0,
                     ALIBI=alibi is not None, TAIL=tail,
                     SKIP=has_left or (tail and not every_step) or (has_right and not aligned_causal),
-                    EMPTY=rows_may_see_no_key(params, varlen, sq, sk, flex) or tail)
+                    EMPTY=rows_may_see_no_key(params, varlen, sq, sk, flex) or tail,
+                    SAME_SEQS=varlen and same_seqs and head_dim in BWD_SAME_SEQS)
+
+
+def one_cu_seqlens(cu_seqlens_q, cu_seqlens_k) -> bool:
+    """Whether a varlen problem's queries and keys are the same sequences: one cu_seqlens tensor passed for both (the
+    same object, or views of the same memory with the same shape and strides); False for a dense problem."""
+    if cu_seqlens_q is None:
+        return False
+    return cu_seqlens_q is cu_seqlens_k or (cu_seqlens_q.data_ptr() == cu_seqlens_k.data_ptr()
+                                            and cu_seqlens_q.shape == cu_seqlens_k.shape
+                                            and cu_seqlens_q.stride() == cu_seqlens_k.stride())
 
 
 def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, cu_seqlens_q=None,
@@ -692,6 +711,7 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, 
     sk = max_seqlen_k if varlen else k.shape[1]
     nheads, head_dim, nheads_k = q.shape[-2], q.shape[-1], k.shape[-2]
     with_flex = has_flex(bias, mask, sparse, mods)
+    same = one_cu_seqlens(cu_seqlens_q, cu_seqlens_k)
     dense = dense_bwd(q, k, params, alibi, varlen, with_flex)
     (block_m, block_n, stages), pingpong = bwd_config(head_dim, params, alibi, dense, dk.dtype != q.dtype)
     split = bwd_split(q, k, params, dense, dk.dtype != q.dtype, sq, sk, block_n)
@@ -716,10 +736,12 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, 
                       COUNTERS=head_dim in BWD_GQA_COUNTERS and nheads // nheads_k // split > 1)
     else:
         kwargs.update(FEATURES=bwd_features(params, varlen, alibi, sq, sk, block_m, block_n, flex is not None,
-                                            sparse is not None, head_dim), FLEX=(flex or _NO_FLEX_BWD)[1])
+                                            sparse is not None, head_dim, same),
+                      FLEX=(flex or _NO_FLEX_BWD)[1])
     extras = (cu_seqlens_q, cu_seqlens_k, alibi)
     live_flex = None if flex is None else flex[0]   # (a flex problem's template takes its tensors per call)
-    key = _bwd_key(q, k, v, lse, dk, dv, params, alibi, sq, sk, block_m, None if flex is None else flex[1], split)
+    key = _bwd_key(q, k, v, lse, dk, dv, params, alibi, sq, sk, block_m, None if flex is None else flex[1], split,
+                   same)
     tpl = _BWD_TEMPLATES.get(key)
     if tpl is not None and tpl.kwargs == kwargs and tpl.launch(grid, (k, v, q, dout, dq_acc, dk, dv), lse, delta,
                                                                extras, live_flex):
@@ -827,8 +849,9 @@ class ForwardPlan:
 class BackwardPlan:
     """bwd() of one problem (dense or varlen) called again and again: the template bwd() left (_BwdTemplate) is
     launched directly, with the config it was made with checked. Call only where supports(..., backward=True) said
-    yes and takes(q, k, v), with contiguous dK and dV. features: as ForwardPlan's."""
-    __slots__ = ("key", "grid", "tpl", "cfg", "sizes", "layout", "flex", "dense", "grads_f32", "split")
+    yes and takes(q, k, v), with contiguous dK and dV. features: as ForwardPlan's. A varlen plan keeps two templates:
+    for calls whose queries and keys share one cu_seqlens tensor (one_cu_seqlens) and for the others."""
+    __slots__ = ("keys", "grid", "tpls", "cfg", "sizes", "layout", "flex", "dense", "grads_f32", "split")
 
     def __init__(self, q, k, v, lse, dk, dv, params, alibi=None, cu_seqlens_q=None, max_seqlen_q=None,
                  max_seqlen_k=None, features=None):
@@ -846,8 +869,9 @@ class BackwardPlan:
         self.flex = flex_consts(*features, backward=True) if flex else None
         if self.split > 1:   # (the key of bwd()'s launch: over the float32 accumulators)
             dk, dv = (torch.empty(t.shape, device="meta", dtype=torch.float32) for t in (dk, dv))
-        self.key = _bwd_key(q, k, v, lse, dk, dv, params, alibi, *self.sizes, block_m, self.flex, self.split)
-        self.tpl = None
+        self.keys = tuple(_bwd_key(q, k, v, lse, dk, dv, params, alibi, *self.sizes, block_m, self.flex, self.split,
+                                   same) for same in (False, True))
+        self.tpls = [None, None]   # (per one_cu_seqlens(): the launch template bwd() left)
 
     def takes(self, q, k, v) -> bool:
         """Whether q, k, v have the strides the plan was made with (its descriptors' geometry) and aligned bases."""
@@ -857,7 +881,8 @@ class BackwardPlan:
                  cu_seqlens_k=None, bias=None, mask=None, sparse=None, mods=None) -> None:
         """dq_acc: zeroed, float32, q's shape, contiguous; dq is filled from it here. dout contiguous and aligned.
         bias, mask, sparse, mods: the flex features of a plan made with them (else None)."""
-        tpl = self.tpl
+        same = one_cu_seqlens(cu_seqlens_q, cu_seqlens_k)
+        tpl = self.tpls[same]
         head_dim = q.shape[-1]
         flex = None
         if self.flex is not None:
@@ -872,4 +897,4 @@ class BackwardPlan:
                 return
         bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc, alibi, cu_seqlens_q, cu_seqlens_k, *self.sizes,
             bias, mask, sparse, mods)
-        self.tpl = _BWD_TEMPLATES.get(self.key)
+        self.tpls[same] = _BWD_TEMPLATES.get(self.keys[same])
