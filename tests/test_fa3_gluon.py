@@ -408,12 +408,9 @@ def test_split_bwd_launch_adds_into_float32_accumulators(d, monkeypatch):
     assert torch.equal(dk, torch.zeros_like(dk)) and torch.equal(dv, torch.zeros_like(dv))
 
 
-@pytest.mark.parametrize("d", sorted(fa3.BWD_CONFIGS))
-def test_general_bwd_launch_takes_its_own_tiles(d, monkeypatch):
-    """fa3_bwd_any_kernel launches a problem with a mask rule, softcap or ALiBi with BWD_ANY_CONFIGS' tiles where
-    the table has the head dim (at d64 Br = 64, whose tiles leave those terms room in registers), one with sequence
-    ends only (lengths its tiles do not divide) and the dense kernel with BWD_CONFIGS'; the dQ tile and the
-    descriptors of Q / dO follow Br. BackwardPlan asks the same rule."""
+def _recorded_bwd_launches(monkeypatch):
+    """fa3.bwd's launches recorded, not run: stand-in kernels (fa3_bwd_kernel, fa3_bwd_any_kernel) and descriptors,
+    no launch templates. Returns (the kernels, the list of (kernel, grid, args, kwargs))."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     kernels = type("kernels", (), {"fa3_bwd_kernel": object(), "fa3_bwd_any_kernel": object()})
     monkeypatch.setattr(fa3, "_kernels", lambda index: (None, kernels, _FakeDescriptor))
@@ -421,6 +418,16 @@ def test_general_bwd_launch_takes_its_own_tiles(d, monkeypatch):
     monkeypatch.setattr(fa3, "_BWD_TEMPLATES", {})
     launches = []
     monkeypatch.setattr(fa3.relaunch, "launch", lambda *launch_args: launches.append(launch_args))
+    return kernels, launches
+
+
+@pytest.mark.parametrize("d", sorted(fa3.BWD_CONFIGS))
+def test_general_bwd_launch_takes_its_own_tiles(d, monkeypatch):
+    """fa3_bwd_any_kernel launches a problem with a mask rule, softcap or ALiBi with BWD_ANY_CONFIGS' tiles where
+    the table has the head dim (at d64 Br = 64, whose tiles leave those terms room in registers), one with sequence
+    ends only (lengths its tiles do not divide) and the dense kernel with BWD_CONFIGS'; the dQ tile and the
+    descriptors of Q / dO follow Br. BackwardPlan asks the same rule."""
+    kernels, launches = _recorded_bwd_launches(monkeypatch)
     window = AttnParams(softmax_scale=0.1, window_left=100, window_right=0)
     for params, sq, kernel, table in ((window, 1000, kernels.fa3_bwd_any_kernel, fa3.BWD_ANY_CONFIGS),
                                       (FULL, 1000, kernels.fa3_bwd_any_kernel, {}),
@@ -453,13 +460,7 @@ def test_varlen_backward_with_one_cu_seqlens(monkeypatch):
     compiles SAME_SEQS in at the head dims of fa3.BWD_SAME_SEQS (one row offset and length per sequence); an equal
     copy, other lengths or a dense problem do not, and the launch templates and BackwardPlan's keys tell them apart
     (a template made for one cu_seqlens would read only the keys' lengths)."""
-    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
-    kernels = type("kernels", (), {"fa3_bwd_kernel": object(), "fa3_bwd_any_kernel": object()})
-    monkeypatch.setattr(fa3, "_kernels", lambda index: (None, kernels, _FakeDescriptor))
-    monkeypatch.setattr(fa3, "_device_index", lambda t: 0)
-    monkeypatch.setattr(fa3, "_BWD_TEMPLATES", {})
-    launches = []
-    monkeypatch.setattr(fa3.relaunch, "launch", lambda *launch_args: launches.append(launch_args))
+    kernels, launches = _recorded_bwd_launches(monkeypatch)
     cu = torch.tensor([0, 300, 1024, 2048], dtype=torch.int32)
     assert fa3.one_cu_seqlens(cu, cu) and fa3.one_cu_seqlens(cu, cu[:]) and not fa3.one_cu_seqlens(cu, cu.clone())
     assert not fa3.one_cu_seqlens(cu, cu[:3]) and not fa3.one_cu_seqlens(None, None)
