@@ -90,13 +90,21 @@ def unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor, unuse
         if m.dtype.is_floating_point or m.dtype.is_complex:
             fail(f"{name}.dtype", m.dtype, "bool or an integer dtype (1 = token)")
     all_masks = attention_mask.bool() if unused_mask is None else (attention_mask.bool() | unused_mask.bool())
-    seqlens_in_batch = all_masks.sum(dim=-1, dtype=torch.int32)
+    indices, cu_seqlens, max_seqlen_in_batch = packed_rows(all_masks)
     used_seqlens_in_batch = attention_mask.bool().sum(dim=-1, dtype=torch.int32)
-    indices = torch.nonzero(all_masks.flatten(), as_tuple=False).flatten()
-    max_seqlen_in_batch = int(seqlens_in_batch.max().item()) if seqlens_in_batch.numel() else 0
-    cu_seqlens = torch.nn.functional.pad(torch.cumsum(seqlens_in_batch, dim=0, dtype=torch.int32), (1, 0))
     flat = hidden_states.reshape(-1, *hidden_states.shape[2:])
     return index_first_axis(flat, indices), indices, cu_seqlens, max_seqlen_in_batch, used_seqlens_in_batch
+
+
+def packed_rows(mask: torch.Tensor):
+    """The packed layout of a bool padding mask (batch, seqlen), True = token: (indices (total,) int64 of its tokens
+    in the flattened (batch * seqlen) axis, cu_seqlens (batch + 1,) int32, the longest sequence as an int). Reads
+    the mask (a host synchronisation): a caller that unpads several tensors by one mask computes this once."""
+    seqlens = mask.sum(dim=-1, dtype=torch.int32)
+    indices = torch.nonzero(mask.flatten(), as_tuple=False).flatten()
+    max_seqlen = int(seqlens.max().item()) if seqlens.numel() else 0
+    cu_seqlens = torch.nn.functional.pad(torch.cumsum(seqlens, dim=0, dtype=torch.int32), (1, 0))
+    return indices, cu_seqlens, max_seqlen
 
 
 def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:

@@ -203,13 +203,15 @@ def test_packed_kwargs_and_position_ids_route_to_varlen():
         assert _rel(by_pos[:, lo:hi].double(), alone) < 1e-5
 
 
-def test_self_attention_varlen_calls_share_one_cu_seqlens(monkeypatch, seed):
+def test_self_attention_varlen_calls_share_one_cu_seqlens_and_mask_reads(monkeypatch, seed):
     """A padded batch whose queries are every position of the mask (training) is unpadded once, the queries with
     the keys' indices: flash_attn_varlen_func gets one cu_seqlens tensor for both (the kernels then keep one length
     per sequence), and each row's real tokens equal attention over them alone (the padding's rows zeros);
-    cu_seq_lens_q / _k kwargs passed as one tensor stay one tensor after the int32 conversion."""
+    the mask's layout is read once for the layers that share it; cu_seq_lens_q / _k kwargs passed as one tensor
+    stay one tensor after the int32 conversion."""
     calls = []
-    real = ft_hf.flash_attn_varlen_func
+    real, real_rows = ft_hf.flash_attn_varlen_func, ft_hf.packed_rows
+    monkeypatch.setattr(ft_hf, "_SEEN", {})
 
     def recorded(*args, **kw):
         calls.append(args[3:5])
@@ -227,6 +229,17 @@ def test_self_attention_varlen_calls_share_one_cu_seqlens(monkeypatch, seed):
         assert _rel(out[b:b + 1, lo:hi].double(), alone) < 1e-5
         pad = [i for i in range(12) if not lo <= i < hi]
         assert torch.equal(out[b, pad], torch.zeros_like(out[b, pad]))
+    # the layers of a forward share the mask: its packed layout is read once, until the mask changes in place
+    reads = []
+    monkeypatch.setattr(ft_hf, "packed_rows", lambda m: reads.append(1) or real_rows(m))
+    mask_b = mask.bool()
+    for _ in range(3):
+        again, _ = ft_hf.flashtile_attention_forward(_Module(), q, k, v, mask_b)
+        assert torch.equal(again, out)
+    assert len(reads) == 1
+    mask_b[1, 4] = False   # in place: row 1 now starts at position 5
+    again, _ = ft_hf.flashtile_attention_forward(_Module(), q, k, v, mask_b)
+    assert len(reads) == 2 and calls[-1][0].tolist() == [0, 9, 16]
     calls.clear()
     cu = torch.tensor([0, 8, 20], dtype=torch.int64, device=DEVICE)   # (transformers' dtype: converted here)
     q1, k1, v1 = _qkv(seed, b=1)

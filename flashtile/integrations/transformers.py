@@ -50,7 +50,7 @@ from ..api.problem import values_readable
 from ..interface import NO_EXTRAS, Extras, backward, flash_attn_func, forward
 from ..kernels.dispatch import kernel_inputs
 from ..kernels.triton.decode import prepare as prepare_decode
-from ..padding import index_first_axis, pad_input, unpad_input
+from ..padding import index_first_axis, packed_rows, pad_input, unpad_input
 from ..varlen import flash_attn_varlen_func
 
 NAME = "flashtile"
@@ -130,14 +130,15 @@ def _unpadded(q, k, v, mask, opts: dict) -> torch.Tensor:
     """Attention of a padded batch through the varlen kernel: the tokens of mask (b, m) unpadded, the output padded
     back (zeros at padding positions). The queries are the last sq positions of the mask (a cache holds the earlier
     ones; transformers assumes the same: left padding during generation). Reads the mask (host synchronisation)
-    and makes tensors whose shapes depend on it. Where the queries are every position of the mask (training,
-    prefill without a cache) they are unpadded with the keys' indices and share their cu_seqlens (one tensor: the
-    kernels then keep one length per sequence), and the mask is read once."""
+    and makes tensors whose shapes depend on it: once per mask tensor (the layers of a forward share it), its
+    packed layout then remembered until it is freed or modified. Where the queries are every position of the mask
+    (training, prefill without a cache) they are unpadded with the keys' indices and share their cu_seqlens (one
+    tensor: the kernels then keep one length per sequence)."""
     batch, q_len = q.shape[:2]
     if k.shape[1] > mask.shape[1]:  # static cache: keys past the mask are unused slots
         k, v = k[:, :mask.shape[1]], v[:, :mask.shape[1]]
-    k_un, idx_k, cu_k, max_k, _ = unpad_input(k, mask)
-    v_un = index_first_axis(v.reshape(-1, *v.shape[2:]), idx_k)
+    idx_k, cu_k, max_k = _per_tensor("unpad", mask, packed_rows)
+    k_un, v_un = (index_first_axis(t.reshape(-1, *t.shape[2:]), idx_k) for t in (k, v))
     if q_len == mask.shape[1]:
         q_un, idx_q, cu_q, max_q = index_first_axis(q.reshape(-1, *q.shape[2:]), idx_k), idx_k, cu_k, max_k
     else:
