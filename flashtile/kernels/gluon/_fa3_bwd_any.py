@@ -320,7 +320,9 @@ def fa3_bwd_any_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_
       window: (window_left, window_right).
     FEATURES as fa3_fwd_kernel's (HAS_LEFT / HAS_RIGHT windows, SOFTCAP, ALIBI, TAIL: a sequence may end inside
     a block; qk_scale and softcap_log2 as there); SKIP: a query block may see none of a warpgroup's keys (else
-    every step computes); EMPTY: a query row may have no key or lie past its sequence.
+    every step computes); EMPTY: a query row may have no key or lie past its sequence; SAME_SEQS (VARLEN): the
+    queries and keys are the same sequences (cu_seqlens_q is cu_seqlens_k, fa3.BWD_SAME_SEQS), one row offset and
+    one length per sequence (_seq_info).
     FLEX, flashtile.flex's features, as fa3_fwd_kernel's (bias_t, mask_t, score_aux, mask_aux; sparse: the block
     mask's transposed lists, per key block its query blocks, one list for the program's group of query heads),
     plus score_mod's derivative SCORE_GRAD (None: additive) and SCORE_CAPTURED_GRAD adding its captured tensors'
