@@ -85,8 +85,9 @@ def _packed_cu_seqlens(position_ids: torch.Tensor):
     return cu, int((cu[1:] - cu[:-1]).max().item())
 
 
-# id(position_ids) -> (weak reference, version counter, what _is_packed / _packed_cu_seqlens found): a model's
-# layers see one position_ids tensor per forward, whose values are then read once, not once per layer
+# (what, id(tensor)) -> (weak reference, version counter, what was computed from it: _is_packed / _packed_cu_seqlens
+# of position_ids, packed_rows of a padding mask): a model's layers see one such tensor per forward, whose values
+# are then read once, not once per layer
 _SEEN: dict = {}
 
 
@@ -99,6 +100,8 @@ def _per_tensor(name: str, t: torch.Tensor, compute):
     if seen is not None and seen[0]() is t and seen[1] == t._version:
         return seen[2]
     result = compute(t)
+    for dead in [k for k, entry in _SEEN.items() if entry[0]() is None]:   # (a freed tensor's: its result goes too)
+        del _SEEN[dead]
     if len(_SEEN) >= 64:
         _SEEN.clear()
     _SEEN[key] = (weakref.ref(t), t._version, result)
