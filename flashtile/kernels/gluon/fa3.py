@@ -670,7 +670,7 @@ def bwd_features(params, varlen: bool, alibi, sq: int, sk: int, block_m: int, bl
     not for sequence ends alone where BWD_TAIL_EVERY_STEP has the head dim of a varlen problem (the kernel then
     bounds every step's keys).
     flex: flashtile.flex's features (rows may see no key), sparse: a block mask (steps past the rows: TAIL).
-    same_seqs: one_cu_seqlens() of the varlen problem; SAME_SEQS where BWD_SAME_SEQS has the head dim."""
+    same_seqs: one_cu_seqlens() (False for a dense problem); SAME_SEQS where BWD_SAME_SEQS has the head dim."""
     has_left, has_right = params.has_left, params.has_right
     tail = varlen or sq % block_m != 0 or sk % block_n != 0 or sparse
     aligned_causal = params.lower_triangular and sq == sk and block_m > block_n // 2
@@ -679,7 +679,7 @@ def bwd_features(params, varlen: bool, alibi, sq: int, sk: int, block_m: int, bl
                     ALIBI=alibi is not None, TAIL=tail,
                     SKIP=has_left or (tail and not every_step) or (has_right and not aligned_causal),
                     EMPTY=rows_may_see_no_key(params, varlen, sq, sk, flex) or tail,
-                    SAME_SEQS=varlen and same_seqs and head_dim in BWD_SAME_SEQS)
+                    SAME_SEQS=same_seqs and head_dim in BWD_SAME_SEQS)
 
 
 def one_cu_seqlens(cu_seqlens_q, cu_seqlens_k) -> bool:
