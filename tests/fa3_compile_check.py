@@ -164,7 +164,7 @@ def compile_bwd(head_dim: int, causal: bool, dtype: torch.dtype, features=()):
     consts = dict(TILE=tile, P_LAYOUT=fa3._smem_layout(block_m, block_n // 2, dtype), num_warps=4)
     if not features:
         runtime.update(lse_strides=(lse.stride(0), lse.stride(1)), sizes=(s, s, h, 1), scales=(0.1, 0.1))
-        return _compile(_fa3_bwd.fa3_bwd_kernel, runtime, dict(consts, CAUSAL=causal, SPLIT=1, COUNTERS=False))
+        return _compile(_fa3_bwd.fa3_bwd_kernel, runtime, dict(consts, CAUSAL=causal, SPLIT=1, HEADS=0))
     from flashtile.kernels.gluon import _fa3_bwd_any
     i32 = torch.zeros(3, dtype=torch.int32)
     runtime.update(dk_ptr=t, dv_ptr=t, cu_seqlens_q=i32, cu_seqlens_k=i32, alibi_ptr=torch.zeros(h),

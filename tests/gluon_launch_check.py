@@ -61,8 +61,8 @@ def _warmup(kernel, grid, args, kwargs):
     shape = f" tile={tile.HEAD_D}x{tile.BLOCK_M}" if hasattr(tile, "BLOCK_M") else ""   # (head dim x Br)
     if kwargs.get("SPLIT", 1) > 1:   # (programs per KV head of the dense backward)
         shape += f" split={kwargs['SPLIT']}"
-    if kwargs.get("COUNTERS"):        # (the dense backward's step counters: fa3.BWD_GQA_COUNTERS)
-        shape += " counters"
+    if kwargs.get("HEADS"):        # (the dense backward's query heads per program as a constexpr: fa3.BWD_GQA_HEADS)
+        shape += f" heads={kwargs['HEADS']}"
     if getattr(kwargs.get("FEATURES"), "SAME_SEQS", False):   # (one cu_seqlens for queries and keys: BWD_SAME_SEQS)
         shape += " same"
     print(f"ok {_count[0]} {name} wgmma={compiled.asm['ptx'].count('wgmma.mma_async')}{shape}", flush=True)

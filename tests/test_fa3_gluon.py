@@ -306,7 +306,7 @@ def test_host_launches_pass_the_jit(tmp_path):
     backward kernels, windows over unequal lengths, softcap with ALiBi, varlen (d128 and d64 causal; d128 full: keys
     bounded every step), attn_bias with a bool mask, a block mask with score_mod and mask_mod, the backward writing
     float32 dK / dV (dense d128 / d64, varlen d128 / d64), GQA with a group's heads split over programs adding dK /
-    dV by TMA reduce-add, GQA at d64 with the dense backward's step counters (fa3.BWD_GQA_COUNTERS), varlen at d128
+    dV by TMA reduce-add, GQA with the dense backward's heads per program as a constant (fa3.BWD_GQA_HEADS), varlen at d128
     with one cu_seqlens for queries and keys (fa3.BWD_SAME_SEQS), the FP8
     forward, the paged decode split and whole (tests/gluon_launch_check.py: a stand-in
     sm_90 driver, kernel.warmup for the launch). The general backward at d64 (Br = 64: fa3.BWD_ANY_CONFIGS)
@@ -322,10 +322,11 @@ def test_host_launches_pass_the_jit(tmp_path):
     assert kernels.count("fa3_fwd_kernel") == 12 and kernels.count("paged_decode_kernel") == 2, kernels
     assert kernels.count("fa3_bwd_kernel") == 5 and kernels.count("fa3_bwd_any_kernel") == 9, kernels
     assert [ln[-1] for ln in lines if ln[-1].startswith("split=")] == ["split=4"], res.stdout
-    # the dense backward's step counters: GQA at d64 (head dim x Br 64 x 128), not d128
+    # the dense backward's query heads per program as a constant (GQA-2 at head dim x Br 128 x 64 and 64 x 128),
+    # none where a split leaves one per program
     assert [ln[4:] for ln in lines if ln[2] == "fa3_bwd_kernel"] == [
-        ["tile=128x64"], ["tile=64x128", "counters"], ["tile=128x64", "split=4"], ["tile=128x64"],
-        ["tile=64x128", "counters"]], res.stdout
+        ["tile=128x64", "heads=2"], ["tile=64x128", "heads=2"], ["tile=128x64", "split=4"],
+        ["tile=128x64", "heads=2"], ["tile=64x128", "heads=2"]], res.stdout
     # one cu_seqlens for queries and keys (the launch check's varlen problems): SAME_SEQS at d128 (BWD_SAME_SEQS)
     assert [ln[0:2] + ln[4:] for ln in lines if ln[-1] == "same"] == [
         ["ok", "11", "tile=128x64", "same"], ["ok", "15", "tile=128x64", "same"], ["ok", "22", "tile=128x64", "same"]]
@@ -453,6 +454,24 @@ def test_general_bwd_launch_takes_its_own_tiles(d, monkeypatch):
         (_, _, _, kw), = launches
         assert (kw["TILE"].BLOCK_M, kw["TILE"].BLOCK_N, kw["TILE"].STAGES) == fa3.BWD_CONFIGS[d]
         assert fa3.BackwardPlan(q, k, v, lse, torch.empty(k.shape), v, params).cfg[0] == fa3.BWD_CONFIGS[d]
+
+
+def test_dense_backward_takes_a_programs_query_heads_as_a_constant(monkeypatch):
+    """The dense backward's GQA / MQA programs get their query heads (group / SPLIT) as the constexpr HEADS at the
+    head dims of fa3.BWD_GQA_HEADS; MHA, and a split that leaves one head per program, take 0 (the division)."""
+    kernels, launches = _recorded_bwd_launches(monkeypatch)
+    for d in sorted(fa3.BWD_CONFIGS):
+        for h, hk, split, heads in ((8, 8, 0, 0), (8, 2, 0, 4), (8, 1, 0, 8), (8, 2, 2, 2), (8, 2, 4, 0)):
+            monkeypatch.setattr(fa3, "GQA_SPLIT", split)   # (a fixed split, from any amount of work)
+            monkeypatch.setattr(fa3, "GQA_SPLIT_MIN_WORK", 0 if split else 1 << 62)
+            q, k, v = _qkv(b=1, sq=1024, sk=1024, h=h, hk=hk, d=d)
+            lse = torch.randn(1, h, 1024)
+            launches.clear()
+            fa3.bwd(torch.randn_like(q), q, k, v, lse, torch.randn_like(lse),
+                    *[torch.empty_like(t) for t in (q, k, v)], CAUSAL)
+            (launched, grid, _, kw), = launches
+            assert launched is kernels.fa3_bwd_kernel and kw["SPLIT"] == max(split, 1), (d, h, hk, split)
+            assert kw["HEADS"] == (heads if d in fa3.BWD_GQA_HEADS else 0), (d, h, hk, split)
 
 
 def test_varlen_backward_with_one_cu_seqlens(monkeypatch):

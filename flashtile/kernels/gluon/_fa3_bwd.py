@@ -57,42 +57,39 @@ def _reinterpret(smem, dtype, shape, layout, _semantic=None):
 
 
 @gluon.jit
-def _query_block(t, n_i, i_start, hk, group, blocks=0, SPARSE_BLOCK: gl.constexpr = 0, BLOCK_M: gl.constexpr = 64):
+def _query_block(t, n_i, i_start, hk, group, blocks=0, SPARSE_BLOCK: gl.constexpr = 0, BLOCK_M: gl.constexpr = 64,
+                 HEADS: gl.constexpr = 0):
     """Iteration t of a program -> (query head, query block index): the group's heads one after another, each
     from block i_start (the first one the key block is visible to) to the last; with a block mask (SPARSE_BLOCK >
     0; blocks: the key block's row of its transposed lists (_sparse_row), the lists, len_q) the blocks its lists
-    name, partial ones first (_sparse_block)."""
-    h = hk * group + t // n_i
-    if SPARSE_BLOCK > 0:
-        srow, sparse, len_q = blocks
-        i = _sparse_block(t % n_i, srow, sparse, len_q, SPARSE_BLOCK, BLOCK_M)
+    name, partial ones first (_sparse_block). HEADS > 0 (the dense backward's GQA / MQA: the group as a compile-time
+    count): the heads innermost instead, every head of a query block before the next block (no runtime division)."""
+    if HEADS > 0:
+        h = hk * HEADS + t % HEADS
+        i = i_start + t // HEADS
     else:
-        i = i_start + t % n_i
+        h = hk * group + t // n_i
+        if SPARSE_BLOCK > 0:
+            srow, sparse, len_q = blocks
+            i = _sparse_block(t % n_i, srow, sparse, len_q, SPARSE_BLOCK, BLOCK_M)
+        else:
+            i = i_start + t % n_i
     return h, i
-
-
-@gluon.jit
-def _next_query_block(h, i, i_start, i_end):
-    """The iteration after (query head h, query block i) in _query_block's order without a block mask, without its
-    division: the next block of the head, or the next head's first (i_start) after its last (i_end - 1)."""
-    i = i + 1
-    wrap = (i == i_end).to(gl.int32)
-    return h + wrap, i - wrap * (i_end - i_start)
 
 
 @gluon.jit
 def _load_partition(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, qdo_ready, qdo_empty,
                     kv_row, kv_col, q_row0, n_iters, n_i, i_start, hk, group,
                     BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, blocks=0,
-                    SPARSE_BLOCK: gl.constexpr = 0):
-    """Producer: K_j and V_j once, then (Q_i, dO_i) of iteration t (_query_block: blocks, SPARSE_BLOCK) into buffer
-    t % STAGES once both consumer warpgroups released it."""
+                    SPARSE_BLOCK: gl.constexpr = 0, HEADS: gl.constexpr = 0):
+    """Producer: K_j and V_j once, then (Q_i, dO_i) of iteration t (_query_block: blocks, SPARSE_BLOCK, HEADS) into
+    buffer t % STAGES once both consumer warpgroups released it."""
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma_load(k_desc, [kv_row, kv_col], kv_bar, k_smem)
     tma_load(v_desc, [kv_row, kv_col], kv_bar, v_smem)
     for t in range(n_iters):
         s = t % STAGES
-        h, i = _query_block(t, n_i, i_start, hk, group, blocks, SPARSE_BLOCK, BLOCK_M)
+        h, i = _query_block(t, n_i, i_start, hk, group, blocks, SPARSE_BLOCK, BLOCK_M, HEADS)
         row = q_row0 + i * BLOCK_M
         # mbarriers start with phase 1 complete: the first STAGES waits pass at once
         mbarrier.wait(qdo_empty.index(s), ((t // STAGES) & 1) ^ 1)
@@ -287,13 +284,12 @@ def warpgroup_state(wg: gl.constexpr, k_smem, v_smem, p_bufs, dq_bufs, dq_desc, 
 
 @gluon.jit
 def _consumer_partition(wg: gl.constexpr, shared, TILE: gl.constexpr, CAUSAL: gl.constexpr, ADD_DKV: gl.constexpr,
-                        COUNTERS: gl.constexpr):
+                        HEADS: gl.constexpr):
     """Consumer warpgroup `wg`: key rows [wg * 64, wg * 64 + 64) of the program's block through every query block
     (per query head of the group), then its rows of dK_j, dV_j (Algorithm 2 line 22). `shared`: the buffers,
     barriers, descriptors and scalars it uses (as the kernel names them); hk, group there: the program's query heads
-    [hk * group, +group). ADD_DKV: dK_j, dV_j added into float32 accumulators (the kernel's SPLIT). COUNTERS: each
-    step's (query head, query block) carried over from the previous step (_next_query_block) instead of divided out
-    of the step's index (_query_block)."""
+    [hk * group, +group). ADD_DKV: dK_j, dV_j added into float32 accumulators (the kernel's SPLIT). HEADS: the
+    kernel's (_query_block's order)."""
     (k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, qdo_ready, qdo_empty, ds_ready, ds_free, turns,
      dq_desc, lse_ptr, delta_ptr, stride_lse_b, stride_lse_h, dk_desc, dv_desc, kv_row, kv_col, b, kv_start, q_row0,
      n_iters, n_i, i_start, hk, group, sm_scale, qk_scale) = shared
@@ -308,18 +304,12 @@ def _consumer_partition(wg: gl.constexpr, shared, TILE: gl.constexpr, CAUSAL: gl
     dq_row = q_row0   # where the previous step's dQ tile goes
     dq_col = 0
     mbarrier.wait(kv_bar, 0)
-    if COUNTERS:
-        h = hk * group
-        i = i_start
     for t in range(n_iters):
-        if not COUNTERS:
-            h, i = _query_block(t, n_i, i_start, hk, group)
+        h, i = _query_block(t, n_i, i_start, hk, group, HEADS=HEADS)
         dk, dv, dq_row, dq_col = _step(
             t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs, p_smem, ds_bufs, dq_smem,
             qdo_ready, qdo_empty, ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr, b * stride_lse_b + h * stride_lse_h,
             kv_start, q_row0, sm_scale, qk_scale, wg, s_layout, dq_init, turns, TILE, CAUSAL)
-        if COUNTERS:
-            h, i = _next_query_block(h, i, i_start, i_start + n_i)
     # the last query block's dQ, issued first: by TMA, dK_j and dV_j (line 22) are staged and stored while it runs
     dq_tok = _dq_product(ds_bufs, ds_ready, k_smem, dq_init, n_iters - 1, wg, WG_N, BLOCK_M)
     _store_dkv_tma(dk, dv, dk_desc, dv_desc, q_bufs, do_bufs, qdo_empty, kv_row + wg * WG_N, kv_col, n_iters,
@@ -473,7 +463,7 @@ def invalidate(barriers, STAGES: gl.constexpr):
 @gluon.jit
 def fa3_bwd_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr, dk_desc, dv_desc, lse_strides, sizes,
                    scales, TILE: gl.constexpr, P_LAYOUT: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr,
-                   COUNTERS: gl.constexpr, num_warps: gl.constexpr):
+                   HEADS: gl.constexpr, num_warps: gl.constexpr):
     """Grid (seqlen_k / BLOCK_N, batch * nheads_k); TILE (fa3.BwdTile): HEAD_D, BLOCK_N = 2 x 64 key rows (one
     64-row half per consumer warpgroup, num_warps = 4), BLOCK_M query rows per step, STAGES, PINGPONG.
     The argument groups: lse_strides (stride_lse_b, stride_lse_h), sizes (seqlen_q, seqlen_k, nheads_k, group),
@@ -489,8 +479,8 @@ def fa3_bwd_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr,
     SPLIT > 1 (GQA / MQA): a KV head's query heads are shared by SPLIT programs (grid (seqlen_k / BLOCK_N, batch *
     nheads_k * SPLIT)), each running group / SPLIT of them and adding its dK_j, dV_j into zeroed float32
     accumulators (dk_desc / dv_desc) by TMA reduce-add: more, shorter programs where batch x nheads_k x key blocks
-    are too few to balance over the SMs (fa3.bwd_split). COUNTERS (fa3.BWD_GQA_COUNTERS): the consumers carry each
-    step's (query head, query block) over from the previous step instead of dividing it out of the step's index."""
+    are too few to balance over the SMs (fa3.bwd_split). HEADS (fa3.BWD_GQA_HEADS; 0: the division): a program's
+    query heads (group / SPLIT) as a compile-time count, run innermost (_query_block)."""
     stride_lse_b, stride_lse_h = lse_strides
     seqlen_q, seqlen_k, nheads_k, group = sizes
     sm_scale, qk_scale = scales
@@ -530,11 +520,11 @@ def fa3_bwd_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr,
               ds_free, turns, dq_desc, lse_ptr, delta_ptr, stride_lse_b, stride_lse_h, dk_desc, dv_desc, kv_row,
               hk * HEAD_D, b, kv_start, q_row0, n_iters, n_i, i_start, hq, heads, sm_scale, qk_scale)
     gl.warp_specialize([
-        (_consumer_partition, (0, shared, TILE, CAUSAL, SPLIT > 1, COUNTERS)),
-        (_consumer_partition, (1, shared, TILE, CAUSAL, SPLIT > 1, COUNTERS)),
+        (_consumer_partition, (0, shared, TILE, CAUSAL, SPLIT > 1, HEADS)),
+        (_consumer_partition, (1, shared, TILE, CAUSAL, SPLIT > 1, HEADS)),
         (_load_partition, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, qdo_ready,
                            qdo_empty, kv_row, hk * HEAD_D, q_row0, n_iters, n_i, i_start, hq, heads, BLOCK_M,
-                           HEAD_D, STAGES)),
+                           HEAD_D, STAGES, 0, 0, HEADS)),
     ], [4, 1], [240, 24])
 
     invalidate(barriers, STAGES)

@@ -96,12 +96,11 @@ BWD_PINGPONG = {(64, True): True}
 GQA_SPLIT_PROGRAMS_PER_SM = 8
 GQA_SPLIT_MIN_WORK = 1 << 36
 GQA_SPLIT = 0
-# head dims at which the dense backward kernel's consumers, for GQA / MQA (a program runs more than one query head),
-# carry each step's (query head, query block) over from the previous step instead of dividing it out of the step's
-# index (fa3_bwd_kernel's COUNTERS): ptxas schedules the loop differently either way; the counters were faster for
-# GQA at d64 only, and slower for MHA, which keeps the division (same-run A/B on an H200: `git log -S
-# BWD_GQA_COUNTERS`)
-BWD_GQA_COUNTERS = (64, )
+# head dims at which the dense backward's GQA / MQA programs (more than one query head each) take their query heads
+# as a compile-time count and run them innermost (fa3_bwd_kernel's HEADS: a compile per group size, no runtime
+# division of the step's index; fewer registers spilled). Faster at both (same-run A/B on an H200: `git log -S
+# BWD_GQA_HEADS`); other head dims keep the heads outermost.
+BWD_GQA_HEADS = (64, 128)
 
 
 class FwdTile(NamedTuple):
@@ -732,8 +731,9 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, 
     tile = BwdTile(head_dim, block_m, block_n, stages, pingpong)
     kwargs = dict(TILE=tile, P_LAYOUT=_smem_layout(block_m, block_n // 2, q.dtype), num_warps=4, maxnreg=MAXNREG)
     if dense:
+        heads = nheads // nheads_k // split   # query heads per program
         kwargs.update(CAUSAL=params.is_causal, SPLIT=split,
-                      COUNTERS=head_dim in BWD_GQA_COUNTERS and nheads // nheads_k // split > 1)
+                      HEADS=heads if head_dim in BWD_GQA_HEADS and heads > 1 else 0)
     else:
         kwargs.update(FEATURES=bwd_features(params, varlen, alibi, sq, sk, block_m, block_n, flex is not None,
                                             sparse is not None, head_dim, same),
