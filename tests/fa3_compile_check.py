@@ -176,8 +176,10 @@ def compile_bwd(head_dim: int, causal: bool, dtype: torch.dtype, features=()):
     runtime["flex"] = (*flex_rt, torch.zeros(16, dtype=torch.int32))   # (order_ptr last)
     flex = any(f in FLEX for f in features)
     flags["TAIL"] = flags["TAIL"] or sparse is not None
-    ours = fa3.bwd_features(params, flags["VARLEN"], None, s, s, block_m, block_n, flex, sparse is not None)
-    flags.update(SKIP=ours.SKIP or flags["TAIL"], EMPTY=ours.EMPTY or flags["TAIL"])
+    ours = fa3.bwd_features(params, flags["VARLEN"], alibi, s, s, block_m, block_n, flex, sparse is not None,
+                            head_dim)
+    flags.update(SKIP=ours.SKIP or flags["TAIL"], EMPTY=ours.EMPTY or flags["TAIL"],
+                 MASK_EVERY_STEP=ours.MASK_EVERY_STEP)
     return _compile(_fa3_bwd_any.fa3_bwd_any_kernel, runtime, dict(consts, FEATURES=Features(**flags),
                                                                   FLEX=flex_consts))
 

@@ -474,6 +474,29 @@ def test_dense_backward_takes_a_programs_query_heads_as_a_constant(monkeypatch):
             assert kw["HEADS"] == (heads if d in fa3.BWD_GQA_HEADS else 0), (d, h, hk, split)
 
 
+def test_general_backward_masks_every_step_where_the_table_says(monkeypatch):
+    """fa3_bwd_any_kernel masks P on every step (MASK_EVERY_STEP) for softcap, ALiBi or flex features with a mask
+    rule or sequence ends, at the head dims of fa3.BWD_MASK_EVERY_STEP; without those features, or without anything
+    to mask, it keeps the branch."""
+    kernels, launches = _recorded_bwd_launches(monkeypatch)
+    softcap_causal = AttnParams(softmax_scale=0.1, window_right=0, softcap=30.0)
+    softcap_full = AttnParams(softmax_scale=0.1, softcap=30.0)
+    window = AttnParams(softmax_scale=0.1, window_left=100, window_right=0)
+    for d in sorted(fa3.BWD_CONFIGS):
+        for params, alibi, sq, every in ((softcap_causal, None, 1024, True), (CAUSAL, torch.rand(4), 1024, True),
+                                         (softcap_full, None, 1000, True), (FULL, torch.rand(4), 1024, False),
+                                         (softcap_full, None, 1024, False), (window, None, 1024, False),
+                                         (FULL, None, 1000, False)):
+            q, k, v = _qkv(b=1, sq=sq, sk=sq, h=4, hk=4, d=d)
+            lse = torch.randn(1, 4, sq)
+            launches.clear()
+            fa3.bwd(torch.randn_like(q), q, k, v, lse, torch.randn_like(lse),
+                    *[torch.empty_like(t) for t in (q, k, v)], params, alibi=alibi)
+            (launched, _, _, kw), = launches
+            assert launched is kernels.fa3_bwd_any_kernel, (d, params, sq)
+            assert kw["FEATURES"].MASK_EVERY_STEP is (every and d in fa3.BWD_MASK_EVERY_STEP), (d, params, sq)
+
+
 def test_varlen_backward_with_one_cu_seqlens(monkeypatch):
     """A varlen backward whose queries and keys share one cu_seqlens tensor (the same object or a view of its memory)
     compiles SAME_SEQS in at the head dims of fa3.BWD_SAME_SEQS (one row offset and length per sequence); an equal

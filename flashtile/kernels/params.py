@@ -78,6 +78,7 @@ class Features(NamedTuple):
     EMPTY: bool = False       # backward: a row may have seen no key (L = -inf)
     DROPOUT: bool = False     # dropout on P (the Triton kernels; the Gluon kernels take none)
     SAME_SEQS: bool = False   # VARLEN: queries and keys are the same sequences (one cu_seqlens tensor)
+    MASK_EVERY_STEP: bool = False   # backward: P masked on every step, not only where some pair is hidden
 
 
 class Flex(NamedTuple):

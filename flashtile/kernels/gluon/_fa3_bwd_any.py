@@ -106,6 +106,8 @@ def _step(t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs, p_
             skip = none
     elif TAIL:   # sequence ends only, no skip path (fa3.BWD_TAIL_EVERY_STEP): every step bounds its keys
         hidden = True
+    if FEATURES.MASK_EVERY_STEP:   # (fa3.BWD_MASK_EVERY_STEP: no branch around the mask, which costs registers)
+        hidden = True
     if skip:
         skip_step(t, ds_bufs, ds_ready, ds_free, k_smem, dq_init, dq_desc, dq_smem, dq_row, dq_col, sm_scale, turns, wg,
                   s_layout, BLOCK_M, WG_N, TILE.PINGPONG)
@@ -161,11 +163,13 @@ def _products(t, q_start, c0, hidden, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, 
     else:   # (one FMA per element)
         p = gl.exp2(sc * qk_scale - gl.expand_dims(lse2, 1))
     if MASKED:
-        if hidden:
+        if hidden:   # (a window's two edges by one compare: RANGE)
             p = _visible(p, q_idx, c0, gl.arange(0, WG_N, layout=gl.SliceLayout(0, s_layout)), len_q, len_k,
-                         window, FEATURES, 0.0)
+                         window, FEATURES, 0.0, True)
     # P through shared memory: dV's A operand is P^T (keys x queries), a transposed read of the tile
     p_smem.store(p.to(dtype))
+    if SOFTCAP and SCORE_MOD is None:   # (P stored: its registers hold P o (1 - tanh^2), dS's factor, not tanh too)
+        p = p * (1.0 - tanh * tanh)
     dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
     # line 17: dS = P o (dP - D_i); softcap: times d(softcap tanh(x / softcap)) / dx = 1 - tanh^2
     ds = p * (dp - gl.expand_dims(delta, 1))
@@ -175,7 +179,7 @@ def _products(t, q_start, c0, hidden, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, 
         if FLEX.SCORE_CAPTURED_GRAD is not None:
             FLEX.SCORE_CAPTURED_GRAD(ds, s_in, user[0], user[1], i2, j2, user[2], score_aux_grad)
         ds = score_mod_grad(ds, s_in, user[0], user[1], i2, j2, user[2], FLEX.SCORE_GRAD)
-    if SOFTCAP:
+    if SOFTCAP and SCORE_MOD is not None:
         ds = ds * (1.0 - tanh * tanh)
     ds_smem = _store_ds(ds.to(dtype), ds_bufs, ds_free, t, wg)
     # lines 14, 19 and dQ_{t-1}'s product (line 18)
@@ -214,6 +218,12 @@ def _consumer_partition(wg: gl.constexpr, shared, TILE: gl.constexpr, FEATURES: 
     dq_col = 0
     blocks = (srow, sparse, len_q)
     h_next, i_next = _query_block(0, n_i, i_start, hk, group, blocks, SPARSE_BLOCK, BLOCK_M)
+    # ALiBi where P is masked every step (fa3.BWD_MASK_EVERY_STEP): the slope of the group's first head (MHA's only
+    # one) and its pointer taken before the loop; elsewhere each step loads its head's (which measured faster there)
+    HOIST_SLOPE: gl.constexpr = FEATURES.ALIBI and FEATURES.MASK_EVERY_STEP
+    if HOIST_SLOPE:
+        slope_ptr = alibi_ptr + b * stride_alibi_b + hk * group
+        slope_log2 = gl.load(slope_ptr) * LOG2E
     mbarrier.wait(kv_bar, 0)
     for t in range(n_iters):
         if SPARSE_BLOCK > 0:
@@ -227,9 +237,13 @@ def _consumer_partition(wg: gl.constexpr, shared, TILE: gl.constexpr, FEATURES: 
             partial = True
         user = (b, h, score_aux, mask_aux, _head_tile(bias_t, b, h, FLEX.HAS_BIAS),
                 _head_tile(mask_t, b, h, FLEX.HAS_MASK))
-        slope_log2 = qk_scale * 0.0
-        if FEATURES.ALIBI:
-            slope_log2 = gl.load(alibi_ptr + b * stride_alibi_b + h) * LOG2E
+        if HOIST_SLOPE:
+            if group > 1:   # (GQA: the step's query head's)
+                slope_log2 = gl.load(slope_ptr + (h - hk * group)) * LOG2E
+        else:
+            slope_log2 = qk_scale * 0.0
+            if FEATURES.ALIBI:
+                slope_log2 = gl.load(alibi_ptr + b * stride_alibi_b + h) * LOG2E
         dk, dv, dq_row, dq_col = _step(
             t, h, i, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, q_bufs, do_bufs, p_smem, ds_bufs, dq_smem,
             qdo_ready, qdo_empty, ds_ready, ds_free, dq_desc, lse_ptr, delta_ptr,

@@ -211,15 +211,25 @@ def _diagonal(rows, col0, len_q, len_k):
 
 
 @gluon.jit
-def _visible(s, rows, col0, offs, len_q, len_k, window, FEATURES: gl.constexpr, fill: gl.constexpr = float("-inf")):
+def _visible(s, rows, col0, offs, len_q, len_k, window, FEATURES: gl.constexpr, fill: gl.constexpr = float("-inf"),
+             RANGE: gl.constexpr = False):
     """The mask rule per element (_key_blocks'): s with `fill` (S: -inf, P: 0) where query rows[i] does not see key
     col0 + offs[j] (FEATURES.TAIL: keys past len_k as well; without it every block ends within the sequence). The
     bounds are taken per row relative to col0 and compared with the tile's key offsets: no tile of key indices is
     made (its registers are the backward's accumulators'); the right window's bound and the sequence's end are one
-    bound per row, one compare per element."""
+    bound per row, one compare per element. RANGE (the backward's): a window's two edges by one unsigned compare."""
     window_left, window_right = window
     diag = _diagonal(rows, col0, len_q, len_k)
     keys = gl.expand_dims(offs, 0)
+    if RANGE and FEATURES.HAS_RIGHT and FEATURES.HAS_LEFT:
+        # both edges by one unsigned compare: first <= key <= last  <=>  (key - first) <= (last - first) unsigned
+        # (exact where last >= first, every row of a sequence: a row past it may see garbage, which P = 0 hides)
+        last = diag + window_right
+        if FEATURES.TAIL:
+            last = gl.minimum(last, len_k - col0 - 1)
+        first = diag - window_left
+        span = gl.expand_dims((last - first).to(gl.uint32, bitcast=True), 1)
+        return gl.where((keys - gl.expand_dims(first, 1)).to(gl.uint32, bitcast=True) <= span, s, fill)
     if FEATURES.HAS_RIGHT:
         last = diag + window_right
         if FEATURES.TAIL:

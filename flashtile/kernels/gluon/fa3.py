@@ -83,6 +83,12 @@ BWD_TAIL_EVERY_STEP = (128, )
 # registers fewer than separate ones, which at d128 is where the consumers spill. Faster at d128, slower at d64
 # (same-run A/B on an H200: `git log -S BWD_SAME_SEQS`)
 BWD_SAME_SEQS = (128, )
+# head dims at which fa3_bwd_any_kernel, for a problem with a mask rule or sequence ends and softcap, ALiBi or
+# flashtile.flex's features, masks P on every step (MASK_EVERY_STEP) instead of under a runtime branch on whether
+# some pair of the tile is hidden: with those features' terms live the branch makes ptxas spill (with ALiBi the
+# slope is then taken before the loop as well). Faster at d128, slower at d64, where nothing spills and full tiles
+# pay the compares (same-run A/B on an H200: `git log -S BWD_MASK_EVERY_STEP`)
+BWD_MASK_EVERY_STEP = (128, )
 # (head_dim, causal) -> whether the backward's consumer warpgroups take turns issuing their GEMMs (S, dP; then dV,
 # dK, dQ), as the forward's ping-pong (same-run A/Bs on an H200: `git log -S BWD_PINGPONG`)
 BWD_PINGPONG = {(64, True): True}
@@ -669,16 +675,20 @@ def bwd_features(params, varlen: bool, alibi, sq: int, sk: int, block_m: int, bl
     not for sequence ends alone where BWD_TAIL_EVERY_STEP has the head dim of a varlen problem (the kernel then
     bounds every step's keys).
     flex: flashtile.flex's features (rows may see no key), sparse: a block mask (steps past the rows: TAIL).
-    same_seqs: one_cu_seqlens() (False for a dense problem); SAME_SEQS where BWD_SAME_SEQS has the head dim."""
+    same_seqs: one_cu_seqlens() (False for a dense problem); SAME_SEQS where BWD_SAME_SEQS has the head dim.
+    MASK_EVERY_STEP: softcap, ALiBi or flex with a mask rule or sequence ends where BWD_MASK_EVERY_STEP has the
+    head dim."""
     has_left, has_right = params.has_left, params.has_right
     tail = varlen or sq % block_m != 0 or sk % block_n != 0 or sparse
     aligned_causal = params.lower_triangular and sq == sk and block_m > block_n // 2
     every_step = varlen and not (has_left or has_right or sparse) and head_dim in BWD_TAIL_EVERY_STEP
+    scores = params.softcap > 0 or alibi is not None or flex
     return Features(VARLEN=varlen, HAS_LEFT=has_left, HAS_RIGHT=has_right, SOFTCAP=params.softcap > 0,
                     ALIBI=alibi is not None, TAIL=tail,
                     SKIP=has_left or (tail and not every_step) or (has_right and not aligned_causal),
                     EMPTY=rows_may_see_no_key(params, varlen, sq, sk, flex) or tail,
-                    SAME_SEQS=same_seqs and head_dim in BWD_SAME_SEQS)
+                    SAME_SEQS=same_seqs and head_dim in BWD_SAME_SEQS,
+                    MASK_EVERY_STEP=scores and (has_left or has_right or tail) and head_dim in BWD_MASK_EVERY_STEP)
 
 
 def one_cu_seqlens(cu_seqlens_q, cu_seqlens_k) -> bool:
