@@ -221,19 +221,16 @@ def _visible(s, rows, col0, offs, len_q, len_k, window, FEATURES: gl.constexpr, 
     window_left, window_right = window
     diag = _diagonal(rows, col0, len_q, len_k)
     keys = gl.expand_dims(offs, 0)
-    if RANGE and FEATURES.HAS_RIGHT and FEATURES.HAS_LEFT:
-        # both edges by one unsigned compare: first <= key <= last  <=>  (key - first) <= (last - first) unsigned
-        # (exact where last >= first, every row of a sequence: a row past it may see garbage, which P = 0 hides)
-        last = diag + window_right
-        if FEATURES.TAIL:
-            last = gl.minimum(last, len_k - col0 - 1)
-        first = diag - window_left
-        span = gl.expand_dims((last - first).to(gl.uint32, bitcast=True), 1)
-        return gl.where((keys - gl.expand_dims(first, 1)).to(gl.uint32, bitcast=True) <= span, s, fill)
     if FEATURES.HAS_RIGHT:
         last = diag + window_right
         if FEATURES.TAIL:
             last = gl.minimum(last, len_k - col0 - 1)
+        if RANGE and FEATURES.HAS_LEFT:
+            # both edges by one unsigned compare: first <= key <= last <=> (key - first) <= (last - first) unsigned
+            # (exact where last >= first, every row of a sequence: a row past it may see garbage, which P = 0 hides)
+            first = diag - window_left
+            span = gl.expand_dims((last - first).to(gl.uint32, bitcast=True), 1)
+            return gl.where((keys - gl.expand_dims(first, 1)).to(gl.uint32, bitcast=True) <= span, s, fill)
         s = gl.where(keys <= gl.expand_dims(last, 1), s, fill)
     elif FEATURES.TAIL:
         s = gl.where(keys < len_k - col0, s, fill)
