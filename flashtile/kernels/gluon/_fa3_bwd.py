@@ -243,6 +243,24 @@ def s_dp_products(t, q_s, do_s, k_w, v_w, turns, wg: gl.constexpr, s_layout: gl.
 
 
 @gluon.jit
+def s_product(q_s, k_w, s_layout: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Algorithm 2 line 11 alone, S = Q_i K_w^T, waited for: the first half of a step whose dP is issued later
+    (dp_product, once P is computed), without turns (not with PINGPONG)."""
+    WG_N: gl.constexpr = k_w.shape[0]
+    s_init = gl.zeros([BLOCK_M, WG_N], gl.float32, s_layout)
+    s_tok = warpgroup_mma(q_s, k_w.permute((1, 0)), s_init, use_acc=False, is_async=True)
+    return warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
+
+
+@gluon.jit
+def dp_product(do_s, v_w, s_layout: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Algorithm 2 line 16, dP = dO_i V_w^T, issued after s_product's S has become P: returns its wgmma token."""
+    WG_N: gl.constexpr = v_w.shape[0]
+    dp_init = gl.zeros([BLOCK_M, WG_N], gl.float32, s_layout)
+    return warpgroup_mma(do_s, v_w.permute((1, 0)), dp_init, use_acc=False, is_async=True)
+
+
+@gluon.jit
 def dkv_dq_products(t, p_smem, ds_smem, q_s, do_s, dk, dv, k_smem, ds_bufs, ds_ready, ds_free, dq_init, dq_desc,
                     dq_smem, sm_scale, dq_row, dq_col, turns, wg: gl.constexpr, WG_N: gl.constexpr,
                     BLOCK_M: gl.constexpr, PINGPONG: gl.constexpr):

@@ -18,8 +18,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma_wait
 
 from ._fa3_bwd import (LOG2E, _dq_product, _dq_reduce_add, _load_partition, _query_block, _store_ds,
-                       allocate, dkv_dq_products, invalidate, s_dp_products, skip_step, stage_dkv, store_dkv_f32,
-                       tma_store_dkv, wait_qdo_free, warpgroup_state)
+                       allocate, dkv_dq_products, dp_product, invalidate, s_dp_products, s_product, skip_step,
+                       stage_dkv, store_dkv_f32, tma_store_dkv, wait_qdo_free, warpgroup_state)
 from ..elementwise import score_mod_grad
 from ._fa3_fwd import (_alibi_distance_log2, _head_tile, _scores_log2, _seq_info, _sparse_row, _user_scores,
                        _visible, store_rows)
@@ -141,7 +141,15 @@ def _products(t, q_start, c0, hidden, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, 
     WG_N: gl.constexpr = k_w.shape[0]
     len_q, len_k, window = seq
     q_idx, lse2, delta = rows
-    sc, dp_tok = s_dp_products(t, q_s, do_s, k_w, v_w, turns, wg, s_layout, BLOCK_M, PINGPONG)
+    # With a mask_mod, dP is issued once P is computed (DP_LATE), not beside S: its accumulator is then not live
+    # while the mask_mod is evaluated, where ptxas spilled the step's state (same-run A/B on an H200: `git log -S
+    # DP_LATE`). The flex head dims have no PINGPONG, whose turns this order does not take.
+    DP_LATE: gl.constexpr = FLEX.MASK_MOD is not None
+    if DP_LATE:
+        gl.static_assert(not PINGPONG, "DP_LATE issues S and dP outside the PINGPONG turns")
+        sc = s_product(q_s, k_w, s_layout, BLOCK_M)
+    else:
+        sc, dp_tok = s_dp_products(t, q_s, do_s, k_w, v_w, turns, wg, s_layout, BLOCK_M, PINGPONG)
     # line 13: P = exp(S * scale - L_i) (base 2; softcap / ALiBi: the forward's scores), 0 where the mask hides
     # the key
     # (the key indices are made where they are used: kept live across the step, they cost registers that the
@@ -166,6 +174,8 @@ def _products(t, q_start, c0, hidden, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, 
         if hidden:   # (a window's two edges by one compare: RANGE)
             p = _visible(p, q_idx, c0, gl.arange(0, WG_N, layout=gl.SliceLayout(0, s_layout)), len_q, len_k,
                          window, FEATURES, 0.0, True)
+    if DP_LATE:   # (line 16)
+        dp_tok = dp_product(do_s, v_w, s_layout, BLOCK_M)
     # P through shared memory: dV's A operand is P^T (keys x queries), a transposed read of the tile
     p_smem.store(p.to(dtype))
     if SOFTCAP and SCORE_MOD is None:   # (P stored: its registers hold P o (1 - tanh^2), dS's factor, not tanh too)
