@@ -532,30 +532,39 @@ def transformers_section(doc, folder: Folder, name: str):
         f"{doc.fig(data['configs'][c]['num_key_value_heads'], 'd', src)}, head dim {doc.fig(data['configs'][c]['head_dim'], 'd', src)}, "
         f"{doc.fig(data['configs'][c]['params'] / 1e9, '.1f', src)}B parameters" for c in configs)
     mine = [r for r in rows if r["impl"] != "sdpa"]
-    eager = not any(r["compiled"] for r in rows)
+    compiled = any(r["compiled"] for r in rows)
+    how = (f"eager, and compiled: torch.compile of the model's {doc.text(meta['compile_scope'], src)} "
+           f"({doc.text(meta['train_compile_kwargs']['backend'], src)}, default mode)" if compiled
+           else "eager (no torch.compile)")
     out = [f"Hugging Face transformers {doc.text(meta['transformers'], src)} `LlamaForCausalLM` with random weights "
            f"({cfgs}), attn_implementation flashtile against sdpa on the same weights and batches. One training step: "
            f"forward with labels, backward, {doc.text(meta['optimizer'], src)} step, all in "
-           f"{doc.text(meta['dtype'], src)}" + (", eager (no torch.compile)" if eager else "") + "; "
+           f"{doc.text(meta['dtype'], src)}, {how}; "
            f"{doc.fig(meta['tokens_per_step'], 'seq', src)} token slots per step (batch = slots / seqlen), the median "
            f"of {doc.fig(meta['steps'], 'd', src)} steps after {doc.fig(meta['warmup'], 'd', src)} of warm-up. Dense: "
            "every sequence full length, no attention mask; padded: each sequence's length uniform between half the seqlen and the "
-           "seqlen, right padding, an attention mask per token (flashtile unpads and runs varlen, SDPA gets the expanded mask). "
+           "seqlen, right padding, an attention mask per token (flashtile unpads and runs varlen where the model runs "
+           "eagerly, the dense kernel with a key mask where compiled; SDPA gets the expanded mask). "
            "tokens/s counts real tokens only. The ratio is flashtile's tokens/s over SDPA's. Check: the first step's "
            f"loss against SDPA's, relative difference at most {doc.fig(max(r['loss_rel_diff_vs_sdpa'] for r in mine), '.1e', src)} "
            f"(tolerance {doc.fig(meta['loss_rtol'], 'g', src)})"
            + ("" if all(r["loss_ok"] for r in mine) else ", FAILED in some rows (see the JSON)")
            + f". Command: `{doc.text(folder.runs[name]['command'], folder.readme)}`.", ""]
-    out.append("| config | seqlen | batch | sequences | flashtile tokens/s | SDPA tokens/s | flashtile / SDPA |")
-    out.append("|---|---:|---:|---|---:|---:|---:|")
-    for (c, n, padded, compiled, impl), r in sorted(by.items()):
-        ref = by.get((c, n, padded, compiled, "sdpa"))
-        if impl != "flashtile" or ref is None:
-            continue
-        out.append(f"| {doc.text(c, src)}{' compiled' if compiled else ''} | {doc.fig(n, 'seq', src)} | "
-                   f"{doc.fig(r['batch'], 'd', src)} | {'padded' if padded else 'dense'} | "
-                   f"{doc.fig(r['tokens_per_s'], ',.0f', src)} | {doc.fig(ref['tokens_per_s'], ',.0f', src)} | "
-                   f"{doc.fig(r['tokens_per_s'] / ref['tokens_per_s'], 'ratio', src)} |")
+    out.append("| model | seqlen | batch | dense: flashtile tokens/s | SDPA | / SDPA | padded: flashtile tokens/s | SDPA "
+               "| / SDPA |")
+    out.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+    def cells(key):
+        r, ref = by.get((*key, "flashtile")), by.get((*key, "sdpa"))
+        if r is None or ref is None:
+            return "- | - | -"
+        return (f"{doc.fig(r['tokens_per_s'], ',.0f', src)} | {doc.fig(ref['tokens_per_s'], ',.0f', src)} | "
+                f"{doc.fig(r['tokens_per_s'] / ref['tokens_per_s'], 'ratio', src)}")
+
+    points = sorted({(c, bool(comp), n, r["batch"]) for (c, n, _, comp, _), r in by.items()})
+    for c, comp, n, batch in points:
+        out.append(f"| {doc.text(c, src)}{' compiled' if comp else ''} | {doc.fig(n, 'seq', src)} | "
+                   f"{doc.fig(batch, 'd', src)} | {cells((c, n, False, comp))} | {cells((c, n, True, comp))} |")
     out.append("")
     return out
 
@@ -605,33 +614,36 @@ def features_section(doc, folder: Folder):
                 not_run.setdefault(PEERS.get(r["provider"], r["provider"]), set()).add(kind)
         err = max(r["errors"]["out_vs_reference"] for r in data["results"] if r.get("errors"))
         gpu = doc.text(environment(data)[0], src)
-        for (d, n), rows in features_points(data).items():
-            out.append(
-                f"`benchmarks/bench_features.py` on {gpu}: head dim {doc.fig(d, 'd', src)}, {doc.fig(n, 'd', src)} "
-                f"tokens per row (the labels give each input's length), batch {doc.fig(s['batch'], 'd', src)}, "
-                f"{doc.fig(s['nheads'], 'd', src)} heads, {doc.text(s['dtype'], src)}. TFLOP/s count the visible (query, "
-                "key) pairs only; " + " and ".join(f"/ {PEERS[p]}" for p in peers) + " are flashtile's speed over "
-                "the peer's, timed in the same process"
-                + ("; - marks a provider not run (" + "; ".join(f"{p}: {', '.join(doc.text(k, src) for k in sorted(ks))}"
-                                                                for p, ks in sorted(not_run.items()))
-                   + "; the JSON gives each reason)" if not_run else "")
-                + f". Every output was checked against a float64 oracle before timing: largest relative error "
-                f"{doc.fig(err, '.1e', src)} (tolerance {doc.fig(s['tolerance'], 'g', src)}). "
-                f"Command: `{doc.text(folder.runs[name]['command'], folder.readme)}`.")
-            out.append("")
-            group = ["flashtile TFLOP/s"] + [PEERS[p] for p in peers] + [f"/ {PEERS[p]}" for p in peers]
-            out.append("| input | " + " | ".join(f"{FEATURE_MODES[m]}: {group[0]} | " + " | ".join(group[1:])
+        points = features_points(data)
+        out.append(
+            f"`benchmarks/bench_features.py` on {gpu}: head dims (d) "
+            + ", ".join(doc.fig(d, 'd', src) for d in s["headdims"]) + ", "
+            + ", ".join(doc.fig(n, 'd', src) for n in s["seqlens"]) + " "
+            f"tokens per row (the labels give each input's length), batch {doc.fig(s['batch'], 'd', src)}, "
+            f"{doc.fig(s['nheads'], 'd', src)} heads, {doc.text(s['dtype'], src)}. TFLOP/s count the visible (query, "
+            "key) pairs only; " + " and ".join(f"/ {PEERS[p]}" for p in peers) + " are flashtile's speed over "
+            "the peer's, timed in the same process"
+            + ("; - marks a provider not run (" + "; ".join(f"{p}: {', '.join(doc.text(k, src) for k in sorted(ks))}"
+                                                            for p, ks in sorted(not_run.items()))
+               + "; the JSON gives each reason)" if not_run else "")
+            + f". Every output was checked against a float64 oracle before timing: largest relative error "
+            f"{doc.fig(err, '.1e', src)} (tolerance {doc.fig(s['tolerance'], 'g', src)}). "
+            f"Command: `{doc.text(folder.runs[name]['command'], folder.readme)}`.")
+        out.append("")
+        group = ["flashtile TFLOP/s"] + [PEERS[p] for p in peers] + [f"/ {PEERS[p]}" for p in peers]
+        out.append("| d | input | " + " | ".join(f"{FEATURE_MODES[m]}: {group[0]} | " + " | ".join(group[1:])
                                                  for m in s["modes"]) + " |")
-            out.append("|---|" + "---:|" * (len(group) * len(s["modes"])))
+        out.append("|---:|---|" + "---:|" * (len(group) * len(s["modes"])))
+        for (d, n), rows in points.items():
             for label, tflops in rows:
-                row = [doc.text(label, src)]
+                row = [doc.fig(d, "d", src), doc.text(label, src)]
                 for m in s["modes"]:
                     row += [doc.fig(v, ".0f", src) if v is not None else "-"
                             for v in (tflops[m].get(p) for p in ["flashtile"] + peers)]
                     row += [doc.fig(x, "ratio", src) if x is not None else "-"
                             for x in (features_speedup(tflops, m, p) for p in peers)]
                 out.append("| " + " | ".join(row) + " |")
-            out.append("")
+        out.append("")
     return out
 
 

@@ -114,12 +114,12 @@ H200 = "NVIDIA H200"
 
 
 def _features_table(text, gpu=H200):
-    """(header cells, {input label: cells}) of the first table (the first head dim) of the feature benchmark's section
-    of one GPU in a BENCHMARKS.md text."""
+    """(header cells, {input label: cells}) of the feature benchmark's table in the section of one GPU in a
+    BENCHMARKS.md text, the rows of its first head dim (column d, left out of the cells)."""
     section = text.split(f"## Inputs models send (feature benchmark), {gpu}")[1].split("\n## ")[0]
-    table = section.split("\n| input |")[1].split("\n\n")[0]
-    rows = [line[2:-2].split(" | ") for line in ("| input |" + table).splitlines() if line.startswith("| ")]
-    return rows[0], {cells[0]: cells for cells in rows[1:]}
+    table = section.split("\n| d | input |")[1].split("\n\n")[0]
+    rows = [line[2:-2].split(" | ") for line in ("| d | input |" + table).splitlines() if line.startswith("| ")]
+    return rows[0][1:], {cells[1]: cells[1:] for cells in rows[1:] if cells[0] == rows[1][0]}
 
 
 def _misses_of(text, gpu):
