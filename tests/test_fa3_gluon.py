@@ -386,9 +386,10 @@ def test_bwd_launch_follows_the_tables(d, causal, monkeypatch):
 
 @pytest.mark.parametrize("d", sorted(fa3.BWD_CONFIGS))
 def test_split_bwd_launch_adds_into_float32_accumulators(d, monkeypatch):
-    """A split GQA backward (fa3.bwd_split) launches SPLIT programs per (batch, kv head) with dK / dV descriptors
-    over float32 accumulators, zeroed, which are copied into the caller's dk, dv after the launch (here the launch
-    writes nothing: the poisoned dk, dv come back as the accumulators' zeros)."""
+    """A split GQA backward (fa3.bwd_split) launches SPLIT programs per (batch, kv head), each told its number of
+    query heads (group / SPLIT), with dK / dV descriptors over float32 accumulators, zeroed, which are copied into
+    the caller's dk, dv after the launch (here the launch writes nothing: the poisoned dk, dv come back as the
+    accumulators' zeros)."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     kernels = type("kernels", (), {"fa3_bwd_kernel": object()})
     monkeypatch.setattr(fa3, "_kernels", lambda index: (None, kernels, _FakeDescriptor))
@@ -404,6 +405,7 @@ def test_split_bwd_launch_adds_into_float32_accumulators(d, monkeypatch):
     (kernel, grid, args, kw), = launches
     block_n = fa3.BWD_CONFIGS[d][1]
     assert kw["SPLIT"] == 2 and grid == (1024 // block_n, 2 * 2 * 2)
+    assert args[10] == (1024, 1024, 2, 1)   # sizes: seqlen_q, seqlen_k, nheads_k, query heads per program
     dk_acc, dv_acc = args[7].base, args[8].base
     assert dk_acc.dtype == torch.float32 and dk_acc.numel() == k.numel() and dk_acc.data_ptr() != dk.data_ptr()
     assert torch.equal(dk, torch.zeros_like(dk)) and torch.equal(dv, torch.zeros_like(dv))

@@ -484,7 +484,8 @@ def fa3_bwd_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr,
                    HEADS: gl.constexpr, num_warps: gl.constexpr):
     """Grid (seqlen_k / BLOCK_N, batch * nheads_k); TILE (fa3.BwdTile): HEAD_D, BLOCK_N = 2 x 64 key rows (one
     64-row half per consumer warpgroup, num_warps = 4), BLOCK_M query rows per step, STAGES, PINGPONG.
-    The argument groups: lse_strides (stride_lse_b, stride_lse_h), sizes (seqlen_q, seqlen_k, nheads_k, group),
+    The argument groups: lse_strides (stride_lse_b, stride_lse_h), sizes (seqlen_q, seqlen_k, nheads_k, heads: the
+    query heads of a program, group / SPLIT),
     scales (sm_scale = softmax_scale, qk_scale = softmax_scale log2 e). k/v descriptors: 2-D views (batch * seqlen_k,
     nheads_k * HEAD_D), blocks (BLOCK_N, HEAD_D); q/dO: (batch * seqlen_q, nheads * HEAD_D), blocks
     (BLOCK_M, HEAD_D); dk_desc / dv_desc: descriptors over dK, dV as k/v's, blocks (BLOCK_N / 2, HEAD_D) (one
@@ -495,31 +496,26 @@ def fa3_bwd_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr,
     (BLOCK_M, BLOCK_N / 2) tile of q's dtype (a warpgroup's P or dS). seqlen_q % BLOCK_M == 0 and
     seqlen_k % BLOCK_N == 0 (the host checks); causal only with seqlen_q == seqlen_k.
     SPLIT > 1 (GQA / MQA): a KV head's query heads are shared by SPLIT programs (grid (seqlen_k / BLOCK_N, batch *
-    nheads_k * SPLIT)), each running group / SPLIT of them and adding its dK_j, dV_j into zeroed float32
+    nheads_k * SPLIT)), each running heads = group / SPLIT of them and adding its dK_j, dV_j into zeroed float32
     accumulators (dk_desc / dv_desc) by TMA reduce-add: more, shorter programs where batch x nheads_k x key blocks
     are too few to balance over the SMs (fa3.bwd_split). HEADS (fa3.BWD_GQA_HEADS; 0: the division): a program's
     query heads (group / SPLIT) as a compile-time count, run innermost (_query_block)."""
     stride_lse_b, stride_lse_h = lse_strides
-    seqlen_q, seqlen_k, nheads_k, group = sizes
+    seqlen_q, seqlen_k, nheads_k, heads = sizes
     sm_scale, qk_scale = scales
     HEAD_D: gl.constexpr = TILE.HEAD_D
     BLOCK_M: gl.constexpr = TILE.BLOCK_M
     BLOCK_N: gl.constexpr = TILE.BLOCK_N
     STAGES: gl.constexpr = TILE.STAGES
-    # one head's key blocks after another: they share the head's Q_i, dO_i in L2 (every head's first block, then
-    # every head's second... measured slower)
+    # program (key block, (b, hq)) runs query heads [hq * heads, +heads) of KV head hk = hq // SPLIT; one head's key
+    # blocks after another: they share the head's Q_i, dO_i in L2 (every head's first block, then every head's
+    # second... measured slower). heads comes from the host: computed here (group // SPLIT) it held a register
+    # through the loop, where ptxas then spilled the step's state.
     pid_n = gl.program_id(0)
     bh = gl.program_id(1)
-    heads = group          # the query heads this program runs: [hq * heads, +heads)
-    if SPLIT > 1:
-        part = bh % SPLIT
-        bh = bh // SPLIT
-        heads = group // SPLIT
-    b = bh // nheads_k
-    hk = bh % nheads_k
-    hq = hk
-    if SPLIT > 1:
-        hq = hk * SPLIT + part
+    b = bh // (nheads_k * SPLIT)
+    hq = bh % (nheads_k * SPLIT)
+    hk = hq // SPLIT
     kv_start = pid_n * BLOCK_N
     kv_row = b * seqlen_k + kv_start
     q_row0 = b * seqlen_q

@@ -778,7 +778,7 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, 
     if dense:
         kernel, n_live = kern.fa3_bwd_kernel, _BWD_LIVE
         args = (*descs, lse, delta, dk_desc, dv_desc, (lse.stride(0), lse.stride(1)), (sq, sk, nheads_k,
-                nheads // nheads_k), (params.softmax_scale, params.softmax_scale * LOG2E))
+                nheads // nheads_k // split), (params.softmax_scale, params.softmax_scale * LOG2E))
     else:
         kernel, n_live = kern.fa3_bwd_any_kernel, _BWD_LIVE + 5
         lse_strides = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
