@@ -181,7 +181,7 @@ def compile_bwd(head_dim: int, causal: bool, dtype: torch.dtype, features=()):
     flags.update(SKIP=ours.SKIP or flags["TAIL"], EMPTY=ours.EMPTY or flags["TAIL"],
                  MASK_EVERY_STEP=ours.MASK_EVERY_STEP)
     return _compile(_fa3_bwd_any.fa3_bwd_any_kernel, runtime, dict(consts, FEATURES=Features(**flags),
-                                                                  FLEX=flex_consts))
+                                                                  FLEX=flex_consts, HEADS=0))
 
 
 def compile_paged(head_dim: int, causal: bool, dtype: torch.dtype, page: int):

@@ -476,6 +476,22 @@ def test_dense_backward_takes_a_programs_query_heads_as_a_constant(monkeypatch):
             assert kw["HEADS"] == (heads if d in fa3.BWD_GQA_HEADS else 0), (d, h, hk, split)
 
 
+def test_general_backward_takes_the_group_as_a_constant_where_the_table_says(monkeypatch):
+    """fa3_bwd_any_kernel's GQA / MQA programs get their group as the constexpr HEADS at the head dims of
+    fa3.BWD_ANY_GQA_HEADS (unaligned lengths here: the general kernel); MHA takes 0 (the division)."""
+    kernels, launches = _recorded_bwd_launches(monkeypatch)
+    for d in sorted(fa3.BWD_CONFIGS):
+        for h, hk in ((8, 8), (8, 2), (8, 1)):
+            q, k, v = _qkv(b=1, sq=1000, sk=1000, h=h, hk=hk, d=d)
+            lse = torch.randn(1, h, 1000)
+            launches.clear()
+            fa3.bwd(torch.randn_like(q), q, k, v, lse, torch.randn_like(lse),
+                    *[torch.empty_like(t) for t in (q, k, v)], CAUSAL)
+            (launched, _, _, kw), = launches
+            assert launched is kernels.fa3_bwd_any_kernel, (d, h, hk)
+            assert kw["HEADS"] == (h // hk if d in fa3.BWD_ANY_GQA_HEADS and hk < h else 0), (d, h, hk)
+
+
 def test_general_backward_masks_every_step_where_the_table_says(monkeypatch):
     """fa3_bwd_any_kernel masks P on every step (MASK_EVERY_STEP) for softcap, ALiBi or flex features with a mask
     rule or sequence ends, at the head dims of fa3.BWD_MASK_EVERY_STEP; without those features, or without anything

@@ -198,14 +198,16 @@ def _products(t, q_start, c0, hidden, dk, dv, dq_row, dq_col, k_w, v_w, k_smem, 
 
 
 @gluon.jit
-def _consumer_partition(wg: gl.constexpr, shared, TILE: gl.constexpr, FEATURES: gl.constexpr, FLEX: gl.constexpr):
+def _consumer_partition(wg: gl.constexpr, shared, TILE: gl.constexpr, FEATURES: gl.constexpr, FLEX: gl.constexpr,
+                        HEADS: gl.constexpr):
     """Consumer warpgroup `wg`: key rows [wg * 64, wg * 64 + 64) of the program's block through every query block
     (per query head of the group), then its rows of dK_j, dV_j (Algorithm 2 line 22). `shared`: the buffers,
     barriers, descriptors and scalars it uses (as the kernel names them), among them lse_rows: (stride_lse_b,
     stride_lse_h, the sequence's first LSE column); dkv: the dK / dV descriptors, pointers and row strides; seq:
     (len_q, len_k, window); alibi: (slopes, their batch stride, softcap log2 e); flex: (the key block's row of the
     block mask's transposed lists, the lists, score_aux, mask_aux, score_aux_grad, attn_bias's and the mask's
-    pointers and strides) with a block mask's next query block read a step ahead of its use."""
+    pointers and strides) with a block mask's next query block read a step ahead of its use. HEADS: the kernel's
+    (_query_block's order)."""
     (k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, qdo_ready, qdo_empty, ds_ready, ds_free, turns,
      dq_desc, lse_ptr, delta_ptr, lse_rows, dkv, kv_row, kv_col, b, kv_start, q_row0, n_iters, n_i, i_start, hk, group,
      sm_scale, qk_scale, seq, alibi, flex) = shared
@@ -243,7 +245,7 @@ def _consumer_partition(wg: gl.constexpr, shared, TILE: gl.constexpr, FEATURES: 
             h_next, i_next = _query_block(gl.minimum(t + 1, n_iters - 1), n_i, i_start, hk, group, blocks,
                                           SPARSE_BLOCK, BLOCK_M)
         else:
-            h, i = _query_block(t, n_i, i_start, hk, group)
+            h, i = _query_block(t, n_i, i_start, hk, group, HEADS=HEADS)
             partial = True
         user = (b, h, score_aux, mask_aux, _head_tile(bias_t, b, h, FLEX.HAS_BIAS),
                 _head_tile(mask_t, b, h, FLEX.HAS_MASK))
@@ -325,7 +327,7 @@ def _store_dkv_rows_f32(dk, dv, dkv, qdo_empty, row, col, n_rows, n_iters, sm_sc
 def fa3_bwd_any_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr, dk_desc, dv_desc, dk_ptr, dv_ptr,
                        cu_seqlens_q, cu_seqlens_k, alibi_ptr, flex, strides, sizes, scales, window,
                        TILE: gl.constexpr, P_LAYOUT: gl.constexpr, FEATURES: gl.constexpr, FLEX: gl.constexpr,
-                       num_warps: gl.constexpr):
+                       num_warps: gl.constexpr, HEADS: gl.constexpr = 0):
     """Grid (cdiv(seqlen_k, BLOCK_N), batch * nheads_k); TILE (fa3.BwdTile): HEAD_D, BLOCK_N = 2 x 64 key rows (one
     64-row half per consumer warpgroup, num_warps = 4), BLOCK_M query rows per step, STAGES, PINGPONG. k/v
     descriptors: 2-D views (rows, nheads_k * HEAD_D), blocks (BLOCK_N, HEAD_D); q/dO: (rows, nheads * HEAD_D), blocks
@@ -354,9 +356,12 @@ def fa3_bwd_any_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_
     block) pairs as bh * n_key_blocks + key block, those with the most listed query blocks first (a key block every
     query sees, such as attention sinks', is the longest program: started last, it would end the launch alone).
     Without one: one head's key blocks after another: they share the head's Q_i, dO_i in L2 (every head's first
-    block, then every head's second... measured slower)."""
+    block, then every head's second... measured slower).
+    HEADS (fa3.BWD_ANY_GQA_HEADS; 0: the division; not with a block mask): the group as a compile-time count, its
+    heads run innermost (_query_block)."""
     HEAD_D: gl.constexpr = TILE.HEAD_D
     SPARSE_BLOCK: gl.constexpr = FLEX.SPARSE_BLOCK
+    gl.static_assert(HEADS == 0 or SPARSE_BLOCK == 0, "HEADS: no block mask")
     BLOCK_M: gl.constexpr = TILE.BLOCK_M
     BLOCK_N: gl.constexpr = TILE.BLOCK_N
     STAGES: gl.constexpr = TILE.STAGES
@@ -405,11 +410,11 @@ def fa3_bwd_any_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_ptr, delta_
               ds_free, turns, dq_desc, lse_ptr, delta_ptr, lse_rows, dkv, kv_row, hk * HEAD_D, b, kv_start, q_row0,
               n_iters, n_i, i_start, hk, group, sm_scale, qk_scale, seq, alibi, flex)
     gl.warp_specialize([
-        (_consumer_partition, (0, shared, TILE, FEATURES, FLEX)),
-        (_consumer_partition, (1, shared, TILE, FEATURES, FLEX)),
+        (_consumer_partition, (0, shared, TILE, FEATURES, FLEX, HEADS)),
+        (_consumer_partition, (1, shared, TILE, FEATURES, FLEX, HEADS)),
         (_load_partition, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, qdo_ready,
                            qdo_empty, kv_row, hk * HEAD_D, q_row0, n_iters, n_i, i_start, hk, group, BLOCK_M,
-                           HEAD_D, STAGES, (srow, sparse, len_q), SPARSE_BLOCK)),
+                           HEAD_D, STAGES, (srow, sparse, len_q), SPARSE_BLOCK, HEADS)),
     ], [4, 1], [240, 24])
 
     invalidate(barriers, STAGES)

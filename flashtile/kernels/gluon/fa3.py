@@ -107,6 +107,11 @@ GQA_SPLIT = 0
 # division of the step's index; fewer registers spilled). Faster at both (same-run A/B on an H200: `git log -S
 # BWD_GQA_HEADS`); other head dims keep the heads outermost.
 BWD_GQA_HEADS = (64, 128)
+# head dims at which fa3_bwd_any_kernel does the same for GQA / MQA problems without a block mask (its HEADS; the
+# group's heads innermost, every head of a query block before the next block). Faster at d64 (varlen, unaligned
+# causal); at d128 slower with a mask rule (causal, windows) though ptxas spills less (same-run A/B on an H200:
+# `git log -S BWD_ANY_GQA_HEADS`)
+BWD_ANY_GQA_HEADS = (64, )
 
 
 class FwdTile(NamedTuple):
@@ -745,9 +750,11 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, 
         kwargs.update(CAUSAL=params.is_causal, SPLIT=split,
                       HEADS=heads if head_dim in BWD_GQA_HEADS and heads > 1 else 0)
     else:
+        group = nheads // nheads_k
         kwargs.update(FEATURES=bwd_features(params, varlen, alibi, sq, sk, block_m, block_n, flex is not None,
                                             sparse is not None, head_dim, same),
-                      FLEX=(flex or _NO_FLEX_BWD)[1])
+                      FLEX=(flex or _NO_FLEX_BWD)[1],
+                      HEADS=group if head_dim in BWD_ANY_GQA_HEADS and group > 1 and sparse is None else 0)
     extras = (cu_seqlens_q, cu_seqlens_k, alibi)
     live_flex = None if flex is None else flex[0]   # (a flex problem's template takes its tensors per call)
     key = _bwd_key(q, k, v, lse, dk, dv, params, alibi, sq, sk, block_m, None if flex is None else flex[1], split,
