@@ -233,31 +233,33 @@ def s_dp_products(t, q_s, do_s, k_w, v_w, turns, wg: gl.constexpr, s_layout: gl.
     """The first half of step t (both backward kernels): Algorithm 2 lines 11 and 16 for this warpgroup's keys,
     S = Q_i K_w^T and dP = dO_i V_w^T, issued together (with PINGPONG on this warpgroup's turn). Returns S (waited
     for) and dP's wgmma token (waited for after P is stored)."""
-    WG_N: gl.constexpr = k_w.shape[0]
-    s_init = gl.zeros([BLOCK_M, WG_N], gl.float32, s_layout)
     _turn(turns, wg, 2 * t, 2, PINGPONG)
-    s_tok = warpgroup_mma(q_s, k_w.permute((1, 0)), s_init, use_acc=False, is_async=True)
-    dp_tok = warpgroup_mma(do_s, v_w.permute((1, 0)), s_init, use_acc=False, is_async=True)
+    s_tok = _issue_product(q_s, k_w, s_layout, BLOCK_M)
+    dp_tok = dp_product(do_s, v_w, s_layout, BLOCK_M)
     _pass_turn(turns, wg, 2, PINGPONG)
     return warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, )), dp_tok
+
+
+@gluon.jit
+def _issue_product(a_s, b_w, s_layout: gl.constexpr, BLOCK_M: gl.constexpr):
+    """A_s B_w^T (BLOCK_M x the warpgroup's keys, float32) issued asynchronously: its wgmma token."""
+    WG_N: gl.constexpr = b_w.shape[0]
+    init = gl.zeros([BLOCK_M, WG_N], gl.float32, s_layout)
+    return warpgroup_mma(a_s, b_w.permute((1, 0)), init, use_acc=False, is_async=True)
 
 
 @gluon.jit
 def s_product(q_s, k_w, s_layout: gl.constexpr, BLOCK_M: gl.constexpr):
     """Algorithm 2 line 11 alone, S = Q_i K_w^T, waited for: the first half of a step whose dP is issued later
     (dp_product, once P is computed), without turns (not with PINGPONG)."""
-    WG_N: gl.constexpr = k_w.shape[0]
-    s_init = gl.zeros([BLOCK_M, WG_N], gl.float32, s_layout)
-    s_tok = warpgroup_mma(q_s, k_w.permute((1, 0)), s_init, use_acc=False, is_async=True)
-    return warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
+    return warpgroup_mma_wait(num_outstanding=0, deps=(_issue_product(q_s, k_w, s_layout, BLOCK_M), ))
 
 
 @gluon.jit
 def dp_product(do_s, v_w, s_layout: gl.constexpr, BLOCK_M: gl.constexpr):
-    """Algorithm 2 line 16, dP = dO_i V_w^T, issued after s_product's S has become P: returns its wgmma token."""
-    WG_N: gl.constexpr = v_w.shape[0]
-    dp_init = gl.zeros([BLOCK_M, WG_N], gl.float32, s_layout)
-    return warpgroup_mma(do_s, v_w.permute((1, 0)), dp_init, use_acc=False, is_async=True)
+    """Algorithm 2 line 16, dP = dO_i V_w^T, issued (s_dp_products: beside S; with s_product: once P is computed):
+    its wgmma token."""
+    return _issue_product(do_s, v_w, s_layout, BLOCK_M)
 
 
 @gluon.jit

@@ -724,6 +724,7 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, 
     sq = max_seqlen_q if varlen else q.shape[1]
     sk = max_seqlen_k if varlen else k.shape[1]
     nheads, head_dim, nheads_k = q.shape[-2], q.shape[-1], k.shape[-2]
+    group = nheads // nheads_k
     with_flex = has_flex(bias, mask, sparse, mods)
     same = one_cu_seqlens(cu_seqlens_q, cu_seqlens_k)
     dense = dense_bwd(q, k, params, alibi, varlen, with_flex)
@@ -745,12 +746,11 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, 
                 flex_consts(bias, mask, sparse, mods, backward=True))
     tile = BwdTile(head_dim, block_m, block_n, stages, pingpong)
     kwargs = dict(TILE=tile, P_LAYOUT=_smem_layout(block_m, block_n // 2, q.dtype), num_warps=4, maxnreg=MAXNREG)
+    heads = group // split   # query heads per program
     if dense:
-        heads = nheads // nheads_k // split   # query heads per program
         kwargs.update(CAUSAL=params.is_causal, SPLIT=split,
                       HEADS=heads if head_dim in BWD_GQA_HEADS and heads > 1 else 0)
     else:
-        group = nheads // nheads_k
         kwargs.update(FEATURES=bwd_features(params, varlen, alibi, sq, sk, block_m, block_n, flex is not None,
                                             sparse is not None, head_dim, same),
                       FLEX=(flex or _NO_FLEX_BWD)[1],
@@ -784,8 +784,8 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, 
              desc(dout, block_m, head_dim), desc(dq_acc, *dq_tile))
     if dense:
         kernel, n_live = kern.fa3_bwd_kernel, _BWD_LIVE
-        args = (*descs, lse, delta, dk_desc, dv_desc, (lse.stride(0), lse.stride(1)), (sq, sk, nheads_k,
-                nheads // nheads_k // split), (params.softmax_scale, params.softmax_scale * LOG2E))
+        args = (*descs, lse, delta, dk_desc, dv_desc, (lse.stride(0), lse.stride(1)), (sq, sk, nheads_k, heads),
+                (params.softmax_scale, params.softmax_scale * LOG2E))
     else:
         kernel, n_live = kern.fa3_bwd_any_kernel, _BWD_LIVE + 5
         lse_strides = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
@@ -793,7 +793,7 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, 
         strides = (*lse_strides, tma_row_view(dk_out).stride(0), tma_row_view(dv_out).stride(0),
                    0 if alibi is None or alibi.dim() == 1 else alibi.stride(0))
         args = (*descs, lse, delta, dk_desc, dv_desc, dk_out, dv_out, *(lse if t is None else t for t in extras),
-                (flex or _NO_FLEX_BWD)[0], strides, (max(sq, 2) if varlen else sq, sk, nheads_k, nheads // nheads_k),
+                (flex or _NO_FLEX_BWD)[0], strides, (max(sq, 2) if varlen else sq, sk, nheads_k, group),
                 (params.softmax_scale, score_scale, softcap_log2),
                 (max(params.window_left, 0), max(params.window_right, 0)))
         n_live += live_flex is not None
