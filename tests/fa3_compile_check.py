@@ -103,7 +103,8 @@ def _flex_runtime(lse, features, b, h, s, backward=False):
 def compile_fwd(head_dim: int, causal: bool, dtype: torch.dtype, seqlen: int = 1 << 20, features=()):
     """The bf16 / fp16 forward as fa3.fwd launches it at this sequence length (fa3.fwd_config), with the feature
     flags named in `features` (FEATURES) on; causal: HAS_RIGHT, the causal config."""
-    num_wg, block_n, stages, pingpong = fa3.fwd_config(head_dim, seqlen, causal, "alibi" in features)
+    num_wg, block_n, stages, pingpong = fa3.fwd_config(head_dim, seqlen, causal, "alibi" in features,
+                                                       any(f in FLEX for f in features))
     b, s, h = 2, 1024, 4
     t = torch.randn(b * s, h * head_dim, dtype=dtype)
     lse = torch.empty(b, h, s)
@@ -151,7 +152,8 @@ def compile_bwd(head_dim: int, causal: bool, dtype: torch.dtype, features=()):
                         window_right=0 if causal or "right" in features else -1,
                         softcap=30.0 if "softcap" in features else 0.0)
     alibi = torch.zeros(h) if "alibi" in features else None
-    (block_m, block_n, stages), pingpong = fa3.bwd_config(head_dim, params, alibi, not features)
+    (block_m, block_n, stages), pingpong = fa3.bwd_config(head_dim, params, alibi, not features, False,
+                                                          any(f in FLEX for f in features))
     t = torch.randn(b * s, h * head_dim, dtype=dtype)
     dq = torch.zeros(b * s, h * head_dim)
     lse = torch.empty(b, h, s)

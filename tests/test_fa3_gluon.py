@@ -86,13 +86,13 @@ def _block_mask(s, block_size, heads=None):
 
 
 def test_flex_features_eligible():
-    """The forward and backward take flashtile.flex's features of dense problems at d128; not dBias, block masks of
+    """The forward and backward take flashtile.flex's features of dense problems at FLEX_HEAD_DIMS; not dBias, block masks of
     blocks smaller than 128 (a tile would span two), varlen, nor (the backward) per-head lists for a group of query
     heads sharing a KV head."""
     from flashtile.kernels.params import UserMods
     q, k, v = _qkv()
     mods = UserMods(mask_mod=object(), mask_aux=(0, ))
-    assert not fa3.eligible(*_qkv(d=64), FULL, mods=mods)     # (FLEX_HEAD_DIMS: the Triton kernels are faster)
+    assert fa3.eligible(*_qkv(d=64), FULL, mods=mods) == (64 in fa3.FLEX_HEAD_DIMS)
     bias, mask = torch.zeros(1, 4, 1024, 1024), torch.ones(1, 1, 1024, 1024, dtype=torch.bool)
     for backward in (False, True):
         assert fa3.eligible(q, k, v, FULL, mods=mods, backward=backward)
@@ -231,7 +231,8 @@ def test_features_and_layouts():
     assert fa3.eligible(q, k, v, CAUSAL, alibi=torch.ones(2, 4))
     assert not fa3.eligible(q, k, v, FULL, alibi=torch.ones(4, dtype=torch.float64))
     assert fa3.eligible(q, k, v, FULL, alibi=torch.ones(4), backward=True)
-    assert not fa3.eligible(*_qkv(d=64), FULL, mask=torch.ones(1, 1, 1024, 1024, dtype=torch.bool))
+    assert fa3.eligible(*_qkv(d=64), FULL, mask=torch.ones(1, 1, 1024, 1024, dtype=torch.bool)) == \
+        (64 in fa3.FLEX_HEAD_DIMS)
     assert not fa3.eligible(*_qkv(d=256), FULL, bias=torch.ones(1, 1, 1024, 1024))
     assert not fa3.eligible(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, FULL)   # strided q
     assert not fa3.eligible(q[0], k[0], v[0], FULL)                                        # packed, no cu_seqlens

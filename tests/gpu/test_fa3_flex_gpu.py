@@ -87,7 +87,7 @@ FLEX_CASES = {
     "sliding-sinks-block_mask-256-d128-gqa": (1, 4096, 4096, 8, 2, 128, fp16, lambda b, s: (
         dict(block_mask=create_block_mask(sliding_window_mask(700, 4), None, None, s, s, BLOCK_SIZE=256,
                                           device=DEV)), None, t_sliding(700, 4), ())),
-    "prefix-lm-mask_mod-d64-triton": (2, 1024, 1024, 8, 2, 64, fp16, lambda b, s: (
+    "prefix-lm-mask_mod-d64": (2, 1024, 1024, 8, 2, 64, fp16, lambda b, s: (
         dict(mask_mod=prefix_lm_mask(torch.tensor([300, 1000], dtype=torch.int32, device=DEV))), None,
         t_prefix_lm(torch.tensor([300, 1000], device=DEV)), ())),
     "softcap-score_mod+document-block_mask-callable-d128": (1, 2048, 2048, 8, 4, 128, bf16, lambda b, s: (

@@ -63,7 +63,7 @@ FP8_PINGPONG = {64: (False, False), 128: (False, False), 256: (True, False)}
 # head dims at which the forward and backward take flashtile.flex's features (mods, masks, attn_bias, block masks):
 # where they run them faster than the Triton kernels (benchmarks/bench_flex.py --headdim: flashtile.flex against
 # flashtile.flex (Triton))
-FLEX_HEAD_DIMS = (128, )
+FLEX_HEAD_DIMS = (64, 128)
 
 # head_dim -> (Br, Bc, stages) of the backward: a program owns Bc = 2 x 64 keys (one half per consumer
 # warpgroup, dK / dV in registers) and streams Br query rows per step through `stages` (Q_i, dO_i) buffers
@@ -287,7 +287,7 @@ def fwd(q, k, v, out, lse, params, alibi=None, cu_seqlens_q=None, cu_seqlens_k=N
     flex = None
     if has_flex(bias, mask, sparse, mods):
         flex = flex_args(lse, q.shape[0], q.shape[2], sq, sk, bias, mask, sparse, mods)
-    cfg = fwd_config(q.shape[-1], sq, params.has_right, alibi is not None)
+    cfg = fwd_config(q.shape[-1], sq, params.has_right, alibi is not None, flex is not None)
     _launch_fwd(q, k, v, out, lse, (lse, lse, lse), params, cfg, False, alibi, cu_seqlens_q, cu_seqlens_k, sq, sk,
                 flex)
 
@@ -394,15 +394,17 @@ def rows_may_see_no_key(params, varlen: bool, sq: int, sk: int, flex: bool) -> b
             or flex)
 
 
-def fwd_config(head_dim: int, seqlen_q: int, causal: bool, alibi: bool = False):
+def fwd_config(head_dim: int, seqlen_q: int, causal: bool, alibi: bool = False, flex: bool = False):
     """(consumer warpgroups, Bc, stages, ping-pong) of the bf16 / fp16 forward: ALIBI_CONFIGS with ALiBi, else
-    SHORT_CONFIGS up to their length, else CONFIGS and PINGPONG."""
+    SHORT_CONFIGS up to their length, else CONFIGS and PINGPONG. flex (flashtile.flex's features): two consumer
+    warpgroups where the tables give three (their terms beside three warpgroups' tiles spill; a block mask's
+    blocks then hold whole tiles, Br = 128)."""
     if alibi and head_dim in ALIBI_CONFIGS:
-        return ALIBI_CONFIGS[head_dim]
-    for longest, cfg in SHORT_CONFIGS.get((head_dim, causal), ()):
-        if seqlen_q <= longest:
-            return cfg
-    return (*CONFIGS[head_dim], PINGPONG.get(head_dim, (True, True))[causal])
+        cfg = ALIBI_CONFIGS[head_dim]
+    else:
+        cfg = next((cfg for longest, cfg in SHORT_CONFIGS.get((head_dim, causal), ()) if seqlen_q <= longest),
+                   (*CONFIGS[head_dim], PINGPONG.get(head_dim, (True, True))[causal]))
+    return (2, *cfg[1:]) if flex and cfg[0] == 3 else cfg
 
 
 # fa3_fwd_kernel's first _FWD_LIVE parameters are the descriptors and tensors a call changes (q, k, v, out, lse, the
@@ -564,17 +566,18 @@ def fwd_fp8(q8, k8, vt8, q_scale, k_scale, v_scale, out, lse, softmax_scale: flo
                 (num_wg, block_n, stages, FP8_PINGPONG[head_dim][causal]), True)
 
 
-def bwd_config(head_dim: int, params, alibi, dense: bool, grads_f32: bool = False):
+def bwd_config(head_dim: int, params, alibi, dense: bool, grads_f32: bool = False, flex: bool = False):
     """((Br, Bc, stages), ping-pong) of the backward kernel that takes a problem: fa3_bwd_kernel's (dense: the
     problems dense_bwd names) from BWD_CONFIGS; fa3_bwd_any_kernel's from BWD_ANY_CONFIGS where it has the head dim
-    and the problem a mask rule, softcap or ALiBi, else BWD_CONFIGS too. grads_f32: dK and dV written in float32
+    and the problem a mask rule, softcap, ALiBi or flashtile.flex's features (flex; then without ping-pong), else
+    BWD_CONFIGS too. grads_f32: dK and dV written in float32
     (partial sums of a 16-bit problem, dk.dtype != q.dtype): their tiles are staged in the Q_i / dO_i buffers,
     which BWD_CONFIGS' tiles size for them (store_dkv_f32), so they keep BWD_CONFIGS'."""
-    scored = params.has_left or params.has_right or params.softcap > 0 or alibi is not None
+    scored = params.has_left or params.has_right or params.softcap > 0 or alibi is not None or flex
     tiles = BWD_CONFIGS[head_dim]
     if scored and not dense and not grads_f32:
         tiles = BWD_ANY_CONFIGS.get(head_dim, tiles)
-    return tiles, BWD_PINGPONG.get((head_dim, params.has_right), False)
+    return tiles, BWD_PINGPONG.get((head_dim, params.has_right), False) and not flex
 
 
 def bwd_split(q, k, params, dense: bool, grads_f32: bool, sq: int, sk: int, block_n: int) -> int:
@@ -728,7 +731,7 @@ def bwd(dout, q, k, v, lse, delta, dq, dk, dv, params, dq_acc=None, alibi=None, 
     with_flex = has_flex(bias, mask, sparse, mods)
     same = one_cu_seqlens(cu_seqlens_q, cu_seqlens_k)
     dense = dense_bwd(q, k, params, alibi, varlen, with_flex)
-    (block_m, block_n, stages), pingpong = bwd_config(head_dim, params, alibi, dense, dk.dtype != q.dtype)
+    (block_m, block_n, stages), pingpong = bwd_config(head_dim, params, alibi, dense, dk.dtype != q.dtype, with_flex)
     split = bwd_split(q, k, params, dense, dk.dtype != q.dtype, sq, sk, block_n)
     grads = (dk, dv)
     dk, dv = _dkv_targets(dk, dv, split)
@@ -833,12 +836,12 @@ class ForwardPlan:
         sk = max_seqlen_k if varlen else k.shape[1]
         batch = cu_seqlens_q.shape[0] - 1 if varlen else q.shape[0]
         self.sizes = (sq, sk)
-        self.cfg = fwd_config(head_dim, sq, params.has_right, alibi is not None)
+        self.flex = None if features is None or not has_flex(*features) else flex_consts(*features)
+        self.cfg = fwd_config(head_dim, sq, params.has_right, alibi is not None, self.flex is not None)
         n_tiles = -(-sq // (self.cfg[0] * WG_ROWS)) * batch * q.shape[-2]
         self.grid = (min(n_tiles, _sm_count(_device_index(q))) if PERSISTENT else n_tiles, 1, 1)
         out = torch.empty(q.shape, device="meta")   # (the output the callers make: contiguous)
         self.layout = layout(q, k, v, out)
-        self.flex = None if features is None or not has_flex(*features) else flex_consts(*features)
         self.key = _fwd_key(q, k, v, out, lse, params, alibi, sq, sk, self.flex)
         self.tpl = None
 
@@ -852,7 +855,8 @@ class ForwardPlan:
         flex = None if self.flex is None else flex_runtime(lse, q.shape[0], q.shape[2], *self.sizes, bias, mask,
                                                            sparse, mods)
         if (tpl is not None and layout(q, k, v, out) == self.layout
-                and self.cfg == fwd_config(q.shape[-1], self.sizes[0], params.has_right, alibi is not None)
+                and self.cfg == fwd_config(q.shape[-1], self.sizes[0], params.has_right, alibi is not None,
+                                           self.flex is not None)
                 and tpl.launch(self.grid, q, k, v, out, lse, (lse, lse, lse), tickets(q.device, 1),
                                (cu_seqlens_q, cu_seqlens_k, alibi), flex)):
             return True
@@ -878,7 +882,7 @@ class BackwardPlan:
         flex = features is not None and has_flex(*features)
         self.dense = dense_bwd(q, k, params, alibi, varlen, flex)
         self.grads_f32 = dk.dtype != q.dtype   # (float32 partial sums of a 16-bit problem)
-        self.cfg = bwd_config(head_dim, params, alibi, self.dense, self.grads_f32)
+        self.cfg = bwd_config(head_dim, params, alibi, self.dense, self.grads_f32, flex)
         block_m, block_n, _ = self.cfg[0]
         self.split = bwd_split(q, k, params, self.dense, self.grads_f32, *self.sizes, block_n)
         self.grid = (-(-self.sizes[1] // block_n), batch * k.shape[-2] * self.split, 1)
@@ -905,7 +909,8 @@ class BackwardPlan:
         if self.flex is not None:
             flex = bwd_flex(lse, q.shape[0], q.shape[2], k.shape[2], *self.sizes, self.cfg[0][1], bias, mask, sparse,
                             mods)
-        if tpl is not None and self.cfg == bwd_config(head_dim, params, alibi, self.dense, self.grads_f32):
+        if tpl is not None and self.cfg == bwd_config(head_dim, params, alibi, self.dense, self.grads_f32,
+                                                      self.flex is not None):
             targets = _dkv_targets(dk, dv, self.split)
             if tpl.launch(self.grid, (k, v, q, dout, dq_acc, *targets), lse, delta, (cu_seqlens_q, cu_seqlens_k, alibi),
                           flex):
