@@ -5,7 +5,7 @@ rounding. torch.compile runs with backend="aot_eager": Dynamo traces the model (
 AOTAutograd traces the forward and backward graphs through the custom ops' fake implementations, without
 generating code. Covered: training forward + backward at batch 1 and 2, dense and padded, and a batch-1 row packing
 three sequences, all without a graph break; generate() with cache_implementation="static", eager and with
-transformers' compiled decoding step, giving SDPA's tokens without unpadding at any decode step; the dense
+transformers' compiled decoding step, giving SDPA's tokens, unpadding the prefill and no decode step; the dense
 key-masked path that decode steps and traced calls take, against the unpadded varlen path.
 """
 import pytest
@@ -133,9 +133,9 @@ def _spy(monkeypatch, calls):
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_static_cache_generate_matches_sdpa_without_unpadding(compiled, monkeypatch, seed):
-    """generate(cache_implementation="static") of a left-padded batch: SDPA's tokens and scores. Every step, the
-    prefill (eager, 7 queries per row) and the decode steps (one query per row), runs the dense kernel under
+def test_static_cache_generate_matches_sdpa(compiled, monkeypatch, seed):
+    """generate(cache_implementation="static") of a left-padded batch: SDPA's tokens and scores. The prefill (eager,
+    7 queries per row) unpads its tokens; the decode steps (one query per row) run the dense kernel under
     transformers' 4-D mask over the cache's slots, never unpadding: eagerly, or inside transformers' compiled
     decoding step without a graph break and with one input shape for every step (no recompilation)."""
     ours, ref = _pair(seed)
@@ -171,13 +171,13 @@ def test_static_cache_generate_matches_sdpa_without_unpadding(compiled, monkeypa
     for a, b in zip(got.scores, expected.scores):
         assert _rel(a, b) < RTOL
     layers = ours.config.num_hidden_layers
-    # the cache holds the prompt and every new token but the last: the last decode step's 2-D mask covers every slot,
-    # so that step gets the 2-D padding mask (the key-masked path) instead of the 4-D one
-    decode = [] if compiled else [("_full_mask", 1)] * (layers * (new - 2)) + [("_key_masked", 1)] * layers
-    assert calls == [("_full_mask", 7)] * layers + decode
-    # one mask shape for every decode step but the last: the compiled step records one CUDA graph for them
-    steps = [shape for shape in built[1:] if shape is not None and len(shape) == 4]
-    assert steps == [(2, 1, 1, built[0][-1])] * (new - 2), built
+    # every decode step, the last (whose 2-D mask covers every slot) included, gets the 4-D mask
+    decode = [] if compiled else [("_full_mask", 1)] * (layers * (new - 1))
+    assert calls == [("_unpadded", 7), ("flash_attn_varlen_func", None)] * layers + decode
+    # the prefill's 2-D mask, then one mask shape for every decode step: the compiled step records one CUDA graph
+    steps = [shape for shape in built if len(shape) == 4]
+    assert [shape for shape in built if len(shape) != 4] and all(shape == (2, 7) for shape in built[:-len(steps)])
+    assert len(steps) == new - 1 and len(set(steps)) == 1 and steps[0][:3] == (2, 1, 1), built
     if compiled:
         assert _graph_breaks() == 0, dict(counters["graph_break"])
 

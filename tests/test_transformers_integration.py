@@ -272,7 +272,7 @@ def test_four_d_boolean_mask_is_the_whole_pattern(seed):
 def test_static_cache_mask_has_the_cache_shape():
     """The mask builder: a 2-D mask shorter than the cache (a static cache mid-generation) becomes transformers'
     4-D mask over every slot (the same shape at every step); one as long as the keys stays the 2-D padding mask,
-    or None without padding."""
+    or None without padding, except in a static cache's decoding step."""
     mask = torch.ones(2, 5, dtype=torch.bool)   # (transformers hands the builders a boolean mask)
     mask[0, :2] = False
     kw = dict(batch_size=2, q_length=1, q_offset=4, kv_offset=0, device="cpu")
@@ -286,6 +286,12 @@ def test_static_cache_mask_has_the_cache_shape():
     assert built[1, 0, 0].tolist() == [True] * 5 + [False] * 3
     assert torch.equal(ft_hf.padding_mask(kv_length=5, attention_mask=mask, **kw), mask)
     assert ft_hf.padding_mask(kv_length=5, attention_mask=torch.ones(2, 5, dtype=torch.bool), **kw) is None
+    if "q_length" in kw:
+        # a decoding step over a static cache (transformers: allow_is_causal_skip=False) keeps the 4-D mask where
+        # the 2-D one covers every slot (the last step), padded or not
+        for m in (mask, torch.ones(2, 5, dtype=torch.bool)):
+            built = ft_hf.padding_mask(kv_length=5, attention_mask=m, allow_is_causal_skip=False, **kw)
+            assert built.shape == (2, 1, 1, 5) and torch.equal(built[:, 0, 0], m)
 
 
 def test_unsupported_inputs_raise():

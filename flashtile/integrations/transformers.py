@@ -140,6 +140,7 @@ def _unpadded(q, k, v, mask, opts: dict) -> torch.Tensor:
     batch, q_len = q.shape[:2]
     if k.shape[1] > mask.shape[1]:  # static cache: keys past the mask are unused slots
         k, v = k[:, :mask.shape[1]], v[:, :mask.shape[1]]
+        prepare_decode(q.device)      # (the buffers its decode steps' kernel finds made under CUDA graphs)
     idx_k, cu_k, max_k = _per_tensor("unpad", mask, packed_rows)
     k_un, v_un = (index_first_axis(t.reshape(-1, *t.shape[2:]), idx_k) for t in (k, v))
     if q_len == mask.shape[1]:
@@ -179,8 +180,8 @@ def _full_mask(q, k, v, mask, opts: dict) -> torch.Tensor:
     """Attention under a 4-D boolean mask (batch or 1, 1 or nheads, seqlen_q, seqlen_k), True = attend: the whole
     visibility pattern (causal, window and padding included, as transformers' sdpa_mask builds it for a static
     cache), so the model's causal flag and window are not applied on top. A row that sees no key is zeros. An eager
-    call (the prefill) makes the decode kernel's persistent buffers, which the decode steps of transformers'
-    compiled step (CUDA graphs) then find made."""
+    call makes the decode kernel's persistent buffers (as _unpadded does in a static cache's prefill), which the
+    decode steps of transformers' compiled step (CUDA graphs) then find made."""
     if values_readable(q):
         prepare_decode(q.device)
     return flash_attn_func(q, k, v, attn_mask=mask, **dict(opts, causal=False, window_size=(-1, -1)))
@@ -357,11 +358,21 @@ def padding_mask(*, kv_length: int, attention_mask=None, **kwargs):
     values cannot be read (torch.compile tracing) the mask is passed on as it is instead, and the attention function
     treats an all-ones mask like any other.
 
-    A static cache (kv_length cache slots, more than the 2-D mask's tokens) gets transformers' 4-D boolean mask
-    instead (sdpa_mask: (batch, 1, seqlen_q, kv_length), True = attend), as SDPA does: its shape is the cache's at
-    every step, so a compiled decoding step (CUDA graphs) sees one input shape, where a 2-D mask growing by one
-    column per step made it record a graph per step."""
-    if attention_mask is not None and attention_mask.shape[1] < kv_length:
+    A static cache's decoding steps (kv_length cache slots, more than the 2-D mask's tokens) get transformers' 4-D
+    boolean mask instead (sdpa_mask: (batch, 1, 1, kv_length), True = attend), as SDPA does: its shape is the
+    cache's at every step, so a compiled decoding step (CUDA graphs) sees one input shape, where a 2-D mask growing
+    by one column per step made it record a graph per step. So does the last step, whose 2-D mask covers every
+    slot: transformers marks a decoding step over a compileable cache with allow_is_causal_skip=False (else that
+    step's None or 2-D mask would be a new input, compiled and recorded anew in every generate call). The eager
+    prefill of several queries keeps the 2-D mask: the attention function unpads its tokens (the slots past them
+    unused), where a 4-D mask would have the kernel compute every (query, slot) pair."""
+    q_len = kwargs.get("q_length")
+    if q_len is None and kwargs.get("cache_position") is not None:   # (transformers before q_length)
+        q_len = kwargs["cache_position"].shape[0]
+    static_step = kwargs.get("allow_is_causal_skip") is False and q_len == 1
+    if attention_mask is not None and (attention_mask.shape[1] < kv_length or static_step):
+        if q_len is not None and q_len > 1 and values_readable(attention_mask):
+            return attention_mask
         from transformers.masking_utils import sdpa_mask
         return sdpa_mask(kv_length=kv_length, attention_mask=attention_mask.bool(),
                          **dict(kwargs, allow_is_causal_skip=False))
