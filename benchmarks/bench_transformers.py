@@ -93,6 +93,7 @@ CONFIGS = {
 IMPLS = ("flashtile", "sdpa", "flex_attention")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 REF = "sdpa"   # the implementation every other one is compared with
+CHECK_STEPS = 32   # generate steps whose logits the warm-up run keeps for the check against SDPA's
 
 
 def _csv(text: str, cast=str) -> list:
@@ -421,9 +422,14 @@ def run_generate_case(cfg, state, impl, batch, mode, args, prompt):
 
     with torch.no_grad():
         t0 = time.perf_counter()
-        model.generate(prompt, **kw)
+        # the warm-up keeps its first steps' logits: the check against SDPA's (annotate: logits_agreement)
+        warm = model.generate(prompt, output_logits=True, return_dict_in_generate=True, **kw)
         sync(args.device)
         warm_s = time.perf_counter() - t0
+        steps = min(CHECK_STEPS, len(warm.logits))
+        check = dict(prefix=warm.sequences[:, prompt.shape[1]:prompt.shape[1] + steps].to("cpu"),
+                     logits=torch.stack(warm.logits[:steps]).float().to("cpu"))
+        del warm
         clock = TokenClock()
         t0 = time.perf_counter()
         out = model.generate(prompt, streamer=clock, **kw)
@@ -439,7 +445,7 @@ def run_generate_case(cfg, state, impl, batch, mode, args, prompt):
     row = dict(generate_ms=gen_ms, new_tokens_per_s=batch * n / gen_ms * 1e3, ttft_ms=ttft_ms,
                decode_tokens_per_s=batch * (n - 1) / decode_ms * 1e3 if decode_ms > 0 else None,
                warmup_s=round(warm_s, 2))
-    return row, new.to("cpu")
+    return row, dict(check, tokens=new.to("cpu"))
 
 
 # ------------------------------------------------------------------------------------------------------ report
@@ -459,6 +465,26 @@ def device_name(device: str) -> str:
     if device.startswith("cuda"):
         return torch.cuda.get_device_name(torch.device(device))
     return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores; Triton interpreter)"
+
+
+def logits_agreement(ours: dict, ref: dict):
+    """(largest relative logits difference, row-steps compared) of two generate runs' first steps (run_generate_case's
+    check: prefix tokens (batch, steps), logits (steps, batch, vocab)). Greedy decoding from random weights, whose
+    logits lie close together, soon picks a different token than SDPA's and the rows then diverge: a row's step is
+    compared while the tokens before it are SDPA's (step s of a row whose first s tokens agree), the difference
+    max|ours - ref| / max|ref| of the step's logits. (None, 0) where either run kept no logits."""
+    if ours.get("logits") is None or ref.get("logits") is None:
+        return None, 0
+    steps = min(ours["logits"].shape[0], ref["logits"].shape[0])
+    worst, compared = 0.0, 0
+    for i in range(ref["prefix"].shape[0]):
+        differ = (ours["prefix"][i, :steps] != ref["prefix"][i, :steps]).nonzero()
+        last = int(differ[0]) if len(differ) else steps - 1    # step `last` still follows an equal prefix
+        for t in range(last + 1):
+            a, b = ours["logits"][t, i], ref["logits"][t, i]
+            worst = max(worst, float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)))
+            compared += 1
+    return worst, compared
 
 
 def annotate(report: dict, gen_tokens: dict):
@@ -482,8 +508,11 @@ def annotate(report: dict, gen_tokens: dict):
         r["speedup_vs_sdpa"] = r["new_tokens_per_s"] / ref["new_tokens_per_s"] if ok else None
         a, b = gen_tokens.get(gkey(r) + (r["impl"],)), gen_tokens.get(gkey(r) + (REF,))
         if a is not None and b is not None:   # else keep what the run that generated them computed (--merge)
-            r["same_tokens_as_sdpa"] = float((a == b).float().mean()) if ok else None
+            r["same_tokens_as_sdpa"] = float((a["tokens"] == b["tokens"]).float().mean()) if ok else None
+            r["logits_rel_diff_vs_sdpa"], r["logit_steps_compared"] = logits_agreement(a, b) if ok else (None, 0)
         r.setdefault("same_tokens_as_sdpa", None)
+        r.setdefault("logits_rel_diff_vs_sdpa", None)
+        r.setdefault("logit_steps_compared", 0)
 
 
 def _f(x, fmt="{:.1f}"):
@@ -534,17 +563,22 @@ def markdown(report: dict) -> str:
         lines += ["", "## Generation (greedy, batch x new tokens after the prompt)", "",
                   "dynamic = eager with DynamicCache; static = cache_implementation=\"static\" with transformers' "
                   f"compiled decoding forward ({m['gen_compile_kwargs']}); new tok/s = batch x new tokens / "
-                  "generate time; TTFT = prefill + first token; same = fraction of new tokens equal to SDPA's.", "",
+                  "generate time; TTFT = prefill + first token; same = fraction of new tokens equal to SDPA's "
+                  "(random weights: greedy rows soon pick another near-tied token and diverge); Δlogits = the "
+                  "largest max|Δ| / max|SDPA's| of a step's logits over the warm-up run's first "
+                  f"{CHECK_STEPS} steps while a row's tokens so far are SDPA's (in parentheses: row-steps "
+                  "compared).", "",
                   "| config | batch | prompt | new | mode | impl | status | generate ms | new tok/s | vs sdpa | "
-                  "TTFT ms | decode tok/s | peak GiB | same |",
-                  "|---|---:|---:|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+                  "TTFT ms | decode tok/s | peak GiB | same | Δlogits |",
+                  "|---|---:|---:|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in report["generate"]:
             lines.append(
                 f"| {r['config']} | {r['batch']} | {r['prompt_len']} | {r['new_tokens']} | {r['mode']} | "
                 f"{r['impl']} | {_status(r, notes)} | {_f(r.get('generate_ms'))} | "
                 f"{_f(r.get('new_tokens_per_s'), '{:,.0f}')} | {_f(r.get('speedup_vs_sdpa'), '{:.2f}x')} | "
                 f"{_f(r.get('ttft_ms'))} | {_f(r.get('decode_tokens_per_s'), '{:,.0f}')} | "
-                f"{_f(r.get('peak_gib'), '{:.1f}')} | {_f(r.get('same_tokens_as_sdpa'), '{:.2f}')} |")
+                f"{_f(r.get('peak_gib'), '{:.1f}')} | {_f(r.get('same_tokens_as_sdpa'), '{:.2f}')} | "
+                f"{_f(r.get('logits_rel_diff_vs_sdpa'), '{:.1e}')} ({r.get('logit_steps_compared', 0)}) |")
     if notes:
         lines += ["", "Errors:"] + [f"{i}. `{n}`" for i, n in enumerate(notes, 1)]
     lines.append("")

@@ -74,6 +74,8 @@ def test_quick_run_fills_every_section(tmp_path):
             assert _real(r[key]) and r[key] > 0, (key, r)
         assert r["ttft_ms"] < r["generate_ms"]
         assert r["same_tokens_as_sdpa"] == 1.0, r   # greedy fp32 decoding: the same tokens
+        # ... from the same logits at every step (2 new tokens: both steps of the one row compared)
+        assert r["logit_steps_compared"] == 2 and r["logits_rel_diff_vs_sdpa"] <= 1e-5, r
 
     md = (out / "transformers.md").read_text()
     assert "## Training step" in md and "## Generation" in md
@@ -93,6 +95,21 @@ def test_quick_defaults():
     assert args.prompt_len == 4096 and args.new_tokens == 256 and args.gen_batches == [1, 8]
 
 
+def test_logits_are_compared_while_the_tokens_agree(seed):
+    """The generation check: a row's step is compared while the row's earlier tokens are SDPA's (the step whose
+    token first differs included); later steps, which follow another prefix, are not."""
+    mod = load_script(SCRIPT)
+    g = torch.Generator().manual_seed(seed)
+    ref = dict(prefix=torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]]), logits=torch.randn(4, 2, 10, generator=g))
+    ours = dict(prefix=torch.tensor([[1, 2, 9, 4], [5, 6, 7, 8]]), logits=ref["logits"].clone())
+    ours["logits"][3, 0] += 100.0   # row 0, step 3: after the differing token, not compared
+    ours["logits"][1, 1] += 0.5
+    worst, compared = mod.logits_agreement(ours, ref)
+    assert compared == 3 + 4
+    assert worst == pytest.approx(0.5 / ref["logits"][1, 1].abs().max().item(), rel=1e-5)
+    assert mod.logits_agreement(dict(tokens=ours["prefix"]), ref) == (None, 0)
+
+
 def test_failures_become_rows_and_the_grid_goes_on(tmp_path, monkeypatch):
     """A case that raises is recorded (status "error" or "oom", with the message) and the cases after it still run;
     the comparison with SDPA is left empty for it. The measurements are stubbed: no kernel runs."""
@@ -110,7 +127,7 @@ def test_failures_become_rows_and_the_grid_goes_on(tmp_path, monkeypatch):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         new = torch.zeros(batch, args.new_tokens, dtype=torch.long)
         return dict(generate_ms=10.0, new_tokens_per_s=batch * args.new_tokens / 10.0 * 1e3, ttft_ms=5.0,
-                    decode_tokens_per_s=1.0, warmup_s=0.0), new
+                    decode_tokens_per_s=1.0, warmup_s=0.0), dict(tokens=new)
 
     monkeypatch.setattr(mod, "run_train_case", fake_train)
     monkeypatch.setattr(mod, "run_generate_case", fake_generate)
