@@ -570,9 +570,9 @@ def bwd_config(head_dim: int, params, alibi, dense: bool, grads_f32: bool = Fals
     """((Br, Bc, stages), ping-pong) of the backward kernel that takes a problem: fa3_bwd_kernel's (dense: the
     problems dense_bwd names) from BWD_CONFIGS; fa3_bwd_any_kernel's from BWD_ANY_CONFIGS where it has the head dim
     and the problem a mask rule, softcap, ALiBi or flashtile.flex's features (flex; then without ping-pong), else
-    BWD_CONFIGS too. grads_f32: dK and dV written in float32
-    (partial sums of a 16-bit problem, dk.dtype != q.dtype): their tiles are staged in the Q_i / dO_i buffers,
-    which BWD_CONFIGS' tiles size for them (store_dkv_f32), so they keep BWD_CONFIGS'."""
+    BWD_CONFIGS too. grads_f32: dK and dV written in float32 (partial sums of a 16-bit problem, dk.dtype !=
+    q.dtype): their tiles are staged in the Q_i / dO_i buffers, which BWD_CONFIGS' tiles size for them
+    (store_dkv_f32), so they keep BWD_CONFIGS'."""
     scored = params.has_left or params.has_right or params.softcap > 0 or alibi is not None or flex
     tiles = BWD_CONFIGS[head_dim]
     if scored and not dense and not grads_f32:
