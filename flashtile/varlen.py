@@ -105,7 +105,8 @@ def _gather_pages(k_cache, v_cache, block_table, seqlens_k):
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, block_table=None):
+                           deterministic=False, return_attn_probs=False, block_table=None, *, seqused_q=None,
+                           seqused_k=None):
     """Exact attention over a packed batch of variable-length sequences (FA2 forward and backward).
 
     q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim); cu_seqlens_q / cu_seqlens_k:
@@ -116,6 +117,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     block_table: (batch, max_blocks_per_seq) int32 with k, v a paged cache (num_blocks, page_block_size,
     nheads_k, headdim); sequence b's keys are its first cu_seqlens_k[b+1] - cu_seqlens_k[b] cache positions.
     Forward only (backward raises); with dropout or return_attn_probs the pages used are gathered first.
+    seqused_q / seqused_k (FlashAttention-3's): (batch,) int32, the rows of each sequence's slot that are used:
+    sequence b is rows cu_seqlens[b] .. cu_seqlens[b] + seqused[b] - 1 (lengths, masks and alignment as if the
+    slot held only those); the slot's other query rows output zeros (softmax_lse -inf) and no gradient reaches
+    unused rows. Not with block_table.
     Returns out (total_q, nheads, headdim), or (out, softmax_lse (nheads, total_q) float32,
     S_dmask (batch, nheads, max_seqlen_q, max_seqlen_k)) if return_attn_probs.
     """
@@ -124,19 +129,70 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     max_seqlen_q = _max_seqlen("max_seqlen_q", max_seqlen_q)
     max_seqlen_k = _max_seqlen("max_seqlen_k", max_seqlen_k)
     if block_table is not None:
+        if seqused_q is not None or seqused_k is not None:
+            fail("seqused_q / seqused_k", "a tensor", "None with block_table (a paged call's lengths are cu_seqlens')")
         return _varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                              softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs, block_table)
     q, k, v = P.contiguous_last(q, k, v)
-    p = P.memoised(_VARLEN, (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                             P.number("dropout_p", dropout_p), P.number("softmax_scale", softmax_scale), causal,
-                             window_size, P.number("softcap", softcap), alibi_slopes, deterministic,
-                             return_attn_probs), P.varlen)
+    scalars = (P.number("dropout_p", dropout_p), P.number("softmax_scale", softmax_scale), causal, window_size,
+               P.number("softcap", softcap), alibi_slopes, deterministic, return_attn_probs)
+    if seqused_q is not None or seqused_k is not None:
+        return _varlen_used(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+                            scalars)
+    p = P.memoised(_VARLEN, (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *scalars), P.varlen)
     pad_q = P.cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q")
     pad_k = P.cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k")
     p = p.with_padding(pad_q, pad_k)
     checks.check_device(q)
     out, lse, probs = attention(p, q, k, v, Extras(alibi_slopes, cu_seqlens_q, cu_seqlens_k))
     return out if probs is None else (out, lse, probs)
+
+
+def _used_bounds(cu: torch.Tensor, used) -> torch.Tensor:
+    """cu_seqlens (2 batch + 1,) int32 of two sequences per slot: its used rows, then its other rows (empty where
+    the slot is used whole). Device work only, nothing read."""
+    out = torch.empty(2 * cu.numel() - 1, dtype=torch.int32, device=cu.device)
+    out[0::2] = cu
+    out[1::2] = cu[1:] if used is None else cu[:-1] + used
+    return out
+
+
+def _used_rows(bounds: torch.Tensor, total: int) -> torch.Tensor:
+    """(total,) bool: the rows inside the used sequences of _used_bounds (the even ones). Device work only."""
+    marks = torch.zeros(total + 1, dtype=torch.int32, device=bounds.device)
+    ones = torch.ones(bounds.numel() // 2, dtype=torch.int32, device=bounds.device)
+    marks.index_add_(0, bounds[0:-1:2].long(), ones)
+    marks.index_add_(0, bounds[1::2].long(), -ones)
+    return marks.cumsum(0)[:total] > 0
+
+
+def _varlen_used(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, scalars):
+    """flash_attn_varlen_func with seqused_q / seqused_k: each slot becomes two sequences, its used rows and the rest
+    (_used_bounds), the varlen kernels run on those 2 x batch sequences, and the unused query rows are zeroed
+    (their lse set to -inf, no gradient through them). The rest of a slot whose queries and keys both have unused
+    rows is computed (unused queries against unused keys) and discarded."""
+    dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs = scalars
+    batch = checks.cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
+    checks.cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device, batch=batch)
+    pad_q = P.cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q")
+    pad_k = P.cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k")
+    for name, used, cu_ in (("seqused_q", seqused_q, cu_seqlens_q), ("seqused_k", seqused_k, cu_seqlens_k)):
+        if used is not None:
+            checks.seqused(name, used, batch, q.device)
+            P.seqused_values(name, used, cu_)
+    bounds_q, bounds_k = _used_bounds(cu_seqlens_q, seqused_q), _used_bounds(cu_seqlens_k, seqused_k)
+    if isinstance(alibi_slopes, torch.Tensor) and alibi_slopes.dim() == 2:   # (batch, nheads): each slot's twice
+        alibi_slopes = alibi_slopes.repeat_interleave(2, dim=0)
+    p = P.memoised(_VARLEN, (q, k, v, bounds_q, bounds_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                             causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs), P.varlen)
+    p = p.with_padding(pad_q, pad_k)
+    checks.check_device(q)
+    out, lse, probs = attention(p, q, k, v, Extras(alibi_slopes, bounds_q, bounds_k))
+    if seqused_q is not None:
+        rows = _used_rows(bounds_q, q.shape[0])
+        out = out.masked_fill(~rows[:, None, None], 0.0)
+        lse = lse.masked_fill(~rows[None, :], float("-inf"))
+    return out if probs is None else (out, lse, probs[0::2])
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,

@@ -166,6 +166,44 @@ def test_varlen_fwd_bwd_matches_per_sequence_reference(c: VCase, seed):
         start += sq
 
 
+SEQUSED_CASES = [
+    # (slot lengths q, k), (used q, k): unused rows at a slot's end, a slot used whole, an empty one, GQA
+    (VCase((7, 0, 12), (9, 5, 12), 4, 2, 32, fp16, causal=True), (5, 0, 12), (9, 3, 4)),
+    # keys only (seqused_k), window + softcap + per-(batch, head) ALiBi, bf16
+    (VCase((10, 16), (20, 16), 2, 2, 40, bf16, window=(6, 2), softcap=4.0, alibi="bh"), None, (13, 1)),
+    # queries only (seqused_q), MQA, fp32
+    (VCase((18, 5), (18, 9), 4, 1, 24, fp32), (18, 2), None),
+]
+
+
+@pytest.mark.parametrize("c,used_q,used_k", SEQUSED_CASES, ids=[c.id for c, _, _ in SEQUSED_CASES])
+def test_varlen_seqused_is_the_used_rows_alone(c: VCase, used_q, used_k, seed):
+    """seqused_q / seqused_k (FlashAttention-3's): each slot counts only its first seqused rows. Against the
+    per-sequence float64 oracle on the used rows alone (the sequences' lengths, masks and alignment those of the
+    used rows); the unused query rows output zeros (lse -inf), and no gradient reaches an unused row."""
+    q, k, v, dout, alibi = packed_inputs(c)
+    uq, uk = used_q or c.lens_q, used_k or c.lens_k
+    out, lse, s_dmask = flash_attn_varlen_func(
+        q, k, v, cu(c.lens_q), cu(c.lens_k), max(c.lens_q), max(c.lens_k), causal=c.causal, window_size=c.window,
+        softcap=c.softcap, alibi_slopes=alibi, return_attn_probs=True,
+        seqused_q=None if used_q is None else _i32(used_q), seqused_k=None if used_k is None else _i32(used_k))
+    assert s_dmask.shape == (len(c.lens_q), c.h, max(c.lens_q), max(c.lens_k))
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+
+    def rows(lens, used):
+        return torch.cat([torch.arange(a, a + n) for a, n in zip(cu(lens)[:-1].tolist(), used)]).to(DEVICE)
+    rq, rk = rows(c.lens_q, uq), rows(c.lens_k, uk)
+    used = dataclasses.replace(c, lens_q=tuple(uq), lens_k=tuple(uk))
+    compact = [t.detach()[r] for t, r in ((q, rq), (k, rk), (v, rk), (dout, rq))]
+    check_varlen(used, *compact, alibi, out[rq], lse[:, rq], (grads[0][rq], grads[1][rk], grads[2][rk]))
+    unused_q = torch.ones(q.shape[0], dtype=torch.bool, device=DEVICE)
+    unused_q[rq] = False
+    unused_k = torch.ones(k.shape[0], dtype=torch.bool, device=DEVICE)
+    unused_k[rk] = False
+    assert (out[unused_q] == 0).all() and torch.isneginf(lse[:, unused_q]).all()
+    assert (grads[0][unused_q] == 0).all() and (grads[1][unused_k] == 0).all() and (grads[2][unused_k] == 0).all()
+
+
 def test_varlen_without_probs_returns_tensor_equal_to_probs_path(seed):
     c = VCase((13, 29), (31, 8), 4, 2, 24, fp16, causal=True, softcap=3.0)
     q, k, v, dout, _ = packed_inputs(c)
@@ -385,6 +423,11 @@ BAD_CU = [
     ("max-too-small", dict(max_seqlen_q=4), "max_seqlen_q"),
     ("max-not-int", dict(max_seqlen_k=5.0), "max_seqlen_k"),
     ("q-4d", dict(q=torch.randn(1, 8, 2, 16, dtype=fp16, device=DEVICE)), "q.dim()"),
+    ("seqused-int64", dict(seqused_q=torch.tensor([1, 2], device=DEVICE)), "seqused_q.dtype"),
+    ("seqused-shape", dict(seqused_k=_i32([1, 2, 3])), "seqused_k.shape"),
+    ("seqused-past-slot", dict(seqused_q=_i32([4, 2])), "seqused_q[0]"),
+    ("seqused-negative", dict(seqused_k=_i32([1, -1])), "seqused_k[1]"),
+    ("seqused-list", dict(seqused_k=[1, 2]), "seqused_k"),
 ]
 
 

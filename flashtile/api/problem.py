@@ -351,6 +351,24 @@ def cu_seqlens_values(name: str, cu: torch.Tensor, total: Optional[int], max_seq
     return result
 
 
+def seqused_values(name: str, used: torch.Tensor, cu: torch.Tensor) -> None:
+    """Each seqused entry within its slot: 0 <= seqused[b] <= cu[b + 1] - cu[b] (read where values are readable;
+    a pair checked before, neither modified since, is not read again)."""
+    if not values_checkable(used):
+        return
+    key = (id(used), id(cu))
+    seen = _CU_CHECKED.get(key)
+    if seen is not None and seen[0]() is used and seen[1:3] == (used._version, cu._version):
+        return
+    lens = (cu[1:] - cu[:-1]).tolist()
+    for b, (n, room) in enumerate(zip(used.tolist(), lens)):
+        if not 0 <= n <= room:
+            fail(f"{name}[{b}]", n, f"between 0 and the sequence's rows in cu_seqlens ({room})")
+    if len(_CU_CHECKED) >= MEMO_MAX:
+        _CU_CHECKED.clear()
+    _CU_CHECKED[key] = (weakref.ref(used), used._version, cu._version)
+
+
 def _cu_seqlens_values(name: str, cu: torch.Tensor, total: Optional[int], max_seqlen: int, max_name: str) -> int:
     vals = cu.tolist()
     if vals[0] != 0:
