@@ -178,6 +178,10 @@ SEQUSED_CASES = [
 
 @pytest.mark.parametrize("c,used_q,used_k", SEQUSED_CASES, ids=[c.id for c, _, _ in SEQUSED_CASES])
 def test_varlen_seqused_is_the_used_rows_alone(c: VCase, used_q, used_k, seed):
+    check_seqused(c, used_q, used_k)
+
+
+def check_seqused(c: VCase, used_q, used_k):
     """seqused_q / seqused_k (FlashAttention-3's): each slot counts only its first seqused rows. Against the
     per-sequence float64 oracle on the used rows alone (the sequences' lengths, masks and alignment those of the
     used rows); the unused query rows output zeros (lse -inf), and no gradient reaches an unused row."""

@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 
 import flashtile  # noqa: E402,F401
 from kvcache_utils import KCase, make_problem, physical_cache, reference, run_case  # noqa: E402
-from test_varlen import (VCase, check_varlen, cu, packed_inputs, paged_from_packed,  # noqa: E402
+from test_varlen import (VCase, check_seqused, check_varlen, cu, packed_inputs, paged_from_packed,  # noqa: E402
                          varlen_reference)
 from attn_utils import assert_within_rule  # noqa: E402
 from flashtile.kernels import runtime as _runtime  # noqa: E402
@@ -239,6 +239,19 @@ def test_varlen_gpu_fwd_bwd(c, seed):
         return_attn_probs=True)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     check_varlen(c, q, k, v, dout, alibi, out, lse, grads, s_dmask if c.dropout_p > 0 else None)
+
+
+GPU_SEQUSED_CASES = [
+    # slots with unused rows on both sides, a slot used whole, an empty one; GQA, causal (the Gluon varlen kernels)
+    (VCase((1000, 0, 2048, 517), (1200, 64, 2048, 517), 16, 2, 128, bf16, causal=True), (900, 0, 2048, 1),
+     (1000, 64, 1500, 517)),
+    (VCase((2048, 777), (4096, 777), 8, 8, 64, fp16, window=(256, 0), softcap=20.0), None, (3000, 700)),
+]
+
+
+@pytest.mark.parametrize("c,used_q,used_k", GPU_SEQUSED_CASES, ids=[c.id for c, _, _ in GPU_SEQUSED_CASES])
+def test_varlen_seqused_gpu(c, used_q, used_k, seed):
+    check_seqused(c, used_q, used_k)
 
 
 @pytest.mark.parametrize("c", [GPU_VARLEN_CASES[0], GPU_VARLEN_CASES[3]], ids=lambda c: c.id)
