@@ -448,6 +448,16 @@ def test_malformed_cu_seqlens_raise_naming_argument(what, override, name, monkey
         flash_attn_varlen_func(**args)
 
 
+def test_seqused_modified_in_place_is_checked_again():
+    """seqused values are read once per tensor (and cu_seqlens) while unmodified; an in-place change is read again."""
+    q = torch.randn(8, 2, 16, dtype=fp16, device=DEVICE)
+    cu_, used = _i32([0, 3, 8]), _i32([2, 5])
+    flash_attn_varlen_func(q, q, q, cu_, cu_, 5, 5, seqused_q=used)
+    used[0] = 4
+    with pytest.raises(ValueError, match=re.escape("seqused_q[0]")):
+        flash_attn_varlen_func(q, q, q, cu_, cu_, 5, 5, seqused_q=used)
+
+
 def test_cu_seqlens_on_wrong_device_raises(monkeypatch):
     q = torch.randn(8, 2, 16, dtype=fp16, device=DEVICE)
     other = torch.device("meta")

@@ -358,7 +358,7 @@ def seqused_values(name: str, used: torch.Tensor, cu: torch.Tensor) -> None:
         return
     key = (id(used), id(cu))
     seen = _CU_CHECKED.get(key)
-    if seen is not None and seen[0]() is used and seen[1:3] == (used._version, cu._version):
+    if seen is not None and seen[0]() is used and seen[1]() is cu and seen[2:4] == (used._version, cu._version):
         return
     lens = (cu[1:] - cu[:-1]).tolist()
     for b, (n, room) in enumerate(zip(used.tolist(), lens)):
@@ -366,7 +366,7 @@ def seqused_values(name: str, used: torch.Tensor, cu: torch.Tensor) -> None:
             fail(f"{name}[{b}]", n, f"between 0 and the sequence's rows in cu_seqlens ({room})")
     if len(_CU_CHECKED) >= MEMO_MAX:
         _CU_CHECKED.clear()
-    _CU_CHECKED[key] = (weakref.ref(used), used._version, cu._version)
+    _CU_CHECKED[key] = (weakref.ref(used), weakref.ref(cu), used._version, cu._version)
 
 
 def _cu_seqlens_values(name: str, cu: torch.Tensor, total: Optional[int], max_seqlen: int, max_name: str) -> int:
