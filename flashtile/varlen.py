@@ -148,29 +148,22 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return out if probs is None else (out, lse, probs)
 
 
-def _used_bounds(cu: torch.Tensor, used) -> torch.Tensor:
-    """cu_seqlens (2 batch + 1,) int32 of two sequences per slot: its used rows, then its other rows (empty where
-    the slot is used whole). Device work only, nothing read."""
-    out = torch.empty(2 * cu.numel() - 1, dtype=torch.int32, device=cu.device)
-    out[0::2] = cu
-    out[1::2] = cu[1:] if used is None else cu[:-1] + used
+def _used_bounds(cu: torch.Tensor, used, keys: bool) -> torch.Tensor:
+    """cu_seqlens (3 batch + 1,) int32 of three sequences per slot: its used rows; its other query rows, without
+    keys; its other key rows, without queries (keys: the key side's bounds, else the query side's). Device work
+    only, nothing read."""
+    end = cu[1:] if used is None else cu[:-1] + used
+    out = torch.empty(3 * cu.numel() - 2, dtype=torch.int32, device=cu.device)
+    out[0::3] = cu
+    out[1::3] = end
+    out[2::3] = end if keys else cu[1:]
     return out
 
 
-def _used_rows(bounds: torch.Tensor, total: int) -> torch.Tensor:
-    """(total,) bool: the rows inside the used sequences of _used_bounds (the even ones). Device work only."""
-    marks = torch.zeros(total + 1, dtype=torch.int32, device=bounds.device)
-    ones = torch.ones(bounds.numel() // 2, dtype=torch.int32, device=bounds.device)
-    marks.index_add_(0, bounds[0:-1:2].long(), ones)
-    marks.index_add_(0, bounds[1::2].long(), -ones)
-    return marks.cumsum(0)[:total] > 0
-
-
 def _varlen_used(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, scalars):
-    """flash_attn_varlen_func with seqused_q / seqused_k: each slot becomes two sequences, its used rows and the rest
-    (_used_bounds), the varlen kernels run on those 2 x batch sequences, and the unused query rows are zeroed
-    (their lse set to -inf, no gradient through them). The rest of a slot whose queries and keys both have unused
-    rows is computed (unused queries against unused keys) and discarded."""
+    """flash_attn_varlen_func with seqused_q / seqused_k: each slot becomes three sequences (_used_bounds): its used
+    rows, its unused query rows (no keys: zeros, lse -inf, no gradient, as every row that sees no key), its unused
+    key rows (no queries: no work, zero gradients); the varlen kernels run on those 3 x batch sequences."""
     dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs = scalars
     batch = checks.cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
     checks.cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device, batch=batch)
@@ -180,19 +173,15 @@ def _varlen_used(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         if used is not None:
             checks.seqused(name, used, batch, q.device)
             P.seqused_values(name, used, cu_)
-    bounds_q, bounds_k = _used_bounds(cu_seqlens_q, seqused_q), _used_bounds(cu_seqlens_k, seqused_k)
-    if isinstance(alibi_slopes, torch.Tensor) and alibi_slopes.dim() == 2:   # (batch, nheads): each slot's twice
-        alibi_slopes = alibi_slopes.repeat_interleave(2, dim=0)
+    bounds_q, bounds_k = _used_bounds(cu_seqlens_q, seqused_q, False), _used_bounds(cu_seqlens_k, seqused_k, True)
+    if isinstance(alibi_slopes, torch.Tensor) and alibi_slopes.dim() == 2:   # (batch, nheads): each slot's thrice
+        alibi_slopes = alibi_slopes.repeat_interleave(3, dim=0)
     p = P.memoised(_VARLEN, (q, k, v, bounds_q, bounds_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                              causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs), P.varlen)
     p = p.with_padding(pad_q, pad_k)
     checks.check_device(q)
     out, lse, probs = attention(p, q, k, v, Extras(alibi_slopes, bounds_q, bounds_k))
-    if seqused_q is not None:
-        rows = _used_rows(bounds_q, q.shape[0])
-        out = out.masked_fill(~rows[:, None, None], 0.0)
-        lse = lse.masked_fill(~rows[None, :], float("-inf"))
-    return out if probs is None else (out, lse, probs[0::2])
+    return out if probs is None else (out, lse, probs[0::3])
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
