@@ -134,18 +134,45 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         return _varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                              softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs, block_table)
     q, k, v = P.contiguous_last(q, k, v)
-    scalars = (P.number("dropout_p", dropout_p), P.number("softmax_scale", softmax_scale), causal, window_size,
-               P.number("softcap", softcap), alibi_slopes, deterministic, return_attn_probs)
-    if seqused_q is not None or seqused_k is not None:
-        return _varlen_used(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
-                            scalars)
-    p = P.memoised(_VARLEN, (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *scalars), P.varlen)
+    bounds_q, bounds_k, slopes = cu_seqlens_q, cu_seqlens_k, alibi_slopes
+    used = seqused_q is not None or seqused_k is not None
+    if used:
+        bounds_q, bounds_k, slopes = _used_sequences(q, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                                                     alibi_slopes)
+    p = P.memoised(_VARLEN, (q, k, v, bounds_q, bounds_k, max_seqlen_q, max_seqlen_k,
+                             P.number("dropout_p", dropout_p), P.number("softmax_scale", softmax_scale), causal,
+                             window_size, P.number("softcap", softcap), slopes, deterministic,
+                             return_attn_probs), P.varlen)
     pad_q = P.cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q")
     pad_k = P.cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k")
+    if used:
+        for name, n, cu_ in (("seqused_q", seqused_q, cu_seqlens_q), ("seqused_k", seqused_k, cu_seqlens_k)):
+            if n is not None:
+                P.seqused_values(name, n, cu_)
     p = p.with_padding(pad_q, pad_k)
     checks.check_device(q)
-    out, lse, probs = attention(p, q, k, v, Extras(alibi_slopes, cu_seqlens_q, cu_seqlens_k))
+    out, lse, probs = attention(p, q, k, v, Extras(slopes, bounds_q, bounds_k))
+    if probs is not None and used:
+        probs = probs[0::3]   # (the used sequences')
     return out if probs is None else (out, lse, probs)
+
+
+def _used_sequences(q, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes):
+    """seqused_q / seqused_k as plain varlen: each slot becomes three sequences (_used_bounds): its used rows, its
+    unused query rows (no keys: zeros, lse -inf, no gradient, as every row that sees no key), its unused key rows
+    (no queries: no work, zero gradients). Returns both sides' cu_seqlens of the 3 x batch sequences and the ALiBi
+    slopes for them. The arguments' shapes are checked here, their values by the caller."""
+    batch = checks.cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
+    checks.cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device, batch=batch)
+    for name, used in (("seqused_q", seqused_q), ("seqused_k", seqused_k)):
+        if used is not None:
+            checks.index_tensor(name, used, (batch, ), q.device)
+    if isinstance(alibi_slopes, torch.Tensor) and alibi_slopes.dim() == 2:   # (batch, nheads): each slot's thrice
+        if alibi_slopes.shape[0] != batch:
+            fail("alibi_slopes.shape", tuple(alibi_slopes.shape), f"(nheads,) or ({batch}, nheads)")
+        alibi_slopes = alibi_slopes.repeat_interleave(3, dim=0)
+    return (_used_bounds(cu_seqlens_q, seqused_q, False), _used_bounds(cu_seqlens_k, seqused_k, True),
+            alibi_slopes)
 
 
 def _used_bounds(cu: torch.Tensor, used, keys: bool) -> torch.Tensor:
@@ -158,30 +185,6 @@ def _used_bounds(cu: torch.Tensor, used, keys: bool) -> torch.Tensor:
     out[1::3] = end
     out[2::3] = end if keys else cu[1:]
     return out
-
-
-def _varlen_used(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, scalars):
-    """flash_attn_varlen_func with seqused_q / seqused_k: each slot becomes three sequences (_used_bounds): its used
-    rows, its unused query rows (no keys: zeros, lse -inf, no gradient, as every row that sees no key), its unused
-    key rows (no queries: no work, zero gradients); the varlen kernels run on those 3 x batch sequences."""
-    dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs = scalars
-    batch = checks.cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
-    checks.cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device, batch=batch)
-    pad_q = P.cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q")
-    pad_k = P.cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k")
-    for name, used, cu_ in (("seqused_q", seqused_q, cu_seqlens_q), ("seqused_k", seqused_k, cu_seqlens_k)):
-        if used is not None:
-            checks.seqused(name, used, batch, q.device)
-            P.seqused_values(name, used, cu_)
-    bounds_q, bounds_k = _used_bounds(cu_seqlens_q, seqused_q, False), _used_bounds(cu_seqlens_k, seqused_k, True)
-    if isinstance(alibi_slopes, torch.Tensor) and alibi_slopes.dim() == 2:   # (batch, nheads): each slot's thrice
-        alibi_slopes = alibi_slopes.repeat_interleave(3, dim=0)
-    p = P.memoised(_VARLEN, (q, k, v, bounds_q, bounds_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                             causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs), P.varlen)
-    p = p.with_padding(pad_q, pad_k)
-    checks.check_device(q)
-    out, lse, probs = attention(p, q, k, v, Extras(alibi_slopes, bounds_q, bounds_k))
-    return out if probs is None else (out, lse, probs[0::3])
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,

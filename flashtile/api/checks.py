@@ -126,19 +126,6 @@ def cu_seqlens(name: str, cu, device, batch: int | None = None) -> int:
     return cu.numel() - 1
 
 
-def seqused(name: str, used, batch: int, device) -> None:
-    """seqused_q / seqused_k: (batch,) int32 on `device`, contiguous."""
-    if not isinstance(used, torch.Tensor):
-        fail(name, type(used).__name__, "a torch.Tensor of dtype int32, shape (batch,), or None")
-    if used.dtype != torch.int32:
-        fail(f"{name}.dtype", used.dtype, "torch.int32")
-    if used.shape != (batch,):
-        fail(f"{name}.shape", tuple(used.shape), f"({batch},): one length per sequence of cu_seqlens")
-    same_device(name, used, device)
-    if used.stride(0) != 1:
-        fail(f"{name}.stride(0)", used.stride(0), "1 (contiguous)")
-
-
 def check_device(t: torch.Tensor) -> None:
     """CPU tensors need the Triton interpreter, which must be on before flashtile is imported."""
     if not t.is_cuda and t.device.type == "cpu" and not interpreting():

@@ -329,9 +329,25 @@ def values_checkable(t: torch.Tensor) -> bool:
     return CHECK_VALUES and values_readable(t)
 
 
-# id(cu_seqlens) -> (weak reference, version counter, total, max_seqlen, the check's result): a model's layers pass
-# one cu_seqlens tensor to every attention call of a step, which then reads its values once, not once per layer
+# (ids of the index tensors read, the check's scalars) -> (their weak references, version counters, the check's
+# result): a model's layers pass one cu_seqlens (seqused) tensor to every attention call of a step, which then reads
+# its values once, not once per layer
 _CU_CHECKED: dict = {}
+
+
+def _read_once(tensors: tuple, scalars: tuple, check):
+    """check() (which reads the tensors' values), remembered until one of the tensors is freed or modified in
+    place (its version counter) or the scalars differ."""
+    key = (*map(id, tensors), *scalars)
+    seen = _CU_CHECKED.get(key)
+    if (seen is not None and all(ref() is t for ref, t in zip(seen[0], tensors))
+            and seen[1] == tuple(t._version for t in tensors)):
+        return seen[2]
+    result = check()
+    if len(_CU_CHECKED) >= MEMO_MAX:
+        _CU_CHECKED.clear()
+    _CU_CHECKED[key] = (tuple(weakref.ref(t) for t in tensors), tuple(t._version for t in tensors), result)
+    return result
 
 
 def cu_seqlens_values(name: str, cu: torch.Tensor, total: Optional[int], max_seqlen: int, max_name: str) -> int:
@@ -341,32 +357,20 @@ def cu_seqlens_values(name: str, cu: torch.Tensor, total: Optional[int], max_seq
     counter), with the same total and max_seqlen, is not read again."""
     if not values_checkable(cu):
         return PAD_UNKNOWN
-    seen = _CU_CHECKED.get(id(cu))
-    if seen is not None and seen[0]() is cu and seen[1:4] == (cu._version, total, max_seqlen):
-        return seen[4]
-    result = _cu_seqlens_values(name, cu, total, max_seqlen, max_name)
-    if len(_CU_CHECKED) >= MEMO_MAX:
-        _CU_CHECKED.clear()
-    _CU_CHECKED[id(cu)] = (weakref.ref(cu), cu._version, total, max_seqlen, result)
-    return result
+    return _read_once((cu, ), (total, max_seqlen),
+                      lambda: _cu_seqlens_values(name, cu, total, max_seqlen, max_name))
 
 
 def seqused_values(name: str, used: torch.Tensor, cu: torch.Tensor) -> None:
     """Each seqused entry within its slot: 0 <= seqused[b] <= cu[b + 1] - cu[b] (read where values are readable;
     a pair checked before, neither modified since, is not read again)."""
-    if not values_checkable(used):
-        return
-    key = (id(used), id(cu))
-    seen = _CU_CHECKED.get(key)
-    if seen is not None and seen[0]() is used and seen[1]() is cu and seen[2:4] == (used._version, cu._version):
-        return
-    lens = (cu[1:] - cu[:-1]).tolist()
-    for b, (n, room) in enumerate(zip(used.tolist(), lens)):
-        if not 0 <= n <= room:
-            fail(f"{name}[{b}]", n, f"between 0 and the sequence's rows in cu_seqlens ({room})")
-    if len(_CU_CHECKED) >= MEMO_MAX:
-        _CU_CHECKED.clear()
-    _CU_CHECKED[key] = (weakref.ref(used), weakref.ref(cu), used._version, cu._version)
+    def check():
+        lens = (cu[1:] - cu[:-1]).tolist()
+        for b, (n, room) in enumerate(zip(used.tolist(), lens)):
+            if not 0 <= n <= room:
+                fail(f"{name}[{b}]", n, f"between 0 and the sequence's rows in cu_seqlens ({room})")
+    if values_checkable(used):
+        _read_once((used, cu), (), check)
 
 
 def _cu_seqlens_values(name: str, cu: torch.Tensor, total: Optional[int], max_seqlen: int, max_name: str) -> int:
