@@ -27,8 +27,9 @@ checkpointing off unless --gradient-checkpointing, use_cache=False. The batch is
   dense:  no attention_mask (causal pretraining batches; an all-ones mask would make transformers build a 4-D mask
           for SDPA under torch.compile).
   padded: each row's length uniform in [L/2, L], right padding, 2-D attention_mask, labels -100 on padding.
-          flashtile unpads every layer and runs varlen when eager, and runs the dense kernel with the mask as a key
-          mask when compiled; SDPA gets a 4-D mask; flex_attention a BlockMask.
+          flashtile unpads every layer and runs varlen when eager; compiled, its ops read the mask when the graph
+          runs and run varlen over each row's tokens and its padding; SDPA gets a 4-D mask; flex_attention a
+          BlockMask.
 tokens/s counts real (non-padding) tokens: padded rows are worth only their real tokens.
 --compile: "eager" and/or "compile". --compile-scope layers (default) compiles each decoder layer
 (``layer.compile()``: the identical layers share one compiled graph, so compiling costs one layer's time);

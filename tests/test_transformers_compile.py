@@ -71,10 +71,10 @@ def _logits_and_grads(model, ids, mask, position_ids, w, compiled=False):
 
 
 @pytest.mark.parametrize("batch,padded", [(1, False), (1, True), (2, False), (2, True)])
-def test_compiled_training_step_has_no_graph_break(batch, padded, seed):
+def test_compiled_training_step_has_no_graph_break(batch, padded, seed, monkeypatch):
     """Forward + backward of the compiled model: no graph break (SDPA has none either), logits and every parameter
-    gradient equal to eager SDPA's. Traced, padded batches take the dense key-masked path and a batch-1 row without
-    a mask the row ops."""
+    gradient equal to eager SDPA's. Traced, padded batches and a batch-1 row without a mask take the row ops (the
+    padded ones the varlen kernel over each row's run of tokens)."""
     ours, ref = _pair(seed)
     ours.train()
     ref.train()
@@ -86,8 +86,46 @@ def test_compiled_training_step_has_no_graph_break(batch, padded, seed):
         if batch > 1:
             mask[0, :3] = 0          # left padding in the first
     w = torch.randn(batch, SEQ, 128, device=DEVICE)
+    runs = []
+    real_runs = ft_hf._mask_runs
+    monkeypatch.setattr(ft_hf, "_mask_runs", lambda m: runs.append(real_runs(m)) or runs[-1])
     lo, go = _logits_and_grads(ours, ids, mask, None, w, compiled=True)
     assert _graph_breaks() == 0, dict(counters["graph_break"])
+    assert all(r is not None for r in runs) and bool(runs) == padded   # (padded: the varlen route, its runs read)
+    lr, gr = _logits_and_grads(ref, ids, mask, None, w)
+    assert _rel(lo, lr) < RTOL
+    for name in gr:
+        assert _rel(go[name], gr[name]) < RTOL, name
+
+
+def test_mask_runs_cover_each_row_with_three_sequences():
+    """A padded batch's runs (read when a compiled graph runs): per row the padding before its tokens, the tokens,
+    the padding after them, over the flattened b * s tokens; None where a row's tokens are not one run."""
+    mask = torch.tensor([[0, 0, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0]])
+    assert ft_hf._mask_runs(mask).tolist() == [0, 2, 5, 6, 6, 12, 12, 12, 12, 18, 18, 20, 24]
+    assert ft_hf._mask_runs(mask.bool()).dtype == torch.int32
+    holed = mask.clone()
+    holed[1, 3] = 0
+    assert ft_hf._mask_runs(holed) is None
+
+
+def test_compiled_padded_batch_with_holes_takes_the_key_mask(seed, monkeypatch):
+    """A padding mask whose tokens are not one run per row, compiled: the ops run the key-masked dense kernel (the
+    runs of the other test's masks take varlen): logits and gradients equal to SDPA's, no graph break."""
+    runs = []
+    real_runs = ft_hf._mask_runs
+    monkeypatch.setattr(ft_hf, "_mask_runs", lambda m: runs.append(real_runs(m)) or runs[-1])
+    ours, ref = _pair(seed)
+    ours.train()
+    ref.train()
+    ids = torch.randint(0, 128, (2, SEQ), device=DEVICE)
+    mask = torch.ones(2, SEQ, dtype=torch.long, device=DEVICE)
+    mask[0, 4] = 0
+    mask[1, SEQ - 3:] = 0
+    w = torch.randn(2, SEQ, 128, device=DEVICE)
+    lo, go = _logits_and_grads(ours, ids, mask, None, w, compiled=True)
+    assert _graph_breaks() == 0, dict(counters["graph_break"])
+    assert runs and all(r is None for r in runs)
     lr, gr = _logits_and_grads(ref, ids, mask, None, w)
     assert _rel(lo, lr) < RTOL
     for name in gr:

@@ -13,10 +13,13 @@ k/v (batch, nheads_k, seqlen_k, headdim) from the model and calls flashtile with
 * Padding: the model's mask arrives as the 2-D (batch, seqlen_k) padding mask (``register`` installs the mask
   builder ``padding_mask`` for this name: transformers' flash-attention mask, None when nothing is padded).
   Eager calls with more than one query per row (training, prefill) unpad the batch, run the varlen kernel and
-  pad back (zeros at padding positions), as transformers' flash-attention path does. Decode steps (one query
-  per row) and calls traced by torch.compile run the dense kernel instead, with the mask as a key mask
-  (``attn_mask``): no value is read, no shape depends on data, so a compiled model has no graph break here. The
-  rows of padding queries are zeros on both paths.
+  pad back (zeros at padding positions), as transformers' flash-attention path does. Under torch.compile (the
+  mask not read while tracing) the custom ops ``flashtile::row_fwd`` / ``row_bwd`` read it when the graph runs
+  and run the varlen kernel over each row's run of tokens (and over the padding as sequences of its own, whose
+  rows are then zeroed); a mask whose tokens are not one run per row, or a CUDA graph being captured, gets the
+  dense kernel with the mask as a key mask (``attn_mask``), as decode steps (one query per row) do: no value read,
+  no shape depending on data, so a compiled model has no graph break here. The rows of padding queries are zeros
+  on every path.
 * Static cache (``cache_implementation="static"``): the mask builder returns transformers' 4-D boolean mask over
   the cache's slots (its ``sdpa_mask``: causal, window, padding and the slots without a token yet), whose shape is
   the same at every decode step, so transformers' compiled decoding step records one CUDA graph; the attention
@@ -24,8 +27,8 @@ k/v (batch, nheads_k, seqlen_k, headdim) from the model and calls flashtile with
   (batch or 1, 1 or heads, seqlen_q, seqlen_k) is taken that way.
 * Packed batches without padding (``DataCollatorWithFlattening``): batch 1 whose position_ids restart, or the
   ``cu_seq_lens_q/k`` + ``max_length_q/k`` kwargs, run as varlen so that sequences do not see each other.
-  Under torch.compile the positions are not read while tracing: the custom ops ``flashtile::row_fwd`` /
-  ``row_bwd`` read them when the graph runs and take the varlen or the dense kernels accordingly.
+  Under torch.compile the positions are not read while tracing: the same ops read them when the graph runs and
+  take the varlen or the dense kernels accordingly.
 * Sliding window w (the ``sliding_window`` argument the model passes): window_size = (w - 1, 0) when causal,
   (w - 1, w - 1) otherwise, i.e. query i sees keys i - w + 1 .. i, transformers' ``kv_idx > q_idx - w``.
 * softcap (Gemma 2), scaling, dropout (the model passes its attention_dropout only in training),
@@ -152,11 +155,11 @@ def _unpadded(q, k, v, mask, opts: dict) -> torch.Tensor:
 
 
 def _key_masked(q, k, v, mask, opts: dict) -> torch.Tensor:
-    """Attention of a padded batch through the dense kernel with the padding as a key mask: static shapes, no value
-    read. mask (b, m), m <= sk: the queries are the mask's last sq positions; keys past the mask (a static cache's
-    slots without a token yet) are masked. The kernels align causal and window masks to the last key (sk); where
-    the mask ends earlier (m < sk) the queries' own alignment is folded into the mask instead. Rows of padding
-    queries are zeros, as _unpadded leaves them."""
+    """Attention of a padded batch through the dense kernel with the padding as a key mask (decode steps, static
+    caches, traced calls over a cache): static shapes, no value read. mask (b, m), m <= sk: the queries are the
+    mask's last sq positions; keys past the mask (a static cache's slots without a token yet) are masked. The
+    kernels align causal and window masks to the last key (sk); where the mask ends earlier (m < sk) the queries'
+    own alignment is folded into the mask instead. Rows of padding queries are zeros, as _unpadded leaves them."""
     q_len, kv_len, m = q.shape[1], k.shape[1], mask.shape[1]
     q_real = mask[:, m - q_len:]
     if kv_len == m:
@@ -188,16 +191,48 @@ def _full_mask(q, k, v, mask, opts: dict) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# A batch-1 row under torch.compile: whether it packs several sequences is decided when the graph runs
+# Rows under torch.compile whose sequences are known only when the graph runs: a batch-1 row that may pack several
+# sequences (its position_ids), or a padded batch (its padding mask)
 # ----------------------------------------------------------------------------------------------------------------
-def _row_problem(q, k, v, position_ids, ints, floats):
-    """(Problem, q, k, v, Extras) of a batch-1 row as it runs: the dense Problem traced for it (ints, floats:
-    Problem.pack), or, where position_ids restart (read here, once per tensor), the varlen Problem of the row's
-    sequences, with q / k / v flattened to (total, heads, d)."""
-    p = P.Problem.unpack(q, k, ints, floats, 1)
-    if not _is_packed(position_ids, 1, q.shape[1], k.shape[1]):
-        return p, q, k, v, NO_EXTRAS
-    cu, max_len = _per_tensor("cu_seqlens", position_ids, _packed_cu_seqlens)
+PACKED, PADDED = 0, 1   # what the rows ops' `seqs` tensor is: position_ids (1, s), or a padding mask (b, s)
+
+
+def _mask_runs(mask: torch.Tensor):
+    """cu_seqlens (int32, on the mask's device) of a padded batch (b, s) flattened to b * s tokens, three sequences
+    per row: the padding before the row's tokens, its tokens, the padding after them (empty where there is none);
+    None where a row's tokens are not one contiguous run (then only a key mask is right). Reads the mask."""
+    m = mask.to("cpu").bool()
+    b, s = m.shape
+    used = m.sum(1)
+    start = m.int().argmax(1) * (used > 0)          # first token of each row (0 for a row without one)
+    pos = torch.arange(s)
+    if not torch.equal((pos >= start[:, None]) & (pos < (start + used)[:, None]), m):
+        return None
+    base = torch.arange(b) * s
+    cu = torch.cat([torch.stack([base, base + start, base + start + used], 1).reshape(-1), torch.tensor([b * s])])
+    return cu.to(device=mask.device, dtype=torch.int32)
+
+
+def _row_problem(q, k, v, seqs, kind, ints, floats):
+    """(Problem, q, k, v, Extras) of the rows as they run. PACKED (batch 1, seqs = position_ids): the dense Problem
+    traced for them (ints, floats: Problem.pack), or, where the positions restart (read here, once per tensor),
+    the varlen Problem of the row's sequences. PADDED (seqs = the (b, s) padding mask, s queries and keys): the
+    varlen Problem of _mask_runs' sequences over the b * s tokens (read once per mask tensor; the padding's own
+    sequences compute rows the caller zeroes), or, where a row's tokens are not one run or a CUDA graph is being
+    captured (no value may be read), the dense Problem with the mask as a key mask. Varlen: q / k / v flattened
+    to (b * s, heads, d)."""
+    p = P.Problem.unpack(q, k, ints, floats, q.shape[0])
+    s = q.shape[1]
+    if kind == PACKED:
+        if not _is_packed(seqs, 1, s, k.shape[1]):
+            return p, q, k, v, NO_EXTRAS
+        cu, max_len = _per_tensor("cu_seqlens", seqs, _packed_cu_seqlens)
+    else:
+        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+        cu, max_len = None if capturing else _per_tensor("runs", seqs, _mask_runs), s
+        if cu is None:
+            mask = seqs.bool()[:, None, None, :]
+            return p.with_features(mask=True), q, k, v, Extras(mask=mask)
     q, k, v = (t.reshape(-1, *t.shape[2:]) for t in (q, k, v))
     w = p.params   # (the window already holds causal: window_right = 0)
     p = P.varlen(q, k, v, cu, cu, max_len, max_len, w.dropout_p, w.softmax_scale, False,
@@ -206,61 +241,65 @@ def _row_problem(q, k, v, position_ids, ints, floats):
 
 
 @torch.library.custom_op("flashtile::row_fwd", mutates_args=(), device_types=None)
-def _row_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor, ints: List[int],
+def _row_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: torch.Tensor, kind: int, ints: List[int],
              floats: List[float]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """out (1, s, h, d), lse (1, h, s), the dropout's rng state (2,) of a batch-1 row (_row_problem)."""
-    p, qr, kr, vr, x = _row_problem(q, k, v, position_ids, ints, floats)
+    """out (b, s, h, d), lse (b, h, s), the dropout's rng state (2,) of rows whose sequences seqs says
+    (_row_problem)."""
+    p, qr, kr, vr, x = _row_problem(q, k, v, seqs, kind, ints, floats)
     qr, kr, vr = kernel_inputs(p, qr, kr, vr)
     out, lse, rng_state, _ = forward(p, qr, kr, vr, x)
     if rng_state is None:
         rng_state = torch.zeros(2, dtype=torch.int64)
-    return out.view(q.shape), lse.view(1, *lse.shape[-2:]), rng_state
+    if p.varlen:   # (h, b * s) -> (b, h, s)
+        lse = lse.view(lse.shape[0], q.shape[0], q.shape[1]).transpose(0, 1).contiguous()
+    return out.view(q.shape), lse, rng_state
 
 
 @_row_fwd.register_fake
-def _(q, k, v, position_ids, ints, floats):
+def _(q, k, v, seqs, kind, ints, floats):
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
-            q.new_empty((1, q.shape[2], q.shape[1]), dtype=torch.float32), torch.empty(2, dtype=torch.int64))
+            q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32), torch.empty(2, dtype=torch.int64))
 
 
 @torch.library.custom_op("flashtile::row_bwd", mutates_args=(), device_types=None)
 def _row_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-             lse: torch.Tensor, rng_state: torch.Tensor, position_ids: torch.Tensor, ints: List[int],
+             lse: torch.Tensor, rng_state: torch.Tensor, seqs: torch.Tensor, kind: int, ints: List[int],
              floats: List[float]) -> List[torch.Tensor]:
-    """dq, dk, dv of _row_fwd."""
-    p, qr, kr, vr, x = _row_problem(q, k, v, position_ids, ints, floats)
+    """dq, dk, dv of _row_fwd (the same Problem: _row_problem decides as it did for the forward)."""
+    p, qr, kr, vr, x = _row_problem(q, k, v, seqs, kind, ints, floats)
     qr, kr, vr = kernel_inputs(p, qr, kr, vr)
     if p.varlen:
-        dout, out, lse = dout.reshape(qr.shape), out.reshape(qr.shape), lse[0]
+        dout, out, lse = dout.reshape(qr.shape), out.reshape(qr.shape), lse.transpose(0, 1).reshape(lse.shape[1], -1)
     grads = backward(p, dout, qr, kr, vr, out, lse, rng_state if p.params.dropout_p > 0 else None, x)
     return [g.view(t.shape) for g, t in zip(grads, (q, k, v))]
 
 
 @_row_bwd.register_fake
-def _(dout, q, k, v, out, lse, rng_state, position_ids, ints, floats):
+def _(dout, q, k, v, out, lse, rng_state, seqs, kind, ints, floats):
     return [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v)]
 
 
 def _row_setup(ctx, inputs, output):
-    q, k, v, position_ids, ints, floats = inputs
+    q, k, v, seqs, kind, ints, floats = inputs
     out, lse, rng_state = output
-    ctx.save_for_backward(q, k, v, out, lse, rng_state, position_ids)
-    ctx.ints, ctx.floats = ints, floats
+    ctx.save_for_backward(q, k, v, out, lse, rng_state, seqs)
+    ctx.kind, ctx.ints, ctx.floats = kind, ints, floats
 
 
 def _row_backward(ctx, dout, _dlse, _drng):
-    q, k, v, out, lse, rng_state, position_ids = ctx.saved_tensors
-    dq, dk, dv = torch.ops.flashtile.row_bwd(dout, q, k, v, out, lse, rng_state, position_ids, ctx.ints, ctx.floats)
-    return dq, dk, dv, None, None, None
+    q, k, v, out, lse, rng_state, seqs = ctx.saved_tensors
+    dq, dk, dv = torch.ops.flashtile.row_bwd(dout, q, k, v, out, lse, rng_state, seqs, ctx.kind, ctx.ints,
+                                            ctx.floats)
+    return dq, dk, dv, None, None, None, None
 
 
 _row_fwd.register_autograd(_row_backward, setup_context=_row_setup)
 
 
-def _traced_row(q, k, v, position_ids, opts: dict) -> torch.Tensor:
-    """Attention of a batch-1 row that may pack several sequences, without reading position_ids while tracing: the
-    ops flashtile::row_fwd / row_bwd read them when the graph runs and take the varlen kernels for a packed row,
-    the dense ones otherwise. The dense problem is checked here, as flash_attn_func checks it."""
+def _traced_rows(q, k, v, seqs, kind: int, opts: dict) -> torch.Tensor:
+    """Attention of rows whose sequences are decided when the graph runs (_row_problem), without reading seqs while
+    tracing: the ops flashtile::row_fwd / row_bwd read it then. The dense problem is checked here, as
+    flash_attn_func checks it."""
     window_size, causal, deterministic = P.scalars(opts["window_size"], ("causal", opts["causal"]),
                                                    ("deterministic", opts["deterministic"]))
     q, k, v = P.contiguous_last(q, k, v)
@@ -268,7 +307,7 @@ def _traced_row(q, k, v, position_ids, opts: dict) -> torch.Tensor:
                 deterministic, False)
     check_device(q)
     ints, floats = p.pack()
-    return torch.ops.flashtile.row_fwd(q, k, v, position_ids, ints, floats)[0]
+    return torch.ops.flashtile.row_fwd(q, k, v, seqs, kind, ints, floats)[0]
 
 
 def flashtile_attention_forward(
@@ -334,6 +373,8 @@ def flashtile_attention_forward(
             mask = mask[:, -k.shape[1]:]
         if readable and q_len > 1:
             out = _unpadded(q, k, v, mask, opts)
+        elif q_len == kv_len == attention_mask.shape[1] and q_len > 1:   # traced training / prefill
+            out = _traced_rows(q, k, v, attention_mask, PADDED, opts).masked_fill(~mask[:, :, None, None], 0.0)
         else:
             out = _key_masked(q, k, v, mask, opts)
     elif all(kwargs.get(n) is not None for n in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")):
@@ -341,7 +382,7 @@ def flashtile_attention_forward(
         cu_k = cu_q if kwargs["cu_seq_lens_k"] is kwargs["cu_seq_lens_q"] else kwargs["cu_seq_lens_k"].to(torch.int32)
         out = _varlen_rows(q, k, v, cu_q, cu_k, int(kwargs["max_length_q"]), int(kwargs["max_length_k"]), opts)
     elif not readable and _packable(position_ids, batch, q_len, kv_len):
-        out = _traced_row(q, k, v, position_ids, opts)
+        out = _traced_rows(q, k, v, position_ids, PACKED, opts)
     elif _is_packed(position_ids, batch, q_len, kv_len):
         cu, max_len = _per_tensor("cu_seqlens", position_ids, _packed_cu_seqlens)
         out = _varlen_rows(q, k, v, cu, cu, max_len, max_len, opts)
