@@ -26,15 +26,13 @@ import pytest
 import torch
 
 import flashtile
-from attn_utils import DEVICE, assert_within_rule, reference_fwd_bwd, tolerance_eps
+from attn_utils import DEVICE, UNIT_ROUNDOFF, assert_within_rule, reference_fwd_bwd, tolerance_eps
 from flashtile.reference.dense import alibi_bias
 
 ON_GPU = DEVICE == "cuda"
 fp16, fp32, bf16 = torch.float16, torch.float32, torch.bfloat16
 LOG2E = math.log2(math.e)
 U32 = 2.0 ** -24
-# unit roundoff of the stored output (round to nearest): |fl(x) - x| <= u |x|
-UNIT_ROUNDOFF = {fp16: 2.0 ** -11, bf16: 2.0 ** -8, fp32: U32}
 SCALE = 1.0   # softmax_scale of every case: logits are the raw q.k products
 
 # (dtype, seqlen_q, seqlen_k, headdim, alibi, q/k multiplier); batch 1, one head: the rule's max then runs over

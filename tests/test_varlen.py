@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import flashtile  # noqa: F401  (sets TRITON_INTERPRET on CPU-only machines)
-from attn_utils import DEVICE, Features, assert_within_rule, given, rand_alibi, reference_fwd_bwd, st, sweep
+from attn_utils import (DEVICE, Features, assert_within_rule, given, rand_alibi, reference_fwd_bwd, st,
+                        stored_output_bounds, sweep)
 from flashtile.padding import index_first_axis, index_put_first_axis, pad_input, unpad_input
 from flashtile.reference.dense import attention_ref
 from flashtile.varlen import (flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,
@@ -60,8 +61,9 @@ def packed_inputs(c: VCase):
 
 
 def varlen_reference(c: VCase, q, k, v, dout, alibi, upcast: bool, s_dmask=None):
-    """Per-sequence attention_ref (+ backward): (out (total_q, h, d), lse (h, total_q), dq, dk, dv) packed.
-    s_dmask (batch, h, max_sq, max_sk): its sign gives the dropout keep mask of each sequence."""
+    """Per-sequence attention_ref (+ backward): (out (total_q, h, d), lse (h, total_q), dq, dk, dv, and dq's and
+    dk's stored_output_bounds) packed. s_dmask (batch, h, max_sq, max_sk): its sign gives the dropout keep mask of
+    each sequence."""
     cq, ck = cu(c.lens_q).tolist(), cu(c.lens_k).tolist()
     acc = torch.float64 if upcast else c.dtype
     out = torch.zeros(q.shape, dtype=acc, device=DEVICE)
@@ -69,6 +71,8 @@ def varlen_reference(c: VCase, q, k, v, dout, alibi, upcast: bool, s_dmask=None)
     dq = torch.zeros(q.shape, dtype=acc, device=DEVICE)
     dk = torch.zeros(k.shape, dtype=acc, device=DEVICE)
     dv = torch.zeros(v.shape, dtype=acc, device=DEVICE)
+    xq = torch.zeros(q.shape, dtype=torch.float64, device=DEVICE)
+    xk = torch.zeros(k.shape, dtype=torch.float64, device=DEVICE)
     for b, (sq, sk) in enumerate(zip(c.lens_q, c.lens_k)):
         if sq == 0:
             continue
@@ -78,7 +82,7 @@ def varlen_reference(c: VCase, q, k, v, dout, alibi, upcast: bool, s_dmask=None)
         keep = None
         if c.dropout_p > 0:
             keep = (s_dmask[b:b + 1, :, :sq, :sk] >= 0)
-        o, l_, _, gq, gk, gv = reference_fwd_bwd(
+        o, l_, probs, gq, gk, gv = reference_fwd_bwd(
             qs, ks, vs, dout[None, cq[b]:cq[b + 1]], upcast=upcast, dropout_p=c.dropout_p, dropout_mask=keep,
             causal=c.causal, window_size=c.window, softcap=c.softcap, alibi_slopes=slopes)
         out[cq[b]:cq[b + 1]] = o[0]
@@ -86,7 +90,9 @@ def varlen_reference(c: VCase, q, k, v, dout, alibi, upcast: bool, s_dmask=None)
         dq[cq[b]:cq[b + 1]] = gq[0]
         dk[ck[b]:ck[b + 1]] = gk[0]
         dv[ck[b]:ck[b + 1]] = gv[0]
-    return out, lse, dq, dk, dv
+        bq, bk = stored_output_bounds(qs, ks, dout[None, cq[b]:cq[b + 1]], o, probs, c.dtype)
+        xq[cq[b]:cq[b + 1]], xk[ck[b]:ck[b + 1]] = bq[0], bk[0]
+    return out, lse, dq, dk, dv, xq, xk
 
 
 def check_varlen(c: VCase, q, k, v, dout, alibi, out, lse, grads, s_dmask=None):
@@ -97,8 +103,8 @@ def check_varlen(c: VCase, q, k, v, dout, alibi, out, lse, grads, s_dmask=None):
     if lse is not None:
         assert_within_rule("softmax_lse", lse, ref[1], std[1], c.dtype, ctx)
     if grads is not None:
-        for name, g, gr, gs in zip(("dq", "dk", "dv"), grads, ref[2:], std[2:]):
-            assert_within_rule(name, g, gr, gs, c.dtype, ctx)
+        for name, g, gr, gs, x in zip(("dq", "dk", "dv"), grads, ref[2:5], std[2:5], (ref[5], ref[6], None)):
+            assert_within_rule(name, g, gr, gs, c.dtype, ctx, extra=x)
 
 
 # ---------------------------------------------------------------------------------------------------------
