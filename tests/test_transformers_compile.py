@@ -166,22 +166,25 @@ def _spy(monkeypatch, calls):
         return spy
     for name, seqlen_q in (("_unpadded", lambda a: a[0].shape[1]), ("_key_masked", lambda a: a[0].shape[1]),
                            ("_full_mask", lambda a: a[0].shape[1]), ("unpad_input", lambda a: a[0].shape[1]),
-                           ("flash_attn_varlen_func", lambda a: None)):
+                           ("flash_attn_varlen_func", lambda a: None), ("flash_attn_func", lambda a: a[0].shape[1])):
         monkeypatch.setattr(ft_hf, name, wrap(name, getattr(ft_hf, name), seqlen_q))
 
 
+@pytest.mark.parametrize("padded", [True, False], ids=["left-padded", "unpadded"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_static_cache_generate_matches_sdpa(compiled, monkeypatch, seed):
-    """generate(cache_implementation="static") of a left-padded batch: SDPA's tokens and scores. The prefill (eager,
-    7 queries per row) unpads its tokens; the decode steps (one query per row) run the dense kernel under
-    transformers' 4-D mask over the cache's slots, never unpadding: eagerly, or inside transformers' compiled
-    decoding step without a graph break and with one input shape for every step (no recompilation)."""
+def test_static_cache_generate_matches_sdpa(compiled, padded, monkeypatch, seed):
+    """generate(cache_implementation="static"): SDPA's tokens and scores. The prefill (eager, 7 queries per row)
+    unpads the tokens of a left-padded batch, and runs the dense kernel over the prompt's slots where nothing is
+    padded; the decode steps (one query per row) run the dense kernel under transformers' 4-D mask over the
+    cache's slots, never unpadding: eagerly, or inside transformers' compiled decoding step without a graph break
+    and with one input shape for every step (no recompilation)."""
     ours, ref = _pair(seed)
     ours.eval()
     ref.eval()
     ids = torch.randint(1, 128, (2, 7), device=DEVICE)
     mask = torch.ones_like(ids)
-    mask[0, :3] = 0
+    if padded:
+        mask[0, :3] = 0
     new = 4
     # (eos_token_id None: every step runs, also where a greedy token of the random weights is the EOS token)
     kw = dict(attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=None,
@@ -210,8 +213,9 @@ def test_static_cache_generate_matches_sdpa(compiled, monkeypatch, seed):
         assert _rel(a, b) < RTOL
     layers = ours.config.num_hidden_layers
     # every decode step, the last (whose 2-D mask covers every slot) included, gets the 4-D mask
-    decode = [] if compiled else [("_full_mask", 1)] * (layers * (new - 1))
-    assert calls == [("_unpadded", 7), ("flash_attn_varlen_func", None)] * layers + decode
+    decode = [] if compiled else [("_full_mask", 1), ("flash_attn_func", 1)] * (layers * (new - 1))
+    prefill = ("flash_attn_varlen_func", None) if padded else ("flash_attn_func", 7)
+    assert calls == [("_unpadded", 7), prefill] * layers + decode
     # the prefill's 2-D mask, then one mask shape for every decode step: the compiled step records one CUDA graph
     steps = [shape for shape in built if len(shape) == 4]
     assert [shape for shape in built if len(shape) != 4] and all(shape == (2, 7) for shape in built[:-len(steps)])

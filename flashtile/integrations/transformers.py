@@ -139,12 +139,15 @@ def _unpadded(q, k, v, mask, opts: dict) -> torch.Tensor:
     and makes tensors whose shapes depend on it: once per mask tensor (the layers of a forward share it), its
     packed layout then remembered until it is freed or modified. Where the queries are every position of the mask
     (training, prefill without a cache) they are unpadded with the keys' indices and share their cu_seqlens (one
-    tensor: the kernels then keep one length per sequence)."""
+    tensor: the kernels then keep one length per sequence). A mask without padding (every row's m tokens: a static
+    cache's prompt of equal rows) runs the dense kernel over the keys it covers instead, gathering nothing."""
     batch, q_len = q.shape[:2]
     if k.shape[1] > mask.shape[1]:  # static cache: keys past the mask are unused slots
         k, v = k[:, :mask.shape[1]], v[:, :mask.shape[1]]
         prepare_decode(q.device)      # (the buffers its decode steps' kernel finds made under CUDA graphs)
     idx_k, cu_k, max_k = _per_tensor("unpad", mask, packed_rows)
+    if idx_k.numel() == mask.numel():   # nothing padded
+        return flash_attn_func(q, k, v, **opts)
     k_un, v_un = (index_first_axis(t.reshape(-1, *t.shape[2:]), idx_k) for t in (k, v))
     if q_len == mask.shape[1]:
         q_un, idx_q, cu_q, max_q = index_first_axis(q.reshape(-1, *q.shape[2:]), idx_k), idx_k, cu_k, max_k
