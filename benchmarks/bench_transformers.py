@@ -48,13 +48,15 @@ exactly that many) after a random --prompt-len prompt, batch --gen-batches, all-
   dynamic: eager, transformers' default DynamicCache;
   static:  cache_implementation="static"; transformers then compiles the decoding forward itself (torch.compile of
            the model's __call__, prefill eager) with CompileConfig(mode=--gen-compile-mode, "reduce-overhead" =
-           CUDA graphs), the documented static-cache + torch.compile route. flashtile's decode steps run the dense
-           kernel over the whole cache with the padding and the empty slots as a key mask; the 2-D mask grows by one
-           column per step, so the compiled step takes a dynamic length after its first recompile.
+           CUDA graphs), the documented static-cache + torch.compile route. flashtile's prefill runs over the
+           prompt's slots only; every decode step gets transformers' 4-D mask over the cache's slots (one shape at
+           every step: one CUDA graph) and runs the split-KV decode kernel under it.
 One warm-up generate, then one timed (wall clock, synchronized): new tokens/s = batch * new_tokens / generate time;
 TTFT (prefill + first token) = when the first new token reaches the host (a streamer notes it); decode tokens/s =
 batch * (new_tokens - 1) / (generate time - TTFT). Tokens are compared with SDPA's (greedy argmax on random
-weights may flip on bf16 near-ties, so this is reported, not checked).
+weights may flip on bf16 near-ties, so this is reported, not checked), and so are the logits of the warm-up run's
+first steps while a row's tokens are still SDPA's (Δlogits); --gen-impls ...,eager adds transformers' eager
+attention, whose Δlogits against SDPA is the scale of two correct implementations in the same dtype.
 
 Every case runs in its own try/except: status "ok", "oom", "error" (with the message) or "skipped" (with the
 reason: flex_attention refused by transformers, --budget-s reached); memory is freed between cases.
@@ -92,6 +94,9 @@ CONFIGS = {
                  intermediate_size=128),
 }
 IMPLS = ("flashtile", "sdpa", "flex_attention")
+# transformers' own attention in PyTorch ops, on request only (--impls / --gen-impls): its (b, h, s, s) scores do not
+# fit at training lengths; beside SDPA in generation its Δlogits is the scale of two correct bf16 implementations
+OPT_IN = ("eager", )
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 REF = "sdpa"   # the implementation every other one is compared with
 CHECK_STEPS = 32   # generate steps whose logits the warm-up run keeps for the check against SDPA's
@@ -175,7 +180,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.gen_batches = _csv(args.gen_batches, int)
     args.gen_modes = _csv(args.gen_modes)
     for name, values, allowed in (("--sections", args.sections, ("train", "generate")),
-                                  ("--impls", args.impls, IMPLS), ("--gen-impls", args.gen_impls, IMPLS),
+                                  ("--impls", args.impls, IMPLS + OPT_IN),
+                                  ("--gen-impls", args.gen_impls, IMPLS + OPT_IN),
                                   ("--configs", args.configs, tuple(CONFIGS)),
                                   ("--gen-configs", args.gen_configs, tuple(CONFIGS)),
                                   ("--padding", args.padding, ("dense", "padded")),

@@ -31,7 +31,7 @@ def test_quick_run_fills_every_section(tmp_path):
     out = tmp_path / "e2e"
     cmd = [sys.executable, str(SCRIPT), "--quick", "--device", device, "--dtype", "fp32", "--impls", "flashtile,sdpa",
            "--seqlens", "16", "--tokens-per-step", "16", "--steps", "1", "--gen-batches", "1", "--prompt-len", "8",
-           "--new-tokens", "2", "--compile-backend", "eager", "--out", str(out)]
+           "--new-tokens", "2", "--gen-impls", "flashtile,sdpa,eager", "--compile-backend", "eager", "--out", str(out)]
     # one OpenMP thread: on a 2-core machine torch's default pool spins against the interpreter's numpy work
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
@@ -65,7 +65,7 @@ def test_quick_run_fills_every_section(tmp_path):
             assert r["grad_norm_rel_diff_vs_sdpa"] <= 1e-4, r
 
     gen = report["generate"]
-    assert {(r["impl"], r["mode"]) for r in gen} == {(i, m) for i in ("flashtile", "sdpa")
+    assert {(r["impl"], r["mode"]) for r in gen} == {(i, m) for i in ("flashtile", "sdpa", "eager")
                                                     for m in ("dynamic", "static")}
     for r in gen:
         assert r["status"] == "ok", r
@@ -165,7 +165,8 @@ def test_failures_become_rows_and_the_grid_goes_on(tmp_path, monkeypatch):
     assert all("--budget-s" in r["error"] for r in skipped["train"])
 
 
-@pytest.mark.parametrize("argv", [["--impls", "flashtile,nope"], ["--compile", "jit"], ["--warmup", "0"],
+@pytest.mark.parametrize("argv", [["--impls", "flashtile,nope"], ["--gen-impls", "eagre"], ["--compile", "jit"],
+                                  ["--warmup", "0"],
                                   ["--configs", "70b"], ["--seqlens", "1"]])
 def test_bad_arguments_are_rejected(argv):
     mod = load_script(SCRIPT)
