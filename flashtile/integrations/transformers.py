@@ -20,11 +20,12 @@ k/v (batch, nheads_k, seqlen_k, headdim) from the model and calls flashtile with
   dense kernel with the mask as a key mask (``attn_mask``), as decode steps (one query per row) do: no value read,
   no shape depending on data, so a compiled model has no graph break here. The rows of padding queries are zeros
   on every path.
-* Static cache (``cache_implementation="static"``): the mask builder returns transformers' 4-D boolean mask over
-  the cache's slots (its ``sdpa_mask``: causal, window, padding and the slots without a token yet), whose shape is
-  the same at every decode step, so transformers' compiled decoding step records one CUDA graph; the attention
-  function runs it as ``attn_mask`` with no causal flag or window on top. Any 4-D boolean mask
-  (batch or 1, 1 or heads, seqlen_q, seqlen_k) is taken that way.
+* Static cache (``cache_implementation="static"``): the eager prefill gets the 2-D mask of the prompt's slots
+  (unpadded as above where it pads; where it pads nothing, the dense kernel over those slots); every decoding step
+  gets transformers' 4-D boolean mask over the cache's slots (its ``sdpa_mask``: causal, window, padding and the
+  slots without a token yet), whose shape is the same at every step, so transformers' compiled decoding step
+  records one CUDA graph; the attention function runs it as ``attn_mask`` with no causal flag or window on top.
+  Any 4-D boolean mask (batch or 1, 1 or heads, seqlen_q, seqlen_k) is taken that way.
 * Packed batches without padding (``DataCollatorWithFlattening``): batch 1 whose position_ids restart, or the
   ``cu_seq_lens_q/k`` + ``max_length_q/k`` kwargs, run as varlen so that sequences do not see each other.
   Under torch.compile the positions are not read while tracing: the same ops read them when the graph runs and
