@@ -109,6 +109,33 @@ def test_mask_runs_cover_each_row_with_three_sequences():
     assert ft_hf._mask_runs(holed) is None
 
 
+@pytest.mark.parametrize("trial", range(40))
+def test_mask_runs_against_a_per_row_reading(trial, seed):
+    """_mask_runs on random masks (contiguous runs anywhere, empty and full rows, and rows with holes) against a
+    plain per-row reading: sequences (before, tokens, after) in order over the flattened b * s tokens, the tokens'
+    sequence exactly the row's ones; None exactly when some row's ones are not one run."""
+    g = torch.Generator().manual_seed(seed * 1000 + trial)
+    b, s = int(torch.randint(1, 5, (1,), generator=g)), int(torch.randint(1, 12, (1,), generator=g))
+    mask = torch.zeros(b, s, dtype=torch.long)
+    for r in range(b):
+        start = int(torch.randint(0, s + 1, (1,), generator=g))
+        mask[r, start:start + int(torch.randint(0, s + 1, (1,), generator=g))] = 1
+    if trial % 3 == 0:   # holes: random bits
+        mask = (torch.rand(b, s, generator=g) < 0.6).long()
+    ones = [mask[r].nonzero().flatten().tolist() for r in range(b)]
+    runs = all(not o or o == list(range(o[0], o[-1] + 1)) for o in ones)
+    cu = ft_hf._mask_runs(mask)
+    assert (cu is not None) == runs, (mask, cu)
+    if cu is None:
+        return
+    cu = cu.tolist()
+    assert len(cu) == 3 * b + 1 and cu[0] == 0 and cu[-1] == b * s and cu == sorted(cu)
+    for r, o in enumerate(ones):
+        before, tokens, after = cu[3 * r], cu[3 * r + 1], cu[3 * r + 2]
+        assert before == r * s and cu[3 * r + 3] == (r + 1) * s
+        assert list(range(tokens, after)) == [r * s + i for i in o]
+
+
 def test_compiled_padded_batch_with_holes_takes_the_key_mask(seed, monkeypatch):
     """A padding mask whose tokens are not one run per row, compiled: the ops run the key-masked dense kernel (the
     runs of the other test's masks take varlen): logits and gradients equal to SDPA's, no graph break."""
