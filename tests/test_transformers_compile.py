@@ -136,6 +136,35 @@ def test_mask_runs_against_a_per_row_reading(trial, seed):
         assert list(range(tokens, after)) == [r * s + i for i in o]
 
 
+@pytest.mark.parametrize("fwd_varlen,bwd_varlen", [(False, True), (True, False), (False, False)])
+def test_padded_row_ops_take_either_route_in_each_direction(fwd_varlen, bwd_varlen, monkeypatch, seed):
+    """The row ops' forward and backward may take different routes (one of them inside a CUDA-graph capture: key
+    mask; the other not: varlen). With padding rows whose q . k is huge (their scores against their own keys overflow
+    exp under the other route's lse), the gradients stay finite and equal to the varlen-only run's."""
+    torch.manual_seed(seed)
+    q, k, v = (torch.randn(1, 8, 2, 16) for _ in range(3))
+    q[:, 5:], k[:, 5:] = 30.0, 30.0
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0, 0, 0]])
+    opts = dict(dropout_p=0.0, softmax_scale=None, causal=True, window_size=(-1, -1), softcap=0.0,
+                deterministic=False)
+    real = ft_hf._mask_runs
+
+    def run(fwd, bwd):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        monkeypatch.setattr(ft_hf, "_SEEN", {})
+        monkeypatch.setattr(ft_hf, "_mask_runs", real if fwd else (lambda m: None))
+        out = ft_hf._traced_rows(*leaves, mask, ft_hf.PADDED, opts).masked_fill(~mask.bool()[:, :, None, None], 0)
+        monkeypatch.setattr(ft_hf, "_SEEN", {})
+        monkeypatch.setattr(ft_hf, "_mask_runs", real if bwd else (lambda m: None))
+        out.backward(torch.ones_like(out))
+        return [out] + [t.grad for t in leaves]
+
+    expected = run(True, True)
+    for got, want in zip(run(fwd_varlen, bwd_varlen), expected):
+        assert torch.isfinite(got).all()
+        assert _rel(got, want) < RTOL
+
+
 def test_compiled_padded_batch_with_holes_takes_the_key_mask(seed, monkeypatch):
     """A padding mask whose tokens are not one run per row, compiled: the ops run the key-masked dense kernel (the
     runs of the other test's masks take varlen): logits and gradients equal to SDPA's, no graph break."""

@@ -269,7 +269,12 @@ def _(q, k, v, seqs, kind, ints, floats):
 def _row_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
              lse: torch.Tensor, rng_state: torch.Tensor, seqs: torch.Tensor, kind: int, ints: List[int],
              floats: List[float]) -> List[torch.Tensor]:
-    """dq, dk, dv of _row_fwd (the same Problem: _row_problem decides as it did for the forward)."""
+    """dq, dk, dv of _row_fwd. _row_problem decides as it did for the forward, except where only one of the two
+    ran inside a CUDA-graph capture: then one took the key mask, the other varlen, and the padding's rows carry
+    the other route's lse, with which their recomputed P may overflow (inf * 0 = NaN). Their gradient is zero (the
+    caller zeroed their outputs), so they get lse = +inf: P = 0 under either route."""
+    if kind == PADDED:
+        lse = lse.masked_fill(~seqs.bool()[:, None, :], float("inf"))
     p, qr, kr, vr, x = _row_problem(q, k, v, seqs, kind, ints, floats)
     qr, kr, vr = kernel_inputs(p, qr, kr, vr)
     if p.varlen:
