@@ -165,6 +165,25 @@ def test_padded_row_ops_take_either_route_in_each_direction(fwd_varlen, bwd_varl
         assert _rel(got, want) < RTOL
 
 
+def test_row_ops_inside_a_capture(monkeypatch, seed):
+    """Inside a CUDA-graph capture (no value may be read; stood in for by values_readable): a padded batch's ops take
+    the key mask, equal to the varlen route's output; a batch-1 row's positions cannot be read, so whether it packs
+    sequences cannot be known: a clear error naming position_ids rather than the CUDA error of a read."""
+    torch.manual_seed(seed)
+    q, k, v = (torch.randn(2, 8, 2, 16) for _ in range(3))
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0, 0, 0]])
+    opts = dict(dropout_p=0.0, softmax_scale=None, causal=True, window_size=(-1, -1), softcap=0.0,
+                deterministic=False)
+    zero_padding = ~mask.bool()[:, :, None, None]
+    expected = ft_hf._traced_rows(q, k, v, mask, ft_hf.PADDED, opts).masked_fill(zero_padding, 0)
+    monkeypatch.setattr(ft_hf, "_SEEN", {})
+    monkeypatch.setattr(ft_hf, "values_readable", lambda t: False)
+    got = ft_hf._traced_rows(q, k, v, mask, ft_hf.PADDED, opts).masked_fill(zero_padding, 0)
+    assert _rel(got, expected) < RTOL
+    with pytest.raises(ValueError, match="position_ids"):
+        ft_hf._traced_rows(q[:1], k[:1], v[:1], torch.arange(8)[None], ft_hf.PACKED, opts)
+
+
 def test_compiled_padded_batch_with_holes_takes_the_key_mask(seed, monkeypatch):
     """A padding mask whose tokens are not one run per row, compiled: the ops run the key-masked dense kernel (the
     runs of the other test's masks take varlen): logits and gradients equal to SDPA's, no graph break."""

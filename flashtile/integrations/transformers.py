@@ -223,17 +223,23 @@ def _row_problem(q, k, v, seqs, kind, ints, floats):
     the varlen Problem of the row's sequences. PADDED (seqs = the (b, s) padding mask, s queries and keys): the
     varlen Problem of _mask_runs' sequences over the b * s tokens (read once per mask tensor; the padding's own
     sequences compute rows the caller zeroes), or, where a row's tokens are not one run or a CUDA graph is being
-    captured (no value may be read), the dense Problem with the mask as a key mask. Varlen: q / k / v flattened
-    to (b * s, heads, d)."""
+    captured (no value may be read), the dense Problem with the mask as a key mask. A packed row inside a capture
+    raises (its sequences cannot be known). Varlen: q / k / v flattened to (b * s, heads, d)."""
     p = P.Problem.unpack(q, k, ints, floats, q.shape[0])
     s = q.shape[1]
+    readable = values_readable(seqs)   # (False inside a CUDA-graph capture)
     if kind == PACKED:
+        if not readable:
+            _fail("position_ids", "a batch-1 row's positions inside a CUDA-graph capture",
+                  "positions the host can read: whether the row packs several sequences is read from them, which a "
+                  "capture does not allow; compile without CUDA graphs (a mode other than 'reduce-overhead'), or "
+                  "pass cu_seq_lens_q / cu_seq_lens_k and max_length_q / max_length_k "
+                  "(DataCollatorWithFlattening(return_flash_attn_kwargs=True))")
         if not _is_packed(seqs, 1, s, k.shape[1]):
             return p, q, k, v, NO_EXTRAS
         cu, max_len = _per_tensor("cu_seqlens", seqs, _packed_cu_seqlens)
     else:
-        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
-        cu, max_len = None if capturing else _per_tensor("runs", seqs, _mask_runs), s
+        cu, max_len = _per_tensor("runs", seqs, _mask_runs) if readable else None, s
         if cu is None:
             mask = seqs.bool()[:, None, None, :]
             return p.with_features(mask=True), q, k, v, Extras(mask=mask)
