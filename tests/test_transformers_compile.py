@@ -165,6 +165,20 @@ def test_padded_row_ops_take_either_route_in_each_direction(fwd_varlen, bwd_varl
         assert _rel(got, want) < RTOL
 
 
+def test_padded_row_ops_refuse_dropout_in_a_backward_inside_a_capture(monkeypatch, seed):
+    """With dropout, a backward inside a CUDA-graph capture (stood in for by values_readable) whose forward ran
+    outside one would replay a dropout mask drawn for the other route's layout: it raises, naming dropout_p."""
+    torch.manual_seed(seed)
+    q, k, v = (torch.randn(2, 8, 2, 16, requires_grad=True) for _ in range(3))
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0, 0, 0]])
+    opts = dict(dropout_p=0.25, softmax_scale=None, causal=True, window_size=(-1, -1), softcap=0.0,
+                deterministic=False)
+    out = ft_hf._traced_rows(q, k, v, mask, ft_hf.PADDED, opts)
+    monkeypatch.setattr(ft_hf, "values_readable", lambda t: False)
+    with pytest.raises(ValueError, match="dropout_p"):
+        out.sum().backward()
+
+
 def test_row_ops_inside_a_capture(monkeypatch, seed):
     """Inside a CUDA-graph capture (no value may be read; stood in for by values_readable): a padded batch's ops take
     the key mask, equal to the varlen route's output; a batch-1 row's positions cannot be read, so whether it packs

@@ -278,10 +278,15 @@ def _row_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     """dq, dk, dv of _row_fwd. _row_problem decides as it did for the forward, except where only one of the two
     ran inside a CUDA-graph capture: then one took the key mask, the other varlen, and the padding's rows carry
     the other route's lse, with which their recomputed P may overflow (inf * 0 = NaN). Their gradient is zero (the
-    caller zeroed their outputs), so they get lse = +inf: P = 0 under either route."""
+    caller zeroed their outputs), so they get lse = +inf: P = 0 under either route. A dropout mask, though, is
+    drawn for its route's layout: a backward inside a capture (whose forward, with dropout, ran outside one, as a
+    forward inside one raises) raises too."""
     if kind == PADDED:
         lse = lse.masked_fill(~seqs.bool()[:, None, :], float("inf"))
     p, qr, kr, vr, x = _row_problem(q, k, v, seqs, kind, ints, floats)
+    if p.params.dropout_p > 0 and not values_readable(seqs):
+        _fail("dropout_p", p.params.dropout_p, "0 for a padded batch whose backward runs inside a CUDA-graph capture "
+              "(its forward, outside one, drew the dropout mask for the varlen route)")
     qr, kr, vr = kernel_inputs(p, qr, kr, vr)
     if p.varlen:
         dout, out, lse = dout.reshape(qr.shape), out.reshape(qr.shape), lse.transpose(0, 1).reshape(lse.shape[1], -1)
