@@ -166,8 +166,7 @@ def test_failures_become_rows_and_the_grid_goes_on(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("argv", [["--impls", "flashtile,nope"], ["--gen-impls", "eagre"], ["--compile", "jit"],
-                                  ["--warmup", "0"],
-                                  ["--configs", "70b"], ["--seqlens", "1"]])
+                                  ["--warmup", "0"], ["--configs", "70b"], ["--seqlens", "1"]])
 def test_bad_arguments_are_rejected(argv):
     mod = load_script(SCRIPT)
     with pytest.raises(SystemExit):
