@@ -17,6 +17,7 @@ from .interface import Extras, attention, output, output_like
 from .kernels import dispatch
 
 _VARLEN: dict = {}   # argument signature -> Problem of varlen calls that passed the shape checks
+_USED: dict = {}   # seqused's derived sequences (_used_sequences), per set of tensors
 
 
 def _max_seqlen(name: str, value) -> int:
@@ -161,18 +162,26 @@ def _used_sequences(q, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_s
     """seqused_q / seqused_k as plain varlen: each slot becomes three sequences (_used_bounds): its used rows, its
     unused query rows (no keys: zeros, lse -inf, no gradient, as every row that sees no key), its unused key rows
     (no queries: no work, zero gradients). Returns both sides' cu_seqlens of the 3 x batch sequences and the ALiBi
-    slopes for them. The arguments' shapes are checked here, their values by the caller."""
+    slopes for them. The arguments' shapes are checked here, their values by the caller. Derived once per set of
+    tensors (the layers of a model pass the same ones), except where a CUDA graph is captured (its replays derive
+    them again) or torch.compile traces."""
     batch = checks.cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
     checks.cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device, batch=batch)
     for name, used in (("seqused_q", seqused_q), ("seqused_k", seqused_k)):
         if used is not None:
             checks.index_tensor(name, used, (batch, ), q.device)
-    if isinstance(alibi_slopes, torch.Tensor) and alibi_slopes.dim() == 2:   # (batch, nheads): each slot's thrice
-        if alibi_slopes.shape[0] != batch:
-            fail("alibi_slopes.shape", tuple(alibi_slopes.shape), f"(nheads,) or ({batch}, nheads)")
-        alibi_slopes = alibi_slopes.repeat_interleave(3, dim=0)
-    return (_used_bounds(cu_seqlens_q, seqused_q, False), _used_bounds(cu_seqlens_k, seqused_k, True),
-            alibi_slopes)
+    per_slot = alibi_slopes if isinstance(alibi_slopes, torch.Tensor) and alibi_slopes.dim() == 2 else None
+    if per_slot is not None and per_slot.shape[0] != batch:   # (batch, nheads): each slot's thrice
+        fail("alibi_slopes.shape", tuple(per_slot.shape), f"(nheads,) or ({batch}, nheads)")
+
+    def derive():
+        return (_used_bounds(cu_seqlens_q, seqused_q, False), _used_bounds(cu_seqlens_k, seqused_k, True),
+                alibi_slopes if per_slot is None else per_slot.repeat_interleave(3, dim=0))
+    if not P.values_readable(q):
+        return derive()
+    given = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, per_slot)
+    return P.remembered(_USED, tuple(t for t in given if t is not None),
+                        ("seqused", *(t is None for t in given)), derive)
 
 
 def _used_bounds(cu: torch.Tensor, used, keys: bool) -> torch.Tensor:

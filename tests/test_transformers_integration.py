@@ -241,9 +241,12 @@ def test_self_attention_varlen_calls_share_one_cu_seqlens_and_mask_reads(monkeyp
     again, _ = ft_hf.flashtile_attention_forward(_Module(), q, k, v, mask_b)
     assert len(reads) == 2 and calls[-1][0].tolist() == [0, 9, 16]
     n = len(ft_hf._SEEN)
-    del mask_b   # a freed mask's entry (its token indices on the device) goes when the next one is remembered
-    ft_hf.flashtile_attention_forward(_Module(), q, k, v, mask.bool())
+    del mask_b   # a freed mask's entry (its token indices on the device) goes with it
+    kept = mask.bool()
+    ft_hf.flashtile_attention_forward(_Module(), q, k, v, kept)
     assert len(ft_hf._SEEN) == n
+    del kept
+    assert len(ft_hf._SEEN) == n - 1
     calls.clear()
     cu = torch.tensor([0, 8, 20], dtype=torch.int64, device=DEVICE)   # (transformers' dtype: converted here)
     q1, k1, v1 = _qkv(seed, b=1)

@@ -464,6 +464,26 @@ def test_seqused_modified_in_place_is_checked_again():
         flash_attn_varlen_func(q, q, q, cu_, cu_, 5, 5, seqused_q=used)
 
 
+def test_seqused_sequences_derived_once_per_tensors(monkeypatch, seed):
+    """The three-per-slot sequences of seqused are derived once for the same tensors (a model's layers), again after
+    an in-place change, and the result follows the change: the used rows' output, zeros past them."""
+    import flashtile.varlen as fv
+    derived = []
+    real = fv._used_bounds
+    monkeypatch.setattr(fv, "_used_bounds", lambda *a: derived.append(1) or real(*a))
+    q = torch.randn(8, 2, 16, dtype=fp16, device=DEVICE)
+    cu_, used = _i32([0, 3, 8]), _i32([2, 5])
+    for _ in range(3):
+        flash_attn_varlen_func(q, q, q, cu_, cu_, 5, 5, seqused_q=used, seqused_k=used)
+    assert len(derived) == 2              # (q's and k's bounds, once)
+    used[1] = 3
+    out = flash_attn_varlen_func(q, q, q, cu_, cu_, 5, 5, seqused_q=used, seqused_k=used)
+    assert len(derived) == 4
+    assert (out[6:] == 0).all() and (out[3:6] != 0).any()
+    alone = flash_attn_varlen_func(q[3:6], q[3:6], q[3:6], _i32([0, 3]), _i32([0, 3]), 3, 3)
+    assert torch.equal(out[3:6], alone)
+
+
 def test_cu_seqlens_on_wrong_device_raises(monkeypatch):
     q = torch.randn(8, 2, 16, dtype=fp16, device=DEVICE)
     other = torch.device("meta")

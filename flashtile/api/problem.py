@@ -329,25 +329,27 @@ def values_checkable(t: torch.Tensor) -> bool:
     return CHECK_VALUES and values_readable(t)
 
 
-# (ids of the index tensors read, the check's scalars) -> (their weak references, version counters, the check's
-# result): a model's layers pass one cu_seqlens (seqused) tensor to every attention call of a step, which then reads
-# its values once, not once per layer
-_CU_CHECKED: dict = {}
-
-
-def _read_once(tensors: tuple, scalars: tuple, check):
-    """check() (which reads the tensors' values), remembered until one of the tensors is freed or modified in
-    place (its version counter) or the scalars differ."""
-    key = (*map(id, tensors), *scalars)
-    seen = _CU_CHECKED.get(key)
+def remembered(memo: dict, tensors: tuple, scalars: tuple, compute, limit: int = MEMO_MAX):
+    """compute() (which reads the tensors' values, or derives tensors from them), remembered in memo for these
+    tensors and scalars until one of the tensors is modified in place (its version counter) or freed: then the
+    entry goes (a weak reference's callback), and with it whatever device memory its result holds. A memo past
+    `limit` entries is emptied. Keys: the scalars (the first names the use), then the tensors' ids."""
+    key = (*scalars, *map(id, tensors))
+    seen = memo.get(key)
     if (seen is not None and all(ref() is t for ref, t in zip(seen[0], tensors))
             and seen[1] == tuple(t._version for t in tensors)):
         return seen[2]
-    result = check()
-    if len(_CU_CHECKED) >= MEMO_MAX:
-        _CU_CHECKED.clear()
-    _CU_CHECKED[key] = (tuple(weakref.ref(t) for t in tensors), tuple(t._version for t in tensors), result)
+    result = compute()
+    if len(memo) >= limit:
+        memo.clear()
+    forget = lambda _ref, key=key: memo.pop(key, None)   # noqa: E731  (a freed tensor's entry)
+    memo[key] = (tuple(weakref.ref(t, forget) for t in tensors), tuple(t._version for t in tensors), result)
     return result
+
+
+# values read from index tensors (remembered): a model's layers pass one cu_seqlens (seqused) tensor to every
+# attention call of a step, which then reads its values once, not once per layer
+_CU_CHECKED: dict = {}
 
 
 def cu_seqlens_values(name: str, cu: torch.Tensor, total: Optional[int], max_seqlen: int, max_name: str) -> int:
@@ -357,7 +359,7 @@ def cu_seqlens_values(name: str, cu: torch.Tensor, total: Optional[int], max_seq
     counter), with the same total and max_seqlen, is not read again."""
     if not values_checkable(cu):
         return PAD_UNKNOWN
-    return _read_once((cu, ), (total, max_seqlen),
+    return remembered(_CU_CHECKED, (cu, ), ("cu_seqlens", total, max_seqlen),
                       lambda: _cu_seqlens_values(name, cu, total, max_seqlen, max_name))
 
 
@@ -370,7 +372,7 @@ def seqused_values(name: str, used: torch.Tensor, cu: torch.Tensor) -> None:
             if not 0 <= n <= room:
                 fail(f"{name}[{b}]", n, f"between 0 and the sequence's rows in cu_seqlens ({room})")
     if values_checkable(used):
-        _read_once((used, cu), (), check)
+        remembered(_CU_CHECKED, (used, cu), ("seqused", ), check)
 
 
 def _cu_seqlens_values(name: str, cu: torch.Tensor, total: Optional[int], max_seqlen: int, max_name: str) -> int:

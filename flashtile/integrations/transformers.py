@@ -43,7 +43,6 @@ additive (float) 4-D masks. ``output_attentions`` returns None weights, as with 
 from __future__ import annotations
 
 import os
-import weakref
 from typing import List, Optional, Tuple
 
 import torch
@@ -89,9 +88,9 @@ def _packed_cu_seqlens(position_ids: torch.Tensor):
     return cu, int((cu[1:] - cu[:-1]).max().item())
 
 
-# (what, id(tensor)) -> (weak reference, version counter, what was computed from it: _is_packed / _packed_cu_seqlens
-# of position_ids, packed_rows of a padding mask): a model's layers see one such tensor per forward, whose values
-# are then read once, not once per layer
+# what was computed from a tensor (P.remembered; keys: what, the tensor): _is_packed / _packed_cu_seqlens of
+# position_ids, packed_rows / _mask_runs of a padding mask. A model's layers see one such tensor per forward, whose
+# values are then read once, not once per layer
 _SEEN: dict = {}
 
 
@@ -99,17 +98,7 @@ def _per_tensor(name: str, t: torch.Tensor, compute):
     """compute(t), remembered for t until it is freed or modified in place (not while torch.compile traces)."""
     if torch.compiler.is_compiling():
         return compute(t)
-    key = (name, id(t))
-    seen = _SEEN.get(key)
-    if seen is not None and seen[0]() is t and seen[1] == t._version:
-        return seen[2]
-    result = compute(t)
-    for dead in [k for k, entry in _SEEN.items() if entry[0]() is None]:   # (a freed tensor's: its result goes too)
-        del _SEEN[dead]
-    if len(_SEEN) >= 64:
-        _SEEN.clear()
-    _SEEN[key] = (weakref.ref(t), t._version, result)
-    return result
+    return P.remembered(_SEEN, (t, ), (name, ), lambda: compute(t), limit=64)
 
 
 def _packable(position_ids, batch: int, q_len: int, kv_len: int) -> bool:
