@@ -414,8 +414,9 @@ def padding_mask(*, kv_length: int, attention_mask=None, **kwargs):
     by one column per step made it record a graph per step. So does the last step, whose 2-D mask covers every
     slot: transformers marks a decoding step over a compileable cache with allow_is_causal_skip=False (else that
     step's None or 2-D mask would be a new input, compiled and recorded anew in every generate call). The eager
-    prefill of several queries keeps the 2-D mask: the attention function unpads its tokens (the slots past them
-    unused), where a 4-D mask would have the kernel compute every (query, slot) pair."""
+    prefill of several queries keeps the 2-D mask: the attention function unpads its tokens, or runs the dense
+    kernel over them where nothing is padded (the slots past them unused either way), where a 4-D mask would have
+    the kernel compute every (query, slot) pair."""
     q_len = kwargs.get("q_length")
     if q_len is None and kwargs.get("cache_position") is not None:   # (transformers before q_length)
         q_len = kwargs["cache_position"].shape[0]
