@@ -37,7 +37,7 @@ def test_num_splits_heuristic_fills_the_gpu():
     dev = torch.device("cpu")   # 8 "multiprocessors" on the CPU
     assert _decode.num_splits_heuristic(64, 100_000, 64, dev) == 1
     assert _decode.num_splits_heuristic(1, 100_000, 64, dev) == 16
-    assert _decode.num_splits_heuristic(1, 64 * 8, 64, dev) == 2      # 8 key blocks -> at most 2 splits of 4
+    assert _decode.num_splits_heuristic(1, 64 * 8, 64, dev) == 4      # 8 key blocks -> at most 4 splits of 2
     assert _decode.num_splits_heuristic(1, 10, 64, dev) == 1
 
 
@@ -47,7 +47,7 @@ def test_num_splits_heuristic_rule():
     last split, no split when the tiles alone reach the target."""
     dev, h = torch.device("cpu"), _decode.num_splits_heuristic
     # nheads_k 8, BLOCK_N 64, seqlen_q 1 (one M tile): tiles = 8 * batch
-    assert [h(8, n, 64, dev, sms=132) for n in (4096, 32768, 131072)] == [16, 32, 33]
+    assert [h(8, n, 64, dev, sms=132) for n in (4096, 32768, 131072)] == [32, 32, 33]
     assert [h(64, n, 64, dev, sms=132) for n in (4096, 32768, 131072)] == [4, 4, 4]
     assert h(128, 32768, 64, dev, sms=132) == 2          # batch 16: one wave of tiles -> two
     assert h(256, 32768, 64, dev, sms=132) == 1          # batch 32: ~2 waves already
@@ -77,7 +77,7 @@ def test_few_tiles_take_one_wave_of_128_key_tiles(monkeypatch):
     monkeypatch.setattr(_decode, "multiprocessors", lambda device: 132)
     cpu, bf16 = torch.device("cpu"), torch.bfloat16
     few = (16, *_decode.FEW_TILES_CONFIG, True)
-    for batch, cache, splits in ((1, 4096, 8), (1, 32768, 16), (1, 131072, 16), (2, 4096, 8), (2, 131072, 8)):
+    for batch, cache, splits in ((1, 4096, 16), (1, 32768, 16), (1, 131072, 16), (2, 4096, 8), (2, 131072, 8)):
         plan = _decode._plan(1, 32, 8, 128, bf16, batch, cache, cpu, 0, 0)
         cfg = plan.cfg
         assert (cfg.BLOCK_M, cfg.BLOCK_N, cfg.num_warps, cfg.num_stages, cfg.use_tma) == few, (batch, cache)
@@ -134,7 +134,7 @@ def test_page_vec_plan(monkeypatch):
     monkeypatch.setattr(_decode, "interpreting", lambda: False)
     monkeypatch.setattr(_decode, "multiprocessors", lambda device: 132)
     cpu, bf16 = torch.device("cpu"), torch.bfloat16
-    for page, batch, cache, vec in ((256, 1, 4096, 4), (256, 1, 32768, 16), (256, 2, 32768, 32), (256, 8, 4096, 8),
+    for page, batch, cache, vec in ((256, 1, 4096, 2), (256, 1, 32768, 16), (256, 2, 32768, 32), (256, 8, 4096, 8),
                                     (256, 64, 4096, 32), (64, 8, 4096, 32), (256, 1, 131072, 0), (256, 8, 32768, 0),
                                     (32, 1, 4096, 0), (16, 1, 32768, 0), (0, 1, 4096, 0)):
         plan = _decode._plan(1, 32, 8, 128, bf16, batch, cache, cpu, page, 0)

@@ -415,7 +415,8 @@ EAGER_FUSED_BYTES = 256 << 20
 # num_splits_heuristic's knobs (see its docstring)
 TARGET_WAVES = 2.0            # aim for >= this many programs per multiprocessor ...
 WAVE_SLACK = 0.9              # ... give or take this factor
-MIN_BLOCKS_PER_SPLIT = 4      # never fewer key blocks per split than this
+# never fewer key blocks per split than this (same-run A/Bs on an H200: `git log -S MIN_BLOCKS_PER_SPLIT`)
+MIN_BLOCKS_PER_SPLIT = 2
 # Problems of few tiles (batch x K/V heads x row blocks at most an eighth of the SMs: batch 1-2 of a GQA model):
 # one wave of longer splits (FEW_TILES_WAVES instead of TARGET_WAVES) on (BLOCK_N, num_warps, num_stages) =
 # FEW_TILES_CONFIG tiles through TMA (same-run A/Bs on an H200: `git log -S FEW_TILES_CONFIG`)
@@ -481,7 +482,7 @@ def num_splits_heuristic(tiles: int, max_seqlen_k: int, block_n: int, device: to
     1. Target: at least `waves` (default TARGET_WAVES = 2; plan_decode passes FEW_TILES_WAVES = 1 for problems
        of few tiles) waves, i.e. tiles * splits >= waves * SMs programs (WAVE_SLACK 0.9: 1.8 of 2 waves count as
        reached). Problems whose tiles reach it alone are not split (1).
-    2. Each split keeps >= MIN_BLOCKS_PER_SPLIT (4) key blocks (shorter splits cost more in per-program
+    2. Each split keeps >= MIN_BLOCKS_PER_SPLIT (2) key blocks (shorter splits cost more in per-program
        set-up, partial-output writes and combine work than they gain), and at most MAX_SPLITS.
     3. Only split counts that the kernel's division really produces are candidates: blocks_per_split =
        cdiv(n_blocks, s) must give exactly s non-empty splits (s = 33 over 512 blocks gives 32 splits of 16
@@ -491,8 +492,8 @@ def num_splits_heuristic(tiles: int, max_seqlen_k: int, block_n: int, device: to
        whose last wave is fullest (wave efficiency waves / ceil(waves), waves = tiles * s / SMs), the
        smallest s among those within 0.02 of the best.
 
-    H200 (132 SMs), nheads_k 8, BLOCK_N 64, seqlen_q 1, two waves: batch 1 -> 16 / 32 / 33 splits at 4k / 32k /
-    128k keys, batch 8 -> 4, batch >= 32 -> 1. What plan_decode takes at batch 1 (BLOCK_N 128, one wave): 8 / 16 /
+    H200 (132 SMs), nheads_k 8, BLOCK_N 64, seqlen_q 1, two waves: batch 1 -> 32 / 32 / 33 splits at 4k / 32k /
+    128k keys, batch 8 -> 4, batch >= 32 -> 1. What plan_decode takes at batch 1 (BLOCK_N 128, one wave): 16 / 16 /
     16; at batch 2: 8.
     """
     if sms is None:
