@@ -37,36 +37,53 @@ def test_num_splits_heuristic_fills_the_gpu():
     dev = torch.device("cpu")   # 8 "multiprocessors" on the CPU
     assert _decode.num_splits_heuristic(64, 100_000, 64, dev) == 1
     assert _decode.num_splits_heuristic(1, 100_000, 64, dev) == 16
-    assert _decode.num_splits_heuristic(1, 64 * 8, 64, dev) == 4      # 8 key blocks -> at most 4 splits of 2
+    assert _decode.num_splits_heuristic(1, 64 * 8, 64, dev) == 4      # 8 key blocks, one wave -> 4 splits of 2
     assert _decode.num_splits_heuristic(1, 10, 64, dev) == 1
 
 
 def test_num_splits_heuristic_rule():
     """The documented rule (decode.num_splits_heuristic) on an H200-sized GPU (132 SMs) and across a grid of
-    problems: >= ~2 waves where the key blocks allow, >= MIN_BLOCKS_PER_SPLIT blocks per split, never an empty
+    problems: >= ~2 waves where the key blocks allow, >= MIN_BLOCKS_PER_SPLIT blocks per split (>=
+    ONE_WAVE_MIN_BLOCKS where the programs fit in one wave, as many splits as fit there: rule 5), never an empty
     last split, no split when the tiles alone reach the target."""
     dev, h = torch.device("cpu"), _decode.num_splits_heuristic
     # nheads_k 8, BLOCK_N 64, seqlen_q 1 (one M tile): tiles = 8 * batch
-    assert [h(8, n, 64, dev, sms=132) for n in (4096, 32768, 131072)] == [32, 32, 33]
+    assert [h(8, n, 64, dev, sms=132) for n in (4096, 32768, 131072)] == [16, 32, 33]
     assert [h(64, n, 64, dev, sms=132) for n in (4096, 32768, 131072)] == [4, 4, 4]
     assert h(128, 32768, 64, dev, sms=132) == 2          # batch 16: one wave of tiles -> two
     assert h(256, 32768, 64, dev, sms=132) == 1          # batch 32: ~2 waves already
     assert h(512, 131072, 64, dev, sms=132) == 1
+    # one wave of 128-key tiles (plan_decode's few tiles): batch 1 -> 16 splits of 2 blocks at 4096 keys; at 4352
+    # (34 blocks) 12 of 3 (17 of 2 would take 136 programs: a second wave); batch 2 keeps 7 splits of 5
+    assert [h(8, n, 128, dev, sms=132, waves=1.0) for n in (4096, 4352)] == [16, 12]
+    assert h(16, 4352, 128, dev, sms=132, waves=1.0) == 7
+
+    def candidates(n_blocks, min_blocks):
+        limit = min(_decode.MAX_SPLITS, n_blocks // min_blocks)
+        return [t for t in range(2, limit + 1) if -(-n_blocks // -(-n_blocks // t)) == t]
+
     for sms in (8, 78, 132):
         need = _decode.WAVE_SLACK * _decode.TARGET_WAVES * sms
         for tiles in (1, 3, 8, 24, 64, 100, 300):
             for n_blocks in (1, 3, 4, 7, 8, 33, 64, 100, 512, 2048, 5000):
                 s = h(tiles, n_blocks * 64, 64, dev, sms=sms)
                 assert 1 <= s <= _decode.MAX_SPLITS
+                if tiles * s < sms:   # rule 5: no more splits fit in the wave
+                    assert not [c for c in candidates(n_blocks, _decode.ONE_WAVE_MIN_BLOCKS)
+                                if c > s and tiles * c <= sms], (tiles, n_blocks, s)
                 if s == 1:
                     continue
                 bps = -(-n_blocks // s)
                 assert -(-n_blocks // bps) == s, (tiles, n_blocks, s)          # no empty split
-                assert n_blocks // s >= _decode.MIN_BLOCKS_PER_SPLIT, (tiles, n_blocks, s)
+                one_wave = tiles * s <= sms
+                min_blocks = _decode.ONE_WAVE_MIN_BLOCKS if one_wave else _decode.MIN_BLOCKS_PER_SPLIT
+                assert n_blocks // s >= min_blocks, (tiles, n_blocks, s)
                 assert tiles < need
-                if tiles * s < need:   # target out of reach: the most splits the block limit allows
-                    limit = min(_decode.MAX_SPLITS, n_blocks // _decode.MIN_BLOCKS_PER_SPLIT)
-                    assert s == max(t for t in range(2, limit + 1) if -(-n_blocks // -(-n_blocks // t)) == t)
+                old = candidates(n_blocks, _decode.MIN_BLOCKS_PER_SPLIT)
+                if old and tiles * old[-1] < need:   # target out of reach: the most splits the block limit allows,
+                    wider = [c for c in candidates(n_blocks, _decode.ONE_WAVE_MIN_BLOCKS)   # then rule 5
+                             if c > old[-1] and tiles * c <= sms] if tiles * old[-1] < sms else []
+                    assert s == (wider or old)[-1], (tiles, n_blocks, s)
 
 
 def test_few_tiles_take_one_wave_of_128_key_tiles(monkeypatch):

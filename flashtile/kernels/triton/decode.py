@@ -415,8 +415,10 @@ EAGER_FUSED_BYTES = 256 << 20
 # num_splits_heuristic's knobs (see its docstring)
 TARGET_WAVES = 2.0            # aim for >= this many programs per multiprocessor ...
 WAVE_SLACK = 0.9              # ... give or take this factor
-# never fewer key blocks per split than this (same-run A/Bs on an H200: `git log -S MIN_BLOCKS_PER_SPLIT`)
-MIN_BLOCKS_PER_SPLIT = 2
+MIN_BLOCKS_PER_SPLIT = 4      # never fewer key blocks per split than this
+# ... except where every program still fits in one wave: then splits of ONE_WAVE_MIN_BLOCKS blocks (rule 5 of
+# num_splits_heuristic; same-run A/Bs on an H200: `git log -S ONE_WAVE_MIN_BLOCKS`)
+ONE_WAVE_MIN_BLOCKS = 2
 # Problems of few tiles (batch x K/V heads x row blocks at most an eighth of the SMs: batch 1-2 of a GQA model):
 # one wave of longer splits (FEW_TILES_WAVES instead of TARGET_WAVES) on (BLOCK_N, num_warps, num_stages) =
 # FEW_TILES_CONFIG tiles through TMA (same-run A/Bs on an H200: `git log -S FEW_TILES_CONFIG`)
@@ -482,7 +484,7 @@ def num_splits_heuristic(tiles: int, max_seqlen_k: int, block_n: int, device: to
     1. Target: at least `waves` (default TARGET_WAVES = 2; plan_decode passes FEW_TILES_WAVES = 1 for problems
        of few tiles) waves, i.e. tiles * splits >= waves * SMs programs (WAVE_SLACK 0.9: 1.8 of 2 waves count as
        reached). Problems whose tiles reach it alone are not split (1).
-    2. Each split keeps >= MIN_BLOCKS_PER_SPLIT (2) key blocks (shorter splits cost more in per-program
+    2. Each split keeps >= MIN_BLOCKS_PER_SPLIT (4) key blocks (shorter splits cost more in per-program
        set-up, partial-output writes and combine work than they gain), and at most MAX_SPLITS.
     3. Only split counts that the kernel's division really produces are candidates: blocks_per_split =
        cdiv(n_blocks, s) must give exactly s non-empty splits (s = 33 over 512 blocks gives 32 splits of 16
@@ -491,10 +493,14 @@ def num_splits_heuristic(tiles: int, max_seqlen_k: int, block_n: int, device: to
        Otherwise, among the candidates from the smallest s0 that reaches the target up to 1.5 * s0, the one
        whose last wave is fullest (wave efficiency waves / ceil(waves), waves = tiles * s / SMs), the
        smallest s among those within 0.02 of the best.
+    5. Where the programs of that choice do not fill one wave (tiles * s < SMs), the largest candidate of splits of
+       >= ONE_WAVE_MIN_BLOCKS (2) blocks whose programs still fit in one (tiles * s <= SMs), if larger: while every
+       program runs at once, shorter splits finish sooner; past one wave the programs of a second, partial wave
+       cost more than the shorter splits save.
 
-    H200 (132 SMs), nheads_k 8, BLOCK_N 64, seqlen_q 1, two waves: batch 1 -> 32 / 32 / 33 splits at 4k / 32k /
+    H200 (132 SMs), nheads_k 8, BLOCK_N 64, seqlen_q 1, two waves: batch 1 -> 16 / 32 / 33 splits at 4k / 32k /
     128k keys, batch 8 -> 4, batch >= 32 -> 1. What plan_decode takes at batch 1 (BLOCK_N 128, one wave): 16 / 16 /
-    16; at batch 2: 8.
+    16 (12 at 4352 keys); at batch 2: 8.
     """
     if sms is None:
         sms = multiprocessors(device)
@@ -504,13 +510,29 @@ def num_splits_heuristic(tiles: int, max_seqlen_k: int, block_n: int, device: to
 @functools.lru_cache(maxsize=4096)
 def _num_splits(tiles: int, max_seqlen_k: int, block_n: int, sms: int, waves: float) -> int:
     """num_splits_heuristic's rule, memoised: up to MAX_SPLITS candidates are tried, on every decode call."""
-    n_blocks = cdiv(max(max_seqlen_k, 1), block_n)
-    limit = max(1, min(MAX_SPLITS, n_blocks // MIN_BLOCKS_PER_SPLIT))
-    need = WAVE_SLACK * waves * sms
-    if tiles <= 0 or tiles >= need or limit == 1:
+    if tiles <= 0:
         return 1
-    cands = [s for s in range(2, limit + 1) if cdiv(n_blocks, cdiv(n_blocks, s)) == s]
-    if not cands:
+    n_blocks = cdiv(max(max_seqlen_k, 1), block_n)
+    s = _target_splits(tiles, n_blocks, sms, waves)
+    if tiles * s < sms:   # rule 5
+        wider = [c for c in _candidates(n_blocks, ONE_WAVE_MIN_BLOCKS) if c > s and tiles * c <= sms]
+        if wider:
+            return wider[-1]
+    return s
+
+
+def _candidates(n_blocks: int, min_blocks: int) -> list:
+    """Split counts >= 2 of splits of >= min_blocks of n_blocks key blocks, at most MAX_SPLITS, that the kernel's
+    division really produces (rules 2 and 3)."""
+    limit = min(MAX_SPLITS, n_blocks // min_blocks)
+    return [s for s in range(2, limit + 1) if cdiv(n_blocks, cdiv(n_blocks, s)) == s]
+
+
+def _target_splits(tiles: int, n_blocks: int, sms: int, waves: float) -> int:
+    """Rules 1-4 of num_splits_heuristic."""
+    need = WAVE_SLACK * waves * sms
+    cands = _candidates(n_blocks, MIN_BLOCKS_PER_SPLIT)
+    if tiles >= need or not cands:
         return 1
     reach = [s for s in cands if tiles * s >= need]
     if not reach:
