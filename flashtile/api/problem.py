@@ -150,7 +150,7 @@ def signature(args) -> tuple:
     type and value (None as itself). A tensor subclass gives an unhashable part (a list), as does an unhashable value
     (a list window_size, say): then there is no key."""
     T = torch.Tensor
-    return tuple([x if x is None else (x.shape, x.stride(), x.dtype, x.device) if type(x) is T
+    return tuple([(x.shape, x.stride(), x.dtype, x.device) if type(x) is T else x if x is None
                   else [] if isinstance(x, T) else (type(x), x) for x in args])
 
 
@@ -203,8 +203,11 @@ def number(name: str, value, expected: str = "a finite float"):
 def contiguous_last(*ts):
     """The tensors with a contiguous last dimension (the kernels read rows of head_dim elements): one with another
     stride is copied, as flash-attn does (maybe_contiguous)."""
+    T = torch.Tensor
+    if all([t is None or type(t) is T and t.dim() and t.stride(-1) == 1 for t in ts]):
+        return ts   # (the common case: the tensors as they are)
     strided = [isinstance(t, torch.Tensor) and t.dim() and t.stride(-1) != 1 for t in ts]
-    if not any(strided):   # (the common case: the tensors as they are)
+    if not any(strided):
         return ts
     return tuple(t.contiguous() if s else t for t, s in zip(ts, strided))
 

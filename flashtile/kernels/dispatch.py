@@ -250,6 +250,9 @@ def forward(p, params, q, k, v, out, lse, x, bias=None, mods=None) -> None:
               bias=bias, mask=x.mask, sparse=x.sparse, mods=mods, memo=p.cache)
 
 
+_PRE_CHECKED = ((1, ), (1, 4))   # the preprocess launch's checked live arguments, dense and varlen (relaunch.Bound)
+
+
 class _GluonBackward:
     """The Gluon backward of one problem, dense or varlen: D = rowsum(dO o O) by the Triton preprocess kernel, which
     also zeroes the float32 dQ accumulator (a varlen problem whose packed rows may belong to no sequence gets a
@@ -292,7 +295,8 @@ class _GluonBackward:
         # the preprocess kernel's live arguments: out, dout, delta, dQ's accumulator (None where zero-filled here)
         # and, varlen, cu_seqlens_q
         live = (out, dout, delta, None if p.padded_q else dq_acc, *((x.cu_seqlens_q, ) if p.varlen else ()))
-        if self.pre is None or not self.pre[1](self.pre[0], live):
+        # (out is the forward's, delta and dQ's accumulator this plan's: dout and cu_seqlens_q are checked)
+        if self.pre is None or not self.pre[1](self.pre[0], live, _PRE_CHECKED[p.varlen]):
             grid, args, kwargs = launch.preprocess_launch(*live[:4], x.cu_seqlens_q, p.batch, p.nheads, p.seqlen_q,
                                                           p.head_dim)
             launched = relaunch.launch(_bwd.attn_bwd_preprocess_kernel, grid, args, kwargs)

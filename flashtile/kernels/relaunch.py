@@ -28,6 +28,7 @@ import operator
 import os
 import sys
 import types
+from typing import Optional
 
 import torch
 from triton.runtime.jit import JITFunction
@@ -211,18 +212,27 @@ class Bound:
     with the same arguments call after call but for a few tensors (a decode step's q, outputs and cache) skips
     launch()'s key over every argument and its parameter plan. Calling it checks the live arguments' keys (dtype
     and 16-byte alignment of a tensor, a descriptor's block...) and the device against those it was bound with."""
-    __slots__ = ("entry", "device", "live_key", "tail", "direct")
+    __slots__ = ("entry", "device", "live_key", "tail", "direct", "checked_keys")
 
     def __init__(self, entry, device, live_key, tail, direct=None):
         self.entry, self.device, self.live_key, self.tail, self.direct = entry, device, live_key, tail, direct
+        self.checked_keys = {}   # checked positions -> the bound live key at them
 
-    def __call__(self, grid, live: tuple, trusted: int = 0) -> bool:
+    def __call__(self, grid, live: tuple, checked: Optional[tuple] = None) -> bool:
         """Launch on grid (three ints) with these live arguments; False (nothing launched) where they or the device
         differ from the bound ones or a launch hook is registered: the caller then goes through launch().
-        trusted: the first live arguments whose keys are not checked (the caller made them with the bound ones'
-        key: TMA descriptors from the bound descriptors' fields, whose layouts are costly to compare)."""
-        if (_args_key(live[trusted:]) != self.live_key[trusted:] or current_device() != self.device
-                or not _no_launch_hooks()):
+        checked: the positions of the live arguments whose keys are checked (None: all); the caller vouches for
+        the others, having made them with the bound ones' keys: TMA descriptors from the bound descriptors' fields
+        (costly to key), outputs and scratch it allocated itself in the bound dtypes (fresh allocations are
+        16-byte aligned). A tensor the caller was handed is always checked: its key is a call's cost."""
+        if checked is None:
+            same = _args_key(live) == self.live_key
+        else:
+            bound_key = self.checked_keys.get(checked)
+            if bound_key is None:
+                bound_key = self.checked_keys[checked] = tuple(self.live_key[i] for i in checked)
+            same = _args_key([live[i] for i in checked]) == bound_key
+        if not same or current_device() != self.device or not _no_launch_hooks():
             return False
         if self.direct is not None:
             self.direct(grid, live, raw_stream(self.device))

@@ -140,10 +140,17 @@ class BwdTile(NamedTuple):
 
 
 _off = 0   # > 0 inside disabled()
+# os.environ's own dict (bytes keys on POSIX), which its changes write through: a lookup there costs a twentieth of
+# os.environ.get's, and a training call asks enabled() several times (FLASHTILE_GLUON may change at run time)
+_ENVIRON = os.environ._data if os.name == "posix" and isinstance(getattr(os.environ, "_data", None), dict) else None
 
 
 def enabled() -> bool:
-    return _off == 0 and os.environ.get("FLASHTILE_GLUON", "1") != "0"
+    if _off:
+        return False
+    if _ENVIRON is not None:
+        return _ENVIRON.get(b"FLASHTILE_GLUON", b"1") != b"0"
+    return os.environ.get("FLASHTILE_GLUON", "1") != "0"
 
 
 @contextlib.contextmanager
@@ -417,6 +424,12 @@ _FWD_LIVE = 13
 _FWD_TEMPLATES: dict = {}
 
 
+# positions of a forward template's live arguments that a launch checks (relaunch.Bound): all but the descriptors,
+# per number of live arguments; with fresh outputs (ForwardPlan's), the extras (and the flex group)
+_FWD_CHECKED = {n: tuple(range(4, n)) for n in (_FWD_LIVE, _FWD_LIVE + 1)}
+_FWD_FRESH = (tuple(range(_FWD_LIVE - 3, _FWD_LIVE)), tuple(range(_FWD_LIVE - 3, _FWD_LIVE + 1)))
+
+
 class _FwdTemplate:
     """How _launch_fwd launched a problem before: the compiled kernel bound to every argument but the live ones
     (relaunch.Bound), the launch options it was bound with (a call whose options differ, after a change of the
@@ -428,9 +441,10 @@ class _FwdTemplate:
         self.bound, self.kwargs = bound, kwargs
         self.descs = [DescriptorType(cls, f) for f in fields]
 
-    def launch(self, grid, q, k, v, out, lse, scales, counter, extras, flex=None) -> bool:
+    def launch(self, grid, q, k, v, out, lse, scales, counter, extras, flex=None, fresh: bool = False) -> bool:
         """extras: (cu_seqlens_q, cu_seqlens_k, alibi), None where absent; flex: flex_args' runtime group of a
-        template bound with it live (None: bound)."""
+        template bound with it live (None: bound). fresh: out and lse were allocated by the caller (in the key's
+        dtypes), scales are lse and counter is tickets()': only the extras and flex are checked."""
         d = self.descs
         descs = (d[0](q), d[1](k), d[2](v), d[3](out))
         if None in descs:
@@ -438,8 +452,10 @@ class _FwdTemplate:
         cu_q, cu_k, alibi = extras
         live = (*descs, lse, *scales, counter, out, lse if cu_q is None else cu_q, lse if cu_k is None else cu_k,
                 lse if alibi is None else alibi)
+        if flex is not None:
+            live += (flex, )
         # (the descriptors have the bound ones' class, block and layout and the base dtype of the key's q)
-        return self.bound(grid, live if flex is None else (*live, flex), trusted=4)
+        return self.bound(grid, live, _FWD_FRESH[flex is not None] if fresh else _FWD_CHECKED[len(live)])
 
 
 def layout(*ts) -> tuple:
@@ -637,9 +653,11 @@ class _BwdTemplate(_FwdTemplate):
         super().__init__(bound, kwargs, cls, fields)
         self.any = any_kernel
 
-    def launch(self, grid, tensors, lse, delta, extras, flex=None) -> bool:
+    def launch(self, grid, tensors, lse, delta, extras, flex=None, fresh: bool = False) -> bool:
         """tensors: (k, v, q, dO, dQ accumulator, dK, dV); extras: (cu_seqlens_q, cu_seqlens_k, alibi), None where
-        absent; flex: the flex group of a template bound with it live (None: bound)."""
+        absent; flex: the flex group of a template bound with it live (None: bound). fresh: lse is the forward's,
+        delta, the dQ accumulator, dK and dV the caller's allocations (in the key's dtypes): only the extras and
+        flex are checked."""
         descs = [d(t) for d, t in zip(self.descs, tensors)]
         if None in descs:
             return False
@@ -649,7 +667,16 @@ class _BwdTemplate(_FwdTemplate):
             live += (*tensors[5:], *(lse if t is None else t for t in extras))
         if flex is not None:
             live += (flex, )
-        return self.bound(grid, live, trusted=5)
+        return self.bound(grid, live, _bwd_checked(len(live), self.any, fresh))
+
+
+@functools.lru_cache(maxsize=None)
+def _bwd_checked(n_live: int, any_kernel: bool, fresh: bool) -> tuple:
+    """The positions of a backward template's n_live live arguments that a launch checks (relaunch.Bound): lse,
+    delta and, for fa3_bwd_any_kernel, dK, dV and the extras, then the flex group (not the descriptors); with the
+    caller's own lse and scratch (fresh), the extras and the flex group."""
+    first = (11 if any_kernel else 9) if fresh else 5
+    return tuple(i for i in range(first, n_live) if i not in (7, 8))
 
 
 def _bwd_key(q, k, v, lse, dk, dv, params, alibi, sq, sk, block_m: int, flex=None, split: int = 1,
@@ -858,7 +885,7 @@ class ForwardPlan:
                 and self.cfg == fwd_config(q.shape[-1], self.sizes[0], params.has_right, alibi is not None,
                                            self.flex is not None)
                 and tpl.launch(self.grid, q, k, v, out, lse, (lse, lse, lse), tickets(q.device, 1),
-                               (cu_seqlens_q, cu_seqlens_k, alibi), flex)):
+                               (cu_seqlens_q, cu_seqlens_k, alibi), flex, fresh=True)):
             return True
         if not tma_viewable(q, k, v, out):
             return False
@@ -913,7 +940,7 @@ class BackwardPlan:
                                                       self.flex is not None):
             targets = _dkv_targets(dk, dv, self.split)
             if tpl.launch(self.grid, (k, v, q, dout, dq_acc, *targets), lse, delta, (cu_seqlens_q, cu_seqlens_k, alibi),
-                          flex):
+                          flex, fresh=True):
                 dq.copy_(dq_acc)
                 _dkv_out((dk, dv), targets)
                 return

@@ -143,5 +143,7 @@ class _Template:
         if k_desc is None or v_desc is None:
             return False
         o_part, lse_part, sem = _parts(q, self.n, tickets, self.grid[0])
+        # (checked: q, the block table and seqlens; out and lse are the caller's allocations (kvcache's), the parts
+        # and counters this template's, the descriptors of its types)
         return self.bound(self.grid, (k_desc, v_desc, q, out, lse, o_part, lse_part, sem, block_table,
-                                      seqlens_k if seqlens_k is not None else block_table), trusted=2)
+                                      seqlens_k if seqlens_k is not None else block_table), (2, 8, 9))

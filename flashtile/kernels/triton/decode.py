@@ -745,7 +745,14 @@ class _Template:
             q, k_cache, v_cache, out, lse, o_part, lse_part, counters, desc_k, desc_v,
             dummy if cu_seqlens_q is None else cu_seqlens_q, dummy,
             dummy if cache_batch_idx is None else cache_batch_idx, dummy if leftpad is None else leftpad,
-            dummy if block_table is None else block_table, alibi, None if mask is None else mask.view(torch.uint8)))
+            dummy if block_table is None else block_table, alibi, None if mask is None else mask.view(torch.uint8)),
+            _CHECKED)
+
+
+# the positions of a template's live arguments that a launch checks (relaunch.Bound): the caller's q, caches and
+# index tensors; not out and lse (the callers' allocations: kvcache's and the dense decode step's), the parts and
+# counters (the template's) nor the cache descriptors (of the template's types)
+_CHECKED = (0, 1, 2, 10, 11, 12, 13, 14, 15, 16)
 
 
 def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
