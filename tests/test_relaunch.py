@@ -169,6 +169,25 @@ def test_bound_launches_with_the_bound_arguments(kern, monkeypatch):
     assert relaunch.bind(kern, args, kw, 1) is None
 
 
+def test_bound_checks_the_positions_it_is_told(kern):
+    """checked: only those live arguments' keys are compared (a caller vouches for the others, e.g. its own outputs);
+    a mismatch there refuses the launch, one elsewhere does not; None checks every live argument."""
+    buf = torch.empty(64)
+    x, y = buf[:16], buf[16:32]
+    args, kw = (x, 48, 0.25, None, (x, 9)), dict(BLOCK=64, num_warps=4)
+    relaunch.launch(kern, (3, ), args, kw)
+    bound = relaunch.bind(kern, args, kw, 3)
+    assert bound((3, 1, 1), (y, 48, 0.25), checked=(0, 2))
+    misaligned = buf[1:17]
+    assert not bound((3, 1, 1), (misaligned, 48, 0.25), checked=(0, 2))
+    assert not bound((3, 1, 1), (x.half(), 48, 0.25), checked=(0, ))
+    assert not bound((3, 1, 1), (y, 48, None), checked=(0, 2))
+    n = len(kern.calls)
+    assert bound((3, 1, 1), (y, 47, 0.25), checked=(0, 2))   # (position 1 vouched for by the caller)
+    assert len(kern.calls) == n + 1
+    assert not bound((3, 1, 1), (y, 47, 0.25))
+
+
 def test_bind_takes_the_key_launch_returned(kern, monkeypatch):
     """launch() returns its key (None without a fast path); bind() given it binds what it would have looked up
     itself - the first launch of a key included, which compiled it - and still refuses with BIND off."""
