@@ -10,6 +10,11 @@ median of `rounds` rounds, the pair's two calls interleaved round by round. Rows
 - fwd: the training forward alone (inputs requiring grad), and the inference forward (torch.no_grad);
 - varlen: flash_attn_varlen_func fwd+bwd of 4 packed sequences of 128 (h4 d128) against SDPA on the padded batch;
 - compiled: the train rows and the inference forward inside torch.compile'd functions (flashtile's custom ops);
+- generation step: one step of an eager generation loop over a growing cache (transformers' DynamicCache), the
+  16 layers of a 1B-class model at batch 1 (32 / 8 heads, d64) each attending one query over the same keys, one
+  more key at each step (from 4k): flash_attn_func on the (batch, seqlen, heads, d) views transformers' integration
+  passes against SDPA on the (batch, heads, seqlen, d) tensors; each step is a shape not seen before, its first
+  layer's call a new argument signature;
 - decode: flash_attn_with_kvcache at batch 1, seqlen_q 1, nheads 32 / 8, d128, 4k cache (value checks off as a
   serving loop would have them): int and tensor cache_seqlens, paged (pages of 256 and 16), with an appended token;
   against cuDNN SDPA on the same (contiguous) cache.
@@ -106,6 +111,29 @@ def varlen_pairs():
     return [(f"varlen train {nseq} x {n} h{h} d128 causal (SDPA: padded batch)", ft, sd)]
 
 
+def generation_pairs(layers: int = 16, start: int = 4096, steps: int = 4096):
+    """One eager generation step per call (the module docstring's row): keys grow by one per step, for `steps` steps
+    (more than any run makes, so every step's length is new), then start over."""
+    b, h, hk, d = 1, 32, 8, 64
+    kc, vc = (_t(b, hk, start + steps, d) for _ in range(2))   # (the cache's layout: (batch, heads, seqlen, d))
+    q = _t(b, h, 1, d)
+    step = {"flashtile": 0, "sdpa": 0}
+
+    def ft():
+        n = start + step["flashtile"] % steps
+        step["flashtile"] += 1
+        qt, kt, vt = q.transpose(1, 2), kc[:, :, :n].transpose(1, 2), vc[:, :, :n].transpose(1, 2)
+        for _ in range(layers):
+            flashtile.flash_attn_func(qt, kt, vt, causal=True)
+
+    def sd():
+        n = start + step["sdpa"] % steps
+        step["sdpa"] += 1
+        for _ in range(layers):
+            F.scaled_dot_product_attention(q, kc[:, :, :n], vc[:, :, :n], enable_gqa=True)
+    return [(f"generation step, growing cache ({layers} layers, b1 4k+, d64)", ft, sd)]
+
+
 def decode_pairs():
     b, h, hk, d, cache = 1, 32, 8, 128, 4096
     kc, vc = (_t(b, cache, hk, d) for _ in range(2))
@@ -164,7 +192,7 @@ def main():
     args = ap.parse_args()
     _problem.CHECK_VALUES = False
     torch.manual_seed(0)
-    pairs = train_pairs() + varlen_pairs() + compiled_pairs() + decode_pairs()
+    pairs = train_pairs() + varlen_pairs() + compiled_pairs() + generation_pairs() + decode_pairs()
     if args.only:
         pairs = [p for p in pairs if any(s in p[0] for s in args.only.split(","))]
     rows = []
