@@ -42,7 +42,6 @@ additive (float) 4-D masks. ``output_attentions`` returns None weights, as with 
 """
 from __future__ import annotations
 
-import os
 from typing import List, Optional, Tuple
 
 import torch
@@ -52,6 +51,7 @@ from ..api.checks import check_device
 from ..api.problem import values_readable
 from ..interface import NO_EXTRAS, Extras, backward, flash_attn_func, forward
 from ..kernels.dispatch import kernel_inputs
+from ..kernels.runtime import environ
 from ..kernels.triton.decode import prepare as prepare_decode
 from ..padding import index_first_axis, packed_rows, pad_input, unpad_input
 from ..varlen import flash_attn_varlen_func
@@ -350,13 +350,13 @@ def flashtile_attention_forward(
     softcap = 0.0 if softcap is None else float(softcap)
     deterministic = kwargs.get("deterministic")
     if deterministic is None:
-        deterministic = os.environ.get("FLASH_ATTENTION_DETERMINISTIC", "0") == "1"
+        deterministic = environ("FLASH_ATTENTION_DETERMINISTIC", "0") == "1"
     opts = dict(dropout_p=float(dropout or 0.0), softmax_scale=scaling, causal=causal, window_size=window_size,
                 softcap=softcap, deterministic=bool(deterministic))
 
     batch, q_len, kv_len = query.shape[0], query.shape[2], key.shape[2]
     # (b, h, s, d) -> (b, s, h, d): a transposed view; the kernels take any strides with a contiguous last dim
-    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     head_dim, v_head_dim = q.shape[-1], v.shape[-1]
     if v_head_dim != head_dim:  # e.g. MLA: the kernels need one head dim; zero columns of V give zero outputs
         if v_head_dim > head_dim:
@@ -364,7 +364,7 @@ def flashtile_attention_forward(
         v = torch.nn.functional.pad(v, (0, head_dim - v_head_dim))
 
     # eager calls may read the mask and the positions; traced ones (torch.compile) take paths with static shapes
-    readable = values_readable(q)
+    # (values_readable: asked only where a path reads values, a decoding step's plain call never does)
     position_ids = kwargs.get("position_ids")
     if attention_mask is not None and attention_mask.dim() == 4 and attention_mask.dtype == torch.bool:
         out = _full_mask(q, k, v, attention_mask, opts)
@@ -380,17 +380,20 @@ def flashtile_attention_forward(
         mask = attention_mask.bool()
         if k.shape[1] < mask.shape[1]:
             mask = mask[:, -k.shape[1]:]
-        if readable and q_len > 1:
+        if q_len > 1 and values_readable(q):
             out = _unpadded(q, k, v, mask, opts)
         elif q_len == kv_len == attention_mask.shape[1] and q_len > 1:   # traced training / prefill
             out = _traced_rows(q, k, v, attention_mask, PADDED, opts).masked_fill(~mask[:, :, None, None], 0.0)
         else:
             out = _key_masked(q, k, v, mask, opts)
-    elif all(kwargs.get(n) is not None for n in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")):
+    elif (kwargs.get("cu_seq_lens_q") is not None and kwargs.get("cu_seq_lens_k") is not None
+          and kwargs.get("max_length_q") is not None and kwargs.get("max_length_k") is not None):
         cu_q = kwargs["cu_seq_lens_q"].to(torch.int32)   # (one tensor for both stays one: kernels keep one length)
         cu_k = cu_q if kwargs["cu_seq_lens_k"] is kwargs["cu_seq_lens_q"] else kwargs["cu_seq_lens_k"].to(torch.int32)
         out = _varlen_rows(q, k, v, cu_q, cu_k, int(kwargs["max_length_q"]), int(kwargs["max_length_k"]), opts)
-    elif not readable and _packable(position_ids, batch, q_len, kv_len):
+    elif not _packable(position_ids, batch, q_len, kv_len):
+        out = flash_attn_func(q, k, v, **opts)
+    elif not values_readable(q):
         out = _traced_rows(q, k, v, position_ids, PACKED, opts)
     elif _is_packed(position_ids, batch, q_len, kv_len):
         cu, max_len = _per_tensor("cu_seqlens", position_ids, _packed_cu_seqlens)

@@ -14,8 +14,20 @@ from . import relaunch
 
 
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return environ("TRITON_INTERPRET", "0") not in ("", "0")
 
+
+# os.environ's own dict (bytes keys and values on POSIX), which its changes write through: a lookup there costs a
+# twentieth of os.environ.get's, and switches read on every call (FLASHTILE_GLUON...) may change at run time
+_ENVIRON = os.environ._data if os.name == "posix" and isinstance(getattr(os.environ, "_data", None), dict) else None
+
+
+def environ(name: str, default: str) -> str:
+    """os.environ.get(name, default), read at the cost of a dict lookup."""
+    if _ENVIRON is None:
+        return os.environ.get(name, default)
+    value = _ENVIRON.get(name.encode())
+    return default if value is None else value.decode()
 
 
 def cdiv(a: int, b: int) -> int:

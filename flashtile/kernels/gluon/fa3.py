@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from typing import NamedTuple
 
 import torch
 
 from .. import relaunch, support
 from ..params import LOG2E, AttnParams, Features, Flex
-from ..runtime import (DescriptorType, descriptor_fields, pair_args, row_descriptor, sparse_args, tickets,
+from ..runtime import (DescriptorType, descriptor_fields, environ, pair_args, row_descriptor, sparse_args, tickets,
                        tma_row_view)
 
 SMEM_LIMIT = 227 * 1024 - 1024   # an SM's shared memory per block, less room for the mbarriers
@@ -140,17 +139,10 @@ class BwdTile(NamedTuple):
 
 
 _off = 0   # > 0 inside disabled()
-# os.environ's own dict (bytes keys on POSIX), which its changes write through: a lookup there costs a twentieth of
-# os.environ.get's, and a training call asks enabled() several times (FLASHTILE_GLUON may change at run time)
-_ENVIRON = os.environ._data if os.name == "posix" and isinstance(getattr(os.environ, "_data", None), dict) else None
 
 
 def enabled() -> bool:
-    if _off:
-        return False
-    if _ENVIRON is not None:
-        return _ENVIRON.get(b"FLASHTILE_GLUON", b"1") != b"0"
-    return os.environ.get("FLASHTILE_GLUON", "1") != "0"
+    return _off == 0 and environ("FLASHTILE_GLUON", "1") != "0"
 
 
 @contextlib.contextmanager
