@@ -249,8 +249,25 @@ def test_features_and_layouts():
 def test_cpu_tensors_and_switch_off(monkeypatch):
     q, k, v = _qkv()
     assert not fa3.supports(q, k, v, FULL)   # CPU tensors: the Triton kernel (interpreter) runs
-    monkeypatch.setenv("FLASHTILE_GLUON", "0")
+    assert fa3.enabled()
+    monkeypatch.setenv("FLASHTILE_GLUON", "0")   # (read at every call: a change at run time takes effect)
     assert not fa3.enabled()
+    monkeypatch.setenv("FLASHTILE_GLUON", "1")
+    assert fa3.enabled()
+    monkeypatch.delenv("FLASHTILE_GLUON")
+    assert fa3.enabled()
+    with fa3.disabled():
+        assert not fa3.enabled()
+
+
+def test_environ_reads_what_os_environ_holds(monkeypatch):
+    from flashtile.kernels.runtime import environ
+    monkeypatch.delenv("FLASHTILE_TEST_SWITCH", raising=False)
+    assert environ("FLASHTILE_TEST_SWITCH", "dflt") == "dflt"
+    monkeypatch.setenv("FLASHTILE_TEST_SWITCH", "é1")
+    assert environ("FLASHTILE_TEST_SWITCH", "dflt") == "é1"
+    monkeypatch.setenv("FLASHTILE_TEST_SWITCH", "")
+    assert environ("FLASHTILE_TEST_SWITCH", "dflt") == ""
 
 
 def test_kernels_compile_for_sm90():

@@ -27,7 +27,7 @@ def environ(name: str, default: str) -> str:
     if _ENVIRON is None:
         return os.environ.get(name, default)
     value = _ENVIRON.get(name.encode())
-    return default if value is None else value.decode()
+    return default if value is None else os.fsdecode(value)
 
 
 def cdiv(a: int, b: int) -> int:
