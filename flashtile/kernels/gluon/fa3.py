@@ -436,7 +436,7 @@ class _FwdTemplate:
     def launch(self, grid, q, k, v, out, lse, scales, counter, extras, flex=None, fresh: bool = False) -> bool:
         """extras: (cu_seqlens_q, cu_seqlens_k, alibi), None where absent; flex: flex_args' runtime group of a
         template bound with it live (None: bound). fresh: out and lse were allocated by the caller (in the key's
-        dtypes), scales are lse and counter is tickets()': only the extras and flex are checked."""
+        dtypes), scales are lse and counter is from tickets(): only the extras and flex are checked."""
         d = self.descs
         descs = (d[0](q), d[1](k), d[2](v), d[3](out))
         if None in descs:
