@@ -203,11 +203,8 @@ def number(name: str, value, expected: str = "a finite float"):
 def contiguous_last(*ts):
     """The tensors with a contiguous last dimension (the kernels read rows of head_dim elements): one with another
     stride is copied, as flash-attn does (maybe_contiguous)."""
-    T = torch.Tensor
-    if all([t is None or type(t) is T and t.dim() and t.stride(-1) == 1 for t in ts]):
-        return ts   # (the common case: the tensors as they are)
     strided = [isinstance(t, torch.Tensor) and t.dim() and t.stride(-1) != 1 for t in ts]
-    if not any(strided):
+    if not any(strided):   # (the common case: the tensors as they are)
         return ts
     return tuple(t.contiguous() if s else t for t, s in zip(ts, strided))
 

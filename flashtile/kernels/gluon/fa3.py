@@ -416,10 +416,11 @@ _FWD_LIVE = 13
 _FWD_TEMPLATES: dict = {}
 
 
-# positions of a forward template's live arguments that a launch checks (relaunch.Bound): all but the descriptors,
-# per number of live arguments; with fresh outputs (ForwardPlan's), the extras (and the flex group)
-_FWD_CHECKED = {n: tuple(range(4, n)) for n in (_FWD_LIVE, _FWD_LIVE + 1)}
-_FWD_FRESH = (tuple(range(_FWD_LIVE - 3, _FWD_LIVE)), tuple(range(_FWD_LIVE - 3, _FWD_LIVE + 1)))
+@functools.lru_cache(maxsize=None)
+def _checked(n_live: int, first: int, descriptors: tuple = ()) -> tuple:
+    """The positions of a template's n_live live arguments that its launch checks (relaunch.Bound): from `first` on,
+    but the descriptors (made from the bound fields)."""
+    return tuple(i for i in range(first, n_live) if i not in descriptors)
 
 
 class _FwdTemplate:
@@ -446,8 +447,9 @@ class _FwdTemplate:
                 lse if alibi is None else alibi)
         if flex is not None:
             live += (flex, )
-        # (the descriptors have the bound ones' class, block and layout and the base dtype of the key's q)
-        return self.bound(grid, live, _FWD_FRESH[flex is not None] if fresh else _FWD_CHECKED[len(live)])
+        # (the descriptors have the bound ones' class, block and layout and the base dtype of the key's q; fresh:
+        # checked from the extras, _FWD_LIVE - 3, on)
+        return self.bound(grid, live, _checked(len(live), _FWD_LIVE - 3 if fresh else 4))
 
 
 def layout(*ts) -> tuple:
@@ -659,16 +661,9 @@ class _BwdTemplate(_FwdTemplate):
             live += (*tensors[5:], *(lse if t is None else t for t in extras))
         if flex is not None:
             live += (flex, )
-        return self.bound(grid, live, _bwd_checked(len(live), self.any, fresh))
-
-
-@functools.lru_cache(maxsize=None)
-def _bwd_checked(n_live: int, any_kernel: bool, fresh: bool) -> tuple:
-    """The positions of a backward template's n_live live arguments that a launch checks (relaunch.Bound): lse,
-    delta and, for fa3_bwd_any_kernel, dK, dV and the extras, then the flex group (not the descriptors); with the
-    caller's own lse and scratch (fresh), the extras and the flex group."""
-    first = (11 if any_kernel else 9) if fresh else 5
-    return tuple(i for i in range(first, n_live) if i not in (7, 8))
+        # (checked: lse, delta and, fa3_bwd_any_kernel's, dK, dV and the extras, then the flex group; fresh: from
+        # the extras on)
+        return self.bound(grid, live, _checked(len(live), (11 if self.any else 9) if fresh else 5, (7, 8)))
 
 
 def _bwd_key(q, k, v, lse, dk, dv, params, alibi, sq, sk, block_m: int, flex=None, split: int = 1,
