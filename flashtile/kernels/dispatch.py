@@ -215,16 +215,29 @@ def _decode_step(p, params, bias, mods) -> bool:
 
 class _DecodeStep:
     """The decode kernel over a dense problem's k, v (_decode_step), called as fa3.ForwardPlan is. Its launch
-    templates are keyed on this plan (one per problem, which is remembered per argument signature) and the strides,
-    so a generation loop repeating a shape launches its template."""
-    __slots__ = ()
+    templates are keyed on this plan (one per problem, which is remembered per argument signature: the shapes and
+    strides of q, k, v) and the strides of ALiBi and the mask, so a generation loop repeating a shape launches its
+    template. A step without ALiBi or mask launches the template it was served by directly (kept per CUDA-graph
+    capture state), without building that key."""
+    __slots__ = ("tpls", )
+
+    def __init__(self):
+        self.tpls = [None, None]   # per capture state: the decode _Template of a call without ALiBi or mask
 
     def __call__(self, q, k, v, out, lse, params, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None, mask=None,
                  bias=None, sparse=None, mods=None) -> bool:
+        plain = alibi is None and mask is None and not decode.CONFIG_OVERRIDE
+        if plain:
+            tpl = self.tpls[_capturing(q.device)]
+            if tpl is not None and tpl.launch(q, k, v, out, lse, None, None, None, None, None, None, None):
+                return True
         sig = (self, q.stride(), k.stride(), v.stride(), q.device, None if alibi is None else alibi.stride(),
                None if mask is None else (mask.shape, mask.stride()))
         flash_decode(q, k, v, out, lse, None, params, alibi=alibi, max_seqlen_k=k.shape[1], seqlen_k_static=k.shape[1],
                      mask=mask, sig=sig)
+        if plain:
+            served = decode.template_for(sig, q.device)
+            self.tpls[_capturing(q.device)] = None if served is None else served[0]
         return True
 
 

@@ -316,3 +316,59 @@ def test_fused_decode_in_cuda_graph_gpu(pool_before_capture, seed, monkeypatch):
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(out, expect, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("batch,seqlen_k,d", [(1, 4097, 64), (8, 1000, 128)])
+def test_dense_decode_step_template_gpu(batch, seqlen_k, d, seed, monkeypatch):
+    """Decode steps through flash_attn_func on the split-KV decode kernel (dispatch's _DecodeStep, its K / V size
+    threshold off), over caches laid out as transformers passes them ((batch, heads, seqlen, d) seen transposed): the
+    first call of a problem makes its decode template, the repeats launch it directly (dispatch.flash_decode is not
+    called again) with their split partials in the stream's workspace, which a step of another shape in between
+    shares. Every output equals the first route's for the same inputs (the same kernel and splits) and meets the
+    float64 rule; a CUDA graph captured after the eager calls replays the step."""
+    from flashtile import interface
+    from flashtile.kernels import dispatch
+    from flashtile.reference.dense import attention_ref
+
+    monkeypatch.setattr(dispatch, "DECODE_STEP_MIN_BYTES", 0)
+    monkeypatch.setattr(interface, "_DENSE", {})
+    calls = []
+    real = dispatch.flash_decode
+    monkeypatch.setattr(dispatch, "flash_decode", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    h, hk = 32, 8
+
+    def step_inputs(n):
+        q = torch.randn(batch, h, 1, d, device="cuda", dtype=bf16).transpose(1, 2)
+        k, v = (torch.randn(batch, hk, n, d, device="cuda", dtype=bf16).transpose(1, 2) for _ in range(2))
+        return q, k, v
+
+    def check(q, k, v, out, context):
+        kw = dict(causal=True, upcast=True)
+        ref = attention_ref(*(t.double() for t in (q, k, v)), **kw)[0]
+        std = attention_ref(q, k, v, **dict(kw, upcast=False))[0]
+        assert_within_rule("out", out, ref, std, bf16, context)
+
+    assert _decode.plan_decode(1, h, hk, d, bf16, batch, seqlen_k, torch.device("cuda")).num_splits > 1
+    inputs = [step_inputs(seqlen_k) for _ in range(3)]
+    other = step_inputs(seqlen_k // 2 + 3)
+    first = [flashtile.flash_attn_func(*inputs[0], causal=True)]
+    assert len(calls) == 1
+    for qkv in inputs[1:] + inputs[:1]:   # (repeats, the first inputs again last)
+        flashtile.flash_attn_func(*other, causal=True)   # (another problem's partials in the same workspace)
+        first.append(flashtile.flash_attn_func(*qkv, causal=True))
+    assert len(calls) == 2, calls   # (the other shape's first call only)
+    torch.testing.assert_close(first[-1], first[0], rtol=0, atol=0)
+    for i, (qkv, out) in enumerate(zip(inputs, first)):
+        check(*qkv, out, f"[step {i}]")
+    interface._DENSE.clear()   # the first route again, for each input: the same output
+    for qkv, out in zip(inputs, first):
+        torch.testing.assert_close(flashtile.flash_attn_func(*qkv, causal=True), out, rtol=0, atol=0)
+    q, k, v = inputs[1]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = flashtile.flash_attn_func(q, k, v, causal=True)
+    for _ in range(2):
+        captured.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(captured, first[1], rtol=0, atol=0)

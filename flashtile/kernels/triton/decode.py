@@ -52,7 +52,7 @@ import triton.language as tl
 
 from .. import relaunch
 from ..params import Features
-from ..runtime import _capturing, _device_props, multiprocessors, tickets  # noqa: F401
+from ..runtime import _capturing, _device_props, multiprocessors, tickets, workspace  # noqa: F401
 from . import combine as _combine
 from . import configs
 from .launch import (AttnParams, DescriptorType, _dot_precision, cdiv, descriptor_fields, interpreting, lse_strides,
@@ -710,6 +710,14 @@ def relaunch_decode(sig, q, k_cache, v_cache, out, lse, seqlens_k, cu_seqlens_q=
     return 0
 
 
+def template_for(sig, device: torch.device):
+    """(the _Template that served signature sig in the current capture state, its split count), or None: for a
+    caller that keeps it and launches it directly (_Template.launch) while its own signature holds."""
+    fast = _FAST.get((sig, _capturing(device))) if sig is not None else None
+    tpl = _TEMPLATES.get(fast[0]) if fast is not None else None
+    return None if tpl is None else (tpl, fast[1])
+
+
 @dataclass(frozen=True)
 class _Template:
     """How flash_decode launched a problem (its caller's signature) before: the compiled kernel bound to every
@@ -723,6 +731,24 @@ class _Template:
     n_counters: int               # ticket counters of the fused combine (0: none)
     tma_types: Optional[tuple]    # k / v cache TMA descriptors' types (runtime.DescriptorType); None: pointers
     placeholder_i32: torch.Tensor
+    # [(workspace, o_part, lse_part) views of it] of a split launch (_parts)
+    kept: list = dataclasses.field(default_factory=lambda: [None], compare=False)
+
+    def _parts(self, device) -> tuple:
+        """(o_part, lse_part) of a split launch: views of the stream's workspace (runtime.workspace: the launch
+        writes them before it reads them, and launches on one stream run in order), kept while it stays the
+        stream's; else allocated (a CUDA graph being captured, partials above the workspace's size)."""
+        shape = self.part_shape
+        n_o = shape[0] * shape[1] * shape[2] * shape[3]
+        n_lse = shape[0] * shape[1] * shape[2]
+        ws = workspace(device, n_o + n_lse)
+        if ws is None:
+            return (torch.empty(shape, device=device, dtype=torch.float32),
+                    torch.empty(shape[:3], device=device, dtype=torch.float32))
+        kept = self.kept[0]
+        if kept is None or kept[0] is not ws:
+            kept = self.kept[0] = (ws, ws[:n_o].view(shape), ws[n_o:n_o + n_lse].view(shape[:3]))
+        return kept[1], kept[2]
 
     def launch(self, q, k_cache, v_cache, out, lse, seqlens_k, cu_seqlens_q, cache_batch_idx, leftpad, block_table,
                alibi, mask) -> bool:
@@ -731,11 +757,7 @@ class _Template:
         device = q.device
         dummy = seqlens_k if seqlens_k is not None else self.placeholder_i32
         counters = tickets(device, self.n_counters) if self.n_counters else dummy
-        if self.part_shape is not None:
-            o_part = torch.empty(self.part_shape, device=device, dtype=torch.float32)
-            lse_part = torch.empty(self.part_shape[:3], device=device, dtype=torch.float32)
-        else:
-            o_part, lse_part = self.parts
+        o_part, lse_part = self._parts(device) if self.part_shape is not None else self.parts
         desc_k = desc_v = None
         if self.tma_types is not None:   # (the caches have the first call's geometry: the signature says so)
             desc_k, desc_v = self.tma_types[0](k_cache), self.tma_types[1](v_cache)
@@ -854,6 +876,7 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if key is not None and (not split or fused):   # (a separate combine launch is not templated)
         bound = relaunch.bind(decode_kernel, args, kwargs, _TEMPLATE_LIVE, launched)
         if bound is not None:
+            _remember_fast(sig, q.device, key, num_splits)   # (the signature's next call launches it)
             relaunch.remember(_TEMPLATES, key, _Template(
                 bound, grid, tuple(o_part.shape) if split else None, None if split else (o_part, lse_part),
                 plan.m_blocks * batch * nheads_k if fused else 0,
