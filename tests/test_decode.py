@@ -489,8 +489,9 @@ def test_dense_decode_step_runs_the_decode_kernel(c, seed, monkeypatch):
 
 
 def test_small_decode_steps_keep_the_forward_kernel(monkeypatch):
-    """Below DECODE_STEP_MIN_BYTES of K and V a decode step stays on the forward kernel (whose launch path costs less
-    host time than the decode kernel's saves there); at the threshold it moves."""
+    """Below DECODE_STEP_MIN_KEY_WORK keys x head dim and DECODE_STEP_MIN_BYTES of K and V a decode step stays on
+    the forward kernel (whose launch path costs less host time than the decode kernel's saves there); at either
+    threshold it moves."""
     from flashtile import interface
     from flashtile.kernels import dispatch
 
@@ -498,8 +499,11 @@ def test_small_decode_steps_keep_the_forward_kernel(monkeypatch):
     real = dispatch.flash_decode
     monkeypatch.setattr(dispatch, "flash_decode", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     q, k, v = (torch.randn(1, s, 2, 16, device=DEVICE) for s in (1, 40, 40))
-    for threshold, expected in ((2 * 40 * 2 * 16 * 4 + 1, 0), (2 * 40 * 2 * 16 * 4, 1)):
-        monkeypatch.setattr(dispatch, "DECODE_STEP_MIN_BYTES", threshold)
+    kv_bytes, key_work, never = 2 * 40 * 2 * 16 * 4, 40 * 16, 1 << 62
+    for min_bytes, min_work, expected in ((kv_bytes + 1, key_work + 1, 0), (kv_bytes, never, 1),
+                                          (never, key_work, 2), (never, never, 2)):
+        monkeypatch.setattr(dispatch, "DECODE_STEP_MIN_BYTES", min_bytes)
+        monkeypatch.setattr(dispatch, "DECODE_STEP_MIN_KEY_WORK", min_work)
         monkeypatch.setattr(interface, "_DENSE", {})
         flashtile.flash_attn_func(q, k, v, causal=True)
         assert len(calls) == expected

@@ -193,10 +193,12 @@ def copies(p, q, k, v) -> tuple:
     return ()
 
 
-# K and V bytes from which a decode step runs the decode kernel: from there the kernel time it saves exceeds the
-# host time its launch path costs beyond the forward's (benchmarks/sweep_decode_step.py); with an attn_mask (a
-# static cache's step: transformers' mask over its slots) from DECODE_STEP_MASKED_MIN_BYTES, where the forward
-# kernel's masked tiles cost more
+# When a decode step runs the decode kernel: from DECODE_STEP_MIN_KEY_WORK keys x head dim per (batch, head), where
+# the forward kernel's one program per (batch, head) walks the keys alone, or from DECODE_STEP_MIN_BYTES of K and V:
+# from there the kernel time the split-KV kernel saves exceeds the host time its launch path costs beyond the
+# forward's (benchmarks/sweep_decode_step.py); with an attn_mask (a static cache's step: transformers' mask over its
+# slots) from DECODE_STEP_MASKED_MIN_BYTES, where the forward kernel's masked tiles cost more
+DECODE_STEP_MIN_KEY_WORK = 1 << 20
 DECODE_STEP_MIN_BYTES = 1 << 27
 DECODE_STEP_MASKED_MIN_BYTES = 0
 
@@ -204,13 +206,15 @@ DECODE_STEP_MASKED_MIN_BYTES = 0
 def _decode_step(p, params, bias, mods) -> bool:
     """Whether a dense forward is a decode step (one query per row over keys: a generation loop's call) that the
     split-KV decode kernel computes, with the keys as a full cache: it splits the keys over the GPU where the
-    forward kernel runs one program per (batch, head). From DECODE_STEP_MIN_BYTES of K and V
-    (DECODE_STEP_MASKED_MIN_BYTES with an attn_mask); not with attn_bias / block masks / mods / dropout /
-    probabilities, which the decode kernel has no part of."""
+    forward kernel runs one program per (batch, head). From DECODE_STEP_MIN_KEY_WORK keys x head dim or
+    DECODE_STEP_MIN_BYTES of K and V (DECODE_STEP_MASKED_MIN_BYTES with an attn_mask); not with attn_bias / block
+    masks / mods / dropout / probabilities, which the decode kernel has no part of."""
+    if (p.varlen or p.seqlen_q != 1 or p.batch == 0 or p.seqlen_k == 0 or bias is not None or mods is not None
+            or p.sparse_block or p.return_probs or params.dropout_p > 0):
+        return False
     threshold = DECODE_STEP_MASKED_MIN_BYTES if p.mask else DECODE_STEP_MIN_BYTES
-    return (not p.varlen and p.seqlen_q == 1 and p.batch > 0 and p.seqlen_k > 0 and bias is None and mods is None
-            and not (p.sparse_block or p.return_probs) and params.dropout_p == 0
-            and 2 * p.batch * p.seqlen_k * p.nheads_k * p.head_dim * p.dtype.itemsize >= threshold)
+    return (p.seqlen_k * p.head_dim >= DECODE_STEP_MIN_KEY_WORK
+            or 2 * p.batch * p.seqlen_k * p.nheads_k * p.head_dim * p.dtype.itemsize >= threshold)
 
 
 class _DecodeStep:
