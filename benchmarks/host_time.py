@@ -11,10 +11,10 @@ median of `rounds` rounds, the pair's two calls interleaved round by round. Rows
 - varlen: flash_attn_varlen_func fwd+bwd of 4 packed sequences of 128 (h4 d128) against SDPA on the padded batch;
 - compiled: the train rows and the inference forward inside torch.compile'd functions (flashtile's custom ops);
 - generation step: one step of an eager generation loop over a growing cache (transformers' DynamicCache), the
-  16 layers of a 1B-class model at batch 1 (32 / 8 heads, d64) each attending one query over the same keys, one
-  more key at each step (from 4k): flash_attn_func on the (batch, seqlen, heads, d) views transformers' integration
-  passes against SDPA on the (batch, heads, seqlen, d) tensors; each step is a shape not seen before, its first
-  layer's call a new argument signature;
+  16 layers of a 1B-class model at batch 1 (32 / 8 heads, d64) each attending one query over its cache, one more
+  key at each step (from 4k) in new (batch, heads, seqlen, d) tensors: flash_attn_func on the (batch, seqlen,
+  heads, d) views transformers' integration passes against SDPA on the tensors; each step is a shape not seen
+  before, its first layer's call a new argument signature;
 - decode: flash_attn_with_kvcache at batch 1, seqlen_q 1, nheads 32 / 8, d128, 4k cache (value checks off as a
   serving loop would have them): int and tensor cache_seqlens, paged (pages of 256 and 16), with an appended token;
   against cuDNN SDPA on the same (contiguous) cache.
@@ -113,24 +113,27 @@ def varlen_pairs():
 
 def generation_pairs(layers: int = 16, start: int = 4096, steps: int = 4096):
     """One eager generation step per call (the module docstring's row): keys grow by one per step, for `steps` steps
-    (more than any run makes, so every step's length is new), then start over."""
+    (more than any run makes, so every step's length is new), then start over. Each step's layers get caches of a
+    new tensor each, as transformers' DynamicCache concatenates them (allocated, not written: the same host work
+    for both calls)."""
     b, h, hk, d = 1, 32, 8, 64
-    kc, vc = (_t(b, hk, start + steps, d) for _ in range(2))   # (the cache's layout: (batch, heads, seqlen, d))
     q = _t(b, h, 1, d)
     step = {"flashtile": 0, "sdpa": 0}
 
-    def ft():
-        n = start + step["flashtile"] % steps
-        step["flashtile"] += 1
-        qt, kt, vt = q.transpose(1, 2), kc[:, :, :n].transpose(1, 2), vc[:, :, :n].transpose(1, 2)
-        for _ in range(layers):
-            flashtile.flash_attn_func(qt, kt, vt, causal=True)
+    def caches(who):
+        n = start + step[who] % steps
+        step[who] += 1
+        return [[torch.empty(b, hk, n, d, device="cuda", dtype=DT) for _ in range(2)] for _ in range(layers)]
 
-    def sd():
-        n = start + step["sdpa"] % steps
-        step["sdpa"] += 1
-        for _ in range(layers):
-            F.scaled_dot_product_attention(q, kc[:, :, :n], vc[:, :, :n], enable_gqa=True)
+    def ft():
+        qt = q.transpose(1, 2)
+        for kc, vc in caches("flashtile"):
+            flashtile.flash_attn_func(qt, kc.transpose(1, 2), vc.transpose(1, 2), causal=True)
+
+    def sd():   # (its flash kernel: cuDNN's, SDPA's first choice here, builds a plan per new length, tens of ms)
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            for kc, vc in caches("sdpa"):
+                F.scaled_dot_product_attention(q, kc, vc, enable_gqa=True)
     return [(f"generation step, growing cache ({layers} layers, b1 4k+, d64)", ft, sd)]
 
 
