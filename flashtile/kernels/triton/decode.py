@@ -740,14 +740,15 @@ class _Template:
         stream's; else allocated (a CUDA graph being captured, partials above the workspace's size)."""
         shape = self.part_shape
         n_o = shape[0] * shape[1] * shape[2] * shape[3]
+        at = -(-n_o // 32) * 32   # (lse_part's offset: 128-byte aligned, as an allocation is, for any head dim)
         n_lse = shape[0] * shape[1] * shape[2]
-        ws = workspace(device, n_o + n_lse)
+        ws = workspace(device, at + n_lse)
         if ws is None:
             return (torch.empty(shape, device=device, dtype=torch.float32),
                     torch.empty(shape[:3], device=device, dtype=torch.float32))
         kept = self.kept[0]
         if kept is None or kept[0] is not ws:
-            kept = self.kept[0] = (ws, ws[:n_o].view(shape), ws[n_o:n_o + n_lse].view(shape[:3]))
+            kept = self.kept[0] = (ws, ws[:n_o].view(shape), ws[at:at + n_lse].view(shape[:3]))
         return kept[1], kept[2]
 
     def launch(self, q, k_cache, v_cache, out, lse, seqlens_k, cu_seqlens_q, cache_batch_idx, leftpad, block_table,
