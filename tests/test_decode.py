@@ -7,7 +7,8 @@
   per-row gather and the contiguous cache are bitwise equal and within the float64 rule;
 - launch templates: a decode loop's repeated signature launches with the slow path's arguments (stand-in kernels);
 - the Gluon paged decode: which calls it takes, and its templates (stand-in kernel, no GPU).
-- decode steps through flash_attn_func (seqlen_q = 1): dispatch sends them to the decode kernel.
+- decode steps through flash_attn_func (seqlen_q = 1): dispatch sends them to the decode kernel, whose template
+  the step's plan keeps and launches (stand-in kernel); split partials in the workspace.
 
 The merge of the splits (combine.py, and the fused merge inside the decode launch) is tests/test_combine.py; the
 flash_attn_with_kvcache feature matrix and argument checks are tests/test_kvcache.py. The oracle is
@@ -486,6 +487,71 @@ def test_dense_decode_step_runs_the_decode_kernel(c, seed, monkeypatch):
         again = flashtile.flash_attn_func(q, k, v, **flash_kwargs(c, alibi))
     assert len(calls) == 2 and calls[0] == calls[1], calls
     assert torch.equal(again, out)
+
+
+@pytest.mark.parametrize("batch,seqlen_k", [(1, 400), (3, 40)])
+def test_dense_decode_step_launches_its_kept_template(batch, seqlen_k, monkeypatch):
+    """A decode step through flash_attn_func keeps the decode template its first call made (dispatch._DecodeStep,
+    per problem) and launches it directly from then on: no dispatch.flash_decode, no relaunch.launch, exactly the
+    arguments of the slow path's launch (compared with the templates off; split partials are views of the stream's
+    workspace, of the allocations' geometry). A step with ALiBi keeps the keyed path. Stand-in kernel (no GPU)."""
+    from flashtile import interface
+    from flashtile.kernels import dispatch, relaunch
+
+    kern = StandInKernel(_decode.decode_kernel)
+
+    def stand_ins():
+        monkeypatch.setattr(_decode, "decode_kernel", kern)
+        monkeypatch.setattr(_decode, "_TEMPLATES", {})
+        monkeypatch.setattr(_decode, "_FAST", {})
+        monkeypatch.setattr(dispatch, "DECODE_STEP_MIN_BYTES", 0)
+        monkeypatch.setattr(interface, "_DENSE", {})
+        return fast_launches(monkeypatch)
+
+    launches = stand_ins()
+    routed = []
+    real = dispatch.flash_decode
+    monkeypatch.setattr(dispatch, "flash_decode", lambda *a, **kw: routed.append(1) or real(*a, **kw))
+    q = torch.randn(batch, 1, 8, 32, dtype=fp16, device=DEVICE)
+    k, v = (torch.randn(batch, 2, seqlen_k, 32, dtype=fp16, device=DEVICE).transpose(1, 2) for _ in range(2))
+    with torch.no_grad():
+        flashtile.flash_attn_func(torch.randn_like(q), k, v, causal=True)
+        assert routed == [1] and [c[0] for c in kern.calls] == ["dispatch"]
+        n = len(launches)
+        for _ in range(2):
+            flashtile.flash_attn_func(q, k, v, causal=True)
+        assert routed == [1] and len(launches) == n and [c[0] for c in kern.calls[1:]] == ["run", "run"]
+        templated = kern.calls[-1]
+        if batch == 1:   # (two tiles over 400 keys: split, the partials (o_part) in the workspace)
+            assert templated[2][5].shape[0] > 1
+        alibi = torch.rand(8, device=DEVICE)
+        flashtile.flash_attn_func(q, k, v, causal=True, alibi_slopes=alibi)
+        flashtile.flash_attn_func(q, k, v, causal=True, alibi_slopes=alibi)
+        assert routed == [1, 1, 1] and kern.calls[-1][0] == "run"   # (ALiBi: the keyed path, its own template)
+        monkeypatch.setattr(relaunch, "bind", lambda *a: None)   # templates off: the slow path's own launch
+        monkeypatch.setattr(interface, "_DENSE", {})
+        flashtile.flash_attn_func(q, k, v, causal=True)
+    assert kern.calls[-1][0] == "run" and kern.calls[-1][1] == templated[1]
+    same_arguments(templated[2], kern.calls[-1][2], shared=(q, ))
+
+
+def test_decode_template_partials_in_the_workspace(monkeypatch):
+    """A split template's partials: views of the stream's workspace, lse_part's at a 128-byte aligned offset whatever
+    o_part's size, kept while the workspace stays the stream's and made again over a new one; allocated where there
+    is no workspace (a CUDA graph being captured)."""
+    buffers = [torch.zeros(4096, dtype=fp32)]
+    monkeypatch.setattr(_decode, "workspace", lambda device, numel: buffers[0])
+    tpl = _decode._Template(None, (1, 1, 1), (3, 1, 5, 7), None, 0, None, torch.zeros(1, dtype=torch.int32))
+    o_part, lse_part = tpl._parts(torch.device("cpu"))
+    assert o_part.shape == (3, 1, 5, 7) and lse_part.shape == (3, 1, 5)
+    assert o_part.data_ptr() == buffers[0].data_ptr() and o_part.is_contiguous() and lse_part.is_contiguous()
+    assert lse_part.storage_offset() == 128 and lse_part.data_ptr() % 16 == 0   # (105 floats of o_part, then 128)
+    assert tpl._parts(torch.device("cpu"))[0] is o_part
+    buffers[0] = torch.zeros(8192, dtype=fp32)
+    assert tpl._parts(torch.device("cpu"))[0].data_ptr() == buffers[0].data_ptr()
+    buffers[0] = None
+    o_new, lse_new = tpl._parts(torch.device("cpu"))
+    assert o_new.shape == (3, 1, 5, 7) and lse_new.shape == (3, 1, 5) and o_new.data_ptr() != o_part.data_ptr()
 
 
 def test_small_decode_steps_keep_the_forward_kernel(monkeypatch):
