@@ -20,7 +20,8 @@ import pytest
 import torch
 
 import flashtile  # noqa: F401  (sets TRITON_INTERPRET on CPU-only machines)
-from attn_utils import DEVICE, Case, assert_within_rule, case_inputs, check_against_reference, flash_kwargs
+from attn_utils import (DEVICE, Case, assert_within_rule, case_inputs, check_against_reference, flash_kwargs, given,
+                        st, sweep)
 from kvcache_utils import KCase, make_problem, physical_cache, reference
 from launch_utils import StandInKernel, fast_launches, same_arguments
 from flashtile.kernels.triton import decode as _decode
@@ -487,6 +488,37 @@ def test_dense_decode_step_runs_the_decode_kernel(c, seed, monkeypatch):
         again = flashtile.flash_attn_func(q, k, v, **flash_kwargs(c, alibi))
     assert len(calls) == 2 and calls[0] == calls[1], calls
     assert torch.equal(again, out)
+
+
+if given is not None:
+    @sweep(10)
+    @given(b=st.integers(1, 3), sk=st.integers(1, 300), hk=st.integers(1, 2), group=st.sampled_from([1, 2, 4]),
+           d=st.sampled_from([8, 16, 24, 33, 40, 64, 72]), dtype=st.sampled_from([fp16, bf16, fp32]),
+           causal=st.booleans(), left=st.integers(-1, 200), softcap=st.sampled_from([0.0, 4.0]),
+           alibi=st.sampled_from([None, "h", "bh"]), layout=st.sampled_from(["contig", "transposed"]),
+           grads=st.booleans(), data_seed=st.integers(0, 2 ** 31 - 1))
+    def test_dense_decode_steps_random_configs(b, sk, hk, group, d, dtype, causal, left, softcap, alibi, layout,
+                                               grads, data_seed, monkeypatch):
+        """Random decode steps (one query per row) through flash_attn_func on the decode kernel (its thresholds
+        off): out, lse and, where drawn, the gradients (whose backward reads the decode kernel's lse) meet the
+        float64 rule, whatever the head dim, GQA group, window, softcap, ALiBi and layout."""
+        from flashtile import interface
+        from flashtile.kernels import dispatch
+
+        monkeypatch.setattr(dispatch, "DECODE_STEP_MIN_BYTES", 0)
+        monkeypatch.setattr(interface, "_DENSE", {})
+        routed = []
+        real = dispatch.flash_decode
+        monkeypatch.setattr(dispatch, "flash_decode", lambda *a, **kw: routed.append(1) or real(*a, **kw))
+        torch.manual_seed(data_seed)
+        c = Case(b, 1, sk, hk * group, hk, d, dtype, causal=causal, window=(left, -1), softcap=softcap,
+                 alibi=alibi, layout=layout)
+        q, k, v, dout, alibi_t = case_inputs(c)
+        with torch.set_grad_enabled(grads):
+            out, lse, _ = interface.dense_attention(q, k, v, **flash_kwargs(c, alibi_t))
+        check_against_reference(c, q, k, v, dout, alibi_t, out, lse, None,
+                                torch.autograd.grad(out, (q, k, v), dout) if grads else None)
+        assert routed, "the decode kernel did not compute the step"
 
 
 @pytest.mark.parametrize("batch,seqlen_k", [(1, 400), (3, 40)])
