@@ -50,8 +50,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1 before attending.
     rotary_cos, rotary_sin: optional (seqlen_ro, rotary_dim / 2), seqlen_ro >= the cache capacity; q and the new
         k are rotated (rotary_interleaved: pairs (2i, 2i+1); else GPT-NeoX halves). The new k at position
-        cache_seqlens - cache_leftpad + i; q row i at the same position if causal or local, else every q row
-        at cache_seqlens - cache_leftpad (flash-attn's convention).
+        cache_seqlens - cache_leftpad + i; q row i at the same position if causal or local (a window edge below
+        the cache's capacity: an edge at or past it masks nothing and is dropped), else every q row at
+        cache_seqlens - cache_leftpad (flash-attn's convention).
     cache_seqlens: int or (batch,) int32: tokens already in the cache (counting the left padding); None: the
         whole cache (only without k/v).
     cache_batch_idx: (batch,) int32: cache row of each batch element (contiguous cache only; with duplicate

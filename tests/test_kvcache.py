@@ -57,6 +57,26 @@ def test_kvcache_matches_reference(c: KCase, seed):
     run_case(c, seed)
 
 
+def test_window_edges_past_the_cache_are_dropped(seed):
+    """A window edge at or past the cache's capacity is dropped, as flash-attn drops it (its seqlen_k is the
+    capacity): such a call is not local, so q is rotated at one position for every row, exactly as without the
+    window; an edge inside the capacity makes the call local (each row at its own position)."""
+    q = torch.randn(2, 3, 4, 32, dtype=fp32, device=DEVICE)
+    k_new, v_new = (torch.randn(2, 3, 2, 32, dtype=fp32, device=DEVICE) for _ in range(2))
+    caches = [torch.randn(2, 40, 2, 32, dtype=fp32, device=DEVICE) for _ in range(2)]
+    cos, sin = (torch.randn(40, 16, dtype=fp32, device=DEVICE) for _ in range(2))
+    seqlens = torch.tensor([10, 30], dtype=torch.int32, device=DEVICE)
+
+    def run(window):
+        kc, vc = (c.clone() for c in caches)
+        return flash_attn_with_kvcache(q, kc, vc, k_new, v_new, rotary_cos=cos, rotary_sin=sin,
+                                       cache_seqlens=seqlens, window_size=window)
+    plain = run((-1, -1))
+    for window in ((-1, 40), (40, -1), (45, 60)):
+        assert torch.equal(run(window), plain), window
+    assert not torch.equal(run((-1, 39)), plain)   # (local: the rows' own rotary positions)
+
+
 def test_int_cache_seqlens_equals_tensor(seed):
     """An int cache_seqlens (no append) goes to the kernel as a scalar; same result as the equivalent tensor."""
     q = torch.randn(2, 1, 4, 32, dtype=fp16, device=DEVICE)
