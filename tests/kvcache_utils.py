@@ -160,7 +160,10 @@ def reference(c: KCase, q, k_after, v_after, seqlens, leftpad, cos, sin, alibi, 
         end = int(seqlens[b]) + c.seqlen_new
         qb = q[b:b + 1].double()
         if cos is not None:
-            local = c.causal or c.window != (-1, -1)
+            # local as flash-attn decides it: causal, or a window edge below the cache's addressable positions (an
+            # edge at or past them is dropped)
+            addressable = (-(-c.capacity // c.page) + 1) * c.page if c.page else c.capacity
+            local = c.causal or any(0 <= w < addressable for w in c.window)
             pos = torch.arange(c.sq) + (int(seqlens[b]) - lp) if local else torch.full((c.sq,), int(seqlens[b]) - lp)
             qb = rope_ref(qb, cos, sin, pos, c.interleaved)
         kb, vb = k_after[b:b + 1, lp:end], v_after[b:b + 1, lp:end]

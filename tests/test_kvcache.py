@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import flashtile  # noqa: F401  (sets TRITON_INTERPRET on CPU-only machines)
-from attn_utils import DEVICE, assert_within_rule
+from attn_utils import DEVICE, assert_within_rule, given, st, sweep
 from kvcache_utils import KCase, reference, run_case
 from flashtile.kernels import dispatch
 from flashtile.kvcache import flash_attn_with_kvcache
@@ -55,6 +55,29 @@ KV_CASES = [
 @pytest.mark.parametrize("c", KV_CASES, ids=lambda c: c.id)
 def test_kvcache_matches_reference(c: KCase, seed):
     run_case(c, seed)
+
+
+if given is not None:
+    @sweep(10)
+    @given(b=st.integers(1, 3), sq=st.integers(1, 4), append=st.booleans(), hk=st.integers(1, 2),
+           group=st.sampled_from([1, 2, 4]), d=st.sampled_from([16, 24, 32, 40, 64]),
+           dtype=st.sampled_from([fp16, bf16, fp32]), capacity=st.integers(8, 200), causal=st.booleans(),
+           left=st.integers(-1, 100), right=st.integers(-1, 100), softcap=st.sampled_from([0.0, 5.0]),
+           alibi=st.sampled_from([None, "h", "bh"]), rotary=st.sampled_from([0, 1, 2]), interleaved=st.booleans(), layout=st.sampled_from(["plain", "batch_idx",
+                                                                                              "page16", "page64"]),
+           leftpad=st.booleans(), num_splits=st.sampled_from([0, 1, 3]), data_seed=st.integers(0, 2 ** 31 - 1))
+    def test_kvcache_random_configs(b, sq, append, hk, group, d, dtype, capacity, causal, left, right, softcap, alibi,
+                                    rotary, interleaved, layout, leftpad, num_splits, data_seed):
+        """Random flash_attn_with_kvcache calls (append or not, rotary over all or half the head dim, plain /
+        batch-indexed / paged caches, left padding, windows, softcap, ALiBi, GQA, fixed and automatic splits):
+        the cache after the append and out / lse against the float64 oracle (kvcache_utils.run_case)."""
+        torch.manual_seed(data_seed)
+        rotary_dim = (0, d, d // 2 - d // 2 % 2)[rotary] if append else 0   # (rotary rotates the new k too)
+        c = KCase(b, sq, hk * group, hk, d, dtype, capacity=max(capacity, sq), seqlen_new=sq if append else 0,
+                  causal=causal, window=(left, right), softcap=softcap, alibi=alibi, rotary_dim=rotary_dim,
+                  interleaved=interleaved, page=int(layout[4:]) if layout.startswith("page") else 0,
+                  batch_idx=layout == "batch_idx", leftpad=leftpad, num_splits=num_splits)
+        run_case(c, data_seed)
 
 
 def test_window_edges_past_the_cache_are_dropped(seed):
