@@ -103,6 +103,18 @@ def stored_output_bounds(q, k, dout, out64, probs64, dtype: torch.dtype, softmax
     return dq, dk.view(b, sk, hk, group, d).sum(3)
 
 
+def stored_output_bias_bound(dout, out64, probs64, dtype: torch.dtype, shape) -> torch.Tensor:
+    """dBias's counterpart of stored_output_bounds: dBias of an attn_bias of `shape` (broadcastable to (b, h, s_q,
+    s_k)) sums dS over the entries the bias broadcasts to, each moved by P_ij |delta D_i| (the bias is added after
+    softcap: no derivative of it), so its bound is that sum over the same entries."""
+    delta_d = UNIT_ROUNDOFF[dtype] * (dout.detach().double().abs()
+                                      * out64.detach().double().abs()).sum(-1).transpose(1, 2)   # (b, h, s_q)
+    w = probs64.double() * delta_d[..., None]
+    full = (1, ) * (4 - len(shape)) + tuple(shape)
+    dims = [i for i, n in enumerate(full) if n == 1 and w.shape[i] > 1]
+    return (w.sum(dims, keepdim=True) if dims else w).reshape(shape)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Inputs
 

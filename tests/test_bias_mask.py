@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import flashtile
-from attn_utils import DEVICE, assert_within_rule, inputs, rand_alibi
+from attn_utils import (DEVICE, assert_within_rule, given, inputs, rand_alibi, st, stored_output_bias_bound,
+                        stored_output_bounds, sweep)
 from flashtile.interface import dense_attention
 from flashtile.reference.dense import attention_ref
 
@@ -31,13 +32,18 @@ def _run_and_check(q, k, v, dout, dtype, *, bias=None, mask=None, ctx="", probs=
     for upcast in (True, False):
         cast = (lambda t: t.detach().double()) if upcast else (lambda t: t.detach().clone())
         r_leaves = [cast(t).requires_grad_() for t in leaves]
-        r_out, r_lse, _ = attention_ref(*r_leaves[:3], attn_bias=r_leaves[3] if len(r_leaves) > 3 else bias,
-                                        attn_mask=mask, upcast=upcast, **ref_kw)
+        r_out, r_lse, r_probs = attention_ref(*r_leaves[:3], attn_bias=r_leaves[3] if len(r_leaves) > 3 else bias,
+                                              attn_mask=mask, upcast=upcast, **ref_kw)
         r_grads = torch.autograd.grad(r_out, r_leaves, dout.to(r_out.dtype))
         results[upcast] = (r_out, r_lse, *r_grads)
+        if upcast:   # (the error FA2's backward adds by taking D from the stored output: attn_utils)
+            out64, probs64 = r_out, r_probs.detach()
+    extras = [None, None, *stored_output_bounds(q, k, dout, out64, probs64, dtype, kw.get("softmax_scale")), None]
+    if len(leaves) > 3:
+        extras.append(stored_output_bias_bound(dout, out64, probs64, dtype, bias.shape))
     names = ["out", "softmax_lse", "dq", "dk", "dv", "dbias"]
-    for name, ours, ref, std in zip(names, (out, lse, *grads), results[True], results[False]):
-        assert_within_rule(name, ours, ref, std, dtype, ctx)
+    for name, ours, ref, std, extra in zip(names, (out, lse, *grads), results[True], results[False], extras):
+        assert_within_rule(name, ours, ref, std, dtype, ctx, extra=extra)
     return out, lse, grads
 
 
@@ -74,6 +80,34 @@ def test_fp32_bias_with_fp16_inputs_and_window(seed):
     bias = torch.randn(1, 2, 37, 37, dtype=fp32, device=DEVICE, requires_grad=True)
     _, _, grads = _run_and_check(q, k, v, dout, fp16, bias=bias, window_size=(8, 3), ctx="[fp32 bias window]")
     assert grads[3].dtype == fp32
+
+
+if given is not None:
+    @sweep(8)
+    @given(b=st.integers(1, 2), sq=st.integers(1, 48), sk=st.integers(1, 48), hk=st.integers(1, 2),
+           group=st.sampled_from([1, 2]), d=st.sampled_from([16, 24, 32]), dtype=st.sampled_from([fp16, bf16, fp32]),
+           bias_dims=st.one_of(st.none(), st.tuples(*[st.booleans()] * 4)), bias_f32=st.booleans(),
+           bias_grad=st.booleans(), mask_dims=st.one_of(st.none(), st.tuples(*[st.booleans()] * 4)),
+           causal=st.booleans(), left=st.integers(-1, 30), right=st.integers(-1, 30),
+           softcap=st.sampled_from([0.0, 4.0]), alibi=st.sampled_from([None, "h"]),
+           data_seed=st.integers(0, 2 ** 31 - 1))
+    def test_bias_and_mask_random_configs(b, sq, sk, hk, group, d, dtype, bias_dims, bias_f32, bias_grad, mask_dims,
+                                          causal, left, right, softcap, alibi, data_seed):
+        """Random attn_bias (each of batch, heads, rows, columns full or broadcast; q's dtype or float32; with or
+        without a gradient) and bool attn_mask (likewise broadcast; rows may see no key) combined with causal,
+        windows, softcap, ALiBi and GQA: out, lse and every gradient, dBias included, against float64."""
+        torch.manual_seed(data_seed)
+        h = hk * group
+        q, k, v, dout = inputs(b, sq, sk, h, hk, d, dtype)
+        full = (b, h, sq, sk)
+        bias = mask = None
+        if bias_dims is not None:
+            shape = tuple(n if keep else 1 for n, keep in zip(full, bias_dims))
+            bias = torch.randn(shape, dtype=fp32 if bias_f32 else dtype, device=DEVICE, requires_grad=bias_grad)
+        if mask_dims is not None:
+            mask = torch.rand(tuple(n if keep else 1 for n, keep in zip(full, mask_dims)), device=DEVICE) < 0.7
+        _run_and_check(q, k, v, dout, dtype, bias=bias, mask=mask, causal=causal, window_size=(left, right),
+                       softcap=softcap, alibi_slopes=rand_alibi(alibi, b, h), probs=False)
 
 
 def test_bias_without_grad_gets_none_and_same_dq(seed):
