@@ -18,6 +18,7 @@ import io
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -48,13 +49,7 @@ def extract(rev: str, folder: str, repo: str = os.path.join(HERE, "..")) -> str:
     data = subprocess.run(["git", "-C", repo, "archive", "--format=tar", rev, "flashtile"], check=True,
                           capture_output=True).stdout
     target = os.path.join(folder, BASE)
-    if os.path.isdir(target):
-        for root, dirs, files in os.walk(target, topdown=False):
-            for name in files:
-                os.remove(os.path.join(root, name))
-            for name in dirs:
-                os.rmdir(os.path.join(root, name))
-        os.rmdir(target)
+    shutil.rmtree(target, ignore_errors=True)
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:
         for member in tar.getmembers():
             if not member.isfile():

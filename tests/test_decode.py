@@ -571,8 +571,10 @@ def test_decode_template_partials_in_the_workspace(monkeypatch):
     """A split template's partials: views of the stream's workspace, lse_part's at a 128-byte aligned offset whatever
     o_part's size, kept while the workspace stays the stream's and made again over a new one; allocated where there
     is no workspace (a CUDA graph being captured)."""
+    from flashtile.kernels import runtime
+
     buffers = [torch.zeros(4096, dtype=fp32)]
-    monkeypatch.setattr(_decode, "workspace", lambda device, numel: buffers[0])
+    monkeypatch.setattr(runtime, "workspace", lambda device, numel: buffers[0])
     tpl = _decode._Template(None, (1, 1, 1), (3, 1, 5, 7), None, 0, None, torch.zeros(1, dtype=torch.int32))
     o_part, lse_part = tpl._parts(torch.device("cpu"))
     assert o_part.shape == (3, 1, 5, 7) and lse_part.shape == (3, 1, 5)

@@ -493,10 +493,10 @@ def kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, no_seqlens: bool,
     if cache_leftpad is not None:
         checks.index_tensor("cache_leftpad", cache_leftpad, (batch,), device)
     checks.integer("num_splits", num_splits)   # (< 1: chosen automatically, as flash-attn does)
-    left, right = window
-    if right >= capacity > 0:   # (flash-attn drops such an edge, as the left one below: then a call without causal
-        right = -1              # or a left window is not local, and rotates every query row at one position)
-    params = attn_params(head_dim, None, capacity, 0.0, softmax_scale, causal, (left, right), softcap)
+    # (seqlen_q queries end each sequence's keys, at most capacity of them: a window edge at or past the capacity
+    # masks nothing and is dropped, as flash-attn drops it; a call without causal or an edge left is then not local,
+    # and rotates every query row at one position)
+    params = attn_params(head_dim, seqlen_q, capacity, 0.0, softmax_scale, causal, window, softcap)
     alibi = _alibi(alibi_slopes, nheads, batch, device)
     return Problem(KVCACHE, batch, seqlen_q, capacity, nheads, nheads_k, head_dim, q.dtype, params, alibi=alibi,
                    page_size=page, seqlen_new=seqlen_new)

@@ -26,7 +26,7 @@ from triton.compiler.errors import CompilationError
 from . import relaunch
 from .gluon import fa3, paged
 from .params import GradSums
-from .runtime import _capturing, cdiv, tickets, tma_row_view, workspace
+from .runtime import _capturing, cdiv, tickets, tma_row_view, workspace_views
 from .triton import bwd as _bwd
 from .triton import combine, decode, launch
 
@@ -232,7 +232,8 @@ class _DecodeStep:
                  bias=None, sparse=None, mods=None) -> bool:
         plain = alibi is None and mask is None and not decode.CONFIG_OVERRIDE
         if plain:
-            tpl = self.tpls[_capturing(q.device)]
+            capturing = _capturing(q.device)
+            tpl = self.tpls[capturing]
             if tpl is not None and tpl.launch(q, k, v, out, lse, None, None, None, None, None, None, None):
                 return True
         sig = (self, q.stride(), k.stride(), v.stride(), q.device, None if alibi is None else alibi.stride(),
@@ -241,7 +242,7 @@ class _DecodeStep:
                      mask=mask, sig=sig)
         if plain:
             served = decode.template_for(sig, q.device)
-            self.tpls[_capturing(q.device)] = None if served is None else served[0]
+            self.tpls[capturing] = None if served is None else served[0]
         return True
 
 
@@ -282,22 +283,18 @@ class _GluonBackward:
         dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (k, v))   # (as backward's)
         self.fa3 = fa3.BackwardPlan(q, k, v, lse, dk, dv, params, x.alibi, x.cu_seqlens_q, p.seqlen_q, p.seqlen_k,
                                     features)
-        self.p, self.pre, self.scratch = p, None, None
+        self.p, self.pre, self.scratch = p, None, [None]
 
     def _scratch(self, q, lse) -> tuple:
-        """(D like lse, dQ's float32 accumulator like q, contiguous): views of the stream's workspace (kept while
-        it stays the stream's: the backward runs on autograd's device thread, where each allocation costs host
+        """(D like lse, dQ's float32 accumulator like q, contiguous): views of the stream's workspace
+        (runtime.workspace_views: the backward runs on autograd's device thread, where each allocation costs host
         time), else allocated (dQ's zero-filled where packed rows may belong to no sequence)."""
         if self.p.padded_q:
             return torch.empty_like(lse), torch.zeros(q.shape, device=q.device, dtype=torch.float32)
-        n_acc = -(-q.numel() // 32) * 32   # (D's offset, 128-byte aligned)
-        ws = workspace(q.device, n_acc + lse.numel()) if lse.is_contiguous() else None   # (D has lse's strides)
-        if ws is None:
+        views = workspace_views(q.device, (q.shape, lse.shape), self.scratch) if lse.is_contiguous() else None
+        if views is None:   # (D has lse's strides)
             return torch.empty_like(lse), torch.empty(q.shape, device=q.device, dtype=torch.float32)
-        kept = self.scratch
-        if kept is None or kept[0] is not ws:
-            kept = self.scratch = (ws, ws[n_acc:n_acc + lse.numel()].view(lse.shape), ws[:q.numel()].view(q.shape))
-        return kept[1], kept[2]
+        return views[1], views[0]
 
     def __call__(self, dout, q, k, v, out, lse, dq, dk, dv, params, dlse, x, bias=None, mods=None) -> bool:
         """False (nothing launched) where this call cannot take the plan (Gluon off, q, k, v of other strides than the

@@ -4,6 +4,7 @@ fused launches. The bottom layer of flashtile.kernels: it imports no kernel modu
 from __future__ import annotations
 
 import functools
+import math
 import os
 import threading
 from typing import Optional
@@ -209,6 +210,24 @@ def workspace(device: torch.device, numel: int) -> Optional[torch.Tensor]:
         size = min(max(numel, 2 * buf.numel() if buf is not None else 0), WORKSPACE_MAX_BYTES // 4)
         buf = relaunch.remember(_WORKSPACES, key, torch.empty(size, dtype=torch.float32, device=device), 64)
     return buf
+
+
+def workspace_views(device: torch.device, shapes: tuple, kept: list) -> Optional[tuple]:
+    """Contiguous float32 views of these shapes in the workspace() of this thread and stream, each at a 128-byte
+    aligned offset (as an allocation is: kernels are specialized on their pointers' alignment), or None where there
+    is no workspace (the caller allocates). kept: a one-element list of the caller's, where the views are kept while
+    the workspace stays the same buffer (making them costs host time)."""
+    sizes = [math.prod(shape) for shape in shapes]
+    starts = [0]
+    for n in sizes[:-1]:
+        starts.append(starts[-1] + -(-n // 32) * 32)
+    ws = workspace(device, starts[-1] + sizes[-1])
+    if ws is None:
+        return None
+    views = kept[0]
+    if views is None or views[0] is not ws:
+        views = kept[0] = (ws, *(ws[a:a + n].view(shape) for a, n, shape in zip(starts, sizes, shapes)))
+    return views[1:]
 
 
 # --------------------------------------------------------------------------------------------------

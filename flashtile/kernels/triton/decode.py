@@ -52,7 +52,7 @@ import triton.language as tl
 
 from .. import relaunch
 from ..params import Features
-from ..runtime import _capturing, _device_props, multiprocessors, tickets, workspace  # noqa: F401
+from ..runtime import _capturing, _device_props, multiprocessors, tickets, workspace_views  # noqa: F401
 from . import combine as _combine
 from . import configs
 from .launch import (AttnParams, DescriptorType, _dot_precision, cdiv, descriptor_fields, interpreting, lse_strides,
@@ -697,22 +697,16 @@ def relaunch_decode(sig, q, k_cache, v_cache, out, lse, seqlens_k, cu_seqlens_q=
     """The split count of a launch through the template that served signature sig before (flash_decode's
     arguments); 0 (nothing launched) where none did, CONFIG_OVERRIDE pins a launch, or the template does not take
     these tensors."""
-    if sig is None or CONFIG_OVERRIDE:
-        return 0
-    fast = _FAST.get((sig, _capturing(q.device)))
-    if fast is None:
-        return 0
-    key, n = fast
-    tpl = _TEMPLATES.get(key)
-    if tpl is not None and tpl.launch(q, k_cache, v_cache, out, lse, seqlens_k, cu_seqlens_q, cache_batch_idx,
-                                      leftpad, block_table, alibi, mask):
-        return n
+    served = None if CONFIG_OVERRIDE else template_for(sig, q.device)
+    if served is not None and served[0].launch(q, k_cache, v_cache, out, lse, seqlens_k, cu_seqlens_q,
+                                               cache_batch_idx, leftpad, block_table, alibi, mask):
+        return served[1]
     return 0
 
 
 def template_for(sig, device: torch.device):
-    """(the _Template that served signature sig in the current capture state, its split count), or None: for a
-    caller that keeps it and launches it directly (_Template.launch) while its own signature holds."""
+    """(the _Template that served signature sig in the current capture state, its split count), or None; a
+    caller may keep it and launch it directly (_Template.launch) while its own signature holds."""
     fast = _FAST.get((sig, _capturing(device))) if sig is not None else None
     tpl = _TEMPLATES.get(fast[0]) if fast is not None else None
     return None if tpl is None else (tpl, fast[1])
@@ -731,25 +725,19 @@ class _Template:
     n_counters: int               # ticket counters of the fused combine (0: none)
     tma_types: Optional[tuple]    # k / v cache TMA descriptors' types (runtime.DescriptorType); None: pointers
     placeholder_i32: torch.Tensor
-    # [(workspace, o_part, lse_part) views of it] of a split launch (_parts)
+    # [(workspace, o_part, lse_part)] of a split launch: runtime.workspace_views' kept views
     kept: list = dataclasses.field(default_factory=lambda: [None], compare=False)
 
     def _parts(self, device) -> tuple:
-        """(o_part, lse_part) of a split launch: views of the stream's workspace (runtime.workspace: the launch
-        writes them before it reads them, and launches on one stream run in order), kept while it stays the
-        stream's; else allocated (a CUDA graph being captured, partials above the workspace's size)."""
+        """(o_part, lse_part) of a split launch: views of the stream's workspace (runtime.workspace_views: the
+        launch writes them before it reads them, and launches on one stream run in order); else allocated (a CUDA
+        graph being captured, partials above the workspace's size)."""
         shape = self.part_shape
-        n_o = shape[0] * shape[1] * shape[2] * shape[3]
-        at = -(-n_o // 32) * 32   # (lse_part's offset: 128-byte aligned, as an allocation is, for any head dim)
-        n_lse = shape[0] * shape[1] * shape[2]
-        ws = workspace(device, at + n_lse)
-        if ws is None:
+        views = workspace_views(device, (shape, shape[:3]), self.kept)
+        if views is None:
             return (torch.empty(shape, device=device, dtype=torch.float32),
                     torch.empty(shape[:3], device=device, dtype=torch.float32))
-        kept = self.kept[0]
-        if kept is None or kept[0] is not ws:
-            kept = self.kept[0] = (ws, ws[:n_o].view(shape), ws[at:at + n_lse].view(shape[:3]))
-        return kept[1], kept[2]
+        return views
 
     def launch(self, q, k_cache, v_cache, out, lse, seqlens_k, cu_seqlens_q, cache_batch_idx, leftpad, block_table,
                alibi, mask) -> bool:
